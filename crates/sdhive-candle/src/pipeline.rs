@@ -1,0 +1,287 @@
+//! The denoising loop for one image: txt2img, img2img and inpaint (9-channel inpainting UNets and ordinary UNets
+//! with latent blending), with classifier-free guidance. Every random draw happens in the order diffusers'
+//! pipelines make it, from one `torch.Generator`-compatible stream per image.
+
+use crate::conditioning::Conditioning;
+use crate::model::SdModel;
+use crate::tensor_image::{image_to_tensor, mask_to_tensor, nearest_downsample, tensor_to_image};
+use candle_core::{DType, Device, Tensor};
+use sdhive_engine::{GrayImage, RgbImage, Sampler, Schedule};
+use sdhive_models::SdxlConditioning;
+use sdhive_rng::TorchGenerator;
+use sdhive_schedulers::{img2img_start, SamplerKind, SigmaSchedule};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum PipelineError {
+    #[error("cancelled")]
+    Cancelled,
+    #[error("invalid `{field}`: {message}")]
+    Invalid { field: &'static str, message: String },
+    #[error("{what}: {message}")]
+    Failed { what: &'static str, message: String },
+}
+
+fn failed<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> PipelineError {
+    move |e| PipelineError::Failed { what, message: e.to_string() }
+}
+
+/// Everything one image needs beyond the model.
+pub struct ImageJob<'a> {
+    pub width: usize,
+    pub height: usize,
+    pub steps: usize,
+    pub cfg_scale: f64,
+    pub sampler: Sampler,
+    pub schedule: Schedule,
+    pub seed: u64,
+    pub init_image: Option<&'a RgbImage>,
+    pub mask: Option<&'a GrayImage>,
+    pub strength: f64,
+}
+
+/// The conditioning tensors fed to every UNet call, already stacked `[negative, positive]` when guiding.
+pub struct UnetConditioning {
+    pub context: Tensor,
+    pub added: Option<SdxlConditioning>,
+    pub guided: bool,
+}
+
+impl UnetConditioning {
+    /// diffusers guides only when `guidance_scale > 1`; below that the negative prompt is never used.
+    pub fn new(
+        model: &SdModel,
+        positive: &Conditioning,
+        negative: Option<&Conditioning>,
+        size: (usize, usize),
+    ) -> candle_core::Result<Self> {
+        let dtype = model.unet.dtype();
+        let stack = |neg: Option<&Tensor>, pos: &Tensor| -> candle_core::Result<Tensor> {
+            match neg {
+                Some(n) => Tensor::cat(&[n, pos], 0)?.to_dtype(dtype),
+                None => pos.to_dtype(dtype),
+            }
+        };
+        let context = stack(negative.map(|n| &n.context), &positive.context)?;
+        let added = match &positive.pooled {
+            Some(pooled) => {
+                let (h, w) = (size.1 as f32, size.0 as f32);
+                // SDXL micro-conditioning: original size, crop top-left (0, 0), target size — all the output size.
+                let ids = Tensor::new(&[[h, w, 0.0, 0.0, h, w]], pooled.device())?;
+                let neg_pooled = negative.and_then(|n| n.pooled.as_ref());
+                let time_ids = match negative {
+                    Some(_) => Tensor::cat(&[&ids, &ids], 0)?,
+                    None => ids,
+                };
+                Some(SdxlConditioning {
+                    text_embeds: stack(neg_pooled, pooled)?,
+                    time_ids: time_ids.to_dtype(dtype)?,
+                })
+            }
+            None => None,
+        };
+        Ok(UnetConditioning { context, added, guided: negative.is_some() })
+    }
+}
+
+fn sampler_kind(s: Sampler) -> SamplerKind {
+    match s {
+        Sampler::Euler => SamplerKind::Euler,
+        Sampler::EulerA => SamplerKind::EulerAncestral,
+        Sampler::Ddim => SamplerKind::Ddim,
+        Sampler::DpmPp2M => SamplerKind::DpmPp2M,
+        Sampler::Lcm => SamplerKind::Lcm,
+        Sampler::Pndm => SamplerKind::Pndm,
+    }
+}
+
+fn sigma_schedule(s: Schedule) -> SigmaSchedule {
+    match s {
+        Schedule::Automatic => SigmaSchedule::Default,
+        Schedule::Karras => SigmaSchedule::Karras,
+    }
+}
+
+fn randn(rng: &mut TorchGenerator, shape: &[usize], device: &Device) -> candle_core::Result<Tensor> {
+    let numel = shape.iter().product();
+    Tensor::from_vec(rng.randn(numel), shape, device)
+}
+
+/// `vae.encode(x).latent_dist.sample(generator) * scaling_factor`, drawing the sample noise from `rng`.
+fn encode_sample(model: &SdModel, image: &Tensor, rng: &mut TorchGenerator) -> Result<Tensor, PipelineError> {
+    let dist = model.vae.encode(&image.to_dtype(model.vae.dtype()).map_err(failed("vae input"))?).map_err(failed("vae encode"))?;
+    let mean = dist.mean.to_dtype(DType::F32).map_err(failed("vae encode"))?;
+    let noise = randn(rng, mean.dims(), mean.device()).map_err(failed("noise"))?;
+    let sample = dist.sample_with(&noise.to_dtype(dist.mean.dtype()).map_err(failed("noise"))?).map_err(failed("vae sample"))?;
+    sample.to_dtype(DType::F32).and_then(|s| s.affine(model.vae.config().scaling_factor, 0.0)).map_err(failed("vae sample"))
+}
+
+fn decode(model: &SdModel, latents: &Tensor) -> Result<RgbImage, PipelineError> {
+    let cfg = model.vae.config();
+    let mut z = latents.affine(1.0 / cfg.scaling_factor, 0.0).map_err(failed("vae decode"))?;
+    if let Some(shift) = cfg.shift_factor {
+        z = z.affine(1.0, shift).map_err(failed("vae decode"))?;
+    }
+    let z = z.to_dtype(model.vae.dtype()).map_err(failed("vae decode"))?;
+    let decoded = model.vae.decode(&z).map_err(failed("vae decode"))?;
+    tensor_to_image(&decoded).map_err(failed("vae decode"))
+}
+
+/// Inpainting state: the mask at latent resolution plus what the UNet kind needs.
+struct Inpaint {
+    /// `[1, 1, h, w]` of 0/1 (1 = repaint).
+    mask: Tensor,
+    /// 9-channel UNets: the encoded masked image; 4-channel UNets: the encoded init image and the noise used
+    /// to re-noise it at every step.
+    masked_image_latents: Option<Tensor>,
+    blend: Option<(Tensor, Tensor)>,
+}
+
+pub fn generate_image(
+    model: &SdModel,
+    cond: &UnetConditioning,
+    job: &ImageJob<'_>,
+    device: &Device,
+    progress: &mut dyn FnMut(usize, usize) -> bool,
+) -> Result<RgbImage, PipelineError> {
+    let latents = denoise(model, cond, job, device, progress)?;
+    decode(model, &latents)
+}
+
+/// Runs the sampler and returns the final latents (what diffusers returns with `output_type="latent"`).
+pub fn denoise(
+    model: &SdModel,
+    cond: &UnetConditioning,
+    job: &ImageJob<'_>,
+    device: &Device,
+    progress: &mut dyn FnMut(usize, usize) -> bool,
+) -> Result<Tensor, PipelineError> {
+    let f = model.vae_scale_factor;
+    let latent_channels = model.vae.config().latent_channels;
+    let shape = [1, latent_channels, job.height / f, job.width / f];
+    let mut scheduler = sdhive_schedulers::build(
+        sampler_kind(job.sampler),
+        sigma_schedule(job.schedule),
+        &model.scheduler_config,
+        job.steps,
+    )
+    .map_err(|e| PipelineError::Invalid { field: "sampler", message: e.to_string() })?;
+    let mut rng = TorchGenerator::new(job.seed);
+    let timesteps = scheduler.timesteps();
+
+    let init = match job.init_image {
+        Some(img) => Some(image_to_tensor(&img.resized(job.width as u32, job.height as u32), device).map_err(failed("init image"))?),
+        None => None,
+    };
+    let begin = if init.is_some() { img2img_start(job.steps, job.strength, scheduler.order()) } else { 0 };
+    if begin >= timesteps.len() {
+        return Err(PipelineError::Invalid {
+            field: "strength",
+            message: format!(
+                "denoising strength {} with {} steps leaves no step to run; raise `strength` or `steps`",
+                job.strength, job.steps
+            ),
+        });
+    }
+    if begin > 0 {
+        scheduler.set_begin_index(begin);
+    }
+    let init_sigma = scheduler.init_noise_sigma();
+    let inpaint_unet = model.unet_in_channels() == 9;
+    if inpaint_unet && job.mask.is_none() {
+        return Err(PipelineError::Invalid {
+            field: "mask",
+            message: "this is an inpainting model: it needs an init image and a mask".into(),
+        });
+    }
+
+    let (mut latents, mut inpaint) = match (&init, job.mask) {
+        (None, _) => {
+            let noise = randn(&mut rng, &shape, device).map_err(failed("noise"))?;
+            (noise.affine(init_sigma, 0.0).map_err(failed("noise"))?, None)
+        }
+        (Some(image), None) => {
+            let init_latents = encode_sample(model, image, &mut rng)?;
+            let noise = randn(&mut rng, &shape, device).map_err(failed("noise"))?;
+            (scheduler.add_noise(&init_latents, &noise, begin).map_err(failed("add noise"))?, None)
+        }
+        (Some(image), Some(mask_img)) => {
+            let full_strength = job.strength >= 1.0;
+            let mask_full = mask_to_tensor(&mask_img.resized(job.width as u32, job.height as u32), device)
+                .map_err(failed("mask"))?;
+            let image_latents = if !inpaint_unet || !full_strength {
+                Some(encode_sample(model, image, &mut rng)?)
+            } else {
+                None
+            };
+            let noise = randn(&mut rng, &shape, device).map_err(failed("noise"))?;
+            let latents = match (&image_latents, full_strength) {
+                (Some(il), false) => scheduler.add_noise(il, &noise, begin).map_err(failed("add noise"))?,
+                _ => noise.affine(init_sigma, 0.0).map_err(failed("noise"))?,
+            };
+            // The masked image keeps what the mask protects; diffusers encodes it (and draws its sample noise)
+            // whatever the UNet kind, so the stream stays aligned for ancestral samplers.
+            let keep = mask_full.lt(0.5f32).and_then(|m| m.to_dtype(DType::F32)).map_err(failed("mask"))?;
+            let masked = image.broadcast_mul(&keep).map_err(failed("mask"))?;
+            let masked_latents = encode_sample(model, &masked, &mut rng)?;
+            let mask = nearest_downsample(&mask_full, shape[2], shape[3]).map_err(failed("mask"))?;
+            let inpaint = Inpaint {
+                mask,
+                masked_image_latents: inpaint_unet.then_some(masked_latents),
+                blend: if inpaint_unet { None } else { image_latents.map(|il| (il, noise)) },
+            };
+            (latents, Some(inpaint))
+        }
+    };
+
+    let total = timesteps.len() - begin;
+    let batch = if cond.guided { 2 } else { 1 };
+    let extra = match &inpaint {
+        Some(Inpaint { mask, masked_image_latents: Some(mil), .. }) => {
+            let m = Tensor::cat(&vec![mask.clone(); batch], 0).map_err(failed("mask"))?;
+            let l = Tensor::cat(&vec![mil.clone(); batch], 0).map_err(failed("mask"))?;
+            Some((m, l))
+        }
+        _ => None,
+    };
+    for (n, i) in (begin..timesteps.len()).enumerate() {
+        let t = timesteps[i];
+        let doubled = if cond.guided { Tensor::cat(&[&latents, &latents], 0).map_err(failed("cfg"))? } else { latents.clone() };
+        let mut input = scheduler.scale_model_input(&doubled, i).map_err(failed("scale input"))?;
+        if let Some((m, l)) = &extra {
+            input = Tensor::cat(&[&input, m, l], 1).map_err(failed("inpaint input"))?;
+        }
+        let input = input.to_dtype(model.unet.dtype()).map_err(failed("unet input"))?;
+        let out = model
+            .unet
+            .forward(&input, t, &cond.context, cond.added.as_ref())
+            .map_err(failed("unet"))?
+            .to_dtype(DType::F32)
+            .map_err(failed("unet"))?;
+        let noise_pred = if cond.guided {
+            let uncond = out.narrow(0, 0, 1).map_err(failed("cfg"))?;
+            let text = out.narrow(0, 1, 1).map_err(failed("cfg"))?;
+            let diff = (&text - &uncond).map_err(failed("cfg"))?;
+            (&uncond + diff.affine(job.cfg_scale, 0.0).map_err(failed("cfg"))?).map_err(failed("cfg"))?
+        } else {
+            out
+        };
+        latents = scheduler.step(&noise_pred, i, &latents, &mut rng).map_err(failed("scheduler step"))?;
+        if let Some(Inpaint { mask, blend: Some((image_latents, noise)), .. }) = &mut inpaint {
+            let proper = if i + 1 < timesteps.len() {
+                scheduler.add_noise(image_latents, noise, i + 1).map_err(failed("add noise"))?
+            } else {
+                image_latents.clone()
+            };
+            let keep = mask.affine(-1.0, 1.0).map_err(failed("blend"))?;
+            let a = proper.broadcast_mul(&keep).map_err(failed("blend"))?;
+            let b = latents.broadcast_mul(mask).map_err(failed("blend"))?;
+            latents = (a + b).map_err(failed("blend"))?;
+        }
+        if !progress(n + 1, total) {
+            return Err(PipelineError::Cancelled);
+        }
+    }
+    Ok(latents)
+}
+

@@ -1,0 +1,63 @@
+//! Conversions between 8-bit images and the tensors the VAE reads and writes, with diffusers'
+//! `VaeImageProcessor` arithmetic (x/255 → 2x−1 in; x·0.5+0.5, clamp, ·255, round out) and its mask handling.
+
+use candle_core::{DType, Device, Result, Tensor};
+use sdhive_engine::{GrayImage, RgbImage};
+
+/// `[1, 3, H, W]` f32 in [-1, 1].
+pub fn image_to_tensor(img: &RgbImage, device: &Device) -> Result<Tensor> {
+    let (w, h) = (img.width as usize, img.height as usize);
+    let data: Vec<f32> = img.data.iter().map(|&v| 2.0 * (f32::from(v) / 255.0) - 1.0).collect();
+    Tensor::from_vec(data, (h, w, 3), device)?.permute((2, 0, 1))?.unsqueeze(0)?.contiguous()
+}
+
+/// diffusers' mask processor: luminance/255 binarised at 0.5, `[1, 1, H, W]` f32 of 0/1.
+pub fn mask_to_tensor(mask: &GrayImage, device: &Device) -> Result<Tensor> {
+    let (w, h) = (mask.width as usize, mask.height as usize);
+    let data: Vec<f32> =
+        mask.data.iter().map(|&v| if f32::from(v) / 255.0 < 0.5 { 0.0 } else { 1.0 }).collect();
+    Tensor::from_vec(data, (1, 1, h, w), device)
+}
+
+/// `torch.nn.functional.interpolate(mask, size)` in its default nearest mode: output pixel i reads input
+/// pixel floor(i * in / out).
+pub fn nearest_downsample(mask: &Tensor, out_h: usize, out_w: usize) -> Result<Tensor> {
+    let (_, _, in_h, in_w) = mask.dims4()?;
+    let rows: Vec<u32> = (0..out_h).map(|i| (i * in_h / out_h) as u32).collect();
+    let cols: Vec<u32> = (0..out_w).map(|i| (i * in_w / out_w) as u32).collect();
+    let dev = mask.device();
+    mask.index_select(&Tensor::new(rows, dev)?, 2)?.index_select(&Tensor::new(cols, dev)?, 3)
+}
+
+/// The decoded VAE output `[1, 3, H, W]` (any float dtype) → 8-bit RGB.
+pub fn tensor_to_image(decoded: &Tensor) -> Result<RgbImage> {
+    let (_, _, h, w) = decoded.dims4()?;
+    let x = decoded.to_dtype(DType::F32)?.squeeze(0)?;
+    let x = ((x * 0.5)? + 0.5)?.clamp(0f32, 1f32)?;
+    let hwc = x.permute((1, 2, 0))?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+    // numpy's round() rounds half to even; f32::round_ties_even matches it.
+    let data = hwc.iter().map(|&v| (v * 255.0).round_ties_even() as u8).collect();
+    Ok(RgbImage { width: w as u32, height: h as u32, data })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_through_tensor_space() {
+        let img = RgbImage { width: 2, height: 1, data: vec![0, 128, 255, 10, 20, 30] };
+        let t = image_to_tensor(&img, &Device::Cpu).unwrap();
+        assert_eq!(t.dims(), &[1, 3, 1, 2]);
+        assert_eq!(tensor_to_image(&t).unwrap(), img);
+    }
+
+    #[test]
+    fn mask_binarises_at_half_and_downsamples_nearest() {
+        let mask = GrayImage { width: 4, height: 2, data: vec![0, 127, 128, 255, 255, 255, 0, 0] };
+        let t = mask_to_tensor(&mask, &Device::Cpu).unwrap();
+        assert_eq!(t.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![0., 0., 1., 1., 1., 1., 0., 0.]);
+        let d = nearest_downsample(&t, 1, 2).unwrap();
+        assert_eq!(d.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![0., 1.]);
+    }
+}

@@ -1,0 +1,79 @@
+//! The engine trait every backend implements, and what an engine reports back: per-step progress with a
+//! cancellation answer, finished images, a description of itself, and typed failures.
+
+use crate::image_io::RgbImage;
+use crate::request::{GenerateRequest, ValidationError};
+use serde::Serialize;
+use thiserror::Error;
+
+/// Reported after every denoising step of every image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Progress {
+    /// 0-based index of the image being made.
+    pub image: u32,
+    pub images: u32,
+    /// 1-based count of finished steps for this image.
+    pub step: u32,
+    pub steps: u32,
+}
+
+/// The caller's answer to a progress report: cancelling stops the job before the next step starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Control {
+    Continue,
+    Cancel,
+}
+
+#[derive(Debug, Clone)]
+pub struct GeneratedImage {
+    pub image: RgbImage,
+    pub seed: u64,
+    /// A1111 parameters text for this image.
+    pub infotext: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerateOutput {
+    pub images: Vec<GeneratedImage>,
+}
+
+/// What the serving layers show about a loaded engine (`/v1/info`, registration).
+#[derive(Debug, Clone, Serialize)]
+pub struct EngineInfo {
+    pub engine: String,
+    pub backend: String,
+    pub device: String,
+    pub dtype: String,
+    pub model: String,
+    pub family: String,
+    pub native_width: u32,
+    pub native_height: u32,
+    pub samplers: Vec<String>,
+    pub supports_img2img: bool,
+    pub supports_inpaint: bool,
+}
+
+#[derive(Debug, Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Invalid(#[from] ValidationError),
+    #[error("cancelled")]
+    Cancelled,
+    #[error("out of device memory: {0}")]
+    OutOfMemory(String),
+    #[error("generation failed: {0}")]
+    Failed(String),
+}
+
+/// A loaded model on a device, able to run one request at a time.
+pub trait Engine: Send {
+    fn info(&self) -> EngineInfo;
+
+    /// Runs `req` to completion, calling `progress` after every step; `Control::Cancel` ends the job with
+    /// `EngineError::Cancelled` before the next step.
+    fn generate(
+        &mut self,
+        req: &GenerateRequest,
+        progress: &mut dyn FnMut(&Progress) -> Control,
+    ) -> Result<GenerateOutput, EngineError>;
+}

@@ -1,0 +1,15 @@
+//! The contract between the serving layers and an image-generation engine: what a request is, how it is
+//! validated, what an engine reports while it works, and how a finished image is written out. Both engines
+//! (candle, stable-diffusion.cpp) implement [`Engine`]; the CLI and HTTP layers only ever see this crate.
+
+pub mod engine;
+pub mod image_io;
+pub mod infotext;
+pub mod request;
+pub mod sampler;
+
+pub use engine::{Control, Engine, EngineError, EngineInfo, GenerateOutput, GeneratedImage, Progress};
+pub use image_io::{decode_image, decode_mask, encode_png, GrayImage, ImageError, RgbImage};
+pub use infotext::{infotext, InfotextContext};
+pub use request::{GenerateRequest, Limits, ValidationError};
+pub use sampler::{Sampler, Schedule};

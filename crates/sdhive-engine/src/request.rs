@@ -1,0 +1,214 @@
+//! One generation request as every front end (CLI, native jobs, OpenAI, A1111) hands it to an engine, plus the
+//! limits an operator configures and the validation that turns bad input into an error naming the field.
+
+use crate::image_io::{GrayImage, RgbImage};
+use crate::sampler::{Sampler, Schedule};
+use serde::Serialize;
+use thiserror::Error;
+
+/// A validated-on-demand generation request. Sizes left `None` fall back to the model's native resolution
+/// (or to the init image's size for img2img).
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt: String,
+    pub negative_prompt: String,
+    pub steps: u32,
+    pub cfg_scale: f32,
+    pub width: Option<u32>,
+    pub height: Option<u32>,
+    /// `None` draws a random seed; image `i` of the batch uses `seed + i` (A1111's convention).
+    pub seed: Option<u64>,
+    /// Number of images.
+    pub n: u32,
+    pub sampler: Sampler,
+    pub schedule: Schedule,
+    /// A1111 meaning: 1 uses the last text-encoder layer, 2 the one before it, …
+    pub clip_skip: u32,
+    pub init_image: Option<RgbImage>,
+    /// Denoising strength for img2img / inpaint: 1.0 repaints fully, small values stay close to the init image.
+    pub strength: f32,
+    /// White = repaint, black = keep. Requires `init_image`.
+    pub mask: Option<GrayImage>,
+}
+
+impl Default for GenerateRequest {
+    fn default() -> Self {
+        GenerateRequest {
+            prompt: String::new(),
+            negative_prompt: String::new(),
+            steps: 20,
+            cfg_scale: 7.0,
+            width: None,
+            height: None,
+            seed: None,
+            n: 1,
+            sampler: Sampler::EulerA,
+            schedule: Schedule::Automatic,
+            clip_skip: 1,
+            init_image: None,
+            strength: 0.75,
+            mask: None,
+        }
+    }
+}
+
+/// Operator-configurable caps applied before a request reaches the engine.
+#[derive(Debug, Clone, Serialize)]
+pub struct Limits {
+    pub max_width: u32,
+    pub max_height: u32,
+    pub max_steps: u32,
+    pub max_n: u32,
+    pub max_prompt_chars: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_width: 2048, max_height: 2048, max_steps: 150, max_n: 8, max_prompt_chars: 20_000 }
+    }
+}
+
+/// A request field that failed validation; `field` is the request's field name as the user wrote it.
+#[derive(Debug, Clone, Error, PartialEq)]
+#[error("invalid `{field}`: {message}")]
+pub struct ValidationError {
+    pub field: &'static str,
+    pub message: String,
+}
+
+fn invalid(field: &'static str, message: impl Into<String>) -> ValidationError {
+    ValidationError { field, message: message.into() }
+}
+
+impl GenerateRequest {
+    /// Checks every field against `limits` and against each other. Model-dependent checks (e.g. a sampler the
+    /// engine lacks) are the engine's job.
+    pub fn validate(&self, limits: &Limits) -> Result<(), ValidationError> {
+        for (field, text) in [("prompt", &self.prompt), ("negative_prompt", &self.negative_prompt)] {
+            if text.chars().count() > limits.max_prompt_chars {
+                return Err(invalid(field, format!("longer than {} characters", limits.max_prompt_chars)));
+            }
+        }
+        if self.steps == 0 || self.steps > limits.max_steps {
+            return Err(invalid("steps", format!("must be between 1 and {}, got {}", limits.max_steps, self.steps)));
+        }
+        if !self.cfg_scale.is_finite() || self.cfg_scale < 0.0 || self.cfg_scale > 100.0 {
+            return Err(invalid("cfg_scale", format!("must be a number between 0 and 100, got {}", self.cfg_scale)));
+        }
+        for (field, value, max) in
+            [("width", self.width, limits.max_width), ("height", self.height, limits.max_height)]
+        {
+            if let Some(v) = value {
+                if v == 0 || v % 8 != 0 {
+                    return Err(invalid(field, format!("must be a positive multiple of 8, got {v}")));
+                }
+                if v > max {
+                    return Err(invalid(field, format!("must be at most {max}, got {v}")));
+                }
+            }
+        }
+        if self.n == 0 || self.n > limits.max_n {
+            return Err(invalid("n", format!("must be between 1 and {}, got {}", limits.max_n, self.n)));
+        }
+        if self.clip_skip == 0 || self.clip_skip > 12 {
+            return Err(invalid("clip_skip", format!("must be between 1 and 12, got {}", self.clip_skip)));
+        }
+        if self.schedule == Schedule::Karras && !self.sampler.supports_karras() {
+            return Err(invalid(
+                "scheduler",
+                format!("the Karras schedule is not available with sampler {}", self.sampler),
+            ));
+        }
+        if self.init_image.is_some() && !(self.strength > 0.0 && self.strength <= 1.0) {
+            return Err(invalid("strength", format!("must be in (0, 1], got {}", self.strength)));
+        }
+        if self.mask.is_some() && self.init_image.is_none() {
+            return Err(invalid("mask", "a mask needs an init image to inpaint"));
+        }
+        if let Some(img) = &self.init_image {
+            let (w, h) = self.output_size_with_default((img.width, img.height));
+            if w == 0 || h == 0 {
+                return Err(invalid("init_image", format!("{}x{} is smaller than 8x8", img.width, img.height)));
+            }
+        }
+        Ok(())
+    }
+
+    /// The output size: explicit width/height, else the init image's size rounded down to a multiple of 8,
+    /// else `native` (the model's resolution).
+    pub fn output_size(&self, native: (u32, u32)) -> (u32, u32) {
+        match &self.init_image {
+            Some(img) => self.output_size_with_default((img.width / 8 * 8, img.height / 8 * 8)),
+            None => self.output_size_with_default(native),
+        }
+    }
+
+    fn output_size_with_default(&self, default: (u32, u32)) -> (u32, u32) {
+        (self.width.unwrap_or(default.0), self.height.unwrap_or(default.1))
+    }
+
+    /// The effective strength: txt2img always starts from pure noise.
+    pub fn effective_strength(&self) -> Option<f32> {
+        self.init_image.as_ref().map(|_| self.strength)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req() -> GenerateRequest {
+        GenerateRequest { prompt: "a cat".into(), ..Default::default() }
+    }
+
+    #[test]
+    fn default_request_is_valid() {
+        assert_eq!(req().validate(&Limits::default()), Ok(()));
+    }
+
+    #[test]
+    fn rejects_sizes_not_multiple_of_eight_or_too_large() {
+        let l = Limits::default();
+        let e = GenerateRequest { width: Some(511), ..req() }.validate(&l).unwrap_err();
+        assert_eq!(e.field, "width");
+        let e = GenerateRequest { height: Some(4096), ..req() }.validate(&l).unwrap_err();
+        assert_eq!(e.field, "height");
+        let e = GenerateRequest { width: Some(0), ..req() }.validate(&l).unwrap_err();
+        assert_eq!(e.field, "width");
+    }
+
+    #[test]
+    fn rejects_bad_steps_cfg_n_strength_and_orphan_mask() {
+        let l = Limits::default();
+        assert_eq!(GenerateRequest { steps: 0, ..req() }.validate(&l).unwrap_err().field, "steps");
+        assert_eq!(GenerateRequest { steps: 151, ..req() }.validate(&l).unwrap_err().field, "steps");
+        assert_eq!(GenerateRequest { cfg_scale: f32::NAN, ..req() }.validate(&l).unwrap_err().field, "cfg_scale");
+        assert_eq!(GenerateRequest { n: 9, ..req() }.validate(&l).unwrap_err().field, "n");
+        let img = RgbImage { width: 64, height: 64, data: vec![0; 64 * 64 * 3] };
+        let e = GenerateRequest { init_image: Some(img.clone()), strength: 0.0, ..req() }.validate(&l);
+        assert_eq!(e.unwrap_err().field, "strength");
+        let e = GenerateRequest { init_image: Some(img), strength: 1.5, ..req() }.validate(&l);
+        assert_eq!(e.unwrap_err().field, "strength");
+        let mask = GrayImage { width: 64, height: 64, data: vec![0; 64 * 64] };
+        let e = GenerateRequest { mask: Some(mask), ..req() }.validate(&l);
+        assert_eq!(e.unwrap_err().field, "mask");
+    }
+
+    #[test]
+    fn karras_only_where_the_sampler_has_it() {
+        let l = Limits::default();
+        let ok = GenerateRequest { sampler: Sampler::DpmPp2M, schedule: Schedule::Karras, ..req() };
+        assert!(ok.validate(&l).is_ok());
+        let bad = GenerateRequest { sampler: Sampler::Ddim, schedule: Schedule::Karras, ..req() };
+        assert_eq!(bad.validate(&l).unwrap_err().field, "scheduler");
+    }
+
+    #[test]
+    fn output_size_follows_request_then_init_image_then_model() {
+        assert_eq!(req().output_size((512, 512)), (512, 512));
+        assert_eq!(GenerateRequest { width: Some(640), ..req() }.output_size((512, 512)), (640, 512));
+        let img = RgbImage { width: 100, height: 70, data: vec![0; 100 * 70 * 3] };
+        let r = GenerateRequest { init_image: Some(img), ..req() };
+        assert_eq!(r.output_size((512, 512)), (96, 64));
+    }
+}

@@ -1,0 +1,27 @@
+//! The Stable Diffusion networks in candle: the CLIP text encoders, the denoising UNet and the
+//! KL autoencoder, each configured from its diffusers/transformers `config.json` and loaded
+//! through a `candle_nn::VarBuilder` holding diffusers-named tensors (a diffusers folder, or a
+//! renamed single-file checkpoint).
+
+pub mod clip;
+pub mod config;
+pub mod error;
+mod layers;
+pub mod loading;
+pub mod ops;
+pub mod unet;
+pub mod vae;
+
+pub use clip::{ClipActivation, ClipTextConfig, ClipTextModel, ClipTextOutput};
+pub use config::IntOrList;
+pub use error::{ModelError, Result};
+pub use loading::{
+    find_weight_files, load_component, open_safetensors, random_var_builder,
+};
+pub use unet::{
+    sd15_inpaint_unet_config, sd15_unet_config, sd21_unet_config, sdxl_unet_config,
+    SdxlConditioning, UNet2DConditionConfig, UNet2DConditionModel,
+};
+pub use vae::{
+    sd15_vae_config, sdxl_vae_config, AutoencoderKL, AutoencoderKLConfig, DiagonalGaussian,
+};

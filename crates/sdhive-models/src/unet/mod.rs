@@ -1,0 +1,296 @@
+//! The denoising network: diffusers `UNet2DConditionModel` (SD1.x, SD2.x, SDXL, inpainting
+//! variants) built from `unet/config.json` and diffusers weight names.
+
+mod blocks;
+mod config;
+mod embeddings;
+mod transformer;
+
+pub use config::{
+    sd15_inpaint_unet_config, sd15_unet_config, sd21_unet_config, sdxl_unet_config,
+    UNet2DConditionConfig,
+};
+pub use embeddings::{TimestepEmbedding, Timesteps};
+pub use transformer::{CrossAttention, Transformer2DModel, TransformerSpec};
+
+use crate::error::{input_err, weights_err, Result, TensorContext};
+use crate::layers::{conv2d, GroupNorm};
+use crate::ops;
+use blocks::{BlockCommon, DownBlock, MidBlock, UpBlock};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{Conv2d, VarBuilder};
+use std::path::Path;
+
+const MODEL: &str = "unet";
+
+/// SDXL's extra conditioning (`added_cond_kwargs`).
+#[derive(Debug, Clone)]
+pub struct SdxlConditioning {
+    /// Pooled, projected text embedding of the second encoder, `(B, P)`.
+    pub text_embeds: Tensor,
+    /// `(original size, crop top-left, target size)` as `(B, 6)`.
+    pub time_ids: Tensor,
+}
+
+#[derive(Debug, Clone)]
+struct AddEmbedding {
+    time_proj: Timesteps,
+    embedding: TimestepEmbedding,
+    proj_input_dim: usize,
+}
+
+/// diffusers `UNet2DConditionModel`.
+#[derive(Debug, Clone)]
+pub struct UNet2DConditionModel {
+    conv_in: Conv2d,
+    time_proj: Timesteps,
+    time_embedding: TimestepEmbedding,
+    add_embedding: Option<AddEmbedding>,
+    down_blocks: Vec<DownBlock>,
+    mid_block: MidBlock,
+    up_blocks: Vec<UpBlock>,
+    conv_norm_out: GroupNorm,
+    conv_out: Conv2d,
+    config: UNet2DConditionConfig,
+    dtype: DType,
+    device: Device,
+}
+
+impl UNet2DConditionModel {
+    /// Builds the network from diffusers tensor names under `vb`.
+    pub fn new(vb: VarBuilder, cfg: &UNet2DConditionConfig) -> Result<Self> {
+        let plan = cfg.plan("unet config")?;
+        let build = || -> candle_core::Result<Self> {
+            let c0 = cfg.block_out_channels[0];
+            let conv_in = conv2d(
+                vb.pp("conv_in"),
+                cfg.in_channels,
+                c0,
+                cfg.conv_in_kernel,
+                1,
+                (cfg.conv_in_kernel - 1) / 2,
+            )?;
+            let time_proj = Timesteps::new(c0, cfg.flip_sin_to_cos, cfg.freq_shift);
+            let time_embedding =
+                TimestepEmbedding::new(vb.pp("time_embedding"), c0, plan.time_embed_dim)?;
+            let add_embedding = match plan.text_time {
+                Some((time_dim, proj_dim)) => Some(AddEmbedding {
+                    time_proj: Timesteps::new(time_dim, cfg.flip_sin_to_cos, cfg.freq_shift),
+                    embedding: TimestepEmbedding::new(
+                        vb.pp("add_embedding"),
+                        proj_dim,
+                        plan.time_embed_dim,
+                    )?,
+                    proj_input_dim: proj_dim,
+                }),
+                None => None,
+            };
+            let common = BlockCommon {
+                temb_channels: plan.time_embed_dim,
+                groups: plan.groups,
+                eps: cfg.norm_eps,
+                use_linear_projection: cfg.use_linear_projection,
+                upcast_attention: cfg.upcast_attention,
+                downsample_padding: cfg.downsample_padding,
+                mid_block_scale_factor: cfg.mid_block_scale_factor,
+            };
+            let down_blocks = plan
+                .down
+                .iter()
+                .enumerate()
+                .map(|(i, p)| DownBlock::new(vb.pp(format!("down_blocks.{i}")), p, &common))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let mid_block = MidBlock::new(vb.pp("mid_block"), &plan.mid, &common)?;
+            let up_blocks = plan
+                .up
+                .iter()
+                .enumerate()
+                .map(|(i, p)| UpBlock::new(vb.pp(format!("up_blocks.{i}")), p, &common))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let conv_norm_out = GroupNorm::new(vb.pp("conv_norm_out"), plan.groups, c0, cfg.norm_eps)?;
+            let conv_out = conv2d(
+                vb.pp("conv_out"),
+                c0,
+                cfg.out_channels,
+                cfg.conv_out_kernel,
+                1,
+                (cfg.conv_out_kernel - 1) / 2,
+            )?;
+            Ok(Self {
+                conv_in,
+                time_proj,
+                time_embedding,
+                add_embedding,
+                down_blocks,
+                mid_block,
+                up_blocks,
+                conv_norm_out,
+                conv_out,
+                config: cfg.clone(),
+                dtype: vb.dtype(),
+                device: vb.device().clone(),
+            })
+        };
+        build().map_err(weights_err(MODEL))
+    }
+
+    /// Reads `dir/config.json` and the weights in `dir`.
+    pub fn from_dir(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
+        let cfg = UNet2DConditionConfig::from_file(&dir.join("config.json"))?;
+        let vb = crate::loading::load_component(dir, dtype, device)?;
+        Self::new(vb, &cfg)
+            .map_err(|e| e.with_weight_origin(&crate::loading::describe_weights(dir)))
+    }
+
+    pub fn config(&self) -> &UNet2DConditionConfig {
+        &self.config
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Predicts noise (or v) for `sample` `(B, C, H, W)` at one `timestep` shared by the
+    /// batch, conditioned on `encoder_hidden_states` `(B, T, D)` and, for SDXL, `added`.
+    pub fn forward(
+        &self,
+        sample: &Tensor,
+        timestep: f64,
+        encoder_hidden_states: &Tensor,
+        added: Option<&SdxlConditioning>,
+    ) -> Result<Tensor> {
+        let (b, c, _, _) = sample
+            .dims4()
+            .map_err(|e| input_err(MODEL, format!("sample must be (B, C, H, W): {e}")))?;
+        if c != self.config.in_channels {
+            return Err(input_err(
+                MODEL,
+                format!(
+                    "sample has {c} channels, the config says in_channels {}",
+                    self.config.in_channels
+                ),
+            ));
+        }
+        let (eb, _, _) = encoder_hidden_states.dims3().map_err(|e| {
+            input_err(MODEL, format!("encoder_hidden_states must be (B, T, D): {e}"))
+        })?;
+        if eb != b {
+            return Err(input_err(
+                MODEL,
+                format!("encoder_hidden_states batch {eb} != sample batch {b}"),
+            ));
+        }
+        if self.add_embedding.is_some() && added.is_none() {
+            return Err(input_err(
+                MODEL,
+                "addition_embed_type \"text_time\" needs text_embeds and time_ids (SDXL)",
+            ));
+        }
+        let temb = self.time_embed(timestep, b, added)?;
+        self.run(sample, &temb, encoder_hidden_states).ctx(MODEL)
+    }
+
+    fn time_embed(&self, timestep: f64, b: usize, added: Option<&SdxlConditioning>) -> Result<Tensor> {
+        let t_emb = self
+            .time_proj
+            .forward_scalar(timestep, b, &self.device)
+            .and_then(|t| t.to_dtype(self.dtype))
+            .ctx(MODEL)?;
+        let mut emb = self.time_embedding.forward(&t_emb).ctx(MODEL)?;
+        if let (Some(add), Some(cond)) = (&self.add_embedding, added) {
+            let aug = self.add_embed(add, cond, b)?;
+            emb = (emb + aug).ctx(MODEL)?;
+        }
+        Ok(emb)
+    }
+
+    /// SDXL: sinusoidal features of each `time_ids` entry, flattened per sample, appended to
+    /// `text_embeds`, through `add_embedding`.
+    fn add_embed(&self, add: &AddEmbedding, cond: &SdxlConditioning, b: usize) -> Result<Tensor> {
+        let (tb, n_ids) = cond
+            .time_ids
+            .dims2()
+            .map_err(|e| input_err(MODEL, format!("time_ids must be (B, N): {e}")))?;
+        let (eb, text_dim) = cond
+            .text_embeds
+            .dims2()
+            .map_err(|e| input_err(MODEL, format!("text_embeds must be (B, D): {e}")))?;
+        if tb != b || eb != b {
+            return Err(input_err(
+                MODEL,
+                format!("time_ids batch {tb} / text_embeds batch {eb} != sample batch {b}"),
+            ));
+        }
+        let time_dim = self.config.addition_time_embed_dim.unwrap_or(0);
+        if text_dim + n_ids * time_dim != add.proj_input_dim {
+            return Err(input_err(
+                MODEL,
+                format!(
+                    "text_embeds dim {text_dim} + {n_ids} time_ids × {time_dim} != \
+                     projection_class_embeddings_input_dim {}",
+                    add.proj_input_dim
+                ),
+            ));
+        }
+        let run = || -> candle_core::Result<Tensor> {
+            let ids = cond.time_ids.to_device(&self.device)?.flatten_all()?;
+            let time_embeds = add.time_proj.forward(&ids)?.reshape((b, ()))?;
+            let text = cond
+                .text_embeds
+                .to_device(&self.device)?
+                .to_dtype(DType::F32)?;
+            let add_embeds = Tensor::cat(&[&text, &time_embeds], 1)?.to_dtype(self.dtype)?;
+            add.embedding.forward(&add_embeds)
+        };
+        run().ctx(MODEL)
+    }
+
+    fn run(&self, sample: &Tensor, temb: &Tensor, context: &Tensor) -> candle_core::Result<Tensor> {
+        let sample = sample.to_device(&self.device)?.to_dtype(self.dtype)?;
+        let context = context.to_device(&self.device)?.to_dtype(self.dtype)?;
+        let sample = if self.config.center_input_sample {
+            ((sample * 2.0)? - 1.0)?
+        } else {
+            sample
+        };
+
+        // diffusers passes explicit sizes to the upsamplers when the latent is not a multiple
+        // of 2^(number of upsamplers), so odd sizes round-trip.
+        let n_up = self.up_blocks.len().saturating_sub(1);
+        let (_, _, h, w) = sample.dims4()?;
+        let factor = 1usize << n_up;
+        let forward_upsample_size = h % factor != 0 || w % factor != 0;
+
+        let mut x = self.conv_in.forward(&sample)?;
+        let mut skips = vec![x.clone()];
+        for block in &self.down_blocks {
+            let (out, res) = block.forward(&x, temb, &context)?;
+            x = out;
+            skips.extend(res);
+        }
+        x = self.mid_block.forward(&x, temb, &context)?;
+        let n_blocks = self.up_blocks.len();
+        for (i, block) in self.up_blocks.iter().enumerate() {
+            let take = block.num_resnets();
+            let split = skips.len().checked_sub(take).ok_or_else(|| {
+                candle_core::Error::Msg(format!(
+                    "up block {i} needs {take} skip states, only {} left",
+                    skips.len()
+                ))
+            })?;
+            let res = skips.split_off(split);
+            let upsample_size = if i + 1 != n_blocks && forward_upsample_size {
+                let (_, _, sh, sw) = skips
+                    .last()
+                    .ok_or_else(|| candle_core::Error::Msg("no skip state for upsample size".into()))?
+                    .dims4()?;
+                Some((sh, sw))
+            } else {
+                None
+            };
+            x = block.forward(&x, &res, temb, &context, upsample_size)?;
+        }
+        let x = ops::silu(&self.conv_norm_out.forward(&x)?)?;
+        self.conv_out.forward(&x)
+    }
+}

@@ -1,0 +1,489 @@
+//! The latent autoencoder: diffusers `AutoencoderKL` (encoder to a diagonal Gaussian, decoder
+//! back to pixels) built from `vae/config.json` and diffusers weight names.
+
+use crate::config::{check_act, check_divides, read_json};
+use crate::error::{input_err, invalid, weights_err, Result, TensorContext};
+use crate::layers::{
+    conv2d, linear, Downsample2D, GroupNorm, ResnetBlock2D, ResnetSpec, Upsample2D,
+};
+use crate::ops;
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{Conv2d, Linear, VarBuilder};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+const MODEL: &str = "vae";
+
+/// The encoder/decoder resnets' eps, fixed in diffusers whatever the config says.
+const VAE_EPS: f64 = 1e-6;
+
+/// `vae/config.json` with diffusers' `AutoencoderKL` defaults.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AutoencoderKLConfig {
+    pub in_channels: usize,
+    pub out_channels: usize,
+    pub down_block_types: Vec<String>,
+    pub up_block_types: Vec<String>,
+    pub block_out_channels: Vec<usize>,
+    pub layers_per_block: usize,
+    pub act_fn: String,
+    pub latent_channels: usize,
+    pub norm_num_groups: usize,
+    pub scaling_factor: f64,
+    pub shift_factor: Option<f64>,
+    pub latents_mean: Option<Vec<f64>>,
+    pub latents_std: Option<Vec<f64>>,
+    pub force_upcast: bool,
+    pub use_quant_conv: bool,
+    pub use_post_quant_conv: bool,
+    pub mid_block_add_attention: bool,
+}
+
+impl Default for AutoencoderKLConfig {
+    fn default() -> Self {
+        Self {
+            in_channels: 3,
+            out_channels: 3,
+            down_block_types: vec!["DownEncoderBlock2D".into()],
+            up_block_types: vec!["UpDecoderBlock2D".into()],
+            block_out_channels: vec![64],
+            layers_per_block: 1,
+            act_fn: "silu".into(),
+            latent_channels: 4,
+            norm_num_groups: 32,
+            scaling_factor: 0.18215,
+            shift_factor: None,
+            latents_mean: None,
+            latents_std: None,
+            force_upcast: true,
+            use_quant_conv: true,
+            use_post_quant_conv: true,
+            mid_block_add_attention: true,
+        }
+    }
+}
+
+impl AutoencoderKLConfig {
+    /// Reads and validates `vae/config.json`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let cfg: Self = read_json(path)?;
+        cfg.validate(&path.display().to_string())?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self, origin: &str) -> Result<()> {
+        let n = self.block_out_channels.len();
+        if n == 0 {
+            return Err(invalid(origin, "block_out_channels", "is empty"));
+        }
+        check_act(origin, "act_fn", &self.act_fn)?;
+        for (field, types, expect) in [
+            ("down_block_types", &self.down_block_types, "DownEncoderBlock2D"),
+            ("up_block_types", &self.up_block_types, "UpDecoderBlock2D"),
+        ] {
+            if types.len() != n {
+                return Err(invalid(
+                    origin,
+                    field,
+                    format!("has {} entries, block_out_channels has {n}", types.len()),
+                ));
+            }
+            if let Some(t) = types.iter().find(|t| t.as_str() != expect) {
+                return Err(invalid(
+                    origin,
+                    field,
+                    format!("block type `{t}` is not supported (only {expect})"),
+                ));
+            }
+        }
+        for &c in &self.block_out_channels {
+            check_divides(origin, "norm_num_groups", self.norm_num_groups, c)?;
+        }
+        Ok(())
+    }
+}
+
+/// The public SD1.x/SD2.x `vae/config.json`.
+pub fn sd15_vae_config() -> AutoencoderKLConfig {
+    AutoencoderKLConfig {
+        down_block_types: vec!["DownEncoderBlock2D".into(); 4],
+        up_block_types: vec!["UpDecoderBlock2D".into(); 4],
+        block_out_channels: vec![128, 256, 512, 512],
+        layers_per_block: 2,
+        ..AutoencoderKLConfig::default()
+    }
+}
+
+/// The public SDXL `vae/config.json` (same network, different scaling factor).
+pub fn sdxl_vae_config() -> AutoencoderKLConfig {
+    AutoencoderKLConfig {
+        scaling_factor: 0.13025,
+        ..sd15_vae_config()
+    }
+}
+
+/// The encoder's posterior `N(mean, exp(logvar))`, logvar clamped to [-30, 20] like diffusers.
+#[derive(Debug, Clone)]
+pub struct DiagonalGaussian {
+    pub mean: Tensor,
+    pub logvar: Tensor,
+}
+
+impl DiagonalGaussian {
+    pub fn std(&self) -> Result<Tensor> {
+        (&self.logvar * 0.5)
+            .and_then(|t| t.exp())
+            .ctx(MODEL)
+    }
+
+    /// `mean + std · noise`, with caller-supplied standard-normal `noise` of `mean`'s shape so
+    /// the random stream stays under the caller's control.
+    pub fn sample_with(&self, noise: &Tensor) -> Result<Tensor> {
+        let std = self.std()?;
+        noise
+            .to_dtype(self.mean.dtype())
+            .and_then(|n| self.mean.add(&std.mul(&n)?))
+            .ctx(MODEL)
+    }
+
+    pub fn mode(&self) -> &Tensor {
+        &self.mean
+    }
+}
+
+/// diffusers `Attention` as the VAE mid block uses it: one head over all pixels, with its own
+/// GroupNorm, biased projections and a residual connection.
+#[derive(Debug, Clone)]
+struct VaeAttention {
+    group_norm: GroupNorm,
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    to_out: Linear,
+    scale: f64,
+}
+
+impl VaeAttention {
+    fn new(vb: VarBuilder, c: usize, groups: usize) -> candle_core::Result<Self> {
+        Ok(Self {
+            group_norm: GroupNorm::new(vb.pp("group_norm"), groups, c, VAE_EPS)?,
+            to_q: linear(vb.pp("to_q"), c, c, true)?,
+            to_k: linear(vb.pp("to_k"), c, c, true)?,
+            to_v: linear(vb.pp("to_v"), c, c, true)?,
+            to_out: linear(vb.pp("to_out.0"), c, c, true)?,
+            scale: (c as f64).powf(-0.5),
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, c, h, w) = x.dims4()?;
+        let tokens = self
+            .group_norm
+            .forward(x)?
+            .reshape((b, c, h * w))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let q = self.to_q.forward(&tokens)?;
+        let k = self.to_k.forward(&tokens)?;
+        let v = self.to_v.forward(&tokens)?;
+        // diffusers upcasts this softmax (upcast_softmax=True).
+        let o = ops::attention(&q, &k, &v, self.scale, None, true)?;
+        let o = self
+            .to_out
+            .forward(&o)?
+            .transpose(1, 2)?
+            .reshape((b, c, h, w))?;
+        o + x
+    }
+}
+
+#[derive(Debug, Clone)]
+struct VaeMidBlock {
+    resnet_0: ResnetBlock2D,
+    attention: Option<VaeAttention>,
+    resnet_1: ResnetBlock2D,
+}
+
+impl VaeMidBlock {
+    fn new(vb: VarBuilder, c: usize, cfg: &AutoencoderKLConfig) -> candle_core::Result<Self> {
+        let spec = resnet_spec(c, c, cfg);
+        Ok(Self {
+            resnet_0: ResnetBlock2D::new(vb.pp("resnets.0"), spec)?,
+            attention: if cfg.mid_block_add_attention {
+                Some(VaeAttention::new(
+                    vb.pp("attentions.0"),
+                    c,
+                    cfg.norm_num_groups,
+                )?)
+            } else {
+                None
+            },
+            resnet_1: ResnetBlock2D::new(vb.pp("resnets.1"), spec)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let mut x = self.resnet_0.forward(x, None)?;
+        if let Some(a) = &self.attention {
+            x = a.forward(&x)?;
+        }
+        self.resnet_1.forward(&x, None)
+    }
+}
+
+fn resnet_spec(in_c: usize, out_c: usize, cfg: &AutoencoderKLConfig) -> ResnetSpec {
+    ResnetSpec {
+        in_channels: in_c,
+        out_channels: out_c,
+        temb_channels: None,
+        groups: cfg.norm_num_groups,
+        eps: VAE_EPS,
+        output_scale_factor: 1.0,
+    }
+}
+
+#[derive(Debug, Clone)]
+struct EncoderBlock {
+    resnets: Vec<ResnetBlock2D>,
+    downsampler: Option<Downsample2D>,
+}
+
+#[derive(Debug, Clone)]
+struct Encoder {
+    conv_in: Conv2d,
+    blocks: Vec<EncoderBlock>,
+    mid: VaeMidBlock,
+    conv_norm_out: GroupNorm,
+    conv_out: Conv2d,
+}
+
+impl Encoder {
+    fn new(vb: VarBuilder, cfg: &AutoencoderKLConfig) -> candle_core::Result<Self> {
+        let ch = &cfg.block_out_channels;
+        let n = ch.len();
+        let conv_in = conv2d(vb.pp("conv_in"), cfg.in_channels, ch[0], 3, 1, 1)?;
+        let mut blocks = Vec::with_capacity(n);
+        let mut out_c = ch[0];
+        for i in 0..n {
+            let in_c = out_c;
+            out_c = ch[i];
+            let bvb = vb.pp(format!("down_blocks.{i}"));
+            let resnets = (0..cfg.layers_per_block)
+                .map(|j| {
+                    let c = if j == 0 { in_c } else { out_c };
+                    ResnetBlock2D::new(bvb.pp(format!("resnets.{j}")), resnet_spec(c, out_c, cfg))
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let downsampler = if i + 1 != n {
+                Some(Downsample2D::new(bvb.pp("downsamplers.0"), out_c, 0)?)
+            } else {
+                None
+            };
+            blocks.push(EncoderBlock {
+                resnets,
+                downsampler,
+            });
+        }
+        let last = ch[n - 1];
+        Ok(Self {
+            conv_in,
+            blocks,
+            mid: VaeMidBlock::new(vb.pp("mid_block"), last, cfg)?,
+            conv_norm_out: GroupNorm::new(vb.pp("conv_norm_out"), cfg.norm_num_groups, last, VAE_EPS)?,
+            conv_out: conv2d(vb.pp("conv_out"), last, 2 * cfg.latent_channels, 3, 1, 1)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let mut x = self.conv_in.forward(x)?;
+        for block in &self.blocks {
+            for r in &block.resnets {
+                x = r.forward(&x, None)?;
+            }
+            if let Some(d) = &block.downsampler {
+                x = d.forward(&x)?;
+            }
+        }
+        x = self.mid.forward(&x)?;
+        let x = ops::silu(&self.conv_norm_out.forward(&x)?)?;
+        self.conv_out.forward(&x)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct DecoderBlock {
+    resnets: Vec<ResnetBlock2D>,
+    upsampler: Option<Upsample2D>,
+}
+
+#[derive(Debug, Clone)]
+struct Decoder {
+    conv_in: Conv2d,
+    mid: VaeMidBlock,
+    blocks: Vec<DecoderBlock>,
+    conv_norm_out: GroupNorm,
+    conv_out: Conv2d,
+}
+
+impl Decoder {
+    fn new(vb: VarBuilder, cfg: &AutoencoderKLConfig) -> candle_core::Result<Self> {
+        let ch = &cfg.block_out_channels;
+        let n = ch.len();
+        let last = ch[n - 1];
+        let conv_in = conv2d(vb.pp("conv_in"), cfg.latent_channels, last, 3, 1, 1)?;
+        let mid = VaeMidBlock::new(vb.pp("mid_block"), last, cfg)?;
+        let mut blocks = Vec::with_capacity(n);
+        let mut out_c = last;
+        for i in 0..n {
+            let in_c = out_c;
+            out_c = ch[n - 1 - i];
+            let bvb = vb.pp(format!("up_blocks.{i}"));
+            let resnets = (0..cfg.layers_per_block + 1)
+                .map(|j| {
+                    let c = if j == 0 { in_c } else { out_c };
+                    ResnetBlock2D::new(bvb.pp(format!("resnets.{j}")), resnet_spec(c, out_c, cfg))
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let upsampler = if i + 1 != n {
+                Some(Upsample2D::new(bvb.pp("upsamplers.0"), out_c)?)
+            } else {
+                None
+            };
+            blocks.push(DecoderBlock { resnets, upsampler });
+        }
+        Ok(Self {
+            conv_in,
+            mid,
+            blocks,
+            conv_norm_out: GroupNorm::new(
+                vb.pp("conv_norm_out"),
+                cfg.norm_num_groups,
+                ch[0],
+                VAE_EPS,
+            )?,
+            conv_out: conv2d(vb.pp("conv_out"), ch[0], cfg.out_channels, 3, 1, 1)?,
+        })
+    }
+
+    fn forward(&self, z: &Tensor) -> candle_core::Result<Tensor> {
+        let mut x = self.conv_in.forward(z)?;
+        x = self.mid.forward(&x)?;
+        for block in &self.blocks {
+            for r in &block.resnets {
+                x = r.forward(&x, None)?;
+            }
+            if let Some(u) = &block.upsampler {
+                x = u.forward(&x, None)?;
+            }
+        }
+        let x = ops::silu(&self.conv_norm_out.forward(&x)?)?;
+        self.conv_out.forward(&x)
+    }
+}
+
+/// diffusers `AutoencoderKL`. `encode`/`decode` work in raw latent space: applying
+/// `scaling_factor`/`shift_factor` is the pipeline's business.
+#[derive(Debug, Clone)]
+pub struct AutoencoderKL {
+    encoder: Encoder,
+    quant_conv: Option<Conv2d>,
+    post_quant_conv: Option<Conv2d>,
+    decoder: Decoder,
+    config: AutoencoderKLConfig,
+    dtype: DType,
+    device: Device,
+}
+
+impl AutoencoderKL {
+    pub fn new(vb: VarBuilder, cfg: &AutoencoderKLConfig) -> Result<Self> {
+        cfg.validate("vae config")?;
+        let build = || -> candle_core::Result<Self> {
+            let l2 = 2 * cfg.latent_channels;
+            let l = cfg.latent_channels;
+            Ok(Self {
+                encoder: Encoder::new(vb.pp("encoder"), cfg)?,
+                quant_conv: if cfg.use_quant_conv {
+                    Some(conv2d(vb.pp("quant_conv"), l2, l2, 1, 1, 0)?)
+                } else {
+                    None
+                },
+                post_quant_conv: if cfg.use_post_quant_conv {
+                    Some(conv2d(vb.pp("post_quant_conv"), l, l, 1, 1, 0)?)
+                } else {
+                    None
+                },
+                decoder: Decoder::new(vb.pp("decoder"), cfg)?,
+                config: cfg.clone(),
+                dtype: vb.dtype(),
+                device: vb.device().clone(),
+            })
+        };
+        build().map_err(weights_err(MODEL))
+    }
+
+    /// Reads `dir/config.json` and the weights in `dir`.
+    pub fn from_dir(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
+        let cfg = AutoencoderKLConfig::from_file(&dir.join("config.json"))?;
+        let vb = crate::loading::load_component(dir, dtype, device)?;
+        Self::new(vb, &cfg)
+            .map_err(|e| e.with_weight_origin(&crate::loading::describe_weights(dir)))
+    }
+
+    pub fn config(&self) -> &AutoencoderKLConfig {
+        &self.config
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Images `(B, in_channels, H, W)` in [-1, 1] → latent posterior.
+    pub fn encode(&self, x: &Tensor) -> Result<DiagonalGaussian> {
+        let (_, c, _, _) = x
+            .dims4()
+            .map_err(|e| input_err(MODEL, format!("image must be (B, C, H, W): {e}")))?;
+        if c != self.config.in_channels {
+            return Err(input_err(
+                MODEL,
+                format!("image has {c} channels, expected {}", self.config.in_channels),
+            ));
+        }
+        let run = || -> candle_core::Result<DiagonalGaussian> {
+            let x = x.to_device(&self.device)?.to_dtype(self.dtype)?;
+            let mut moments = self.encoder.forward(&x)?;
+            if let Some(q) = &self.quant_conv {
+                moments = q.forward(&moments)?;
+            }
+            let l = self.config.latent_channels;
+            let mean = moments.narrow(1, 0, l)?;
+            let logvar = moments.narrow(1, l, l)?.clamp(-30f32, 20f32)?;
+            Ok(DiagonalGaussian { mean, logvar })
+        };
+        run().ctx(MODEL)
+    }
+
+    /// Latents `(B, latent_channels, h, w)` → images `(B, out_channels, 8h, 8w)`-ish.
+    pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
+        let (_, c, _, _) = z
+            .dims4()
+            .map_err(|e| input_err(MODEL, format!("latent must be (B, C, h, w): {e}")))?;
+        if c != self.config.latent_channels {
+            return Err(input_err(
+                MODEL,
+                format!(
+                    "latent has {c} channels, expected {}",
+                    self.config.latent_channels
+                ),
+            ));
+        }
+        let run = || -> candle_core::Result<Tensor> {
+            let mut z = z.to_device(&self.device)?.to_dtype(self.dtype)?;
+            if let Some(p) = &self.post_quant_conv {
+                z = p.forward(&z)?;
+            }
+            self.decoder.forward(&z)
+        };
+        run().ctx(MODEL)
+    }
+}

@@ -1,0 +1,65 @@
+//! Owns the meaning of the one `--model` argument: turning a local diffusers folder, a `.safetensors` file or a
+//! Hugging Face repo id into a checked, canonical location an engine can load, without letting the argument
+//! reach files it should not (model roots, repo-id validation) and without ever loading pickle checkpoints.
+
+mod diffusers;
+mod error;
+mod hub;
+mod local;
+mod options;
+mod repo_id;
+
+pub use diffusers::{find_weights, Component, ComponentKind, ModelIndex, WeightsFiles};
+pub use error::SourceError;
+pub use options::{default_hub_cache, ResolveOptions};
+pub use repo_id::RepoRef;
+
+use std::path::{Path, PathBuf};
+
+/// Where a resolved model lives on disk. Both paths are canonical.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelLocation {
+    /// A folder laid out by diffusers' `save_pretrained` (`model_index.json` plus one folder per component),
+    /// checked to hold every component's config and `.safetensors` weights.
+    DiffusersDir(PathBuf),
+    /// A single-file checkpoint (A1111/ComfyUI style), whose safetensors header has been checked.
+    SingleFile(PathBuf),
+}
+
+/// A model ready to hand to an engine: a display name (used in infotext and `/v1/info`) and its location.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedModel {
+    pub name: String,
+    pub location: ModelLocation,
+}
+
+impl ModelLocation {
+    pub fn path(&self) -> &Path {
+        match self {
+            ModelLocation::DiffusersDir(p) | ModelLocation::SingleFile(p) => p,
+        }
+    }
+}
+
+/// Resolves `arg` in this order: an existing path (diffusers folder or `.safetensors` file), else a path-looking
+/// argument is reported missing, else a Hugging Face repo id `org/name[@revision]` looked up in the hub cache and
+/// downloaded there when incomplete (unless offline).
+pub fn resolve(arg: &str, opts: &ResolveOptions) -> Result<ResolvedModel, SourceError> {
+    let trimmed = arg.trim();
+    if trimmed.is_empty() {
+        return Err(SourceError::Empty);
+    }
+    let path = local::expand_home(trimmed);
+    // symlink_metadata so that a dangling symlink counts as "given as a path" and is reported as missing.
+    if path.symlink_metadata().is_ok() {
+        return local::resolve_path(&path, opts);
+    }
+    if local::looks_like_path(trimmed) {
+        return Err(SourceError::NotFound { path });
+    }
+    if repo_id::looks_like_repo_id(trimmed) {
+        let repo = RepoRef::parse(trimmed)?;
+        return hub::resolve_repo(&repo, opts);
+    }
+    Err(SourceError::NeitherPathNorRepo { arg: trimmed.to_string() })
+}

@@ -1,0 +1,113 @@
+//! The worker's command line as clap sees it. Values stay as typed here (sampler names, paths); turning them into
+//! a request is `request`'s job, so parse errors and meaning errors are reported separately.
+
+use candle_core::DType;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+
+#[derive(Debug, Parser)]
+#[command(about = "Stable Diffusion worker", propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Generate images from a prompt (txt2img, or img2img/inpaint with --init-image/--mask) and write PNGs.
+    Generate(GenerateArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct GenerateArgs {
+    /// A diffusers folder, a .safetensors checkpoint, or a Hugging Face repo id `org/name[@revision]`.
+    #[arg(long, short = 'm', value_name = "MODEL")]
+    pub model: String,
+
+    #[arg(long, short = 'p')]
+    pub prompt: String,
+
+    #[arg(long, default_value = "")]
+    pub negative_prompt: String,
+
+    #[arg(long, default_value_t = 20)]
+    pub steps: u32,
+
+    #[arg(long, default_value_t = 7.0)]
+    pub cfg_scale: f32,
+
+    /// Output width; default: the model's native size, or the init image's.
+    #[arg(long)]
+    pub width: Option<u32>,
+
+    #[arg(long)]
+    pub height: Option<u32>,
+
+    /// Seed of the first image (image i uses seed + i); default: random.
+    #[arg(long)]
+    pub seed: Option<u64>,
+
+    /// A1111 sampler name: Euler, Euler a, DDIM, DPM++ 2M, LCM, PNDM (or e.g. "DPM++ 2M Karras").
+    #[arg(long, default_value = "Euler a")]
+    pub sampler: String,
+
+    /// Noise schedule: Automatic or Karras; default: what the sampler name says, else Automatic.
+    #[arg(long)]
+    pub scheduler: Option<String>,
+
+    /// Number of images.
+    #[arg(short = 'n', long = "count", default_value_t = 1)]
+    pub n: u32,
+
+    #[arg(long, default_value_t = 1)]
+    pub clip_skip: u32,
+
+    /// Start from this image (img2img); PNG, JPEG or WebP.
+    #[arg(long, value_name = "FILE")]
+    pub init_image: Option<PathBuf>,
+
+    /// img2img denoising strength: 1.0 repaints fully.
+    #[arg(long, default_value_t = 0.75)]
+    pub strength: f32,
+
+    /// Inpainting mask (white = repaint); needs --init-image.
+    #[arg(long, value_name = "FILE")]
+    pub mask: Option<PathBuf>,
+
+    /// Only load local models inside this folder (repeatable).
+    #[arg(long = "model-root", value_name = "DIR")]
+    pub model_roots: Vec<PathBuf>,
+
+    /// Never download from the Hugging Face hub (also: HF_HUB_OFFLINE=1).
+    #[arg(long)]
+    pub offline: bool,
+
+    /// Device index on this binary's backend.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+
+    /// Weight and activation precision; default: f32 on CPU, f16 on GPUs.
+    #[arg(long, value_enum)]
+    pub dtype: Option<DTypeArg>,
+
+    /// Output PNG; with -n > 1, `stem-0.png`, `stem-1.png`, … next to it.
+    #[arg(long, short = 'o', value_name = "FILE")]
+    pub output: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DTypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl From<DTypeArg> for DType {
+    fn from(d: DTypeArg) -> DType {
+        match d {
+            DTypeArg::F32 => DType::F32,
+            DTypeArg::F16 => DType::F16,
+            DTypeArg::Bf16 => DType::BF16,
+        }
+    }
+}

@@ -1,0 +1,201 @@
+//! Device selection shared by every `sd-worker-*` binary: which compute backend a binary was built for, opening
+//! device `index` on it, and describing that device (name, memory, driver) for logs and registration. A binary
+//! only ever runs on the backend it was built for — asking for another is an error, never a silent CPU fallback.
+
+use candle_core::{DType, Device};
+use serde::Serialize;
+use std::fmt;
+use std::str::FromStr;
+use thiserror::Error;
+
+/// A compute backend; each has its own worker binary (`sd-worker-<name>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    Cpu,
+    Cuda,
+    Metal,
+    Rocm,
+    Vulkan,
+}
+
+impl Backend {
+    pub const ALL: [Backend; 5] = [Backend::Cpu, Backend::Cuda, Backend::Metal, Backend::Rocm, Backend::Vulkan];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Cuda => "cuda",
+            Backend::Metal => "metal",
+            Backend::Rocm => "rocm",
+            Backend::Vulkan => "vulkan",
+        }
+    }
+
+    /// The worker binary built for this backend.
+    pub fn binary_name(self) -> String {
+        format!("sd-worker-{}", self.name())
+    }
+
+    /// f32 on CPU, where half precision has no fast kernels; f16 on GPUs, where it halves memory and time.
+    pub fn default_dtype(self) -> DType {
+        match self {
+            Backend::Cpu => DType::F32,
+            _ => DType::F16,
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("unknown backend `{0}` (expected one of: cpu, cuda, metal, rocm, vulkan)")]
+pub struct ParseBackendError(pub String);
+
+impl FromStr for Backend {
+    type Err = ParseBackendError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let wanted = s.trim().to_ascii_lowercase();
+        Backend::ALL.into_iter().find(|b| b.name() == wanted).ok_or_else(|| ParseBackendError(s.to_string()))
+    }
+}
+
+/// What a worker reports about the device it opened.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeviceInfo {
+    pub backend: Backend,
+    pub index: usize,
+    /// Marketing name (CPU model, GPU name).
+    pub name: String,
+    pub memory_total_bytes: Option<u64>,
+    /// For the CPU, memory available to new allocations (MemAvailable), not the kernel's narrower "free".
+    pub memory_free_bytes: Option<u64>,
+    pub driver: Option<String>,
+    /// CPU only: the compute threads candle uses.
+    pub threads: Option<usize>,
+}
+
+#[derive(Debug, Error)]
+pub enum DeviceError {
+    #[error("this binary was built without {backend} support; use {}", backend.binary_name())]
+    NotCompiled { backend: Backend },
+    #[error("there is no {backend} device {index} ({available} available)")]
+    NoSuchDevice { backend: Backend, index: usize, available: usize },
+    #[error("cannot open {backend} device {index}: {message}")]
+    Init { backend: Backend, index: usize, message: String },
+}
+
+/// Opens device `index` of `backend` and describes it.
+pub fn init(backend: Backend, index: usize) -> Result<(Device, DeviceInfo), DeviceError> {
+    match backend {
+        Backend::Cpu => init_cpu(index),
+        // GPU backends are compiled into their own binaries; until then this build cannot drive them.
+        Backend::Cuda | Backend::Metal | Backend::Rocm | Backend::Vulkan => Err(DeviceError::NotCompiled { backend }),
+    }
+}
+
+fn init_cpu(index: usize) -> Result<(Device, DeviceInfo), DeviceError> {
+    // The CPU is one device however many cores it has; other indexes would silently alias it.
+    if index != 0 {
+        return Err(DeviceError::NoSuchDevice { backend: Backend::Cpu, index, available: 1 });
+    }
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let (memory_total_bytes, memory_free_bytes) = parse_meminfo(&meminfo);
+    let info = DeviceInfo {
+        backend: Backend::Cpu,
+        index,
+        name: parse_cpu_model(&cpuinfo).unwrap_or_else(|| format!("{} CPU", std::env::consts::ARCH)),
+        memory_total_bytes,
+        memory_free_bytes,
+        driver: None,
+        threads: Some(candle_core::utils::get_num_threads()),
+    };
+    Ok((Device::Cpu, info))
+}
+
+/// The first `model name` line (x86) or, failing that, `Model`/`Hardware` (some ARM kernels).
+fn parse_cpu_model(cpuinfo: &str) -> Option<String> {
+    for key in ["model name", "Model", "Hardware"] {
+        let found = cpuinfo.lines().find_map(|line| {
+            let (k, v) = line.split_once(':')?;
+            (k.trim() == key && !v.trim().is_empty()).then(|| v.trim().to_string())
+        });
+        if found.is_some() {
+            return found;
+        }
+    }
+    None
+}
+
+/// (MemTotal, MemAvailable) in bytes; /proc/meminfo counts in KiB.
+fn parse_meminfo(meminfo: &str) -> (Option<u64>, Option<u64>) {
+    let field = |name: &str| {
+        meminfo.lines().find_map(|line| {
+            let rest = line.strip_prefix(name)?.strip_prefix(':')?;
+            let kib: u64 = rest.split_whitespace().next()?.parse().ok()?;
+            kib.checked_mul(1024)
+        })
+    };
+    (field("MemTotal"), field("MemAvailable"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_names_round_trip() {
+        for b in Backend::ALL {
+            assert_eq!(b.name().parse::<Backend>(), Ok(b));
+            assert_eq!(b.to_string(), b.name());
+        }
+        assert_eq!(" CUDA ".parse::<Backend>(), Ok(Backend::Cuda));
+        assert!("tpu".parse::<Backend>().unwrap_err().to_string().contains("cpu, cuda"));
+        assert_eq!(serde_json::to_string(&Backend::Rocm).unwrap(), "\"rocm\"");
+    }
+
+    #[test]
+    fn cpu_init_describes_this_machine() {
+        let (device, info) = init(Backend::Cpu, 0).unwrap();
+        assert!(device.is_cpu());
+        assert_eq!(info.backend, Backend::Cpu);
+        assert!(!info.name.is_empty());
+        assert!(info.threads.unwrap() >= 1);
+        if cfg!(target_os = "linux") {
+            let total = info.memory_total_bytes.unwrap();
+            assert!(total > 0 && info.memory_free_bytes.unwrap() <= total);
+        }
+        let json = serde_json::to_value(&info).unwrap();
+        assert_eq!(json["backend"], "cpu");
+    }
+
+    #[test]
+    fn gpu_backends_are_not_compiled_in_and_never_fall_back() {
+        for b in [Backend::Cuda, Backend::Metal, Backend::Rocm, Backend::Vulkan] {
+            let err = init(b, 0).unwrap_err();
+            assert!(matches!(err, DeviceError::NotCompiled { backend } if backend == b));
+            assert_eq!(
+                err.to_string(),
+                format!("this binary was built without {b} support; use sd-worker-{b}")
+            );
+        }
+        assert!(matches!(init(Backend::Cpu, 1), Err(DeviceError::NoSuchDevice { index: 1, .. })));
+    }
+
+    #[test]
+    fn parses_proc_files() {
+        let cpuinfo = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) CPU @ 2.20GHz\n";
+        assert_eq!(parse_cpu_model(cpuinfo).as_deref(), Some("Intel(R) Xeon(R) CPU @ 2.20GHz"));
+        assert_eq!(parse_cpu_model("Hardware\t: BCM2835\n").as_deref(), Some("BCM2835"));
+        assert_eq!(parse_cpu_model(""), None);
+        let meminfo = "MemTotal:       16384 kB\nMemFree:         1024 kB\nMemAvailable:    8192 kB\n";
+        assert_eq!(parse_meminfo(meminfo), (Some(16384 * 1024), Some(8192 * 1024)));
+        assert_eq!(parse_meminfo("garbage"), (None, None));
+    }
+}
