@@ -20,7 +20,8 @@ pub enum Backend {
 }
 
 impl Backend {
-    pub const ALL: [Backend; 5] = [Backend::Cpu, Backend::Cuda, Backend::Metal, Backend::Rocm, Backend::Vulkan];
+    pub const ALL: [Backend; 5] =
+        [Backend::Cpu, Backend::Cuda, Backend::Metal, Backend::Rocm, Backend::Vulkan];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -95,7 +96,9 @@ pub fn init(backend: Backend, index: usize) -> Result<(Device, DeviceInfo), Devi
     match backend {
         Backend::Cpu => init_cpu(index),
         // GPU backends are compiled into their own binaries; until then this build cannot drive them.
-        Backend::Cuda | Backend::Metal | Backend::Rocm | Backend::Vulkan => Err(DeviceError::NotCompiled { backend }),
+        Backend::Cuda | Backend::Metal | Backend::Rocm | Backend::Vulkan => {
+            Err(DeviceError::NotCompiled { backend })
+        }
     }
 }
 
@@ -190,7 +193,8 @@ mod tests {
 
     #[test]
     fn parses_proc_files() {
-        let cpuinfo = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) CPU @ 2.20GHz\n";
+        let cpuinfo =
+            "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) CPU @ 2.20GHz\n";
         assert_eq!(parse_cpu_model(cpuinfo).as_deref(), Some("Intel(R) Xeon(R) CPU @ 2.20GHz"));
         assert_eq!(parse_cpu_model("Hardware\t: BCM2835\n").as_deref(), Some("BCM2835"));
         assert_eq!(parse_cpu_model(""), None);

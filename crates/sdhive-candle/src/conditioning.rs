@@ -37,7 +37,12 @@ fn pad_chunks(model: &SdModel, chunks: &mut [Vec<Chunk>], target: usize) {
 }
 
 /// The hidden state a family reads for A1111's clip skip `skip` (1 = last layer).
-fn pick_hidden(family: Family, encoder: &TextEncoder, ids: &Tensor, skip: usize) -> Result<(Tensor, Option<Tensor>)> {
+fn pick_hidden(
+    family: Family,
+    encoder: &TextEncoder,
+    ids: &Tensor,
+    skip: usize,
+) -> Result<(Tensor, Option<Tensor>)> {
     let out = encoder.model.forward(ids).map_err(candle_core::Error::wrap)?;
     let n = out.hidden_states.len();
     let hidden = match family {
@@ -69,20 +74,30 @@ fn ids_tensor(ids: &[u32], device: &Device) -> Result<Tensor> {
     Tensor::from_slice(ids, (1, ids.len()), device)
 }
 
-fn encode_chunks(model: &SdModel, chunks: &[Vec<Chunk>], skip: usize, device: &Device) -> Result<Conditioning> {
+fn encode_chunks(
+    model: &SdModel,
+    chunks: &[Vec<Chunk>],
+    skip: usize,
+    device: &Device,
+) -> Result<Conditioning> {
     let count = chunks.first().map(Vec::len).unwrap_or(0);
     let mut parts = Vec::with_capacity(count);
     let mut pooled = None;
     for c in 0..count {
         let mut per_encoder = Vec::with_capacity(model.encoders.len());
         for (encoder, list) in model.encoders.iter().zip(chunks) {
-            let (hidden, text_embeds) = pick_hidden(model.family, encoder, &ids_tensor(&list[c].ids, device)?, skip)?;
+            let (hidden, text_embeds) =
+                pick_hidden(model.family, encoder, &ids_tensor(&list[c].ids, device)?, skip)?;
             if c == 0 && text_embeds.is_some() {
                 pooled = text_embeds;
             }
             per_encoder.push(hidden);
         }
-        let z = if per_encoder.len() == 1 { per_encoder.remove(0) } else { Tensor::cat(&per_encoder, D::Minus1)? };
+        let z = if per_encoder.len() == 1 {
+            per_encoder.remove(0)
+        } else {
+            Tensor::cat(&per_encoder, D::Minus1)?
+        };
         let chunk = &chunks[0][c];
         parts.push(if chunk.is_unweighted() { z } else { apply_weights(&z, &chunk.weights)? });
     }
@@ -92,7 +107,13 @@ fn encode_chunks(model: &SdModel, chunks: &[Vec<Chunk>], skip: usize, device: &D
 
 /// Encodes the positive and negative prompts with matching chunk counts. An empty SDXL negative prompt becomes
 /// zeros when the model asks for it (diffusers' `force_zeros_for_empty_prompt`, also A1111's behaviour).
-pub fn encode_pair(model: &SdModel, prompt: &str, negative: &str, clip_skip: u32, device: &Device) -> Result<PromptPair> {
+pub fn encode_pair(
+    model: &SdModel,
+    prompt: &str,
+    negative: &str,
+    clip_skip: u32,
+    device: &Device,
+) -> Result<PromptPair> {
     let skip = clip_skip.max(1) as usize;
     let mut pos = chunks_per_encoder(model, prompt);
     let zero_negative = model.force_zeros_for_empty_prompt && negative.is_empty();
@@ -117,6 +138,11 @@ pub fn encode_pair(model: &SdModel, prompt: &str, negative: &str, clip_skip: u32
 }
 
 /// Only the positive prompt: for runs without classifier-free guidance.
-pub fn encode_positive(model: &SdModel, prompt: &str, clip_skip: u32, device: &Device) -> Result<Conditioning> {
+pub fn encode_positive(
+    model: &SdModel,
+    prompt: &str,
+    clip_skip: u32,
+    device: &Device,
+) -> Result<Conditioning> {
     encode_chunks(model, &chunks_per_encoder(model, prompt), clip_skip.max(1) as usize, device)
 }

@@ -88,7 +88,9 @@ fn random_seed() -> u64 {
     use std::collections::hash_map::RandomState;
     use std::hash::{BuildHasher, Hasher};
     let mut h = RandomState::new().build_hasher();
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+    h.write_u128(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0),
+    );
     h.finish() & 0xffff_ffff
 }
 
@@ -122,11 +124,13 @@ impl Engine for CandleEngine {
         let text_failed = |e: candle_core::Error| EngineError::Failed(format!("text encoder: {e}"));
         let guided = f64::from(req.cfg_scale) > 1.0;
         let cond = if guided {
-            let pair = encode_pair(&self.model, &req.prompt, &req.negative_prompt, req.clip_skip, &self.device)
-                .map_err(text_failed)?;
+            let pair =
+                encode_pair(&self.model, &req.prompt, &req.negative_prompt, req.clip_skip, &self.device)
+                    .map_err(text_failed)?;
             UnetConditioning::new(&self.model, &pair.positive, Some(&pair.negative), size)
         } else {
-            let positive = encode_positive(&self.model, &req.prompt, req.clip_skip, &self.device).map_err(text_failed)?;
+            let positive = encode_positive(&self.model, &req.prompt, req.clip_skip, &self.device)
+                .map_err(text_failed)?;
             UnetConditioning::new(&self.model, &positive, None, size)
         }
         .map_err(text_failed)?;
@@ -150,11 +154,15 @@ impl Engine for CandleEngine {
                 let p = Progress { image: index, images: req.n, step: step as u32, steps: steps as u32 };
                 progress(&p) == Control::Continue
             };
-            let image = generate_image(&self.model, &cond, &job, &self.device, &mut on_step).map_err(|e| match e {
-                PipelineError::Cancelled => EngineError::Cancelled,
-                PipelineError::Invalid { field, message } => EngineError::Invalid(ValidationError { field, message }),
-                other => EngineError::Failed(other.to_string()),
-            })?;
+            let image = generate_image(&self.model, &cond, &job, &self.device, &mut on_step).map_err(
+                |e| match e {
+                    PipelineError::Cancelled => EngineError::Cancelled,
+                    PipelineError::Invalid { field, message } => {
+                        EngineError::Invalid(ValidationError { field, message })
+                    }
+                    other => EngineError::Failed(other.to_string()),
+                },
+            )?;
             let ctx = InfotextContext {
                 seed,
                 width,

@@ -6,7 +6,8 @@ use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use sdhive_checkpoint::{ConfigDir, Converted};
 use sdhive_models::{
-    AutoencoderKL, AutoencoderKLConfig, ClipTextConfig, ClipTextModel, UNet2DConditionConfig, UNet2DConditionModel,
+    AutoencoderKL, AutoencoderKLConfig, ClipTextConfig, ClipTextModel, UNet2DConditionConfig,
+    UNet2DConditionModel,
 };
 use sdhive_modelsource::{ModelLocation, ResolvedModel};
 use sdhive_schedulers::SchedulerConfig;
@@ -94,7 +95,12 @@ impl SdModel {
     }
 
     /// A diffusers pipeline folder: `model_index.json` names the components, each with its own config.
-    pub fn from_diffusers_dir(name: &str, dir: &Path, device: &Device, dtype: DType) -> Result<Self, LoadError> {
+    pub fn from_diffusers_dir(
+        name: &str,
+        dir: &Path,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Self, LoadError> {
         let index_path = dir.join("model_index.json");
         let index = read_json(&index_path)?;
         let has = |component: &str| index.get(component).map(|v| !v.is_null()).unwrap_or(false);
@@ -107,12 +113,16 @@ impl SdModel {
             (true, true) => Family::Sdxl,
             (true, false) => Family::Sd,
             (false, true) => {
-                return Err(layout_err(&index_path, "SDXL refiner models (text_encoder_2 only) are not supported"))
+                return Err(layout_err(
+                    &index_path,
+                    "SDXL refiner models (text_encoder_2 only) are not supported",
+                ))
             }
             (false, false) => return Err(layout_err(&index_path, "no `text_encoder` component")),
         };
         let unet = UNet2DConditionModel::from_dir(&dir.join("unet"), dtype, device)?;
-        let vae_dtype = vae_dtype(dtype, &AutoencoderKLConfig::from_file(&dir.join("vae").join("config.json"))?);
+        let vae_dtype =
+            vae_dtype(dtype, &AutoencoderKLConfig::from_file(&dir.join("vae").join("config.json"))?);
         let vae = AutoencoderKL::from_dir(&dir.join("vae"), vae_dtype, device)?;
         let mut encoders = vec![TextEncoder {
             tokenizer: ClipTokenizer::from_dir(&dir.join("tokenizer"))?,
@@ -124,9 +134,12 @@ impl SdModel {
                 model: ClipTextModel::from_dir(&dir.join("text_encoder_2"), true, dtype, device)?,
             });
         }
-        let scheduler_config = SchedulerConfig::from_file(dir.join("scheduler").join("scheduler_config.json"))?;
-        let force_zeros_for_empty_prompt =
-            index.get("force_zeros_for_empty_prompt").and_then(Value::as_bool).unwrap_or(family == Family::Sdxl);
+        let scheduler_config =
+            SchedulerConfig::from_file(dir.join("scheduler").join("scheduler_config.json"))?;
+        let force_zeros_for_empty_prompt = index
+            .get("force_zeros_for_empty_prompt")
+            .and_then(Value::as_bool)
+            .unwrap_or(family == Family::Sdxl);
         let sample_size = sample_size(&read_json(&dir.join("unet").join("config.json"))?);
         let parts = Parts { unet, vae, encoders, scheduler_config, sample_size };
         Ok(Self::assemble(name, family, parts, force_zeros_for_empty_prompt))
@@ -146,25 +159,33 @@ impl SdModel {
         let family = if text_encoder_2.is_some() { Family::Sdxl } else { Family::Sd };
         let unet_cfg: UNet2DConditionConfig = from_json_value(&file.join("unet/config.json"), &configs.unet)?;
         let vae_cfg: AutoencoderKLConfig = from_json_value(&file.join("vae/config.json"), &configs.vae)?;
-        let te_cfg: ClipTextConfig = from_json_value(&file.join("text_encoder/config.json"), &configs.text_encoder)?;
+        let te_cfg: ClipTextConfig =
+            from_json_value(&file.join("text_encoder/config.json"), &configs.text_encoder)?;
         let vb = |weights, dt| VarBuilder::from_tensors(weights, dt, device);
         let unet_model = UNet2DConditionModel::new(vb(unet, dtype), &unet_cfg)?;
         let vae_model = AutoencoderKL::new(vb(vae, vae_dtype(dtype, &vae_cfg)), &vae_cfg)?;
-        // Single files carry no tokenizer: the bundled CLIP vocabulary serves, padded as each encoder's family
-        // was trained (CLIP-L pads with its end token, OpenCLIP with "!").
+        // Single files carry no tokenizer. A config folder's tokenizer wins (as in diffusers' `config=`); otherwise
+        // the bundled CLIP vocabulary serves, padded as each encoder was trained (CLIP-L with its end token,
+        // OpenCLIP with "!").
+        let tokenizer = |sub: &str, pad: PadToken| -> Result<ClipTokenizer, LoadError> {
+            match config_dir.map(|d| d.join(sub)).filter(|d| d.join("vocab.json").is_file()) {
+                Some(dir) => Ok(ClipTokenizer::from_dir(&dir)?),
+                None => Ok(ClipTokenizer::bundled(pad)?),
+            }
+        };
         let first_pad = if configs.text_encoder.get("hidden_act").and_then(Value::as_str) == Some("gelu") {
             PadToken::Exclamation
         } else {
             PadToken::EndOfText
         };
         let mut encoders = vec![TextEncoder {
-            tokenizer: ClipTokenizer::bundled(first_pad)?,
+            tokenizer: tokenizer("tokenizer", first_pad)?,
             model: ClipTextModel::new(vb(text_encoder, dtype), &te_cfg, false)?,
         }];
         if let (Some(weights), Some(cfg)) = (text_encoder_2, configs.text_encoder_2.as_ref()) {
             let cfg2: ClipTextConfig = from_json_value(&file.join("text_encoder_2/config.json"), cfg)?;
             encoders.push(TextEncoder {
-                tokenizer: ClipTokenizer::bundled(PadToken::Exclamation)?,
+                tokenizer: tokenizer("tokenizer_2", PadToken::Exclamation)?,
                 model: ClipTextModel::new(vb(weights, dtype), &cfg2, true)?,
             });
         }

@@ -22,6 +22,15 @@ struct CaseResult {
     max_level_diff: u8,
 }
 
+fn cases() -> Vec<Value> {
+    let index: Value = serde_json::from_slice(
+        &std::fs::read(fixtures().join("golden/pipelines.json"))
+            .expect("tests/fixtures/golden/pipelines.json"),
+    )
+    .unwrap();
+    index.as_array().expect("a list of cases").clone()
+}
+
 fn run_case(models: &mut HashMap<String, SdModel>, case: &Value) -> CaseResult {
     let dev = Device::Cpu;
     let s = |k: &str| case[k].as_str().unwrap_or_default().to_string();
@@ -36,7 +45,8 @@ fn run_case(models: &mut HashMap<String, SdModel>, case: &Value) -> CaseResult {
     let height = case["height"].as_u64().unwrap() as usize;
     let cfg = case["cfg_scale"].as_f64().unwrap();
     let clip_skip = case["clip_skip"].as_u64().unwrap_or(1) as u32;
-    let read = |key: &str| case[key].as_str().map(|p| std::fs::read(fixtures().join(p)).expect("fixture image"));
+    let read =
+        |key: &str| case[key].as_str().map(|p| std::fs::read(fixtures().join(p)).expect("fixture image"));
     let init = read("init_image").map(|b| decode_image(&b, 1 << 24).unwrap());
     let mask = read("mask").map(|b| decode_mask(&b, 1 << 24).unwrap());
     let cond = if cfg > 1.0 {
@@ -61,7 +71,8 @@ fn run_case(models: &mut HashMap<String, SdModel>, case: &Value) -> CaseResult {
     let latents = denoise(model, &cond, &job, &dev, &mut |_, _| true).unwrap();
     let golden = candle_core::safetensors::load(fixtures().join("golden").join(s("file")), &dev).unwrap();
     let want_latents = &golden["latents"];
-    let diff = (&latents - want_latents).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    let diff =
+        (&latents - want_latents).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
     let scale = want_latents.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1.0);
 
     let z = latents.affine(1.0 / model.vae.config().scaling_factor, 0.0).unwrap();
@@ -85,15 +96,11 @@ fn run_case(models: &mut HashMap<String, SdModel>, case: &Value) -> CaseResult {
 /// within one level on at least 99% of the channel values.
 #[test]
 fn every_pipeline_case_matches_diffusers() {
-    let index: Value = serde_json::from_slice(
-        &std::fs::read(fixtures().join("golden/pipelines.json")).expect("tests/fixtures/golden/pipelines.json"),
-    )
-    .unwrap();
-    let cases = index.as_array().expect("a list of cases");
+    let cases = cases();
     assert!(cases.len() >= 20, "expected the full case list, found {}", cases.len());
     let mut models = HashMap::new();
     let mut failures = Vec::new();
-    for case in cases {
+    for case in &cases {
         let name = case["case"].as_str().unwrap_or("?");
         let r = run_case(&mut models, case);
         let total = 64 * 64 * 3;
@@ -131,10 +138,12 @@ fn prompt_conditioning_matches_diffusers_encode_prompt() {
     let dev = Device::Cpu;
     let prompt = "a photo of an astronaut riding a horse";
     for name in ["sd1", "sd2v", "sdxl", "sd1-inpaint"] {
-        let model = SdModel::from_diffusers_dir(name, &fixtures().join("models").join(name), &dev, DType::F32)
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let model =
+            SdModel::from_diffusers_dir(name, &fixtures().join("models").join(name), &dev, DType::F32)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
         let golden =
-            candle_core::safetensors::load(fixtures().join(format!("golden/text_{name}.safetensors")), &dev).unwrap();
+            candle_core::safetensors::load(fixtures().join(format!("golden/text_{name}.safetensors")), &dev)
+                .unwrap();
         let pair = encode_pair(&model, prompt, "", 1, &dev).unwrap();
         let mut checks = vec![("prompt_embeds", max_diff(&pair.positive.context, &golden["prompt_embeds"]))];
         if name == "sdxl" {
@@ -143,11 +152,17 @@ fn prompt_conditioning_matches_diffusers_encode_prompt() {
             let pooled = pair.positive.pooled.as_ref().expect("sdxl pooled");
             let neg_pooled = pair.negative.pooled.as_ref().expect("sdxl negative pooled");
             checks.push(("pooled_prompt_embeds", max_diff(pooled, &golden["pooled_prompt_embeds"])));
-            checks.push(("zeroed negative_prompt_embeds", max_diff(&pair.negative.context, &pair.negative.context.zeros_like().unwrap())));
+            checks.push((
+                "zeroed negative_prompt_embeds",
+                max_diff(&pair.negative.context, &pair.negative.context.zeros_like().unwrap()),
+            ));
             checks.push(("zeroed negative_pooled", max_diff(neg_pooled, &neg_pooled.zeros_like().unwrap())));
             assert_eq!(pair.negative.context.dims(), pair.positive.context.dims());
         } else {
-            checks.push(("negative_prompt_embeds", max_diff(&pair.negative.context, &golden["negative_prompt_embeds"])));
+            checks.push((
+                "negative_prompt_embeds",
+                max_diff(&pair.negative.context, &golden["negative_prompt_embeds"]),
+            ));
         }
         if let Some(want) = golden.get("prompt_embeds_clipskip1") {
             // diffusers' clip_skip=1 is A1111's "Clip skip: 2".
@@ -159,4 +174,38 @@ fn prompt_conditioning_matches_diffusers_encode_prompt() {
             assert!(d < 1e-4, "{name}: {what} differs from diffusers by {d}");
         }
     }
+}
+
+/// A single-file checkpoint in the original LDM layout, loaded with the fixture folder as its config (diffusers'
+/// `from_single_file(config=…)`), makes the same images as the diffusers folder it was converted from.
+#[test]
+fn single_file_checkpoint_generates_the_diffusers_images() {
+    let dev = Device::Cpu;
+    let folder = fixtures().join("models/sd1");
+    let model = SdModel::from_single_file(
+        "sd1",
+        &fixtures().join("models/sd1.safetensors"),
+        Some(&folder),
+        &dev,
+        DType::F32,
+    )
+    .expect("loading tests/fixtures/models/sd1.safetensors");
+    let mut models = HashMap::from([("sd1".to_string(), model)]);
+    let mut ran = 0;
+    for case in cases().iter().filter(|c| {
+        ["sd1_euler", "sd1_euler_a", "sd1_img2img_ddim"].contains(&c["case"].as_str().unwrap_or(""))
+    }) {
+        let r = run_case(&mut models, case);
+        eprintln!(
+            "single-file {}: latent rel diff {:.2e}, pixels off {}",
+            case["case"], r.latent_rel, r.pixels_off
+        );
+        assert!(
+            r.latent_rel < 1e-4 && r.pixels_off * 100 <= 64 * 64 * 3,
+            "single-file {} off diffusers",
+            case["case"]
+        );
+        ran += 1;
+    }
+    assert_eq!(ran, 3);
 }

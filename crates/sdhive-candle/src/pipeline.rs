@@ -109,11 +109,19 @@ fn randn(rng: &mut TorchGenerator, shape: &[usize], device: &Device) -> candle_c
 
 /// `vae.encode(x).latent_dist.sample(generator) * scaling_factor`, drawing the sample noise from `rng`.
 fn encode_sample(model: &SdModel, image: &Tensor, rng: &mut TorchGenerator) -> Result<Tensor, PipelineError> {
-    let dist = model.vae.encode(&image.to_dtype(model.vae.dtype()).map_err(failed("vae input"))?).map_err(failed("vae encode"))?;
+    let dist = model
+        .vae
+        .encode(&image.to_dtype(model.vae.dtype()).map_err(failed("vae input"))?)
+        .map_err(failed("vae encode"))?;
     let mean = dist.mean.to_dtype(DType::F32).map_err(failed("vae encode"))?;
     let noise = randn(rng, mean.dims(), mean.device()).map_err(failed("noise"))?;
-    let sample = dist.sample_with(&noise.to_dtype(dist.mean.dtype()).map_err(failed("noise"))?).map_err(failed("vae sample"))?;
-    sample.to_dtype(DType::F32).and_then(|s| s.affine(model.vae.config().scaling_factor, 0.0)).map_err(failed("vae sample"))
+    let sample = dist
+        .sample_with(&noise.to_dtype(dist.mean.dtype()).map_err(failed("noise"))?)
+        .map_err(failed("vae sample"))?;
+    sample
+        .to_dtype(DType::F32)
+        .and_then(|s| s.affine(model.vae.config().scaling_factor, 0.0))
+        .map_err(failed("vae sample"))
 }
 
 fn decode(model: &SdModel, latents: &Tensor) -> Result<RgbImage, PipelineError> {
@@ -170,7 +178,10 @@ pub fn denoise(
     let timesteps = scheduler.timesteps();
 
     let init = match job.init_image {
-        Some(img) => Some(image_to_tensor(&img.resized(job.width as u32, job.height as u32), device).map_err(failed("init image"))?),
+        Some(img) => Some(
+            image_to_tensor(&img.resized(job.width as u32, job.height as u32), device)
+                .map_err(failed("init image"))?,
+        ),
         None => None,
     };
     let begin = if init.is_some() { img2img_start(job.steps, job.strength, scheduler.order()) } else { 0 };
@@ -183,7 +194,7 @@ pub fn denoise(
             ),
         });
     }
-    if begin > 0 {
+    if init.is_some() {
         scheduler.set_begin_index(begin);
     }
     let init_sigma = scheduler.init_noise_sigma();
@@ -246,7 +257,11 @@ pub fn denoise(
     };
     for (n, i) in (begin..timesteps.len()).enumerate() {
         let t = timesteps[i];
-        let doubled = if cond.guided { Tensor::cat(&[&latents, &latents], 0).map_err(failed("cfg"))? } else { latents.clone() };
+        let doubled = if cond.guided {
+            Tensor::cat(&[&latents, &latents], 0).map_err(failed("cfg"))?
+        } else {
+            latents.clone()
+        };
         let mut input = scheduler.scale_model_input(&doubled, i).map_err(failed("scale input"))?;
         if let Some((m, l)) = &extra {
             input = Tensor::cat(&[&input, m, l], 1).map_err(failed("inpaint input"))?;
@@ -284,4 +299,3 @@ pub fn denoise(
     }
     Ok(latents)
 }
-

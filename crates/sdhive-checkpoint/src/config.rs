@@ -502,3 +502,157 @@ pub(crate) fn resolve(inferred: Value, over: Option<&Value>) -> Value {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    //! The family rules must reproduce the published diffusers configs at full size; the
+    //! fixtures only exercise them at toy widths.
+    use super::*;
+
+    fn structure(
+        channels: &[usize],
+        attn: &[bool],
+        depth: &[usize],
+        mid: usize,
+        cross: usize,
+        linear: bool,
+    ) -> UnetStructure {
+        let n = channels.len();
+        UnetStructure {
+            in_channels: 4,
+            out_channels: 4,
+            conv_in_kernel: 3,
+            conv_out_kernel: 3,
+            block_out_channels: channels.to_vec(),
+            layers_per_block: vec![2; n],
+            down_attention: attn.to_vec(),
+            up_attention: attn.iter().rev().copied().collect(),
+            down_depth: attn.iter().zip(depth).map(|(a, d)| a.then_some(*d)).collect(),
+            up_depth: attn
+                .iter()
+                .zip(depth)
+                .rev()
+                .map(|(a, d)| if *a { vec![*d; 3] } else { vec![] })
+                .collect(),
+            mid_depth: Some(mid),
+            cross_attention_dim: Some(cross),
+            linear_projection: Some(linear),
+            time_embed_dim: 4 * channels[0],
+            adm_in_channels: None,
+            norm_channels: channels.to_vec(),
+        }
+    }
+
+    #[test]
+    fn sd15_unet_matches_published() {
+        let s = structure(&[320, 640, 1280, 1280], &[true, true, true, false], &[1, 1, 1, 1], 1, 768, false);
+        let cx = UnetContext { family: Family::Sd1, pooled_dim: None, v_prediction: false };
+        let c = unet_config(&s, &cx).expect("config");
+        assert_eq!(c["attention_head_dim"], json!(8));
+        assert_eq!(c["transformer_layers_per_block"], json!(1));
+        assert_eq!(
+            c["down_block_types"],
+            json!(["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"])
+        );
+        assert_eq!(
+            c["up_block_types"],
+            json!(["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"])
+        );
+        assert_eq!(c["reverse_transformer_layers_per_block"], Value::Null);
+        assert_eq!(c["time_embedding_dim"], Value::Null);
+        assert_eq!(c["norm_num_groups"], json!(32));
+        assert_eq!(c["sample_size"], json!(64));
+        assert_eq!(c["use_linear_projection"], json!(false));
+    }
+
+    #[test]
+    fn sd21_unet_matches_published() {
+        let s = structure(&[320, 640, 1280, 1280], &[true, true, true, false], &[1, 1, 1, 1], 1, 1024, true);
+        let cx = UnetContext { family: Family::Sd2, pooled_dim: None, v_prediction: true };
+        let c = unet_config(&s, &cx).expect("config");
+        assert_eq!(c["attention_head_dim"], json!([5, 10, 20, 20]));
+        assert_eq!(c["use_linear_projection"], json!(true));
+        assert_eq!(c["upcast_attention"], json!(true));
+        assert_eq!(c["sample_size"], json!(96));
+    }
+
+    #[test]
+    fn sdxl_unet_matches_published() {
+        let mut s = structure(&[320, 640, 1280], &[false, true, true], &[1, 2, 10], 10, 2048, true);
+        s.adm_in_channels = Some(2816);
+        let cx = UnetContext { family: Family::Sdxl, pooled_dim: Some(1280), v_prediction: false };
+        let c = unet_config(&s, &cx).expect("config");
+        assert_eq!(c["attention_head_dim"], json!([5, 10, 20]));
+        assert_eq!(c["transformer_layers_per_block"], json!([1, 2, 10]));
+        assert_eq!(c["addition_embed_type"], json!("text_time"));
+        assert_eq!(c["addition_time_embed_dim"], json!(256));
+        assert_eq!(c["projection_class_embeddings_input_dim"], json!(2816));
+        assert_eq!(c["sample_size"], json!(128));
+
+        s.adm_in_channels = Some(2817);
+        assert!(unet_config(&s, &cx).is_err(), "label_emb width must be pooled + 6 slots");
+    }
+
+    #[test]
+    fn mid_depth_rides_on_an_attention_free_last_block() {
+        let s = structure(&[32, 64], &[true, false], &[1, 1], 3, 32, false);
+        let cx = UnetContext { family: Family::Sd1, pooled_dim: None, v_prediction: false };
+        assert_eq!(unet_config(&s, &cx).expect("config")["transformer_layers_per_block"], json!([1, 3]));
+        let s = structure(&[32, 64], &[true, true], &[1, 2], 3, 32, false);
+        assert!(unet_config(&s, &cx).is_err(), "diffusers cannot give the mid block its own depth");
+    }
+
+    #[test]
+    fn text_towers_match_published() {
+        let clip = |hidden, inter, layers, proj| ClipStructure {
+            vocab_size: 49408,
+            hidden_size: hidden,
+            intermediate_size: inter,
+            max_position_embeddings: 77,
+            layers,
+            projection_dim: proj,
+        };
+        let l = clip_config(&clip(768, 3072, 12, None), TowerRole::ClipL);
+        assert_eq!(
+            (l["num_attention_heads"].clone(), l["hidden_act"].clone()),
+            (json!(12), json!("quick_gelu"))
+        );
+        let h = clip_config(&clip(1024, 4096, 24, Some(1024)), TowerRole::OpenClipH);
+        assert_eq!(
+            (h["num_attention_heads"].clone(), h["num_hidden_layers"].clone()),
+            (json!(16), json!(23))
+        );
+        let g = clip_config(&clip(1280, 5120, 32, Some(1280)), TowerRole::OpenClipBigG);
+        assert_eq!(g["num_attention_heads"], json!(20));
+        assert_eq!(g["num_hidden_layers"], json!(32));
+        assert_eq!(g["architectures"], json!(["CLIPTextModelWithProjection"]));
+        assert_eq!(g["projection_dim"], json!(1280));
+    }
+
+    #[test]
+    fn narrow_widths_get_valid_heads_and_groups() {
+        assert_eq!(heads_for_head_dim(32, 64), 1);
+        assert_eq!(heads_for_head_dim(96, 64), 1);
+        assert_eq!(heads_for_head_dim(1280, 64), 20);
+        assert_eq!(norm_groups(&[128, 256, 512]), 32);
+        assert_eq!(norm_groups(&[16, 32]), 16);
+        assert_eq!(norm_groups(&[24]), 24);
+    }
+
+    #[test]
+    fn overrides_win_and_contradictions_are_caught() {
+        let inferred = json!({"block_out_channels": [32, 64], "layers_per_block": 2, "norm_num_groups": 32});
+        let over = json!({"layers_per_block": [2, 2], "norm_num_groups": 8});
+        let checks = [("block_out_channels", Check::Exact), ("layers_per_block", Check::PerBlock { n: 2 })];
+        validate("o", Path::new("c"), &inferred, &over, &checks).expect("int and list agree");
+        let merged = resolve(inferred.clone(), Some(&over));
+        assert_eq!(merged["norm_num_groups"], json!(8));
+        assert_eq!(merged["block_out_channels"], json!([32, 64]));
+        let bad = json!({"layers_per_block": 3});
+        assert!(validate("o", Path::new("c"), &inferred, &bad, &checks).is_err());
+        let masked = [("t", Check::PerBlockAt { n: 2, mask: 0b10 })];
+        let inf = json!({"t": [1, 2]});
+        validate("o", Path::new("c"), &inf, &json!({"t": [7, 2]}), &masked).expect("unused slot is free");
+        assert!(validate("o", Path::new("c"), &inf, &json!({"t": 1}), &masked).is_err());
+    }
+}

@@ -15,6 +15,10 @@
 //!   caller then decides (CLI flag / request) and calls [`Converted::set_prediction_type`].
 //! * The file is memory-mapped and each tensor is copied out once, straight into its
 //!   converted form; the checkpoint is never held twice.
+//! * Tensors keep the dtype they are stored in (float32, float16, bfloat16, or a mix, as in
+//!   files with an fp16 UNet beside an fp32 VAE): casting here would only add a second copy
+//!   or a second rounding. The caller casts to the model's dtype, e.g. through
+//!   `VarBuilder::from_tensors`, which converts each tensor as the model asks for it.
 //!
 //! EMA copies (`model_ema.*`), LDM schedule buffers and other non-network tensors are skipped
 //! and listed in [`Converted::skipped`]. A name inside a component that the layout does not

@@ -2,6 +2,10 @@
 //! xtask/fixtures/gen_single_file.py and proven faithful by diffusers) and holds every converted
 //! tensor against the diffusers folder they were made from; then feeds the loader damaged and
 //! foreign files and checks the errors name the file and the tensor.
+//!
+//! sd1.safetensors is float32, the other fixtures float16 (as most published checkpoints are);
+//! the loader keeps the stored dtype, so a float16 file is held against the folder's float32
+//! weights rounded to float16, bit for bit.
 
 use candle_core::{DType, Device, Tensor};
 use sdhive_checkpoint::{
@@ -11,6 +15,10 @@ use sdhive_checkpoint::{
 use serde_json::{json, Value};
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+
+/// Printed with failures that a fixture folder regenerated after its single file would cause.
+const STALE: &str = "if the diffusers fixture folders were regenerated, rerun \
+                     `/opt/refpy/bin/python xtask/fixtures/gen_single_file.py`";
 
 fn models_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models")
@@ -33,15 +41,30 @@ fn fixture(name: &str) -> (PathBuf, PathBuf) {
     (file, folder)
 }
 
-fn folder_weights(folder: &Path, component: &str) -> HashMap<String, Tensor> {
+/// A folder component's weights cast to `dtype`. candle rounds f32 to f16/bf16 to nearest
+/// even, as torch's `.half()` that wrote the float16 fixtures does, so the cast is bit-exact.
+fn folder_weights(folder: &Path, component: &str, dtype: DType) -> HashMap<String, Tensor> {
     let dir = folder.join(component);
     for name in ["diffusion_pytorch_model.safetensors", "model.safetensors"] {
         let p = dir.join(name);
         if p.is_file() {
-            return candle_core::safetensors::load(&p, &Device::Cpu).expect("fixture weights load");
+            let weights = candle_core::safetensors::load(&p, &Device::Cpu).expect("fixture weights load");
+            return cast_floats(weights, |_| dtype);
         }
     }
     panic!("no weights in {}", dir.display());
+}
+
+/// Casts every floating-point tensor to the dtype `to` picks for its name; integer buffers
+/// (position_ids, EMA counters) keep theirs, as in real half-precision exports.
+fn cast_floats(tensors: HashMap<String, Tensor>, to: impl Fn(&str) -> DType) -> HashMap<String, Tensor> {
+    tensors
+        .into_iter()
+        .map(|(k, t)| {
+            let t = if t.dtype().is_float() { t.to_dtype(to(&k)).expect("cast") } else { t };
+            (k, t)
+        })
+        .collect()
 }
 
 fn folder_config(folder: &Path, component: Component) -> Value {
@@ -67,51 +90,58 @@ fn assert_same_weights(what: &str, got: &HashMap<String, Tensor>, want: &HashMap
     let extra: Vec<_> = g.difference(&w).take(5).collect();
     assert!(
         missing.is_empty() && extra.is_empty(),
-        "{what}: name sets differ: missing {missing:?}, extra {extra:?}"
+        "{what}: name sets differ: missing {missing:?}, extra {extra:?}; {STALE}"
     );
     for (name, wt) in want {
         let gt = &got[name];
         assert_eq!(gt.dtype(), wt.dtype(), "{what}: {name}: dtype");
-        assert_eq!(gt.dims(), wt.dims(), "{what}: {name}: shape");
-        assert!(bits(gt) == bits(wt), "{what}: {name}: values differ");
+        assert_eq!(gt.dims(), wt.dims(), "{what}: {name}: shape; {STALE}");
+        assert!(bits(gt) == bits(wt), "{what}: {name}: values differ; {STALE}");
     }
 }
 
-fn assert_all_weights(name: &str, c: &Converted, folder: &Path) {
-    assert_same_weights(&format!("{name} unet"), &c.unet, &folder_weights(folder, "unet"));
-    assert_same_weights(&format!("{name} vae"), &c.vae, &folder_weights(folder, "vae"));
+/// Every converted component against the folder's weights in `dtype`.
+fn assert_all_weights(name: &str, c: &Converted, folder: &Path, dtype: DType) {
+    assert_components(name, c, folder, |_| dtype);
+}
+
+/// As [`assert_all_weights`], with a dtype per diffusers component folder.
+fn assert_components(name: &str, c: &Converted, folder: &Path, dtype: impl Fn(&str) -> DType) {
+    assert_same_weights(&format!("{name} unet"), &c.unet, &folder_weights(folder, "unet", dtype("unet")));
+    assert_same_weights(&format!("{name} vae"), &c.vae, &folder_weights(folder, "vae", dtype("vae")));
     assert_same_weights(
         &format!("{name} text_encoder"),
         &c.text_encoder,
-        &folder_weights(folder, "text_encoder"),
+        &folder_weights(folder, "text_encoder", dtype("text_encoder")),
     );
     match (&c.text_encoder_2, folder.join("text_encoder_2").is_dir()) {
         (Some(te2), true) => assert_same_weights(
             &format!("{name} text_encoder_2"),
             te2,
-            &folder_weights(folder, "text_encoder_2"),
+            &folder_weights(folder, "text_encoder_2", dtype("text_encoder_2")),
         ),
         (None, false) => {}
         (got, want) => panic!("{name}: text_encoder_2 present {} but folder has it {want}", got.is_some()),
     }
 }
 
-const FIXTURES: &[(&str, Family, Variant)] = &[
-    ("sd1", Family::Sd1, Variant::Standard),
-    ("sd1-inpaint", Family::Sd1, Variant::Inpainting),
-    ("sd2v", Family::Sd2, Variant::Standard),
-    ("sdxl", Family::Sdxl, Variant::Standard),
+/// Name, family, variant and the dtype gen_single_file.py stores the weights in.
+const FIXTURES: &[(&str, Family, Variant, DType)] = &[
+    ("sd1", Family::Sd1, Variant::Standard, DType::F32),
+    ("sd1-inpaint", Family::Sd1, Variant::Inpainting, DType::F16),
+    ("sd2v", Family::Sd2, Variant::Standard, DType::F16),
+    ("sdxl", Family::Sdxl, Variant::Standard, DType::F16),
 ];
 
 #[test]
 fn with_folder_configs_every_tensor_is_bit_identical() {
-    for (name, family, variant) in FIXTURES {
+    for (name, family, variant, dtype) in FIXTURES {
         let (file, folder) = fixture(name);
         let overrides = ConfigDir::open(&folder).expect("config dir");
-        let c = load_single_file(&file, Some(&overrides)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let c = load_single_file(&file, Some(&overrides)).unwrap_or_else(|e| panic!("{name}: {e}; {STALE}"));
         assert_eq!(c.family, *family, "{name}");
         assert_eq!(c.variant, *variant, "{name}");
-        assert_all_weights(name, &c, &folder);
+        assert_all_weights(name, &c, &folder, *dtype);
         // The folder's configs win key by key.
         for comp in Component::ALL {
             let Some(ours) = c.configs.get(comp) else { continue };
@@ -145,14 +175,14 @@ fn assert_structure(name: &str, comp: Component, ours: &Value, theirs: &Value, k
 
 #[test]
 fn without_overrides_family_and_structure_are_inferred() {
-    for (name, family, variant) in FIXTURES {
+    for (name, family, variant, dtype) in FIXTURES {
         let (file, folder) = fixture(name);
         let c = load_single_file(&file, None).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(c.family, *family, "{name}");
         assert_eq!(c.variant, *variant, "{name}");
         assert!(c.overridden.is_empty());
         // Names and values follow from the layout alone, configs or not.
-        assert_all_weights(name, &c, &folder);
+        assert_all_weights(name, &c, &folder, *dtype);
 
         let unet_keys = [
             "in_channels",
@@ -284,6 +314,59 @@ fn sd2_prediction_hints() {
     c.set_prediction_type(PredictionType::Epsilon);
     assert_eq!(c.configs.scheduler["prediction_type"], json!("epsilon"));
     assert_eq!(c.prediction.kind(), Some(PredictionType::Epsilon));
+}
+
+/// Which diffusers component a checkpoint tensor belongs to, by its LDM/SGM prefix.
+fn component_of(key: &str) -> &'static str {
+    if key.starts_with("model.diffusion_model.") {
+        "unet"
+    } else if key.starts_with("first_stage_model.") {
+        "vae"
+    } else if key.starts_with("conditioner.embedders.1.") {
+        "text_encoder_2"
+    } else {
+        "text_encoder"
+    }
+}
+
+#[test]
+fn half_precision_tensors_keep_their_stored_dtype() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // bfloat16 through every family's renames, q/k/v splits, 1x1-conv squeezes and the
+    // OpenCLIP projection transpose: each tensor comes out as stored, rounded like the folder's.
+    for (name, _, _, stored) in FIXTURES {
+        let (file, folder) = fixture(name);
+        let bf16 = save(
+            dir.path(),
+            &format!("{name}-bf16.safetensors"),
+            &cast_floats(load_all(&file), |_| DType::BF16),
+        );
+        let c = load_single_file(&bf16, None).unwrap_or_else(|e| panic!("{name} bf16: {e}"));
+        // The f16 fixtures are already rounded once; the folder goes through the same steps.
+        let folder_bf16 = |comp: &str| cast_floats(folder_weights(&folder, comp, *stored), |_| DType::BF16);
+        assert_same_weights(&format!("{name} bf16 unet"), &c.unet, &folder_bf16("unet"));
+        assert_same_weights(&format!("{name} bf16 vae"), &c.vae, &folder_bf16("vae"));
+        assert_same_weights(
+            &format!("{name} bf16 text_encoder"),
+            &c.text_encoder,
+            &folder_bf16("text_encoder"),
+        );
+        if let Some(te2) = &c.text_encoder_2 {
+            assert_same_weights(&format!("{name} bf16 text_encoder_2"), te2, &folder_bf16("text_encoder_2"));
+        }
+    }
+
+    // Mixed files exist too (an fp16 UNet beside an fp32 VAE, …): nothing is unified.
+    let (file, folder) = fixture("sd1");
+    let dtype_for = |comp: &str| match comp {
+        "unet" => DType::F16,
+        "vae" => DType::BF16,
+        _ => DType::F32,
+    };
+    let mixed = cast_floats(load_all(&file), |k| dtype_for(component_of(k)));
+    let p = save(dir.path(), "mixed.safetensors", &mixed);
+    let c = load_single_file(&p, None).expect("mixed-precision checkpoint");
+    assert_components("sd1 mixed", &c, &folder, dtype_for);
 }
 
 // ------------------------------------------------------------------ damaged and foreign files
@@ -459,7 +542,8 @@ fn unexpected_shapes_name_the_tensor() {
     let mut m = load_all(&file2);
     let key = "cond_stage_model.model.transformer.resblocks.0.attn.in_proj_weight";
     let d = m[key].dims().to_vec();
-    m.insert(key.into(), Tensor::zeros((d[0] - 1, d[1]), DType::F32, &Device::Cpu).expect("zeros"));
+    let dt = m[key].dtype();
+    m.insert(key.into(), Tensor::zeros((d[0] - 1, d[1]), dt, &Device::Cpu).expect("zeros"));
     let p = save(dir.path(), "in_proj.safetensors", &m);
     let e = err_of(&p);
     assert!(matches!(e, CheckpointError::Shape { .. }), "{e}");

@@ -69,24 +69,18 @@ impl ClipTextConfig {
             Some(tc) if tc.is_object() && value.get("hidden_size").is_none() => tc.clone(),
             _ => value,
         };
-        let cfg: Self =
-            serde_json::from_value(section).map_err(|source| ModelError::ConfigParse {
-                path: path.to_path_buf(),
-                source,
-            })?;
+        let cfg: Self = serde_json::from_value(section)
+            .map_err(|source| ModelError::ConfigParse { path: path.to_path_buf(), source })?;
         cfg.validate(&path.display().to_string())?;
         Ok(cfg)
     }
 
     pub fn validate(&self, origin: &str) -> Result<()> {
-        if self.num_attention_heads == 0 || self.hidden_size % self.num_attention_heads != 0 {
+        if self.num_attention_heads == 0 || !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(invalid(
                 origin,
                 "num_attention_heads",
-                format!(
-                    "{} heads do not divide hidden_size {}",
-                    self.num_attention_heads, self.hidden_size
-                ),
+                format!("{} heads do not divide hidden_size {}", self.num_attention_heads, self.hidden_size),
             ));
         }
         if self.max_position_embeddings == 0 {
@@ -196,9 +190,7 @@ impl ClipLayer {
     }
 
     fn forward(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
-        let h = self
-            .self_attn
-            .forward(&self.layer_norm1.forward(x)?, mask)?;
+        let h = self.self_attn.forward(&self.layer_norm1.forward(x)?, mask)?;
         let x = (x + h)?;
         let h = self.fc1.forward(&self.layer_norm2.forward(&x)?)?;
         let h = match self.act {
@@ -230,11 +222,7 @@ impl ClipTextModel {
         cfg.validate(MODEL)?;
         let projection_dim = match (with_projection, cfg.projection_dim) {
             (true, None) => {
-                return Err(invalid(
-                    MODEL,
-                    "projection_dim",
-                    "required for CLIPTextModelWithProjection",
-                ))
+                return Err(invalid(MODEL, "projection_dim", "required for CLIPTextModelWithProjection"))
             }
             (_, p) => p,
         };
@@ -245,11 +233,8 @@ impl ClipTextModel {
                 && vb.contains_tensor("embeddings.token_embedding.weight");
             let tm = if bare { vb.clone() } else { vb.pp("text_model") };
             let emb = tm.pp("embeddings");
-            let token_embedding = candle_nn::embedding(
-                cfg.vocab_size,
-                cfg.hidden_size,
-                emb.pp("token_embedding"),
-            )?;
+            let token_embedding =
+                candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, emb.pp("token_embedding"))?;
             let position_embedding = candle_nn::embedding(
                 cfg.max_position_embeddings,
                 cfg.hidden_size,
@@ -261,12 +246,7 @@ impl ClipTextModel {
             let final_layer_norm =
                 LayerNorm::new(tm.pp("final_layer_norm"), cfg.hidden_size, cfg.layer_norm_eps)?;
             let text_projection = match (with_projection, projection_dim) {
-                (true, Some(p)) => Some(linear(
-                    vb.pp("text_projection"),
-                    cfg.hidden_size,
-                    p,
-                    false,
-                )?),
+                (true, Some(p)) => Some(linear(vb.pp("text_projection"), cfg.hidden_size, p, false)?),
                 _ => None,
             };
             Ok(Self {
@@ -284,12 +264,7 @@ impl ClipTextModel {
     }
 
     /// Reads `dir/config.json` and the weights in `dir`.
-    pub fn from_dir(
-        dir: &Path,
-        with_projection: bool,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Self> {
+    pub fn from_dir(dir: &Path, with_projection: bool, dtype: DType, device: &Device) -> Result<Self> {
         let cfg = ClipTextConfig::from_file(&dir.join("config.json"))?;
         let vb = crate::loading::load_component(dir, dtype, device)?;
         Self::new(vb, &cfg, with_projection)
@@ -300,6 +275,18 @@ impl ClipTextModel {
         &self.config
     }
 
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn has_projection(&self) -> bool {
+        self.text_projection.is_some()
+    }
+
     /// Runs the encoder on token ids `(B, S)` (u32 or i64), `S ≤ max_position_embeddings`.
     pub fn forward(&self, input_ids: &Tensor) -> Result<ClipTextOutput> {
         let (b, s) = input_ids
@@ -308,26 +295,13 @@ impl ClipTextModel {
         if s > self.config.max_position_embeddings || s == 0 {
             return Err(input_err(
                 MODEL,
-                format!(
-                    "sequence length {s} outside 1..={}",
-                    self.config.max_position_embeddings
-                ),
+                format!("sequence length {s} outside 1..={}", self.config.max_position_embeddings),
             ));
         }
-        let ids = input_ids
-            .to_device(&self.device)
-            .and_then(|t| t.to_dtype(DType::U32))
-            .ctx(MODEL)?;
+        let ids = input_ids.to_device(&self.device).and_then(|t| t.to_dtype(DType::U32)).ctx(MODEL)?;
         let host_ids: Vec<Vec<u32>> = ids.to_vec2().ctx(MODEL)?;
-        if let Some(bad) = host_ids
-            .iter()
-            .flatten()
-            .find(|&&t| t as usize >= self.config.vocab_size)
-        {
-            return Err(input_err(
-                MODEL,
-                format!("token id {bad} >= vocab_size {}", self.config.vocab_size),
-            ));
+        if let Some(bad) = host_ids.iter().flatten().find(|&&t| t as usize >= self.config.vocab_size) {
+            return Err(input_err(MODEL, format!("token id {bad} >= vocab_size {}", self.config.vocab_size)));
         }
         let eos_positions = self.eos_positions(&host_ids);
         self.run(&ids, b, s, &eos_positions).ctx(MODEL)
@@ -381,12 +355,7 @@ impl ClipTextModel {
             Some(p) => Some(p.forward(&pooled)?),
             None => None,
         };
-        Ok(ClipTextOutput {
-            hidden_states,
-            last_hidden_state,
-            pooled,
-            text_embeds,
-        })
+        Ok(ClipTextOutput { hidden_states, last_hidden_state, pooled, text_embeds })
     }
 
     /// Applies the final LayerNorm to an intermediate hidden state (clip-skip).
@@ -404,8 +373,7 @@ impl ClipTextModel {
 }
 
 fn causal_mask(s: usize, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
-    let mask: Vec<f32> = (0..s)
-        .flat_map(|i| (0..s).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
-        .collect();
+    let mask: Vec<f32> =
+        (0..s).flat_map(|i| (0..s).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })).collect();
     Tensor::from_vec(mask, (s, s), device)?.to_dtype(dtype)
 }

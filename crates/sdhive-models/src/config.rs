@@ -20,11 +20,9 @@ impl IntOrList {
         match self {
             IntOrList::Int(v) => Ok(vec![*v; n]),
             IntOrList::List(vs) if vs.len() == n => Ok(vs.clone()),
-            IntOrList::List(vs) => Err(invalid(
-                origin,
-                field,
-                format!("has {} entries but there are {n} blocks", vs.len()),
-            )),
+            IntOrList::List(vs) => {
+                Err(invalid(origin, field, format!("has {} entries but there are {n} blocks", vs.len())))
+            }
         }
     }
 }
@@ -64,34 +62,23 @@ impl Default for BoolOrList {
 
 /// Reads and parses a JSON config; serde's message names the field that failed.
 pub fn read_json<T: DeserializeOwned>(path: &Path) -> Result<T> {
-    let text = std::fs::read_to_string(path).map_err(|source| ModelError::ConfigIo {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    serde_json::from_str(&text).map_err(|source| ModelError::ConfigParse {
-        path: path.to_path_buf(),
-        source,
-    })
+    let text = std::fs::read_to_string(path)
+        .map_err(|source| ModelError::ConfigIo { path: path.to_path_buf(), source })?;
+    serde_json::from_str(&text).map_err(|source| ModelError::ConfigParse { path: path.to_path_buf(), source })
 }
 
 pub(crate) fn check_act(origin: &str, field: &str, act: &str) -> Result<()> {
     match act {
         "silu" | "swish" => Ok(()),
-        other => Err(invalid(
-            origin,
-            field,
-            format!("activation `{other}` is not supported (only silu/swish)"),
-        )),
+        other => {
+            Err(invalid(origin, field, format!("activation `{other}` is not supported (only silu/swish)")))
+        }
     }
 }
 
 pub(crate) fn check_divides(origin: &str, field: &str, groups: usize, channels: usize) -> Result<()> {
-    if groups == 0 || channels % groups != 0 {
-        return Err(invalid(
-            origin,
-            field,
-            format!("{groups} groups do not divide {channels} channels"),
-        ));
+    if groups == 0 || !channels.is_multiple_of(groups) {
+        return Err(invalid(origin, field, format!("{groups} groups do not divide {channels} channels")));
     }
     Ok(())
 }

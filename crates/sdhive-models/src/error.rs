@@ -6,34 +6,21 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error("cannot read config {path}: {source}")]
-    ConfigIo {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    ConfigIo { path: PathBuf, source: std::io::Error },
 
     /// serde's message names the offending field (and line/column).
     #[error("cannot parse config {path}: {source}")]
-    ConfigParse {
-        path: PathBuf,
-        source: serde_json::Error,
-    },
+    ConfigParse { path: PathBuf, source: serde_json::Error },
 
     /// `origin` is the config file when known, else the model kind.
     #[error("{origin}: field `{field}`: {reason}")]
-    InvalidConfig {
-        origin: String,
-        field: String,
-        reason: String,
-    },
+    InvalidConfig { origin: String, field: String, reason: String },
 
     #[error("no weights found in {dir} (looked for {looked_for})")]
     WeightsNotFound { dir: PathBuf, looked_for: String },
 
     #[error("cannot open weights {path}: {source}")]
-    WeightsOpen {
-        path: PathBuf,
-        source: candle_core::Error,
-    },
+    WeightsOpen { path: PathBuf, source: candle_core::Error },
 
     #[error("cannot read weight index {path}: {reason}")]
     WeightIndex { path: PathBuf, reason: String },
@@ -41,53 +28,33 @@ pub enum ModelError {
     /// Missing tensors and shape mismatches land here; candle's message names the tensor.
     /// `origin` is the weight file(s) when the model was loaded from a folder.
     #[error("loading {model} weights{}: {source}", fmt_origin(.origin))]
-    Weights {
-        model: &'static str,
-        origin: Option<String>,
-        source: candle_core::Error,
-    },
+    Weights { model: &'static str, origin: Option<String>, source: candle_core::Error },
 
     #[error("{model}: invalid input: {reason}")]
     Input { model: &'static str, reason: String },
 
     #[error("{model}: tensor operation failed: {source}")]
-    Tensor {
-        model: &'static str,
-        source: candle_core::Error,
-    },
+    Tensor { model: &'static str, source: candle_core::Error },
 }
 
 fn fmt_origin(origin: &Option<String>) -> String {
-    origin
-        .as_ref()
-        .map(|o| format!(" from {o}"))
-        .unwrap_or_default()
+    origin.as_ref().map(|o| format!(" from {o}")).unwrap_or_default()
 }
 
 impl ModelError {
     /// Names the weight files in a loading error once the caller knows them.
     pub fn with_weight_origin(self, files: &str) -> Self {
         match self {
-            ModelError::Weights {
-                model,
-                origin: None,
-                source,
-            } => ModelError::Weights {
-                model,
-                origin: Some(files.to_string()),
-                source,
-            },
+            ModelError::Weights { model, origin: None, source } => {
+                ModelError::Weights { model, origin: Some(files.to_string()), source }
+            }
             other => other,
         }
     }
 }
 
 pub(crate) fn weights_err(model: &'static str) -> impl FnOnce(candle_core::Error) -> ModelError {
-    move |source| ModelError::Weights {
-        model,
-        origin: None,
-        source: strip_backtrace(source),
-    }
+    move |source| ModelError::Weights { model, origin: None, source: strip_backtrace(source) }
 }
 
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
@@ -99,10 +66,7 @@ pub(crate) trait TensorContext<T> {
 
 impl<T> TensorContext<T> for candle_core::Result<T> {
     fn ctx(self, model: &'static str) -> Result<T> {
-        self.map_err(|source| ModelError::Tensor {
-            model,
-            source: strip_backtrace(source),
-        })
+        self.map_err(|source| ModelError::Tensor { model, source: strip_backtrace(source) })
     }
 }
 
@@ -111,29 +75,20 @@ impl<T> TensorContext<T> for candle_core::Result<T> {
 pub(crate) fn strip_backtrace(e: candle_core::Error) -> candle_core::Error {
     match e {
         candle_core::Error::WithBacktrace { inner, .. } => strip_backtrace(*inner),
-        candle_core::Error::Context { inner, context } => candle_core::Error::Context {
-            inner: Box::new(strip_backtrace(*inner)),
-            context,
-        },
-        candle_core::Error::WithPath { inner, path } => candle_core::Error::WithPath {
-            inner: Box::new(strip_backtrace(*inner)),
-            path,
-        },
+        candle_core::Error::Context { inner, context } => {
+            candle_core::Error::Context { inner: Box::new(strip_backtrace(*inner)), context }
+        }
+        candle_core::Error::WithPath { inner, path } => {
+            candle_core::Error::WithPath { inner: Box::new(strip_backtrace(*inner)), path }
+        }
         other => other,
     }
 }
 
 pub(crate) fn invalid(origin: &str, field: &str, reason: impl Into<String>) -> ModelError {
-    ModelError::InvalidConfig {
-        origin: origin.to_string(),
-        field: field.to_string(),
-        reason: reason.into(),
-    }
+    ModelError::InvalidConfig { origin: origin.to_string(), field: field.to_string(), reason: reason.into() }
 }
 
 pub(crate) fn input_err(model: &'static str, reason: impl Into<String>) -> ModelError {
-    ModelError::Input {
-        model,
-        reason: reason.into(),
-    }
+    ModelError::Input { model, reason: reason.into() }
 }

@@ -16,11 +16,8 @@ pub struct GroupNorm {
 
 impl GroupNorm {
     pub fn new(vb: VarBuilder, groups: usize, channels: usize, eps: f64) -> Result<Self> {
-        if groups == 0 || channels % groups != 0 {
-            candle_core::bail!(
-                "{}: {groups} groups do not divide {channels} channels",
-                vb.prefix()
-            );
+        if groups == 0 || !channels.is_multiple_of(groups) {
+            candle_core::bail!("{}: {groups} groups do not divide {channels} channels", vb.prefix());
         }
         Ok(Self {
             weight: vb.get_with_hints(channels, "weight", Init::Const(1.))?,
@@ -73,11 +70,7 @@ pub fn conv2d(
     stride: usize,
     padding: usize,
 ) -> Result<Conv2d> {
-    let cfg = Conv2dConfig {
-        padding,
-        stride,
-        ..Default::default()
-    };
+    let cfg = Conv2dConfig { padding, stride, ..Default::default() };
     candle_nn::conv2d(in_c, out_c, kernel, cfg, vb)
 }
 
@@ -115,14 +108,7 @@ impl ResnetBlock2D {
         let norm2 = GroupNorm::new(vb.pp("norm2"), s.groups, s.out_channels, s.eps)?;
         let conv2 = conv2d(vb.pp("conv2"), s.out_channels, s.out_channels, 3, 1, 1)?;
         let conv_shortcut = if s.in_channels != s.out_channels {
-            Some(conv2d(
-                vb.pp("conv_shortcut"),
-                s.in_channels,
-                s.out_channels,
-                1,
-                1,
-                0,
-            )?)
+            Some(conv2d(vb.pp("conv_shortcut"), s.in_channels, s.out_channels, 1, 1, 0)?)
         } else {
             None
         };
@@ -194,9 +180,7 @@ pub struct Upsample2D {
 
 impl Upsample2D {
     pub fn new(vb: VarBuilder, channels: usize) -> Result<Self> {
-        Ok(Self {
-            conv: conv2d(vb.pp("conv"), channels, channels, 3, 1, 1)?,
-        })
+        Ok(Self { conv: conv2d(vb.pp("conv"), channels, channels, 3, 1, 1)? })
     }
 
     pub fn forward(&self, x: &Tensor, size: Option<(usize, usize)>) -> Result<Tensor> {

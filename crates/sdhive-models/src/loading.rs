@@ -31,35 +31,21 @@ pub fn find_weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     if let Some(name) = INDEX_FILES.iter().find(|n| dir.join(n).is_file()) {
         return shards_from_index(dir, &dir.join(name));
     }
-    let looked_for = SINGLE_FILES
-        .iter()
-        .chain(INDEX_FILES.iter())
-        .copied()
-        .collect::<Vec<_>>()
-        .join(", ");
-    Err(ModelError::WeightsNotFound {
-        dir: dir.to_path_buf(),
-        looked_for,
-    })
+    let looked_for = SINGLE_FILES.iter().chain(INDEX_FILES.iter()).copied().collect::<Vec<_>>().join(", ");
+    Err(ModelError::WeightsNotFound { dir: dir.to_path_buf(), looked_for })
 }
 
 fn shards_from_index(dir: &Path, index: &Path) -> Result<Vec<PathBuf>> {
-    let index_err = |reason: String| ModelError::WeightIndex {
-        path: index.to_path_buf(),
-        reason,
-    };
+    let index_err = |reason: String| ModelError::WeightIndex { path: index.to_path_buf(), reason };
     let text = std::fs::read_to_string(index).map_err(|e| index_err(e.to_string()))?;
-    let value: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| index_err(e.to_string()))?;
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| index_err(e.to_string()))?;
     let map = value
         .get("weight_map")
         .and_then(|m| m.as_object())
         .ok_or_else(|| index_err("no `weight_map` object".into()))?;
     let mut files: Vec<PathBuf> = Vec::new();
     for (tensor, file) in map {
-        let file = file
-            .as_str()
-            .ok_or_else(|| index_err(format!("shard of `{tensor}` is not a string")))?;
+        let file = file.as_str().ok_or_else(|| index_err(format!("shard of `{tensor}` is not a string")))?;
         let path = dir.join(file);
         if !files.contains(&path) {
             files.push(path);
@@ -72,21 +58,13 @@ fn shards_from_index(dir: &Path, index: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// Memory-maps the given safetensors files into one `VarBuilder`.
-pub fn open_safetensors(
-    files: &[PathBuf],
-    dtype: DType,
-    device: &Device,
-) -> Result<VarBuilder<'static>> {
+pub fn open_safetensors(files: &[PathBuf], dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
     // Opening each file alone first gives an error that names the broken one.
     for f in files {
         // SAFETY: weights are read-only inputs; we rely on nobody truncating them while mapped,
         // the same contract as every mmap-based model loader.
-        unsafe { candle_core::safetensors::MmapedSafetensors::new(f) }.map_err(|source| {
-            ModelError::WeightsOpen {
-                path: f.clone(),
-                source: strip_backtrace(source),
-            }
-        })?;
+        unsafe { candle_core::safetensors::MmapedSafetensors::new(f) }
+            .map_err(|source| ModelError::WeightsOpen { path: f.clone(), source: strip_backtrace(source) })?;
     }
     // SAFETY: as above.
     unsafe { VarBuilder::from_mmaped_safetensors(files, dtype, device) }.map_err(|source| {
@@ -105,34 +83,91 @@ pub fn load_component(dir: &Path, dtype: DType, device: &Device) -> Result<VarBu
 /// For error messages: the weight files of `dir`, or the folder itself when none is found.
 pub(crate) fn describe_weights(dir: &Path) -> String {
     match find_weight_files(dir) {
-        Ok(files) => files
-            .iter()
-            .map(|f| f.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", "),
+        Ok(files) => files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "),
         Err(_) => dir.display().to_string(),
     }
 }
 
-/// Serves every requested tensor with fresh random values instead of reading a file.
+/// Period of the random pool; large enough that no layer sees an obviously repeating pattern
+/// in a row, small enough to generate instantly.
+const POOL_LEN: usize = 1 << 20;
+
+/// Serves every requested tensor from a fixed pool of N(0, std²) values, read from a
+/// name-dependent offset. Drawing a fresh normal per weight would take about a minute for
+/// SDXL; tiling a pool is memory-bound, and the weights are deterministic across runs so
+/// benchmark numbers are comparable.
 struct RandomWeights {
-    std: f64,
+    pool: Vec<f32>,
+    // Half-precision copies so big half models skip an f32 round trip per tensor.
+    pool_f16: Vec<half::f16>,
+    pool_bf16: Vec<half::bf16>,
+}
+
+impl RandomWeights {
+    fn new(std: f32, seed: u64) -> Self {
+        let mut state = seed;
+        let mut next_unit = move || {
+            // splitmix64 → uniform in (0, 1]
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            ((z >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+        };
+        let mut pool = Vec::with_capacity(POOL_LEN);
+        while pool.len() < POOL_LEN {
+            // Box–Muller gives two normals per pair of uniforms.
+            let (u1, u2) = (next_unit(), next_unit());
+            let r = (-2.0 * u1.ln()).sqrt();
+            let theta = 2.0 * std::f64::consts::PI * u2;
+            pool.push((r * theta.cos()) as f32 * std);
+            pool.push((r * theta.sin()) as f32 * std);
+        }
+        let pool_f16 = pool.iter().map(|&v| half::f16::from_f32(v)).collect();
+        let pool_bf16 = pool.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        Self { pool, pool_f16, pool_bf16 }
+    }
+
+    fn tile<T: Copy>(pool: &[T], start: usize, n: usize) -> Vec<T> {
+        let mut start = start;
+        let mut data = Vec::with_capacity(n);
+        while data.len() < n {
+            let take = (n - data.len()).min(pool.len() - start);
+            data.extend_from_slice(&pool[start..start + take]);
+            start = 0;
+        }
+        data
+    }
+
+    fn offset(name: &str) -> usize {
+        // FNV-1a: a stable, dependency-free hash of the tensor name.
+        let h =
+            name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+        (h % POOL_LEN as u64) as usize
+    }
 }
 
 impl SimpleBackend for RandomWeights {
     fn get(
         &self,
         s: Shape,
-        _name: &str,
+        name: &str,
         hint: Init,
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
         // Norm scales/shifts keep their constant init: random tiny gains would shrink
         // activations into denormals and distort the timings being measured.
-        match hint {
-            Init::Const(v) => (Tensor::ones(s, DType::F32, dev)? * v)?.to_dtype(dtype),
-            _ => Tensor::randn(0f32, self.std as f32, s, dev)?.to_dtype(dtype),
+        if let Init::Const(v) = hint {
+            return (Tensor::ones(s, DType::F32, dev)? * v)?.to_dtype(dtype);
+        }
+        let n = s.elem_count();
+        let start = Self::offset(name);
+        match dtype {
+            DType::F16 => Tensor::from_vec(Self::tile(&self.pool_f16, start, n), s, dev),
+            DType::BF16 => Tensor::from_vec(Self::tile(&self.pool_bf16, start, n), s, dev),
+            _ => Tensor::from_vec(Self::tile(&self.pool, start, n), s, dev)?.to_dtype(dtype),
         }
     }
 
@@ -145,8 +180,8 @@ impl SimpleBackend for RandomWeights {
     }
 }
 
-/// A `VarBuilder` producing N(0, 0.02²) weights (norms at 1/0) for benchmarking full-size
-/// networks, e.g. `UNet2DConditionModel::new(random_var_builder(..), &sd15_unet_config())`.
+/// A `VarBuilder` producing deterministic N(0, 0.02²) weights (norms at 1/0) for benchmarking
+/// full-size networks, e.g. `UNet2DConditionModel::new(random_var_builder(..), &sd15_unet_config())`.
 pub fn random_var_builder(dtype: DType, device: &Device) -> VarBuilder<'static> {
-    VarBuilder::from_backend(Box::new(RandomWeights { std: 0.02 }), dtype, device.clone())
+    VarBuilder::from_backend(Box::new(RandomWeights::new(0.02, 0x5D_4E_1F)), dtype, device.clone())
 }

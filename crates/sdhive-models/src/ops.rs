@@ -70,29 +70,17 @@ fn attention_block(
 /// `(B, S, H·D)` → `(B·H, S, D)`, contiguous so the batched matmuls need no copies.
 pub fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
     let (b, s, hd) = x.dims3()?;
-    x.reshape((b, s, heads, hd / heads))?
-        .transpose(1, 2)?
-        .contiguous()?
-        .reshape((b * heads, s, hd / heads))
+    x.reshape((b, s, heads, hd / heads))?.transpose(1, 2)?.contiguous()?.reshape((b * heads, s, hd / heads))
 }
 
 /// `(B·H, S, D)` → `(B, S, H·D)`.
 pub fn merge_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
     let (bh, s, d) = x.dims3()?;
-    x.reshape((bh / heads, heads, s, d))?
-        .transpose(1, 2)?
-        .contiguous()?
-        .reshape((bh / heads, s, heads * d))
+    x.reshape((bh / heads, heads, s, d))?.transpose(1, 2)?.contiguous()?.reshape((bh / heads, s, heads * d))
 }
 
 /// GroupNorm over `(B, C, …)` with per-channel affine; statistics in f32 for half inputs.
-pub fn group_norm(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: &Tensor,
-    groups: usize,
-    eps: f64,
-) -> Result<Tensor> {
+pub fn group_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, groups: usize, eps: f64) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     if dims.len() < 3 {
         candle_core::bail!("group_norm expects a (B, C, ...) tensor, got {:?}", dims);

@@ -3,9 +3,7 @@
 
 use crate::config::{check_act, check_divides, read_json};
 use crate::error::{input_err, invalid, weights_err, Result, TensorContext};
-use crate::layers::{
-    conv2d, linear, Downsample2D, GroupNorm, ResnetBlock2D, ResnetSpec, Upsample2D,
-};
+use crate::layers::{conv2d, linear, Downsample2D, GroupNorm, ResnetBlock2D, ResnetSpec, Upsample2D};
 use crate::ops;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Conv2d, Linear, VarBuilder};
@@ -117,10 +115,7 @@ pub fn sd15_vae_config() -> AutoencoderKLConfig {
 
 /// The public SDXL `vae/config.json` (same network, different scaling factor).
 pub fn sdxl_vae_config() -> AutoencoderKLConfig {
-    AutoencoderKLConfig {
-        scaling_factor: 0.13025,
-        ..sd15_vae_config()
-    }
+    AutoencoderKLConfig { scaling_factor: 0.13025, ..sd15_vae_config() }
 }
 
 /// The encoder's posterior `N(mean, exp(logvar))`, logvar clamped to [-30, 20] like diffusers.
@@ -132,19 +127,14 @@ pub struct DiagonalGaussian {
 
 impl DiagonalGaussian {
     pub fn std(&self) -> Result<Tensor> {
-        (&self.logvar * 0.5)
-            .and_then(|t| t.exp())
-            .ctx(MODEL)
+        (&self.logvar * 0.5).and_then(|t| t.exp()).ctx(MODEL)
     }
 
     /// `mean + std · noise`, with caller-supplied standard-normal `noise` of `mean`'s shape so
     /// the random stream stays under the caller's control.
     pub fn sample_with(&self, noise: &Tensor) -> Result<Tensor> {
         let std = self.std()?;
-        noise
-            .to_dtype(self.mean.dtype())
-            .and_then(|n| self.mean.add(&std.mul(&n)?))
-            .ctx(MODEL)
+        noise.to_dtype(self.mean.dtype()).and_then(|n| self.mean.add(&std.mul(&n)?)).ctx(MODEL)
     }
 
     pub fn mode(&self) -> &Tensor {
@@ -178,22 +168,13 @@ impl VaeAttention {
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, c, h, w) = x.dims4()?;
-        let tokens = self
-            .group_norm
-            .forward(x)?
-            .reshape((b, c, h * w))?
-            .transpose(1, 2)?
-            .contiguous()?;
+        let tokens = self.group_norm.forward(x)?.reshape((b, c, h * w))?.transpose(1, 2)?.contiguous()?;
         let q = self.to_q.forward(&tokens)?;
         let k = self.to_k.forward(&tokens)?;
         let v = self.to_v.forward(&tokens)?;
         // diffusers upcasts this softmax (upcast_softmax=True).
         let o = ops::attention(&q, &k, &v, self.scale, None, true)?;
-        let o = self
-            .to_out
-            .forward(&o)?
-            .transpose(1, 2)?
-            .reshape((b, c, h, w))?;
+        let o = self.to_out.forward(&o)?.transpose(1, 2)?.reshape((b, c, h, w))?;
         o + x
     }
 }
@@ -211,11 +192,7 @@ impl VaeMidBlock {
         Ok(Self {
             resnet_0: ResnetBlock2D::new(vb.pp("resnets.0"), spec)?,
             attention: if cfg.mid_block_add_attention {
-                Some(VaeAttention::new(
-                    vb.pp("attentions.0"),
-                    c,
-                    cfg.norm_num_groups,
-                )?)
+                Some(VaeAttention::new(vb.pp("attentions.0"), c, cfg.norm_num_groups)?)
             } else {
                 None
             },
@@ -265,9 +242,9 @@ impl Encoder {
         let conv_in = conv2d(vb.pp("conv_in"), cfg.in_channels, ch[0], 3, 1, 1)?;
         let mut blocks = Vec::with_capacity(n);
         let mut out_c = ch[0];
-        for i in 0..n {
+        for (i, &block_c) in ch.iter().enumerate() {
             let in_c = out_c;
-            out_c = ch[i];
+            out_c = block_c;
             let bvb = vb.pp(format!("down_blocks.{i}"));
             let resnets = (0..cfg.layers_per_block)
                 .map(|j| {
@@ -275,15 +252,9 @@ impl Encoder {
                     ResnetBlock2D::new(bvb.pp(format!("resnets.{j}")), resnet_spec(c, out_c, cfg))
                 })
                 .collect::<candle_core::Result<Vec<_>>>()?;
-            let downsampler = if i + 1 != n {
-                Some(Downsample2D::new(bvb.pp("downsamplers.0"), out_c, 0)?)
-            } else {
-                None
-            };
-            blocks.push(EncoderBlock {
-                resnets,
-                downsampler,
-            });
+            let downsampler =
+                if i + 1 != n { Some(Downsample2D::new(bvb.pp("downsamplers.0"), out_c, 0)?) } else { None };
+            blocks.push(EncoderBlock { resnets, downsampler });
         }
         let last = ch[n - 1];
         Ok(Self {
@@ -345,23 +316,15 @@ impl Decoder {
                     ResnetBlock2D::new(bvb.pp(format!("resnets.{j}")), resnet_spec(c, out_c, cfg))
                 })
                 .collect::<candle_core::Result<Vec<_>>>()?;
-            let upsampler = if i + 1 != n {
-                Some(Upsample2D::new(bvb.pp("upsamplers.0"), out_c)?)
-            } else {
-                None
-            };
+            let upsampler =
+                if i + 1 != n { Some(Upsample2D::new(bvb.pp("upsamplers.0"), out_c)?) } else { None };
             blocks.push(DecoderBlock { resnets, upsampler });
         }
         Ok(Self {
             conv_in,
             mid,
             blocks,
-            conv_norm_out: GroupNorm::new(
-                vb.pp("conv_norm_out"),
-                cfg.norm_num_groups,
-                ch[0],
-                VAE_EPS,
-            )?,
+            conv_norm_out: GroupNorm::new(vb.pp("conv_norm_out"), cfg.norm_num_groups, ch[0], VAE_EPS)?,
             conv_out: conv2d(vb.pp("conv_out"), ch[0], cfg.out_channels, 3, 1, 1)?,
         })
     }
@@ -426,8 +389,7 @@ impl AutoencoderKL {
     pub fn from_dir(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
         let cfg = AutoencoderKLConfig::from_file(&dir.join("config.json"))?;
         let vb = crate::loading::load_component(dir, dtype, device)?;
-        Self::new(vb, &cfg)
-            .map_err(|e| e.with_weight_origin(&crate::loading::describe_weights(dir)))
+        Self::new(vb, &cfg).map_err(|e| e.with_weight_origin(&crate::loading::describe_weights(dir)))
     }
 
     pub fn config(&self) -> &AutoencoderKLConfig {
@@ -438,11 +400,14 @@ impl AutoencoderKL {
         self.dtype
     }
 
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// Images `(B, in_channels, H, W)` in [-1, 1] → latent posterior.
     pub fn encode(&self, x: &Tensor) -> Result<DiagonalGaussian> {
-        let (_, c, _, _) = x
-            .dims4()
-            .map_err(|e| input_err(MODEL, format!("image must be (B, C, H, W): {e}")))?;
+        let (_, c, _, _) =
+            x.dims4().map_err(|e| input_err(MODEL, format!("image must be (B, C, H, W): {e}")))?;
         if c != self.config.in_channels {
             return Err(input_err(
                 MODEL,
@@ -465,16 +430,12 @@ impl AutoencoderKL {
 
     /// Latents `(B, latent_channels, h, w)` → images `(B, out_channels, 8h, 8w)`-ish.
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
-        let (_, c, _, _) = z
-            .dims4()
-            .map_err(|e| input_err(MODEL, format!("latent must be (B, C, h, w): {e}")))?;
+        let (_, c, _, _) =
+            z.dims4().map_err(|e| input_err(MODEL, format!("latent must be (B, C, h, w): {e}")))?;
         if c != self.config.latent_channels {
             return Err(input_err(
                 MODEL,
-                format!(
-                    "latent has {c} channels, expected {}",
-                    self.config.latent_channels
-                ),
+                format!("latent has {c} channels, expected {}", self.config.latent_channels),
             ));
         }
         let run = || -> candle_core::Result<Tensor> {

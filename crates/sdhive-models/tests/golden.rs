@@ -4,9 +4,7 @@
 //! `SDHIVE_FIXTURES`). A missing fixture fails the test: silence would hide a broken setup.
 
 use candle_core::{DType, Device, Tensor};
-use sdhive_models::{
-    AutoencoderKL, ClipTextModel, SdxlConditioning, UNet2DConditionModel,
-};
+use sdhive_models::{AutoencoderKL, ClipTextModel, SdxlConditioning, UNet2DConditionModel};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -21,11 +19,7 @@ fn fixtures() -> PathBuf {
 
 fn golden(name: &str) -> HashMap<String, Tensor> {
     let path = fixtures().join("golden").join(name);
-    assert!(
-        path.is_file(),
-        "golden file {} is missing: generate the fixtures first",
-        path.display()
-    );
+    assert!(path.is_file(), "golden file {} is missing: generate the fixtures first", path.display());
     candle_core::safetensors::load(&path, &Device::Cpu)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
 }
@@ -37,8 +31,7 @@ fn model_dir(model: &str, component: &str) -> PathBuf {
 }
 
 fn get<'a>(g: &'a HashMap<String, Tensor>, key: &str) -> &'a Tensor {
-    g.get(key)
-        .unwrap_or_else(|| panic!("golden tensor `{key}` missing"))
+    g.get(key).unwrap_or_else(|| panic!("golden tensor `{key}` missing"))
 }
 
 /// Max |a − b| after checking the shapes agree.
@@ -114,17 +107,14 @@ fn unet_case(model: &str) {
         .and_then(|t| t.flatten_all())
         .and_then(|t| t.to_vec1::<f64>())
         .expect("timestep");
-    let added = g.get("text_embeds").map(|te| SdxlConditioning {
-        text_embeds: te.clone(),
-        time_ids: get(&g, "time_ids").clone(),
-    });
+    let added = g
+        .get("text_embeds")
+        .map(|te| SdxlConditioning { text_embeds: te.clone(), time_ids: get(&g, "time_ids").clone() });
     let sample = get(&g, "sample");
     let ctx = get(&g, "encoder_hidden_states");
     let mut results = Vec::new();
     for (ts, key) in [(t[0], "out"), (1.0, "out_t1")] {
-        let out = unet
-            .forward(sample, ts, ctx, added.as_ref())
-            .unwrap_or_else(|e| panic!("{e}"));
+        let out = unet.forward(sample, ts, ctx, added.as_ref()).unwrap_or_else(|e| panic!("{e}"));
         let what = format!("{model} unet {key}");
         results.push((what.clone(), max_diff(&what, &out, get(&g, key))));
     }
@@ -137,15 +127,9 @@ fn vae_case(model: &str) {
     let vae = AutoencoderKL::from_dir(&model_dir(model, "vae"), DType::F32, &dev)
         .unwrap_or_else(|e| panic!("{model}/vae: {e}"));
     let dist = vae.encode(get(&g, "image")).unwrap_or_else(|e| panic!("{e}"));
-    let decoded = vae
-        .decode(get(&g, "latent"))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let decoded = vae.decode(get(&g, "latent")).unwrap_or_else(|e| panic!("{e}"));
     let mut results = Vec::new();
-    for (key, ours) in [
-        ("enc_mean", &dist.mean),
-        ("enc_logvar", &dist.logvar),
-        ("decoded", &decoded),
-    ] {
+    for (key, ours) in [("enc_mean", &dist.mean), ("enc_logvar", &dist.logvar), ("decoded", &decoded)] {
         let what = format!("{model} vae {key}");
         results.push((what.clone(), max_diff(&what, ours, get(&g, key))));
     }

@@ -4,8 +4,8 @@
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use sdhive_models::{
-    load_component, random_var_builder, AutoencoderKL, AutoencoderKLConfig, ClipTextConfig,
-    ClipTextModel, IntOrList, UNet2DConditionConfig, UNet2DConditionModel,
+    load_component, random_var_builder, AutoencoderKL, AutoencoderKLConfig, ClipTextConfig, ClipTextModel,
+    IntOrList, UNet2DConditionConfig, UNet2DConditionModel,
 };
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -40,9 +40,7 @@ fn tiny_unet_tensors() -> HashMap<String, Tensor> {
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     UNet2DConditionModel::new(vb, &tiny_unet_config()).expect("tiny unet from varmap");
     let data = varmap.data().lock().expect("varmap lock");
-    data.iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
-        .collect()
+    data.iter().map(|(k, v)| (k.clone(), v.as_tensor().detach())).collect()
 }
 
 fn temp_dir(tag: &str) -> PathBuf {
@@ -67,43 +65,29 @@ fn missing_tensor_error_names_the_tensor() {
 fn shape_mismatch_error_names_the_tensor() {
     let mut tensors = tiny_unet_tensors();
     let victim = "mid_block.resnets.1.conv2.weight";
-    tensors.insert(
-        victim.into(),
-        Tensor::zeros((32, 32, 1, 1), DType::F32, &Device::Cpu).expect("zeros"),
-    );
+    tensors.insert(victim.into(), Tensor::zeros((32, 32, 1, 1), DType::F32, &Device::Cpu).expect("zeros"));
     let vb = VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
-    let msg = UNet2DConditionModel::new(vb, &tiny_unet_config())
-        .expect_err("must fail")
-        .to_string();
+    let msg = UNet2DConditionModel::new(vb, &tiny_unet_config()).expect_err("must fail").to_string();
     assert!(msg.contains(victim) && msg.contains("shape"), "{msg}");
 }
 
 #[test]
 fn folder_errors_name_the_folder_and_file() {
     let dir = temp_dir("empty");
-    let msg = load_component(&dir, DType::F32, &Device::Cpu)
-        .err()
-        .expect("no weights")
-        .to_string();
+    let msg = load_component(&dir, DType::F32, &Device::Cpu).err().expect("no weights").to_string();
     assert!(msg.contains(&dir.display().to_string()), "{msg}");
 
     let bad = dir.join("diffusion_pytorch_model.safetensors");
     std::fs::write(&bad, b"definitely not safetensors").expect("write");
-    let msg = load_component(&dir, DType::F32, &Device::Cpu)
-        .err()
-        .expect("corrupt weights")
-        .to_string();
+    let msg = load_component(&dir, DType::F32, &Device::Cpu).err().expect("corrupt weights").to_string();
     assert!(msg.contains(&bad.display().to_string()), "{msg}");
 
     // A folder with valid weights but a missing tensor names the file in the error.
     let mut tensors = tiny_unet_tensors();
     tensors.remove("conv_out.bias");
     candle_core::safetensors::save(&tensors, &bad).expect("save");
-    std::fs::write(
-        dir.join("config.json"),
-        serde_json::to_string(&tiny_unet_config()).expect("json"),
-    )
-    .expect("write config");
+    std::fs::write(dir.join("config.json"), serde_json::to_string(&tiny_unet_config()).expect("json"))
+        .expect("write config");
     let msg = UNet2DConditionModel::from_dir(&dir, DType::F32, &Device::Cpu)
         .expect_err("missing tensor")
         .to_string();
@@ -114,10 +98,8 @@ fn folder_errors_name_the_folder_and_file() {
 #[test]
 fn fp16_variant_file_is_found() {
     let dir = temp_dir("fp16");
-    let tensors: HashMap<String, Tensor> = tiny_unet_tensors()
-        .into_iter()
-        .map(|(k, v)| (k, v.to_dtype(DType::F16).expect("f16")))
-        .collect();
+    let tensors: HashMap<String, Tensor> =
+        tiny_unet_tensors().into_iter().map(|(k, v)| (k, v.to_dtype(DType::F16).expect("f16"))).collect();
     candle_core::safetensors::save(&tensors, dir.join("diffusion_pytorch_model.fp16.safetensors"))
         .expect("save");
     let vb = load_component(&dir, DType::F32, &Device::Cpu).expect("fp16 variant");
@@ -135,10 +117,7 @@ fn config_errors_name_file_and_field() {
 
     std::fs::write(&path, r#"{"resnet_time_scale_shift": "scale_shift"}"#).expect("write");
     let msg = UNet2DConditionConfig::from_file(&path).expect_err("unsupported").to_string();
-    assert!(
-        msg.contains(&path.display().to_string()) && msg.contains("resnet_time_scale_shift"),
-        "{msg}"
-    );
+    assert!(msg.contains(&path.display().to_string()) && msg.contains("resnet_time_scale_shift"), "{msg}");
 
     std::fs::write(&path, r#"{"hidden_act": "relu"}"#).expect("write");
     let msg = ClipTextConfig::from_file(&path).expect_err("unknown act").to_string();
@@ -166,8 +145,8 @@ fn random_weights_run_and_stay_finite() {
     let s = out.abs().and_then(|t| t.sum_all()).and_then(|t| t.to_scalar::<f32>()).expect("sum");
     assert!(s.is_finite() && s > 0.0);
 
-    let vae = AutoencoderKL::new(random_var_builder(DType::F32, &dev), &tiny_vae_config())
-        .expect("random vae");
+    let vae =
+        AutoencoderKL::new(random_var_builder(DType::F32, &dev), &tiny_vae_config()).expect("random vae");
     let img = vae.decode(&Tensor::randn(0f32, 1., (1, 4, 4, 4), &dev).expect("z")).expect("decode");
     assert_eq!(img.dims(), &[1, 3, 8, 8]);
 

@@ -148,7 +148,8 @@ pub(crate) fn shard_names(index_path: &Path) -> Result<Vec<String>, SourceError>
     let bad = |reason: String| SourceError::InvalidSafetensors { path: index_path.to_path_buf(), reason };
     let bytes = std::fs::read(index_path).map_err(|e| SourceError::io(index_path, e))?;
     let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
-    let map = value.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad("no `weight_map`".into()))?;
+    let map =
+        value.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad("no `weight_map`".into()))?;
     let mut shards = BTreeSet::new();
     for file in map.values() {
         let file = file.as_str().ok_or_else(|| bad("a `weight_map` value is not a string".into()))?;
@@ -177,7 +178,9 @@ fn list_dir(dir: &Path) -> BTreeSet<String> {
 fn unsupported_weights(names: &BTreeSet<String>) -> Vec<&str> {
     names
         .iter()
-        .filter(|n| [".bin", ".ckpt", ".pt", ".pth", ".msgpack", ".onnx", ".pb"].iter().any(|ext| n.ends_with(ext)))
+        .filter(|n| {
+            [".bin", ".ckpt", ".pt", ".pth", ".msgpack", ".onnx", ".pb"].iter().any(|ext| n.ends_with(ext))
+        })
         .map(String::as_str)
         .collect()
 }
@@ -202,7 +205,8 @@ pub fn find_weights(component_dir: &Path) -> Option<WeightsFiles> {
 
 fn find_weights_explained(dir: &Path, label: &str) -> Result<WeightsFiles, String> {
     let names = list_dir(dir);
-    let (choice, fp16_variant) = choose_weights(&names).ok_or_else(|| missing_weights_message(label, &names))?;
+    let (choice, fp16_variant) =
+        choose_weights(&names).ok_or_else(|| missing_weights_message(label, &names))?;
     let files = match choice {
         WeightsChoice::Single(file) => vec![dir.join(file)],
         WeightsChoice::Sharded { index } => {
@@ -410,7 +414,10 @@ mod tests {
             "unet/diffusion_pytorch_model-00002-of-00002.safetensors",
             "unet/diffusion_pytorch_model.fp16.safetensors",
         ]);
-        assert_eq!(plan_downloads(&idx, &sharded).unwrap()[2], "unet/diffusion_pytorch_model.safetensors.index.json");
+        assert_eq!(
+            plan_downloads(&idx, &sharded).unwrap()[2],
+            "unet/diffusion_pytorch_model.safetensors.index.json"
+        );
         let bin_only = list(&["unet/config.json", "unet/diffusion_pytorch_model.bin"]);
         let problems = plan_downloads(&idx, &bin_only).unwrap_err();
         assert!(problems[0].contains("diffusion_pytorch_model.bin"), "{problems:?}");
@@ -421,7 +428,8 @@ mod tests {
     fn local_check_follows_shard_indexes() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
-        std::fs::write(d.join("model_index.json"), br#"{"unet": ["diffusers", "UNet2DConditionModel"]}"#).unwrap();
+        std::fs::write(d.join("model_index.json"), br#"{"unet": ["diffusers", "UNet2DConditionModel"]}"#)
+            .unwrap();
         std::fs::create_dir(d.join("unet")).unwrap();
         std::fs::write(d.join("unet/config.json"), b"{}").unwrap();
         std::fs::write(
@@ -432,7 +440,10 @@ mod tests {
         std::fs::write(d.join("unet/s-1.safetensors"), b"").unwrap();
         match check_complete(d) {
             Err(SourceError::IncompleteDiffusers { missing, .. }) => {
-                assert_eq!(missing, ["unet/s-2.safetensors (listed in diffusion_pytorch_model.safetensors.index.json)"])
+                assert_eq!(
+                    missing,
+                    ["unet/s-2.safetensors (listed in diffusion_pytorch_model.safetensors.index.json)"]
+                )
             }
             other => panic!("{other:?}"),
         }

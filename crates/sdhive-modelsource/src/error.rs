@@ -6,7 +6,9 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum SourceError {
-    #[error("no model given: pass a diffusers folder, a .safetensors file or a Hugging Face repo id (org/name)")]
+    #[error(
+        "no model given: pass a diffusers folder, a .safetensors file or a Hugging Face repo id (org/name)"
+    )]
     Empty,
 
     #[error("model path not found: {}", path.display())]

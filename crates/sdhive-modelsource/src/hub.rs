@@ -12,7 +12,9 @@ pub(crate) fn resolve_repo(repo: &RepoRef, opts: &ResolveOptions) -> Result<Reso
     let missing = match cached_snapshot(&repo_dir, &repo.revision) {
         Some(snapshot) => match diffusers::check_complete(&snapshot) {
             Ok(_) => return resolved(repo, &snapshot),
-            Err(SourceError::IncompleteDiffusers { missing, .. }) => format!("missing {}", missing.join(", ")),
+            Err(SourceError::IncompleteDiffusers { missing, .. }) => {
+                format!("missing {}", missing.join(", "))
+            }
             Err(e) => format!("{e}"),
         },
         None => format!("no snapshot for revision `{}` under {}", repo.revision, repo_dir.display()),
@@ -51,7 +53,8 @@ fn cached_snapshot(repo_dir: &Path, revision: &str) -> Option<PathBuf> {
 
 fn resolved(repo: &RepoRef, snapshot: &Path) -> Result<ResolvedModel, SourceError> {
     let canonical = std::fs::canonicalize(snapshot).map_err(|e| SourceError::io(snapshot, e))?;
-    let name = if repo.revision == "main" { repo.id.clone() } else { format!("{}@{}", repo.id, repo.revision) };
+    let name =
+        if repo.revision == "main" { repo.id.clone() } else { format!("{}@{}", repo.id, repo.revision) };
     Ok(ResolvedModel { name, location: ModelLocation::DiffusersDir(canonical) })
 }
 
@@ -95,11 +98,12 @@ fn download_snapshot(repo: &RepoRef, opts: &ResolveOptions) -> Result<PathBuf, S
 
     let index = ModelIndex::read_file(&fetch("model_index.json")?)?;
     let siblings: Vec<String> = info.siblings.into_iter().map(|s| s.rfilename).collect();
-    let plan = diffusers::plan_downloads(&index, &siblings).map_err(|problems| SourceError::UnsupportedRepo {
-        repo: repo.id.clone(),
-        revision: repo.revision.clone(),
-        reason: problems.join("; "),
-    })?;
+    let plan =
+        diffusers::plan_downloads(&index, &siblings).map_err(|problems| SourceError::UnsupportedRepo {
+            repo: repo.id.clone(),
+            revision: repo.revision.clone(),
+            reason: problems.join("; "),
+        })?;
     for file in plan {
         let path = fetch(&file)?;
         if diffusers::is_shard_index(&file) {

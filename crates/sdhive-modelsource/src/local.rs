@@ -34,9 +34,9 @@ pub(crate) fn expand_home(arg: &str) -> PathBuf {
 pub(crate) fn looks_like_path(arg: &str) -> bool {
     let head = arg.split_once('@').map_or(arg, |(head, _)| head);
     let lower = head.to_ascii_lowercase();
-    let model_ext = lower.rsplit_once('.').is_some_and(|(_, e)| {
-        ["safetensors", "sft", "gguf"].contains(&e) || PICKLE_EXTENSIONS.contains(&e)
-    });
+    let model_ext = lower
+        .rsplit_once('.')
+        .is_some_and(|(_, e)| ["safetensors", "sft", "gguf"].contains(&e) || PICKLE_EXTENSIONS.contains(&e));
     Path::new(arg).is_absolute()
         || matches!(head, "." | "..")
         || head.starts_with("./")
@@ -60,8 +60,9 @@ pub(crate) fn resolve_path(path: &Path, opts: &ResolveOptions) -> Result<Resolve
         if !canonical.join("model_index.json").is_file() {
             return Err(SourceError::UnknownFormat {
                 path: path.to_path_buf(),
-                reason: "a folder without model_index.json (expected a diffusers folder or a .safetensors file)"
-                    .into(),
+                reason:
+                    "a folder without model_index.json (expected a diffusers folder or a .safetensors file)"
+                        .into(),
             });
         }
         diffusers::check_complete(&canonical)?;
@@ -93,10 +94,8 @@ fn check_roots(given: &Path, canonical: &Path, roots: &[PathBuf]) -> Result<(), 
     if roots.is_empty() {
         return Ok(());
     }
-    let inside = roots
-        .iter()
-        .filter_map(|r| std::fs::canonicalize(r).ok())
-        .any(|root| canonical.starts_with(&root));
+    let inside =
+        roots.iter().filter_map(|r| std::fs::canonicalize(r).ok()).any(|root| canonical.starts_with(&root));
     if inside {
         Ok(())
     } else {
@@ -129,7 +128,7 @@ pub(crate) fn check_safetensors_header(path: &Path) -> Result<(), String> {
     let mut len_bytes = [0u8; 8];
     file.read_exact(&mut len_bytes).map_err(|e| e.to_string())?;
     let header_len = u64::from_le_bytes(len_bytes);
-    if header_len < 2 || header_len > MAX_HEADER_BYTES || header_len > file_len - 8 {
+    if !(2..=MAX_HEADER_BYTES).contains(&header_len) || header_len > file_len - 8 {
         return Err(format!("header length {header_len} does not fit a {file_len}-byte file"));
     }
     let mut header = vec![0u8; header_len as usize];

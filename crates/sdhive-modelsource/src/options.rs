@@ -56,7 +56,8 @@ fn hub_cache_from(get: &dyn Fn(&str) -> Option<String>) -> PathBuf {
     if let Some(home) = get("HF_HOME") {
         return PathBuf::from(home).join("hub");
     }
-    let home = get("HOME").or_else(|| get("USERPROFILE")).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    let home =
+        get("HOME").or_else(|| get("USERPROFILE")).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache").join("huggingface").join("hub")
 }
 

@@ -22,7 +22,8 @@ pub(crate) fn looks_like_repo_id(arg: &str) -> bool {
 
 impl RepoRef {
     pub fn parse(arg: &str) -> Result<RepoRef, SourceError> {
-        let bad = |reason: &str| SourceError::InvalidRepoId { id: arg.to_string(), reason: reason.to_string() };
+        let bad =
+            |reason: &str| SourceError::InvalidRepoId { id: arg.to_string(), reason: reason.to_string() };
         let (id, revision) = match arg.split_once('@') {
             Some((id, rev)) => (id, rev),
             None => (arg, "main"),
@@ -65,7 +66,8 @@ fn validate_revision(rev: &str) -> Result<(), String> {
     if rev.is_empty() || rev.len() > MAX_REVISION {
         return Err(format!("the revision must be 1 to {MAX_REVISION} characters"));
     }
-    if let Some(c) = rev.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'))) {
+    if let Some(c) = rev.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/')))
+    {
         return Err(format!("character {c:?} is not allowed in a revision"));
     }
     // Revisions like `refs/pr/1` become nested folders under refs/, so every segment must be a plain name.

@@ -218,6 +218,7 @@ fn fixture_sd1_resolves_as_diffusers_dir() {
         let m = resolve(models.join(dir).to_str().unwrap(), &offline_opts(tmp.path())).unwrap();
         assert!(matches!(m.location, ModelLocation::DiffusersDir(_)), "{dir}");
     }
-    let single = resolve(models.join("sd1.safetensors").to_str().unwrap(), &offline_opts(tmp.path())).unwrap();
+    let single =
+        resolve(models.join("sd1.safetensors").to_str().unwrap(), &offline_opts(tmp.path())).unwrap();
     assert!(matches!(single.location, ModelLocation::SingleFile(_)));
 }

@@ -79,9 +79,11 @@ const LOG_P: [f32; 9] = [
     -1.666_805_7e-1,
     2.000_071_4e-1,
     -2.499_999_4e-1,
-    3.333_333_1e-1,
+    3.333_333e-1,
 ];
 const LN2_LO: f32 = -2.121_944_4e-4;
+// Written out in full to show it is exact (9 significant bits).
+#[allow(clippy::excessive_precision)]
 const LN2_HI: f32 = 0.693_359_375;
 const FOUR_OVER_PI: f32 = 1.273_239_5;
 const PI4_A: f32 = -0.785_156_25;

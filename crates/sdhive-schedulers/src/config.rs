@@ -79,8 +79,7 @@ impl SchedulerConfig {
     /// does: they record defaults of the class that saved the file, which must
     /// not leak into another class.
     pub fn from_json_str(text: &str) -> Result<Self> {
-        let value: serde_json::Value =
-            serde_json::from_str(text).map_err(SchedulerError::ConfigParse)?;
+        let value: serde_json::Value = serde_json::from_str(text).map_err(SchedulerError::ConfigParse)?;
         Self::from_json_value(value)
     }
 
@@ -105,10 +104,8 @@ impl SchedulerConfig {
     /// Reads and parses a `scheduler_config.json` file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| SchedulerError::ConfigIo {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| SchedulerError::ConfigIo { path: path.to_path_buf(), source })?;
         Self::from_json_str(&text)
     }
 }
@@ -155,12 +152,7 @@ fn parse_enum<T: Copy>(
         .iter()
         .find(|(name, _)| *name == value)
         .map(|(_, v)| *v)
-        .ok_or_else(|| SchedulerError::InvalidValue {
-            class,
-            field,
-            value: format!("{value:?}"),
-            expected,
-        })
+        .ok_or_else(|| SchedulerError::InvalidValue { class, field, value: format!("{value:?}"), expected })
 }
 
 /// The diffusers `__init__` defaults of one scheduler class, for the fields
@@ -238,10 +230,8 @@ impl CommonConfig {
             ],
             "epsilon, v_prediction or sample",
         )?;
-        let timestep_spacing = parse_spacing(
-            class,
-            cfg.timestep_spacing.as_deref().unwrap_or(d.timestep_spacing),
-        )?;
+        let timestep_spacing =
+            parse_spacing(class, cfg.timestep_spacing.as_deref().unwrap_or(d.timestep_spacing))?;
         Ok(Self {
             num_train_timesteps,
             beta_start: cfg.beta_start.unwrap_or(d.beta_start),
@@ -251,8 +241,7 @@ impl CommonConfig {
             prediction_type,
             timestep_spacing,
             steps_offset: cfg.steps_offset.unwrap_or(0),
-            rescale_betas_zero_snr: d.accepts_rescale
-                && cfg.rescale_betas_zero_snr.unwrap_or(false),
+            rescale_betas_zero_snr: d.accepts_rescale && cfg.rescale_betas_zero_snr.unwrap_or(false),
         })
     }
 }
@@ -289,12 +278,7 @@ pub(crate) fn reject_flag(
     why: &'static str,
 ) -> Result<()> {
     if value.unwrap_or(false) {
-        return Err(SchedulerError::Unsupported {
-            class,
-            field,
-            value: "true".into(),
-            why,
-        });
+        return Err(SchedulerError::Unsupported { class, field, value: "true".into(), why });
     }
     Ok(())
 }

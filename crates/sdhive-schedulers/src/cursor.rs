@@ -33,17 +33,9 @@ pub(crate) fn index_for_timestep(
     missing: Missing,
 ) -> Result<usize> {
     let Some(&t) = timesteps.get(i) else {
-        return Err(SchedulerError::IndexOutOfRange {
-            class,
-            index: i,
-            len: timesteps.len(),
-        });
+        return Err(SchedulerError::IndexOutOfRange { class, index: i, len: timesteps.len() });
     };
-    let mut matches = timesteps
-        .iter()
-        .enumerate()
-        .filter(|(_, &v)| v == t)
-        .map(|(j, _)| j);
+    let mut matches = timesteps.iter().enumerate().filter(|(_, &v)| v == t).map(|(j, _)| j);
     let first = matches.next();
     let second = matches.next();
     match (first, second) {
@@ -52,11 +44,7 @@ pub(crate) fn index_for_timestep(
         // Only reachable for NaN timesteps.
         (None, None) => match missing {
             Missing::Last => Ok(timesteps.len() - 1),
-            Missing::Error => Err(SchedulerError::IndexOutOfRange {
-                class,
-                index: i,
-                len: timesteps.len(),
-            }),
+            Missing::Error => Err(SchedulerError::IndexOutOfRange { class, index: i, len: timesteps.len() }),
         },
     }
 }

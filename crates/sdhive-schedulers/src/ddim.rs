@@ -7,9 +7,7 @@
 
 use candle_core::Tensor;
 
-use crate::config::{
-    check_steps, reject_flag, ClassDefaults, CommonConfig, PredictionType, SchedulerConfig,
-};
+use crate::config::{check_steps, reject_flag, ClassDefaults, CommonConfig, PredictionType, SchedulerConfig};
 use crate::error::{Result, SchedulerError, TensorCtx};
 use crate::ops::{self, check_f32, check_same_shape};
 use crate::schedule;
@@ -40,16 +38,13 @@ pub(crate) struct Ddim {
 /// `alphas_cumprod[t]` for a schedule timestep, or a clear error when the
 /// spacing / offset pushed it outside the training range.
 pub(crate) fn alpha_at(class: &'static str, ac: &[f32], t: i64) -> Result<f32> {
-    usize::try_from(t)
-        .ok()
-        .and_then(|i| ac.get(i).copied())
-        .ok_or_else(|| SchedulerError::InvalidConfig {
-            class,
-            reason: format!(
-                "timestep {t} is outside the training range 0..{} (check steps_offset / timestep_spacing)",
-                ac.len()
-            ),
-        })
+    usize::try_from(t).ok().and_then(|i| ac.get(i).copied()).ok_or_else(|| SchedulerError::InvalidConfig {
+        class,
+        reason: format!(
+            "timestep {t} is outside the training range 0..{} (check steps_offset / timestep_spacing)",
+            ac.len()
+        ),
+    })
 }
 
 /// diffusers' `add_noise` of the alphas_cumprod schedulers:
@@ -63,23 +58,12 @@ pub(crate) fn add_noise_alpha(
 ) -> Result<Tensor> {
     check_same_shape(class, noise, original)?;
     let a = alpha_at(class, ac, t)?;
-    ops::add(
-        class,
-        &ops::mul(class, original, a.sqrt())?,
-        &ops::mul(class, noise, (1.0 - a).sqrt())?,
-    )
+    ops::add(class, &ops::mul(class, original, a.sqrt())?, &ops::mul(class, noise, (1.0 - a).sqrt())?)
 }
 
 /// Looks up `timesteps[i]` with a clear error for a bad index.
 pub(crate) fn timestep_at(class: &'static str, timesteps: &[i64], i: usize) -> Result<i64> {
-    timesteps
-        .get(i)
-        .copied()
-        .ok_or(SchedulerError::IndexOutOfRange {
-            class,
-            index: i,
-            len: timesteps.len(),
-        })
+    timesteps.get(i).copied().ok_or(SchedulerError::IndexOutOfRange { class, index: i, len: timesteps.len() })
 }
 
 impl Ddim {
@@ -93,15 +77,8 @@ impl Ddim {
             "dynamic thresholding needs a per-sample quantile; not implemented",
         )?;
         let ac = schedule::alphas_cumprod(&schedule::betas(&common));
-        let final_alpha_cumprod = if cfg.set_alpha_to_one.unwrap_or(true) {
-            1.0
-        } else {
-            ac[0]
-        };
-        let clip = cfg
-            .clip_sample
-            .unwrap_or(true)
-            .then(|| cfg.clip_sample_range.unwrap_or(1.0) as f32);
+        let final_alpha_cumprod = if cfg.set_alpha_to_one.unwrap_or(true) { 1.0 } else { ac[0] };
+        let clip = cfg.clip_sample.unwrap_or(true).then(|| cfg.clip_sample_range.unwrap_or(1.0) as f32);
         let timesteps = schedule::int_timesteps(
             common.timestep_spacing,
             common.num_train_timesteps,

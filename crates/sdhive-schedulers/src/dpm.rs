@@ -8,8 +8,8 @@
 use candle_core::Tensor;
 
 use crate::config::{
-    check_steps, parse_final_sigmas, reject_flag, ClassDefaults, CommonConfig, FinalSigmas,
-    PredictionType, SchedulerConfig, TimestepSpacing,
+    check_steps, parse_final_sigmas, reject_flag, ClassDefaults, CommonConfig, FinalSigmas, PredictionType,
+    SchedulerConfig, TimestepSpacing,
 };
 use crate::cursor::{Cursor, Missing};
 use crate::error::{Result, SchedulerError};
@@ -134,21 +134,17 @@ impl DpmPp2M {
 
         let int_ts: Vec<i64> = match common.timestep_spacing {
             TimestepSpacing::Linspace => {
-                let mut v: Vec<i64> =
-                    schedule::np_linspace(0.0, last_timestep as f64 - 1.0, steps + 1, true)
-                        .into_iter()
-                        .rev()
-                        .map(|x| x.round_ties_even() as i64)
-                        .collect();
+                let mut v: Vec<i64> = schedule::np_linspace(0.0, last_timestep as f64 - 1.0, steps + 1, true)
+                    .into_iter()
+                    .rev()
+                    .map(|x| x.round_ties_even() as i64)
+                    .collect();
                 v.pop();
                 v
             }
             TimestepSpacing::Leading => {
                 let ratio = (last_timestep / (steps + 1)) as i64;
-                (1..=steps as i64)
-                    .rev()
-                    .map(|i| i * ratio + common.steps_offset)
-                    .collect()
+                (1..=steps as i64).rev().map(|i| i * ratio + common.steps_offset).collect()
             }
             TimestepSpacing::Trailing => {
                 let ratio = num_train as f64 / steps as f64;
@@ -173,8 +169,7 @@ impl DpmPp2M {
             let sigma_min = cfg.sigma_min.unwrap_or(s_min as f64);
             let sigma_max = cfg.sigma_max.unwrap_or(s_max as f64);
             let sigmas = schedule::karras_sigmas(sigma_min, sigma_max, steps);
-            let round = cfg.beta_schedule.as_deref().unwrap_or(DEFAULTS.beta_schedule)
-                != "squaredcos_cap_v2";
+            let round = cfg.beta_schedule.as_deref().unwrap_or(DEFAULTS.beta_schedule) != "squaredcos_cap_v2";
             let ts = sigmas
                 .iter()
                 .map(|&s| {
@@ -189,10 +184,7 @@ impl DpmPp2M {
                 .collect();
             (sigmas, ts)
         } else {
-            let sigmas = int_ts
-                .iter()
-                .map(|&t| schedule::np_interp_index(t as f64, &train_sigmas))
-                .collect();
+            let sigmas = int_ts.iter().map(|&t| schedule::np_interp_index(t as f64, &train_sigmas)).collect();
             (sigmas, int_ts)
         };
         let sigma_last = match final_sigmas {
@@ -220,17 +212,13 @@ impl DpmPp2M {
     fn data_prediction(&self, model_output: &Tensor, sample: &Tensor, sigma: f32) -> Result<Tensor> {
         let (alpha_t, sigma_t) = alpha_sigma(sigma);
         match self.prediction {
-            PredictionType::Epsilon => ops::div(
-                CLASS,
-                &ops::sub(CLASS, sample, &ops::mul(CLASS, model_output, sigma_t)?)?,
-                alpha_t,
-            ),
+            PredictionType::Epsilon => {
+                ops::div(CLASS, &ops::sub(CLASS, sample, &ops::mul(CLASS, model_output, sigma_t)?)?, alpha_t)
+            }
             PredictionType::Sample => Ok(model_output.clone()),
-            PredictionType::VPrediction => ops::sub(
-                CLASS,
-                &ops::mul(CLASS, sample, alpha_t)?,
-                &ops::mul(CLASS, model_output, sigma_t)?,
-            ),
+            PredictionType::VPrediction => {
+                ops::sub(CLASS, &ops::mul(CLASS, sample, alpha_t)?, &ops::mul(CLASS, model_output, sigma_t)?)
+            }
         }
     }
 }
@@ -289,11 +277,8 @@ impl DiffusionScheduler for DpmPp2M {
         let h = lambda_t - lambda_s0;
         let coeff_sample = sigma_t / sigma_s0a;
         let coeff_d0 = alpha_t * ((-h).exp() - 1.0);
-        let first = ops::sub(
-            CLASS,
-            &ops::mul(CLASS, sample, coeff_sample)?,
-            &ops::mul(CLASS, &x0, coeff_d0)?,
-        )?;
+        let first =
+            ops::sub(CLASS, &ops::mul(CLASS, sample, coeff_sample)?, &ops::mul(CLASS, &x0, coeff_d0)?)?;
 
         let prev = match (&self.model_outputs[0], idx.checked_sub(1)) {
             (Some(m1), Some(prev_idx)) if self.lower_order_nums >= 1 && !lower_order_final => {
@@ -304,9 +289,7 @@ impl DiffusionScheduler for DpmPp2M {
                 let r0 = h_0 / h;
                 let d1 = ops::mul(CLASS, &ops::sub(CLASS, &x0, m1)?, 1.0 / r0)?;
                 match self.solver_type {
-                    SolverType::Midpoint => {
-                        ops::sub(CLASS, &first, &ops::mul(CLASS, &d1, 0.5 * coeff_d0)?)?
-                    }
+                    SolverType::Midpoint => ops::sub(CLASS, &first, &ops::mul(CLASS, &d1, 0.5 * coeff_d0)?)?,
                     SolverType::Heun => {
                         let k = alpha_t * (((-h).exp() - 1.0) / h + 1.0);
                         ops::add(CLASS, &first, &ops::mul(CLASS, &d1, k)?)?
@@ -324,16 +307,10 @@ impl DiffusionScheduler for DpmPp2M {
 
     fn add_noise(&self, original: &Tensor, noise: &Tensor, i: usize) -> Result<Tensor> {
         check_same_shape(CLASS, noise, original)?;
-        let idx = self
-            .cursor
-            .noise_index(CLASS, &self.timesteps, i, Missing::Last)?;
+        let idx = self.cursor.noise_index(CLASS, &self.timesteps, i, Missing::Last)?;
         let (sigma, _) = sigma_pair(CLASS, &self.sigmas, idx)?;
         let (alpha_t, sigma_t) = alpha_sigma(sigma);
-        ops::add(
-            CLASS,
-            &ops::mul(CLASS, original, alpha_t)?,
-            &ops::mul(CLASS, noise, sigma_t)?,
-        )
+        ops::add(CLASS, &ops::mul(CLASS, original, alpha_t)?, &ops::mul(CLASS, noise, sigma_t)?)
     }
 
     fn pred_original_sample(&self) -> Option<&Tensor> {

@@ -27,21 +27,11 @@ pub enum SchedulerError {
     /// A config field the target scheduler reads holds a value diffusers
     /// rejects as well.
     #[error("{class}: invalid `{field}` = {value} (expected {expected})")]
-    InvalidValue {
-        class: &'static str,
-        field: &'static str,
-        value: String,
-        expected: &'static str,
-    },
+    InvalidValue { class: &'static str, field: &'static str, value: String, expected: &'static str },
 
     /// A config option diffusers supports but sdhive does not implement.
     #[error("{class}: `{field}` = {value} is not supported by sdhive ({why})")]
-    Unsupported {
-        class: &'static str,
-        field: &'static str,
-        value: String,
-        why: &'static str,
-    },
+    Unsupported { class: &'static str, field: &'static str, value: String, why: &'static str },
 
     /// Karras sigmas were requested for a sampler that has no such option in
     /// diffusers.
@@ -50,11 +40,7 @@ pub enum SchedulerError {
 
     /// The number of inference steps does not fit the config.
     #[error("{class}: cannot run {steps} inference steps: {reason}")]
-    InvalidSteps {
-        class: &'static str,
-        steps: usize,
-        reason: String,
-    },
+    InvalidSteps { class: &'static str, steps: usize, reason: String },
 
     /// A config combination that leaves no valid schedule.
     #[error("{class}: {reason}")]
@@ -62,20 +48,11 @@ pub enum SchedulerError {
 
     /// The loop asked for a timestep index outside the schedule.
     #[error("{class}: timestep index {index} is outside the schedule of {len} timesteps")]
-    IndexOutOfRange {
-        class: &'static str,
-        index: usize,
-        len: usize,
-    },
+    IndexOutOfRange { class: &'static str, index: usize, len: usize },
 
     /// The scheduler was stepped more often than its schedule allows.
     #[error("{class}: step {step} needs sigma index {needed} but the schedule has {len} sigmas")]
-    PastEnd {
-        class: &'static str,
-        step: usize,
-        needed: usize,
-        len: usize,
-    },
+    PastEnd { class: &'static str, step: usize, needed: usize, len: usize },
 
     /// The latents or model output are not what the scheduler can work on.
     #[error("{class}: {what}")]

@@ -4,8 +4,8 @@
 use candle_core::Tensor;
 
 use crate::config::{
-    check_steps, parse_final_sigmas, reject_flag, ClassDefaults, CommonConfig, FinalSigmas,
-    PredictionType, SchedulerConfig, TimestepSpacing,
+    check_steps, parse_final_sigmas, reject_flag, ClassDefaults, CommonConfig, FinalSigmas, PredictionType,
+    SchedulerConfig, TimestepSpacing,
 };
 use crate::cursor::{Cursor, Missing};
 use crate::error::{Result, SchedulerError};
@@ -111,10 +111,8 @@ impl Euler {
             steps,
             common.steps_offset,
         );
-        let mut sigmas: Vec<f64> = ts32
-            .iter()
-            .map(|&t| schedule::np_interp_index(t as f64, &train_sigmas))
-            .collect();
+        let mut sigmas: Vec<f64> =
+            ts32.iter().map(|&t| schedule::np_interp_index(t as f64, &train_sigmas)).collect();
         let timesteps: Vec<f32> = if karras {
             let log_sigmas = schedule::log_sigmas(&train_sigmas);
             let (Some(&first), Some(&last)) = (sigmas.first(), sigmas.last()) else {
@@ -123,10 +121,7 @@ impl Euler {
             let sigma_min = cfg.sigma_min.unwrap_or(last);
             let sigma_max = cfg.sigma_max.unwrap_or(first);
             sigmas = schedule::karras_sigmas(sigma_min, sigma_max, steps);
-            sigmas
-                .iter()
-                .map(|&s| schedule::sigma_to_t(s, &log_sigmas) as f32)
-                .collect()
+            sigmas.iter().map(|&s| schedule::sigma_to_t(s, &log_sigmas) as f32).collect()
         } else {
             ts32
         };
@@ -161,19 +156,10 @@ pub(crate) fn empty_schedule() -> SchedulerError {
 }
 
 /// Sigma at `idx` and the one after it, or a clear error past the end.
-pub(crate) fn sigma_pair(
-    class: &'static str,
-    sigmas: &[f32],
-    idx: usize,
-) -> Result<(f32, f32)> {
+pub(crate) fn sigma_pair(class: &'static str, sigmas: &[f32], idx: usize) -> Result<(f32, f32)> {
     match (sigmas.get(idx), sigmas.get(idx + 1)) {
         (Some(&a), Some(&b)) => Ok((a, b)),
-        _ => Err(SchedulerError::PastEnd {
-            class,
-            step: idx,
-            needed: idx + 1,
-            len: sigmas.len(),
-        }),
+        _ => Err(SchedulerError::PastEnd { class, step: idx, needed: idx + 1, len: sigmas.len() }),
     }
 }
 
@@ -191,9 +177,7 @@ pub(crate) fn euler_x0(
     sigma: f32,
 ) -> Result<Tensor> {
     match prediction {
-        PredictionType::Epsilon => {
-            ops::sub(class, sample, &ops::mul(class, model_output, sigma)?)
-        }
+        PredictionType::Epsilon => ops::sub(class, sample, &ops::mul(class, model_output, sigma)?),
         PredictionType::VPrediction => {
             let k = -sigma / (sigma * sigma + 1.0).sqrt();
             let a = ops::mul(class, model_output, k)?;
@@ -257,9 +241,7 @@ impl DiffusionScheduler for Euler {
 
     fn add_noise(&self, original: &Tensor, noise: &Tensor, i: usize) -> Result<Tensor> {
         check_same_shape(CLASS, noise, original)?;
-        let idx = self
-            .cursor
-            .noise_index(CLASS, &self.timesteps, i, Missing::Error)?;
+        let idx = self.cursor.noise_index(CLASS, &self.timesteps, i, Missing::Error)?;
         let (sigma, _) = sigma_pair(CLASS, &self.sigmas, idx)?;
         ops::add(CLASS, original, &ops::mul(CLASS, noise, sigma)?)
     }

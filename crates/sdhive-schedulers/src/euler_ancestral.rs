@@ -53,10 +53,8 @@ impl EulerAncestral {
             steps,
             common.steps_offset,
         );
-        let mut sigmas: Vec<f32> = ts32
-            .iter()
-            .map(|&t| schedule::np_interp_index(t as f64, &train_sigmas) as f32)
-            .collect();
+        let mut sigmas: Vec<f32> =
+            ts32.iter().map(|&t| schedule::np_interp_index(t as f64, &train_sigmas) as f32).collect();
         sigmas.push(0.0);
         let max_sigma = sigmas.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let init_noise_sigma = match common.timestep_spacing {
@@ -134,9 +132,7 @@ impl DiffusionScheduler for EulerAncestral {
 
     fn add_noise(&self, original: &Tensor, noise: &Tensor, i: usize) -> Result<Tensor> {
         check_same_shape(CLASS, noise, original)?;
-        let idx = self
-            .cursor
-            .noise_index(CLASS, &self.timesteps, i, Missing::Error)?;
+        let idx = self.cursor.noise_index(CLASS, &self.timesteps, i, Missing::Error)?;
         let (sigma, _) = sigma_pair(CLASS, &self.sigmas, idx)?;
         ops::add(CLASS, original, &ops::mul(CLASS, noise, sigma)?)
     }

@@ -8,9 +8,7 @@
 
 use candle_core::Tensor;
 
-use crate::config::{
-    check_steps, reject_flag, ClassDefaults, CommonConfig, PredictionType, SchedulerConfig,
-};
+use crate::config::{check_steps, reject_flag, ClassDefaults, CommonConfig, PredictionType, SchedulerConfig};
 use crate::cursor::{Cursor, Missing};
 use crate::ddim::{add_noise_alpha, alpha_at, timestep_at};
 use crate::error::{Result, SchedulerError, TensorCtx};
@@ -64,9 +62,7 @@ impl Lcm {
         if original_steps == 0 || original_steps > num_train {
             return Err(SchedulerError::InvalidConfig {
                 class: CLASS,
-                reason: format!(
-                    "original_inference_steps {original_steps} must be in 1..={num_train}"
-                ),
+                reason: format!("original_inference_steps {original_steps} must be in 1..={num_train}"),
             });
         }
         if steps > original_steps {
@@ -93,15 +89,8 @@ impl Lcm {
         for &t in &timesteps {
             alpha_at(CLASS, &ac, t)?;
         }
-        let final_alpha_cumprod = if cfg.set_alpha_to_one.unwrap_or(true) {
-            1.0
-        } else {
-            ac[0]
-        };
-        let clip = cfg
-            .clip_sample
-            .unwrap_or(false)
-            .then(|| cfg.clip_sample_range.unwrap_or(1.0) as f32);
+        let final_alpha_cumprod = if cfg.set_alpha_to_one.unwrap_or(true) { 1.0 } else { ac[0] };
+        let clip = cfg.clip_sample.unwrap_or(false).then(|| cfg.clip_sample_range.unwrap_or(1.0) as f32);
         Ok(Self {
             prediction: common.prediction_type,
             alphas_cumprod: ac,
@@ -163,9 +152,7 @@ impl DiffusionScheduler for Lcm {
         check_f32(CLASS, "model output", model_output)?;
         check_same_shape(CLASS, model_output, sample)?;
         let t = timestep_at(CLASS, &self.timesteps, i)?;
-        let idx = self
-            .cursor
-            .current(CLASS, &self.timesteps_f64, i, Missing::Error)?;
+        let idx = self.cursor.current(CLASS, &self.timesteps_f64, i, Missing::Error)?;
         let prev_t = self.timesteps.get(idx + 1).copied().unwrap_or(t);
         let a_t = alpha_at(CLASS, &self.alphas_cumprod, t)?;
         let a_prev = if prev_t >= 0 {

@@ -130,29 +130,6 @@ pub enum SigmaSchedule {
     Karras,
 }
 
-/// Maps an A1111 sampler name ("Euler a", "DPM++ 2M Karras", "PLMS", ...)
-/// to a sampler and sigma schedule. Case and surrounding spaces are ignored.
-pub fn parse_sampler_name(name: &str) -> Option<(SamplerKind, SigmaSchedule)> {
-    let lower = name.trim().to_ascii_lowercase();
-    let (base, schedule) = match lower.strip_suffix(" karras") {
-        Some(b) => (b.trim_end(), SigmaSchedule::Karras),
-        None => (lower.as_str(), SigmaSchedule::Default),
-    };
-    let kind = match base {
-        "euler" => SamplerKind::Euler,
-        "euler a" | "euler_a" | "euler ancestral" => SamplerKind::EulerAncestral,
-        "ddim" => SamplerKind::Ddim,
-        "dpm++ 2m" | "dpmpp_2m" | "dpm++2m" => SamplerKind::DpmPp2M,
-        "lcm" => SamplerKind::Lcm,
-        "plms" | "pndm" => SamplerKind::Pndm,
-        _ => return None,
-    };
-    if schedule == SigmaSchedule::Karras && !kind.supports_karras() {
-        return None;
-    }
-    Some((kind, schedule))
-}
-
 /// The index of the first timestep an img2img run with `strength` uses, as
 /// diffusers' `get_timesteps` computes it (`t_start * order`): pass it to
 /// [`DiffusionScheduler::set_begin_index`], add noise at that index and
@@ -160,11 +137,8 @@ pub fn parse_sampler_name(name: &str) -> Option<(SamplerKind, SigmaSchedule)> {
 pub fn img2img_start(num_inference_steps: usize, strength: f64, order: usize) -> usize {
     // Python's int() truncates toward zero; negative strengths clamp to 0.
     let scaled = (num_inference_steps as f64 * strength).trunc();
-    let init_timestep = if scaled.is_nan() || scaled <= 0.0 {
-        0
-    } else {
-        (scaled as usize).min(num_inference_steps)
-    };
+    let init_timestep =
+        if scaled.is_nan() || scaled <= 0.0 { 0 } else { (scaled as usize).min(num_inference_steps) };
     num_inference_steps.saturating_sub(init_timestep) * order
 }
 
@@ -242,10 +216,9 @@ pub fn build(
     }
     Ok(match kind {
         SamplerKind::Euler => Box::new(euler::Euler::new(&cfg, num_inference_steps)?),
-        SamplerKind::EulerAncestral => Box::new(euler_ancestral::EulerAncestral::new(
-            &cfg,
-            num_inference_steps,
-        )?),
+        SamplerKind::EulerAncestral => {
+            Box::new(euler_ancestral::EulerAncestral::new(&cfg, num_inference_steps)?)
+        }
         SamplerKind::Ddim => Box::new(ddim::Ddim::new(&cfg, num_inference_steps)?),
         SamplerKind::DpmPp2M => {
             cfg.algorithm_type = Some("dpmsolver++".into());
@@ -285,24 +258,6 @@ pub fn alphas_cumprod(kind: SamplerKind, config: &SchedulerConfig) -> Result<Vec
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a1111_names() {
-        assert_eq!(
-            parse_sampler_name("DPM++ 2M Karras"),
-            Some((SamplerKind::DpmPp2M, SigmaSchedule::Karras))
-        );
-        assert_eq!(
-            parse_sampler_name(" Euler a "),
-            Some((SamplerKind::EulerAncestral, SigmaSchedule::Default))
-        );
-        assert_eq!(
-            parse_sampler_name("PLMS"),
-            Some((SamplerKind::Pndm, SigmaSchedule::Default))
-        );
-        assert_eq!(parse_sampler_name("DDIM Karras"), None);
-        assert_eq!(parse_sampler_name("Heun"), None);
-    }
 
     #[test]
     fn img2img_start_matches_get_timesteps() {

@@ -51,11 +51,7 @@ pub(crate) fn check_same_shape(class: &'static str, a: &Tensor, b: &Tensor) -> R
     if a.shape() != b.shape() {
         return Err(SchedulerError::BadTensor {
             class,
-            what: format!(
-                "model output shape {:?} does not match sample shape {:?}",
-                a.dims(),
-                b.dims()
-            ),
+            what: format!("model output shape {:?} does not match sample shape {:?}", a.dims(), b.dims()),
         });
     }
     Ok(())
@@ -72,11 +68,7 @@ pub(crate) fn noise_like(
     if values.len() != numel {
         return Err(SchedulerError::BadTensor {
             class,
-            what: format!(
-                "noise source returned {} values, {} requested",
-                values.len(),
-                numel
-            ),
+            what: format!("noise source returned {} values, {} requested", values.len(), numel),
         });
     }
     Tensor::from_vec(values, like.shape(), like.device()).ctx(class, "noise upload")

@@ -61,12 +61,8 @@ impl Pndm {
         let num_train = common.num_train_timesteps;
         let skip_prk = cfg.skip_prk_steps.unwrap_or(false);
         // Ascending, as diffusers' `_timesteps`.
-        let mut base = schedule::int_timesteps(
-            common.timestep_spacing,
-            num_train,
-            steps,
-            common.steps_offset,
-        );
+        let mut base =
+            schedule::int_timesteps(common.timestep_spacing, num_train, steps, common.steps_offset);
         base.reverse();
         let n = base.len();
         let (prk, plms): (Vec<i64>, Vec<i64>) = if skip_prk {
@@ -92,15 +88,9 @@ impl Pndm {
             }
             let half = (num_train / steps / 2) as i64;
             // last 4 timesteps, each twice, offset alternately by 0 / half ...
-            let doubled: Vec<i64> = base[n - PNDM_ORDER..]
-                .iter()
-                .flat_map(|&t| [t, t + half])
-                .collect();
+            let doubled: Vec<i64> = base[n - PNDM_ORDER..].iter().flat_map(|&t| [t, t + half]).collect();
             // ... drop the last, repeat each twice, drop both ends, reverse.
-            let mut prk: Vec<i64> = doubled[..doubled.len() - 1]
-                .iter()
-                .flat_map(|&t| [t, t])
-                .collect();
+            let mut prk: Vec<i64> = doubled[..doubled.len() - 1].iter().flat_map(|&t| [t, t]).collect();
             prk.remove(0);
             prk.pop();
             prk.reverse();
@@ -109,11 +99,7 @@ impl Pndm {
             (prk, plms)
         };
         let ac = schedule::alphas_cumprod(&schedule::betas(&common));
-        let final_alpha_cumprod = if cfg.set_alpha_to_one.unwrap_or(false) {
-            1.0
-        } else {
-            ac[0]
-        };
+        let final_alpha_cumprod = if cfg.set_alpha_to_one.unwrap_or(false) { 1.0 } else { ac[0] };
         let mut timesteps = prk.clone();
         timesteps.extend_from_slice(&plms);
         for &t in &timesteps {
@@ -233,20 +219,13 @@ impl Pndm {
                 ops::div(CLASS, &num, 2.0)?
             }
             3 => {
-                let num = ops::sub(
-                    CLASS,
-                    &ops::mul(CLASS, &e[2], 23.0)?,
-                    &ops::mul(CLASS, &e[1], 16.0)?,
-                )?;
+                let num = ops::sub(CLASS, &ops::mul(CLASS, &e[2], 23.0)?, &ops::mul(CLASS, &e[1], 16.0)?)?;
                 let num = ops::add(CLASS, &num, &ops::mul(CLASS, &e[0], 5.0)?)?;
                 ops::div(CLASS, &num, 12.0)?
             }
             n if n >= 4 => {
-                let num = ops::sub(
-                    CLASS,
-                    &ops::mul(CLASS, &e[n - 1], 55.0)?,
-                    &ops::mul(CLASS, &e[n - 2], 59.0)?,
-                )?;
+                let num =
+                    ops::sub(CLASS, &ops::mul(CLASS, &e[n - 1], 55.0)?, &ops::mul(CLASS, &e[n - 2], 59.0)?)?;
                 let num = ops::add(CLASS, &num, &ops::mul(CLASS, &e[n - 3], 37.0)?)?;
                 let num = ops::sub(CLASS, &num, &ops::mul(CLASS, &e[n - 4], 9.0)?)?;
                 ops::mul(CLASS, &num, (1.0f64 / 24.0) as f32)?

@@ -27,13 +27,15 @@ pub(crate) fn torch_linspace_f32(start: f32, end: f32, n: usize) -> Vec<f32> {
     let step = (end - start) / (n - 1) as f32;
     let half = n / 2;
     (0..n)
-        .map(|i| {
-            if i < half {
-                step.mul_add(i as f32, start)
-            } else {
-                (-step).mul_add((n - 1 - i) as f32, end)
-            }
-        })
+        .map(
+            |i| {
+                if i < half {
+                    step.mul_add(i as f32, start)
+                } else {
+                    (-step).mul_add((n - 1 - i) as f32, end)
+                }
+            },
+        )
         .collect()
 }
 
@@ -119,10 +121,7 @@ pub(crate) fn alphas_cumprod(betas: &[f32]) -> Vec<f32> {
 
 /// `((1 - alphas_cumprod) / alphas_cumprod) ** 0.5` in float32.
 pub(crate) fn train_sigmas(alphas_cumprod: &[f32]) -> Vec<f32> {
-    alphas_cumprod
-        .iter()
-        .map(|a| ((1.0 - a) / a).sqrt())
-        .collect()
+    alphas_cumprod.iter().map(|a| ((1.0 - a) / a).sqrt()).collect()
 }
 
 /// `np.linspace(start, stop, num, endpoint)` in float64.
@@ -165,9 +164,7 @@ pub(crate) fn np_arange(start: f64, stop: f64, step: f64) -> Vec<f64> {
     }
     let len = len as usize;
     let delta = (start + step) - start;
-    (0..len)
-        .map(|i| if i == 0 { start } else { start + i as f64 * delta })
-        .collect()
+    (0..len).map(|i| if i == 0 { start } else { start + i as f64 * delta }).collect()
 }
 
 /// `np.interp(x, np.arange(len(fp)), fp)` with float32 `fp`.
@@ -204,9 +201,7 @@ pub(crate) fn karras_sigmas(sigma_min: f64, sigma_max: f64, n: usize) -> Vec<f64
     let min_inv_rho = sigma_min.powf(1.0 / rho);
     let max_inv_rho = sigma_max.powf(1.0 / rho);
     let span = min_inv_rho - max_inv_rho;
-    ramp.iter()
-        .map(|r| (max_inv_rho + r * span).powf(rho))
-        .collect()
+    ramp.iter().map(|r| (max_inv_rho + r * span).powf(rho)).collect()
 }
 
 /// `np.log` of a float32 sigma table.
@@ -228,11 +223,7 @@ pub(crate) fn sigma_to_t(sigma: f64, log_sigmas: &[f32]) -> f64 {
     let log_sigma = sigma.max(1e-10).ln();
     // numpy: cumsum(dists >= 0).argmax() -> index of the last non-negative
     // distance, 0 when there is none.
-    let low_idx = log_sigmas
-        .iter()
-        .rposition(|&ls| log_sigma - ls as f64 >= 0.0)
-        .unwrap_or(0)
-        .min(n - 2);
+    let low_idx = log_sigmas.iter().rposition(|&ls| log_sigma - ls as f64 >= 0.0).unwrap_or(0).min(n - 2);
     let high_idx = low_idx + 1;
     let low = log_sigmas[low_idx];
     let high = log_sigmas[high_idx];
@@ -260,10 +251,7 @@ pub(crate) fn int_timesteps(
             .collect(),
         TimestepSpacing::Leading => {
             let ratio = (num_train / steps) as i64;
-            (0..steps as i64)
-                .rev()
-                .map(|i| i * ratio + steps_offset)
-                .collect()
+            (0..steps as i64).rev().map(|i| i * ratio + steps_offset).collect()
         }
         TimestepSpacing::Trailing => {
             let ratio = num_train as f64 / steps as f64;
@@ -290,10 +278,7 @@ pub(crate) fn float_timesteps(
             .collect(),
         TimestepSpacing::Leading => {
             let ratio = num_train / steps;
-            (0..steps)
-                .rev()
-                .map(|i| (i * ratio) as f32 + steps_offset as f32)
-                .collect()
+            (0..steps).rev().map(|i| (i * ratio) as f32 + steps_offset as f32).collect()
         }
         TimestepSpacing::Trailing => {
             let ratio = num_train as f64 / steps as f64;
@@ -340,21 +325,5 @@ mod tests {
         assert!((sigma_to_t(0.8, &ls) - 3.0).abs() < 1e-6);
         assert_eq!(sigma_to_t(0.01, &ls), 0.0);
         assert_eq!(sigma_to_t(10.0, &ls), 3.0);
-    }
-}
-#[cfg(test)]
-mod dbgtmp {
-    #[test]
-    fn dump() {
-        let b: Vec<f32> = super::torch_linspace_f32(0.00085f64.sqrt() as f32, 0.012f64.sqrt() as f32, 1000).into_iter().map(|x| x * x).collect();
-        let alphas: Vec<f32> = b.iter().map(|b| 1.0 - b).collect();
-        let cp = super::torch_cumprod_f32(&alphas);
-        let mut sq: Vec<f32> = cp.iter().map(|a| a.sqrt()).collect();
-        let first = sq[0]; let last = sq[999];
-        for v in sq.iter_mut() { *v -= last; }
-        let scale = first / (first - last);
-        for v in sq.iter_mut() { *v *= scale; }
-        for i in 192..195 { println!("{} cp={:e} s={:e} bar={:e}", i, cp[i], sq[i], sq[i]*sq[i]); }
-        println!("scale {:e} last {:e}", scale, last);
     }
 }

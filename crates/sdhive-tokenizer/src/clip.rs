@@ -41,8 +41,19 @@ const CACHE_LIMIT: usize = 50_000;
 const BUNDLED_NAME: &str = "assets/bpe_simple_vocab_16e6.txt.gz";
 static BUNDLED_GZ: &[u8] = include_bytes!("../assets/bpe_simple_vocab_16e6.txt.gz");
 
+/// CLIP's word split as the Python tokenizer runs it. Python compiles it
+/// case-insensitively; the only character where that changes a class is
+/// U+0345 (combining ypogegrammeni, which folds to iota): Python's `regex`
+/// then matches it with no alternative, so it is silently dropped, hence
+/// its explicit exclusion here with case folding limited to the literals.
 static WORD_SPLIT: LazyLock<Regex> = LazyLock::new(|| {
-    Regex::new(r"(?i)<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|\p{L}+|\p{N}|[^\s\p{L}\p{N}]+")
+    Regex::new(r"(?i:<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d)|\p{L}+|\p{N}|[^\s\p{L}\p{N}\x{345}]+")
+        .expect("static regex is valid")
+});
+/// The split of the `tokenizers` pipeline: the same pattern, but
+/// case-sensitive.
+static WORD_SPLIT_TOKENIZERS: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r"<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|\p{L}+|\p{N}|[^\s\p{L}\p{N}]+")
         .expect("static regex is valid")
 });
 
@@ -333,17 +344,39 @@ impl ClipTokenizer {
             return;
         }
         let clean = self.normalization.apply(text);
-        for m in WORD_SPLIT.find_iter(&clean) {
-            self.encode_word(m.as_str(), ids);
+        match self.normalization {
+            TextNormalization::TransformersSlow => {
+                for m in WORD_SPLIT.find_iter(&clean) {
+                    self.encode_word(m.as_str(), ids);
+                }
+            }
+            TextNormalization::Tokenizers => {
+                for m in WORD_SPLIT_TOKENIZERS.find_iter(&clean) {
+                    let word = m.as_str();
+                    // The pipeline's byte-level step re-splits every piece
+                    // with GPT-2's pattern. That is a no-op on the pieces
+                    // above except the two specials (which get here only
+                    // after normalisation, e.g. typed in capitals): they fall
+                    // apart into "<|", the name and "|>".
+                    match word.strip_prefix("<|").and_then(|w| w.strip_suffix("|>")) {
+                        Some(name) if word == BOS || word == EOS => {
+                            self.encode_word("<|", ids);
+                            self.encode_word(name, ids);
+                            self.encode_word("|>", ids);
+                        }
+                        _ => self.encode_word(word, ids),
+                    }
+                }
+            }
         }
     }
 
     fn encode_word(&self, word: &str, ids: &mut Vec<u32>) {
         // The Python tokenizer seeds its BPE cache with the two specials, so
-        // when the regex isolates them (e.g. after lowercasing
-        // "<|EndOfText|>") they map straight to their ids; `tokenizers` has no
-        // such shortcut and BPE-splits them like any word.
-        if self.normalization == TextNormalization::TransformersSlow && (word == BOS || word == EOS) {
+        // when its regex isolates them (e.g. after lowercasing
+        // "<|EndOfText|>") they map straight to their ids. (The `tokenizers`
+        // path never passes them here.)
+        if word == BOS || word == EOS {
             ids.push(self.encoder.get(word).copied().unwrap_or(self.unk));
             return;
         }

@@ -130,3 +130,32 @@ fn special_tokens_in_text_and_caching() {
     let first = tok.encode("masterpiece, best quality");
     assert_eq!(tok.encode("masterpiece, best quality"), first);
 }
+
+#[test]
+fn flavour_specific_corner_cases() {
+    // ids from transformers 4.57.1 (Python) and 5.23.0 (tokenizers) on the
+    // full vocabulary, bos/eos stripped.
+    let slow = ClipTokenizer::bundled(PadToken::EndOfText).unwrap();
+    let fast = ClipTokenizer::bundled(PadToken::EndOfText)
+        .unwrap()
+        .with_normalization(TextNormalization::Tokenizers);
+    let cases: [(&str, &[u32], &[u32]); 3] = [
+        // U+0345 is dropped by the Python regex, byte-encoded by tokenizers.
+        ("x\u{345}y \u{345}", &[343, 344], &[343, 137, 483, 344, 137, 483]),
+        // A special typed in capitals: lowercased into the special (Python)
+        // or split apart (tokenizers).
+        ("<|EndOfText|>!!", &[49407, 748], &[27, 347, 40786, 4160, 91, 285, 748]),
+        // Final sigma: only the Python path lowercases per word in context.
+        ("ΣΑΣ", &[139, 225, 138, 109, 139, 480], &[139, 225, 138, 109, 139, 481]),
+    ];
+    for (text, want_slow, want_fast) in cases {
+        assert_eq!(slow.encode(text), want_slow, "slow {text:?}");
+        assert_eq!(fast.encode(text), want_fast, "fast {text:?}");
+    }
+}
+
+#[test]
+fn tokenizer_is_shareable_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<ClipTokenizer>();
+}

@@ -24,15 +24,19 @@ pub struct GenerateArgs {
     #[arg(long, short = 'm', value_name = "MODEL")]
     pub model: String,
 
+    /// What to draw.
     #[arg(long, short = 'p')]
     pub prompt: String,
 
+    /// What to steer away from.
     #[arg(long, default_value = "")]
     pub negative_prompt: String,
 
+    /// Denoising steps.
     #[arg(long, default_value_t = 20)]
     pub steps: u32,
 
+    /// Classifier-free guidance scale; 1 disables the negative pass.
     #[arg(long, default_value_t = 7.0)]
     pub cfg_scale: f32,
 
@@ -40,6 +44,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub width: Option<u32>,
 
+    /// Output height; default as for --width.
     #[arg(long)]
     pub height: Option<u32>,
 
@@ -59,6 +64,7 @@ pub struct GenerateArgs {
     #[arg(short = 'n', long = "count", default_value_t = 1)]
     pub n: u32,
 
+    /// 1 uses the text encoder's last layer, 2 the one before it (A1111 meaning).
     #[arg(long, default_value_t = 1)]
     pub clip_skip: u32,
 

@@ -17,15 +17,15 @@ pub fn output_paths(out: &Path, n: u32) -> Vec<PathBuf> {
 /// Refuses an output path whose folder is missing or which is itself a folder.
 pub fn check_output_path(out: &Path) -> anyhow::Result<()> {
     if out.file_name().is_none() || out.is_dir() {
-        bail!("-o {}: is a directory; give a file name such as {}", out.display(), out.join("out.png").display());
+        bail!(
+            "-o {}: is a directory; give a file name such as {}",
+            out.display(),
+            out.join("out.png").display()
+        );
     }
     let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     if !parent.is_dir() {
-        bail!(
-            "-o {}: output directory {} does not exist (create it first)",
-            out.display(),
-            parent.display()
-        );
+        bail!("-o {}: output directory {} does not exist (create it first)", out.display(), parent.display());
     }
     Ok(())
 }

@@ -4,7 +4,9 @@
 
 use crate::cli::GenerateArgs;
 use sdhive_engine::image_io::DEFAULT_MAX_DECODE_PIXELS;
-use sdhive_engine::{decode_image, decode_mask, GenerateRequest, ImageError, Limits, Sampler, Schedule, ValidationError};
+use sdhive_engine::{
+    decode_image, decode_mask, GenerateRequest, ImageError, Limits, Sampler, Schedule, ValidationError,
+};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 
@@ -14,7 +16,9 @@ pub enum ArgsError {
     UnknownSampler { name: String, valid: String },
     #[error("unknown --scheduler `{0}`; valid schedulers: Automatic, Karras")]
     UnknownScheduler(String),
-    #[error("--sampler `{sampler}` implies the {implied} schedule, which conflicts with --scheduler {given}")]
+    #[error(
+        "--sampler `{sampler}` implies the {implied} schedule, which conflicts with --scheduler {given}"
+    )]
     SchedulerConflict { sampler: String, implied: Schedule, given: Schedule },
     #[error("cannot read {flag} {}: {source}", path.display())]
     ReadImage {
@@ -50,7 +54,10 @@ impl From<ValidationError> for ArgsError {
 
 /// Parses the sampler, letting a combined name (`DPM++ 2M Karras`) set the schedule unless `--scheduler`
 /// explicitly says otherwise.
-pub fn sampler_and_schedule(sampler: &str, scheduler: Option<&str>) -> Result<(Sampler, Schedule), ArgsError> {
+pub fn sampler_and_schedule(
+    sampler: &str,
+    scheduler: Option<&str>,
+) -> Result<(Sampler, Schedule), ArgsError> {
     let (parsed, implied) = Sampler::parse(sampler).ok_or_else(|| ArgsError::UnknownSampler {
         name: sampler.to_string(),
         valid: Sampler::ALL.iter().map(|s| s.name()).collect::<Vec<_>>().join(", "),
@@ -83,9 +90,11 @@ pub fn build_request(args: &GenerateArgs) -> Result<GenerateRequest, ArgsError> 
         });
     }
     let init_image = match &args.init_image {
-        Some(path) => Some(decode_image(&read_file("--init-image", path)?, DEFAULT_MAX_DECODE_PIXELS).map_err(
-            |source| ArgsError::DecodeImage { flag: "--init-image", path: path.clone(), source },
-        )?),
+        Some(path) => {
+            Some(decode_image(&read_file("--init-image", path)?, DEFAULT_MAX_DECODE_PIXELS).map_err(
+                |source| ArgsError::DecodeImage { flag: "--init-image", path: path.clone(), source },
+            )?)
+        }
         None => None,
     };
     let mask = match &args.mask {
@@ -136,7 +145,10 @@ mod tests {
     #[test]
     fn defaults_make_a_valid_txt2img_request() {
         let req = build_request(&args(&[])).unwrap();
-        assert_eq!((req.sampler, req.schedule, req.steps, req.n, req.seed), (Sampler::EulerA, Schedule::Automatic, 20, 1, None));
+        assert_eq!(
+            (req.sampler, req.schedule, req.steps, req.n, req.seed),
+            (Sampler::EulerA, Schedule::Automatic, 20, 1, None)
+        );
         assert_eq!(req.cfg_scale, 7.0);
         assert!(req.init_image.is_none());
     }

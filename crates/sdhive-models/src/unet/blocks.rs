@@ -52,11 +52,7 @@ impl DownBlock {
         let mut resnets = Vec::with_capacity(plan.resnets);
         let mut attentions = Vec::new();
         for i in 0..plan.resnets {
-            let in_c = if i == 0 {
-                plan.in_channels
-            } else {
-                plan.out_channels
-            };
+            let in_c = if i == 0 { plan.in_channels } else { plan.out_channels };
             resnets.push(ResnetBlock2D::new(
                 vb.pp(format!("resnets.{i}")),
                 ResnetSpec {
@@ -78,28 +74,15 @@ impl DownBlock {
             }
         }
         let downsampler = if plan.resample {
-            Some(Downsample2D::new(
-                vb.pp("downsamplers.0"),
-                plan.out_channels,
-                common.downsample_padding,
-            )?)
+            Some(Downsample2D::new(vb.pp("downsamplers.0"), plan.out_channels, common.downsample_padding)?)
         } else {
             None
         };
-        Ok(Self {
-            resnets,
-            attentions,
-            downsampler,
-        })
+        Ok(Self { resnets, attentions, downsampler })
     }
 
     /// Returns the block output and the skip states it hands to the up path.
-    pub fn forward(
-        &self,
-        x: &Tensor,
-        temb: &Tensor,
-        context: &Tensor,
-    ) -> Result<(Tensor, Vec<Tensor>)> {
+    pub fn forward(&self, x: &Tensor, temb: &Tensor, context: &Tensor) -> Result<(Tensor, Vec<Tensor>)> {
         let mut x = x.clone();
         let mut skips = Vec::with_capacity(self.resnets.len() + 1);
         for (i, resnet) in self.resnets.iter().enumerate() {
@@ -170,16 +153,8 @@ impl UpBlock {
         let mut resnets = Vec::with_capacity(n);
         let mut attentions = Vec::new();
         for i in 0..n {
-            let skip_c = if i == n - 1 {
-                plan.in_channels
-            } else {
-                plan.out_channels
-            };
-            let in_c = if i == 0 {
-                plan.prev_output_channels
-            } else {
-                plan.out_channels
-            };
+            let skip_c = if i == n - 1 { plan.in_channels } else { plan.out_channels };
+            let in_c = if i == 0 { plan.prev_output_channels } else { plan.out_channels };
             resnets.push(ResnetBlock2D::new(
                 vb.pp(format!("resnets.{i}")),
                 ResnetSpec {
@@ -206,11 +181,7 @@ impl UpBlock {
         } else {
             None
         };
-        Ok(Self {
-            resnets,
-            attentions,
-            upsampler,
-        })
+        Ok(Self { resnets, attentions, upsampler })
     }
 
     pub fn num_resnets(&self) -> usize {

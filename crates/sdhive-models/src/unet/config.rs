@@ -202,9 +202,7 @@ impl UNet2DConditionConfig {
             check_divides(origin, "norm_num_groups", groups, c)?;
         }
         let layers = self.layers_per_block.per_block(n, origin, "layers_per_block")?;
-        let cross = self
-            .cross_attention_dim
-            .per_block(n, origin, "cross_attention_dim")?;
+        let cross = self.cross_attention_dim.per_block(n, origin, "cross_attention_dim")?;
         let tlayers = match &self.transformer_layers_per_block {
             LayersPerBlock::Int(v) => vec![*v; n],
             LayersPerBlock::List(v) if v.len() == n => v.clone(),
@@ -239,19 +237,13 @@ impl UNet2DConditionConfig {
 
         let kind_of = |field: &str, t: &str, down: bool| -> Result<BlockKind> {
             match (t, down) {
-                ("CrossAttnDownBlock2D", true) | ("CrossAttnUpBlock2D", false) => {
-                    Ok(BlockKind::CrossAttn)
-                }
+                ("CrossAttnDownBlock2D", true) | ("CrossAttnUpBlock2D", false) => Ok(BlockKind::CrossAttn),
                 ("DownBlock2D", true) | ("UpBlock2D", false) => Ok(BlockKind::Plain),
-                _ => Err(invalid(
-                    origin,
-                    field,
-                    format!("block type `{t}` is not supported"),
-                )),
+                _ => Err(invalid(origin, field, format!("block type `{t}` is not supported"))),
             }
         };
         let check_heads = |field: &str, h: usize, channels: usize| -> Result<()> {
-            if h == 0 || channels % h != 0 {
+            if h == 0 || !channels.is_multiple_of(h) {
                 return Err(invalid(
                     origin,
                     field,
@@ -286,18 +278,10 @@ impl UNet2DConditionConfig {
         match self.mid_block_type.as_deref() {
             Some("UNetMidBlock2DCrossAttn") => {}
             Some(other) => {
-                return Err(invalid(
-                    origin,
-                    "mid_block_type",
-                    format!("`{other}` is not supported"),
-                ))
+                return Err(invalid(origin, "mid_block_type", format!("`{other}` is not supported")))
             }
             None => {
-                return Err(invalid(
-                    origin,
-                    "mid_block_type",
-                    "a UNet without mid block is not supported",
-                ))
+                return Err(invalid(origin, "mid_block_type", "a UNet without mid block is not supported"))
             }
         }
         let last = self.block_out_channels[n - 1];
@@ -339,9 +323,7 @@ impl UNet2DConditionConfig {
             });
         }
 
-        let time_embed_dim = self
-            .time_embedding_dim
-            .unwrap_or(self.block_out_channels[0] * 4);
+        let time_embed_dim = self.time_embedding_dim.unwrap_or(self.block_out_channels[0] * 4);
         let text_time = match self.addition_embed_type.as_deref() {
             None => None,
             Some("text_time") => {
@@ -369,14 +351,7 @@ impl UNet2DConditionConfig {
                 ))
             }
         };
-        Ok(UNetPlan {
-            groups,
-            time_embed_dim,
-            text_time,
-            down,
-            mid,
-            up,
-        })
+        Ok(UNetPlan { groups, time_embed_dim, text_time, down, mid, up })
     }
 
     fn reject_unsupported(&self, origin: &str) -> Result<()> {
@@ -448,10 +423,8 @@ impl UNet2DConditionConfig {
         if let Some(n) = &self.cross_attention_norm {
             return reject("cross_attention_norm", format!("`{n}` is not supported"));
         }
-        for (field, k) in [
-            ("conv_in_kernel", self.conv_in_kernel),
-            ("conv_out_kernel", self.conv_out_kernel),
-        ] {
+        for (field, k) in [("conv_in_kernel", self.conv_in_kernel), ("conv_out_kernel", self.conv_out_kernel)]
+        {
             if k % 2 == 0 {
                 return reject(field, format!("even kernel size {k} is not supported"));
             }
@@ -471,10 +444,7 @@ pub fn sd15_unet_config() -> UNet2DConditionConfig {
 
 /// The public SD1.5 inpainting `unet/config.json` (9 input channels).
 pub fn sd15_inpaint_unet_config() -> UNet2DConditionConfig {
-    UNet2DConditionConfig {
-        in_channels: 9,
-        ..sd15_unet_config()
-    }
+    UNet2DConditionConfig { in_channels: 9, ..sd15_unet_config() }
 }
 
 /// The public SD2.1 (768-v) `unet/config.json`.
@@ -524,10 +494,7 @@ mod tests {
     #[test]
     fn attention_head_dim_is_head_count_when_num_heads_missing() {
         let plan = sd21_unet_config().plan("sd21").expect("sd21 config is valid");
-        assert_eq!(
-            plan.down.iter().map(|b| b.heads).collect::<Vec<_>>(),
-            vec![5, 10, 20, 20]
-        );
+        assert_eq!(plan.down.iter().map(|b| b.heads).collect::<Vec<_>>(), vec![5, 10, 20, 20]);
         // up blocks walk the heads in reverse.
         assert_eq!(plan.up[1].heads, 20);
         assert_eq!(plan.up[3].heads, 5);

@@ -29,11 +29,7 @@ impl Timesteps {
                 (exponent as f64).exp() as f32
             })
             .collect();
-        Self {
-            dim,
-            flip_sin_to_cos,
-            freqs,
-        }
+        Self { dim, flip_sin_to_cos, freqs }
     }
 
     /// `timesteps` `(N,)` of any float dtype → `(N, dim)` f32.
@@ -44,11 +40,8 @@ impl Timesteps {
         let freqs = Tensor::from_slice(&self.freqs, (1, half), dev)?;
         let args = t.broadcast_mul(&freqs)?;
         let (sin, cos) = (args.sin()?, args.cos()?);
-        let emb = if self.flip_sin_to_cos {
-            Tensor::cat(&[cos, sin], 1)?
-        } else {
-            Tensor::cat(&[sin, cos], 1)?
-        };
+        let emb =
+            if self.flip_sin_to_cos { Tensor::cat(&[cos, sin], 1)? } else { Tensor::cat(&[sin, cos], 1)? };
         if self.dim % 2 == 1 {
             emb.pad_with_zeros(1, 0, 1)
         } else {
@@ -80,8 +73,7 @@ impl TimestepEmbedding {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.linear_2
-            .forward(&ops::silu(&self.linear_1.forward(x)?)?)
+        self.linear_2.forward(&ops::silu(&self.linear_1.forward(x)?)?)
     }
 }
 

@@ -7,8 +7,7 @@ mod embeddings;
 mod transformer;
 
 pub use config::{
-    sd15_inpaint_unet_config, sd15_unet_config, sd21_unet_config, sdxl_unet_config,
-    UNet2DConditionConfig,
+    sd15_inpaint_unet_config, sd15_unet_config, sd21_unet_config, sdxl_unet_config, UNet2DConditionConfig,
 };
 pub use embeddings::{TimestepEmbedding, Timesteps};
 pub use transformer::{CrossAttention, Transformer2DModel, TransformerSpec};
@@ -71,16 +70,11 @@ impl UNet2DConditionModel {
                 (cfg.conv_in_kernel - 1) / 2,
             )?;
             let time_proj = Timesteps::new(c0, cfg.flip_sin_to_cos, cfg.freq_shift);
-            let time_embedding =
-                TimestepEmbedding::new(vb.pp("time_embedding"), c0, plan.time_embed_dim)?;
+            let time_embedding = TimestepEmbedding::new(vb.pp("time_embedding"), c0, plan.time_embed_dim)?;
             let add_embedding = match plan.text_time {
                 Some((time_dim, proj_dim)) => Some(AddEmbedding {
                     time_proj: Timesteps::new(time_dim, cfg.flip_sin_to_cos, cfg.freq_shift),
-                    embedding: TimestepEmbedding::new(
-                        vb.pp("add_embedding"),
-                        proj_dim,
-                        plan.time_embed_dim,
-                    )?,
+                    embedding: TimestepEmbedding::new(vb.pp("add_embedding"), proj_dim, plan.time_embed_dim)?,
                     proj_input_dim: proj_dim,
                 }),
                 None => None,
@@ -138,8 +132,7 @@ impl UNet2DConditionModel {
     pub fn from_dir(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
         let cfg = UNet2DConditionConfig::from_file(&dir.join("config.json"))?;
         let vb = crate::loading::load_component(dir, dtype, device)?;
-        Self::new(vb, &cfg)
-            .map_err(|e| e.with_weight_origin(&crate::loading::describe_weights(dir)))
+        Self::new(vb, &cfg).map_err(|e| e.with_weight_origin(&crate::loading::describe_weights(dir)))
     }
 
     pub fn config(&self) -> &UNet2DConditionConfig {
@@ -148,6 +141,10 @@ impl UNet2DConditionModel {
 
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     /// Predicts noise (or v) for `sample` `(B, C, H, W)` at one `timestep` shared by the
@@ -159,26 +156,19 @@ impl UNet2DConditionModel {
         encoder_hidden_states: &Tensor,
         added: Option<&SdxlConditioning>,
     ) -> Result<Tensor> {
-        let (b, c, _, _) = sample
-            .dims4()
-            .map_err(|e| input_err(MODEL, format!("sample must be (B, C, H, W): {e}")))?;
+        let (b, c, _, _) =
+            sample.dims4().map_err(|e| input_err(MODEL, format!("sample must be (B, C, H, W): {e}")))?;
         if c != self.config.in_channels {
             return Err(input_err(
                 MODEL,
-                format!(
-                    "sample has {c} channels, the config says in_channels {}",
-                    self.config.in_channels
-                ),
+                format!("sample has {c} channels, the config says in_channels {}", self.config.in_channels),
             ));
         }
-        let (eb, _, _) = encoder_hidden_states.dims3().map_err(|e| {
-            input_err(MODEL, format!("encoder_hidden_states must be (B, T, D): {e}"))
-        })?;
+        let (eb, _, _) = encoder_hidden_states
+            .dims3()
+            .map_err(|e| input_err(MODEL, format!("encoder_hidden_states must be (B, T, D): {e}")))?;
         if eb != b {
-            return Err(input_err(
-                MODEL,
-                format!("encoder_hidden_states batch {eb} != sample batch {b}"),
-            ));
+            return Err(input_err(MODEL, format!("encoder_hidden_states batch {eb} != sample batch {b}")));
         }
         if self.add_embedding.is_some() && added.is_none() {
             return Err(input_err(
@@ -207,10 +197,8 @@ impl UNet2DConditionModel {
     /// SDXL: sinusoidal features of each `time_ids` entry, flattened per sample, appended to
     /// `text_embeds`, through `add_embedding`.
     fn add_embed(&self, add: &AddEmbedding, cond: &SdxlConditioning, b: usize) -> Result<Tensor> {
-        let (tb, n_ids) = cond
-            .time_ids
-            .dims2()
-            .map_err(|e| input_err(MODEL, format!("time_ids must be (B, N): {e}")))?;
+        let (tb, n_ids) =
+            cond.time_ids.dims2().map_err(|e| input_err(MODEL, format!("time_ids must be (B, N): {e}")))?;
         let (eb, text_dim) = cond
             .text_embeds
             .dims2()
@@ -235,10 +223,7 @@ impl UNet2DConditionModel {
         let run = || -> candle_core::Result<Tensor> {
             let ids = cond.time_ids.to_device(&self.device)?.flatten_all()?;
             let time_embeds = add.time_proj.forward(&ids)?.reshape((b, ()))?;
-            let text = cond
-                .text_embeds
-                .to_device(&self.device)?
-                .to_dtype(DType::F32)?;
+            let text = cond.text_embeds.to_device(&self.device)?.to_dtype(DType::F32)?;
             let add_embeds = Tensor::cat(&[&text, &time_embeds], 1)?.to_dtype(self.dtype)?;
             add.embedding.forward(&add_embeds)
         };
@@ -248,11 +233,7 @@ impl UNet2DConditionModel {
     fn run(&self, sample: &Tensor, temb: &Tensor, context: &Tensor) -> candle_core::Result<Tensor> {
         let sample = sample.to_device(&self.device)?.to_dtype(self.dtype)?;
         let context = context.to_device(&self.device)?.to_dtype(self.dtype)?;
-        let sample = if self.config.center_input_sample {
-            ((sample * 2.0)? - 1.0)?
-        } else {
-            sample
-        };
+        let sample = if self.config.center_input_sample { ((sample * 2.0)? - 1.0)? } else { sample };
 
         // diffusers passes explicit sizes to the upsamplers when the latent is not a multiple
         // of 2^(number of upsamplers), so odd sizes round-trip.

@@ -69,8 +69,7 @@ impl FeedForward {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.proj_out
-            .forward(&ops::geglu(&self.proj_in.forward(x)?)?)
+        self.proj_out.forward(&ops::geglu(&self.proj_in.forward(x)?)?)
     }
 }
 
@@ -99,14 +98,7 @@ impl BasicTransformerBlock {
             norm1: LayerNorm::new(vb.pp("norm1"), dim, eps)?,
             attn1: CrossAttention::new(vb.pp("attn1"), dim, None, heads, head_dim, upcast)?,
             norm2: LayerNorm::new(vb.pp("norm2"), dim, eps)?,
-            attn2: CrossAttention::new(
-                vb.pp("attn2"),
-                dim,
-                Some(context_dim),
-                heads,
-                head_dim,
-                upcast,
-            )?,
+            attn2: CrossAttention::new(vb.pp("attn2"), dim, Some(context_dim), heads, head_dim, upcast)?,
             norm3: LayerNorm::new(vb.pp("norm3"), dim, eps)?,
             ff: FeedForward::new(vb.pp("ff"), dim)?,
         })
@@ -174,12 +166,7 @@ impl Transformer2DModel {
             })
             .collect::<Result<Vec<_>>>()?;
         let proj_out = proj("proj_out", inner, c)?;
-        Ok(Self {
-            norm,
-            proj_in,
-            blocks,
-            proj_out,
-        })
+        Ok(Self { norm, proj_in, blocks, proj_out })
     }
 
     pub fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {

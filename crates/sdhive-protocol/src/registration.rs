@@ -1,0 +1,139 @@
+//! Worker ⇄ hive messages: the registration a worker posts once its model is loaded, the hive's answer (where
+//! to send heartbeats and how often), the periodic heartbeat, and the deregistration on shutdown. The flow is
+//! specified in `docs/protocol.md`.
+
+use crate::job::JobId;
+use serde::{Deserialize, Serialize};
+
+/// Bumped on incompatible changes; a hive refuses registrations it cannot speak (4xx), the worker keeps retrying.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Used when the hive's registration answer does not say.
+pub const DEFAULT_HEARTBEAT_INTERVAL_SECS: u64 = 5;
+
+/// `POST <callback-url>` with `Authorization: Bearer <token>`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RegisterRequest {
+    pub protocol_version: u32,
+    pub worker_id: String,
+    /// Where the hive reaches this worker's HTTP API (`http://host:port`, no trailing slash).
+    pub base_url: String,
+    /// Whether the worker's routes need `Authorization: Bearer <api key>`; the hive must hold that key.
+    pub api_key_required: bool,
+    pub backend: String,
+    pub device: DeviceDescription,
+    /// The loaded model's name.
+    pub model: String,
+    /// `sd1`, `sd2`, `sdxl`, … as the engine detected it.
+    pub model_family: String,
+    pub capabilities: Capabilities,
+    /// Worker version, e.g. `0.1.0`.
+    pub version: String,
+    pub pid: u32,
+    /// Unix seconds at which the worker process started serving.
+    pub started_at: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceDescription {
+    pub backend: String,
+    pub index: usize,
+    pub name: String,
+    pub memory_total_bytes: Option<u64>,
+    pub memory_free_bytes: Option<u64>,
+    pub driver: Option<String>,
+}
+
+/// What requests this worker can run; a hive routes on these.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capabilities {
+    pub engine: String,
+    pub dtype: String,
+    pub samplers: Vec<String>,
+    pub schedulers: Vec<String>,
+    pub native_width: u32,
+    pub native_height: u32,
+    pub max_width: u32,
+    pub max_height: u32,
+    pub max_steps: u32,
+    pub max_n: u32,
+    pub max_prompt_chars: usize,
+    pub max_queue: usize,
+    pub max_body_bytes: usize,
+    pub img2img: bool,
+    pub inpaint: bool,
+    /// Low-resolution previews during denoising; not produced yet.
+    pub preview: bool,
+}
+
+/// The hive's 2xx answer to a registration. Relative URLs are resolved against the callback URL.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegisterResponse {
+    /// `POST` heartbeats here.
+    pub heartbeat_url: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heartbeat_interval_secs: Option<u64>,
+    /// `POST` a [`Deregister`] here on shutdown; absent: the worker does not deregister (the hive times it out).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deregister_url: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerState {
+    /// Nothing running or queued.
+    Idle,
+    Busy,
+    /// Shutting down: finishing its last job, accepting none.
+    Draining,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunningJob {
+    pub id: JobId,
+    pub step: u32,
+    pub total_steps: u32,
+    pub image: u32,
+    pub images: u32,
+}
+
+/// `POST <heartbeat_url>` every `heartbeat_interval_secs`. A 404 or 410 answer means "I do not know you":
+/// the worker registers again.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub worker_id: String,
+    pub state: WorkerState,
+    pub queue_depth: usize,
+    pub running_job: Option<RunningJob>,
+    pub memory_total_bytes: Option<u64>,
+    pub memory_free_bytes: Option<u64>,
+    pub jobs_succeeded: u64,
+    pub jobs_failed: u64,
+    pub jobs_cancelled: u64,
+    pub uptime_secs: f64,
+}
+
+/// `POST <deregister_url>` once, on shutdown, after the last job ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Deregister {
+    pub worker_id: String,
+    pub reason: String,
+}
+
+/// Kept for symmetry with the request types: a hive may answer a heartbeat with an empty body or this object.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeartbeatResponse {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn register_response_defaults() {
+        let r: RegisterResponse = serde_json::from_value(json!({"heartbeat_url": "/hb/w1"})).unwrap();
+        assert_eq!(r.heartbeat_interval_secs, None);
+        assert_eq!(r.deregister_url, None);
+        assert_eq!(serde_json::to_value(WorkerState::Draining).unwrap(), json!("draining"));
+    }
+}

@@ -1,0 +1,122 @@
+//! The engine thread: the only owner of the loaded model. It takes one job at a time from the queue, runs it
+//! with a progress callback that records steps and answers cancellation, encodes the images, and turns every
+//! failure — engine errors and engine panics alike — into a failed job, so the worker keeps serving.
+
+use crate::jobs::{FinishedImage, JobManager, Outcome, StartedJob};
+use bytes::Bytes;
+use sdhive_engine::{encode_png, Control, Engine, EngineError, GenerateOutput, Progress};
+use sdhive_protocol::{JobError, JobErrorKind};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
+use std::thread::JoinHandle;
+
+pub(crate) fn spawn(jobs: JobManager, engine: Box<dyn Engine>) -> JoinHandle<()> {
+    let spawned = std::thread::Builder::new().name("sdhive-engine".into()).spawn({
+        let jobs = jobs.clone();
+        move || run(jobs, engine)
+    });
+    match spawned {
+        Ok(handle) => handle,
+        Err(e) => {
+            // Without a thread there is no engine: report not-ready instead of failing every request later.
+            tracing::error!("cannot start the engine thread: {e}");
+            jobs.mark_engine_dead();
+            std::thread::spawn(|| {})
+        }
+    }
+}
+
+/// Marks the engine dead if the thread unwinds through our own code (engine panics are caught earlier).
+struct AliveGuard(JobManager);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.mark_engine_dead();
+    }
+}
+
+fn run(jobs: JobManager, mut engine: Box<dyn Engine>) {
+    let _alive = AliveGuard(jobs.clone());
+    while let Some(job) = jobs.next_job() {
+        let outcome = run_one(&jobs, engine.as_mut(), &job);
+        jobs.finish(&job.id, outcome);
+    }
+}
+
+fn run_one(jobs: &JobManager, engine: &mut dyn Engine, job: &StartedJob) -> Outcome {
+    tracing::info!(job = %job.id, steps = job.request.steps, n = job.request.n, "job started");
+    let mut on_progress = |p: &Progress| {
+        jobs.on_progress(&job.id, p);
+        if job.cancel.load(Ordering::SeqCst) {
+            Control::Cancel
+        } else {
+            Control::Continue
+        }
+    };
+    let result = catch_unwind(AssertUnwindSafe(|| engine.generate(&job.request, &mut on_progress)));
+    let outcome = match result {
+        Ok(Ok(output)) => encode_all(output),
+        Ok(Err(EngineError::Cancelled)) => Outcome::Cancelled,
+        Ok(Err(EngineError::Invalid(v))) => Outcome::Failed(JobError {
+            kind: JobErrorKind::InvalidRequest,
+            message: v.to_string(),
+            param: Some(v.field.to_string()),
+        }),
+        Ok(Err(EngineError::OutOfMemory(m))) => {
+            Outcome::Failed(JobError { kind: JobErrorKind::OutOfMemory, message: m, param: None })
+        }
+        Ok(Err(e)) => {
+            Outcome::Failed(JobError { kind: JobErrorKind::EngineError, message: e.to_string(), param: None })
+        }
+        Err(payload) => {
+            let message = panic_message(payload.as_ref());
+            tracing::error!(job = %job.id, "engine panicked: {message}");
+            Outcome::Failed(JobError {
+                kind: JobErrorKind::EnginePanic,
+                message: format!("the engine panicked: {message}"),
+                param: None,
+            })
+        }
+    };
+    match &outcome {
+        Outcome::Succeeded(_) => tracing::info!(job = %job.id, "job succeeded"),
+        Outcome::Failed(e) => {
+            tracing::warn!(job = %job.id, kind = e.kind.as_str(), "job failed: {}", e.message)
+        }
+        Outcome::Cancelled => tracing::info!(job = %job.id, "job cancelled"),
+    }
+    outcome
+}
+
+fn encode_all(output: GenerateOutput) -> Outcome {
+    let mut images = Vec::with_capacity(output.images.len());
+    for generated in output.images {
+        match encode_png(&generated.image, Some(&generated.infotext)) {
+            Ok(png) => images.push(FinishedImage {
+                png: Bytes::from(png),
+                seed: generated.seed,
+                infotext: generated.infotext,
+                width: generated.image.width,
+                height: generated.image.height,
+            }),
+            Err(e) => {
+                return Outcome::Failed(JobError {
+                    kind: JobErrorKind::EngineError,
+                    message: format!("cannot encode the image: {e}"),
+                    param: None,
+                })
+            }
+        }
+    }
+    Outcome::Succeeded(images)
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic payload".into()
+    }
+}

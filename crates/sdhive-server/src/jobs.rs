@@ -1,0 +1,780 @@
+//! The job store and bounded queue: submission (with back-pressure), the state of every job from `queued` to
+//! its terminal state, per-job event broadcast, cancellation, result retention for the TTL and the tombstones
+//! that let expired ids answer 410. The engine thread (`infer`) is the only consumer of the queue; handlers
+//! only ever talk to this module.
+
+use crate::infer;
+use crate::metrics::Metrics;
+use crate::{unix_secs, ServerConfig};
+use base64::Engine as _;
+use bytes::Bytes;
+use sdhive_engine::{Engine, GenerateRequest, Progress};
+use sdhive_protocol::{
+    JobError, JobErrorKind, JobEvent, JobId, JobImage, JobLinks, JobSnapshot, JobState, RequestSummary,
+    RunningJob,
+};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime};
+use thiserror::Error;
+use tokio::sync::broadcast;
+
+/// A job's error as the API shows it.
+pub type JobErrorView = JobError;
+
+/// Events buffered per job before a slow subscriber lags (it then resynchronises from the job's state).
+const EVENT_CAPACITY: usize = 256;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+pub enum SubmitError {
+    #[error("the job queue is full; retry in about {retry_after_secs} s")]
+    QueueFull { retry_after_secs: u64 },
+    #[error("the worker is shutting down")]
+    ShuttingDown,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum LookupError {
+    #[error("no job {0}")]
+    NotFound(JobId),
+    #[error("job {0} has expired")]
+    Gone(JobId),
+}
+
+/// Why [`JobManager::run_to_completion`] gave no finished job.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Submit(#[from] SubmitError),
+    #[error(transparent)]
+    Lookup(#[from] LookupError),
+}
+
+/// One generated image, encoded once when the job finishes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FinishedImage {
+    /// PNG with the A1111 `parameters` chunk.
+    pub png: Bytes,
+    pub seed: u64,
+    pub infotext: String,
+    pub width: u32,
+    pub height: u32,
+}
+
+impl FinishedImage {
+    pub fn to_wire(&self, index: u32) -> JobImage {
+        JobImage {
+            index,
+            seed: self.seed,
+            width: self.width,
+            height: self.height,
+            infotext: self.infotext.clone(),
+            png_base64: base64::engine::general_purpose::STANDARD.encode(&self.png),
+        }
+    }
+}
+
+/// A consistent copy of one job's state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobView {
+    pub id: JobId,
+    pub state: JobState,
+    /// Jobs ahead of this one (0 = next); `None` unless queued.
+    pub queue_position: Option<usize>,
+    pub step: u32,
+    pub total_steps: u32,
+    pub image_index: u32,
+    pub images_total: u32,
+    pub eta_seconds: Option<f64>,
+    pub created_at: SystemTime,
+    pub started_at: Option<SystemTime>,
+    pub finished_at: Option<SystemTime>,
+    /// Time queued (so far, while still queued).
+    pub queue_duration: Option<Duration>,
+    /// Time running (so far, while still running).
+    pub run_duration: Option<Duration>,
+    pub error: Option<JobErrorView>,
+    pub images: Vec<FinishedImage>,
+    pub request: RequestSummary,
+    /// Always `None` for now: the engine reports no latents to preview.
+    pub preview: Option<Bytes>,
+}
+
+impl JobView {
+    /// The JSON shape of `GET /v1/jobs/{id}` (images as base64).
+    pub fn to_snapshot(&self) -> JobSnapshot {
+        JobSnapshot {
+            id: self.id.clone(),
+            state: self.state,
+            queue_position: self.queue_position,
+            step: self.step,
+            total_steps: self.total_steps,
+            image_index: self.image_index,
+            images_total: self.images_total,
+            eta_seconds: self.eta_seconds,
+            created_at: unix_secs(self.created_at),
+            started_at: self.started_at.map(unix_secs),
+            finished_at: self.finished_at.map(unix_secs),
+            queue_seconds: self.queue_duration.map(|d| d.as_secs_f64()),
+            run_seconds: self.run_duration.map(|d| d.as_secs_f64()),
+            error: self.error.clone(),
+            images: self.images.iter().zip(0..).map(|(img, i)| img.to_wire(i)).collect(),
+            request: self.request.clone(),
+            links: JobLinks::for_job(&self.id),
+        }
+    }
+
+    /// The events a subscriber joining now is owed, so every stream has the same grammar: `queued`, then
+    /// `started` and the latest `progress` if the job ran, then its terminal event if it has one.
+    pub fn replay_events(&self) -> Vec<JobEvent> {
+        let id = &self.id;
+        let mut events =
+            vec![JobEvent::Queued { id: id.clone(), position: self.queue_position.unwrap_or(0) }];
+        if let Some(started) = self.started_at {
+            events.push(JobEvent::Started { id: id.clone(), started_at: unix_secs(started) });
+            if self.step > 0 {
+                events.push(self.progress_event());
+            }
+        }
+        match self.state {
+            JobState::Queued | JobState::Running => {}
+            JobState::Succeeded => events.push(JobEvent::Completed {
+                id: id.clone(),
+                images: self.images.iter().zip(0..).map(|(img, i)| img.to_wire(i)).collect(),
+                run_seconds: self.run_duration.map(|d| d.as_secs_f64()).unwrap_or(0.0),
+            }),
+            JobState::Failed => events.push(JobEvent::Failed {
+                id: id.clone(),
+                error: self.error.clone().unwrap_or(JobError {
+                    kind: JobErrorKind::EngineError,
+                    message: "failed".into(),
+                    param: None,
+                }),
+            }),
+            JobState::Cancelled => events.push(JobEvent::Cancelled { id: id.clone(), step: self.step }),
+        }
+        events
+    }
+
+    fn progress_event(&self) -> JobEvent {
+        JobEvent::Progress {
+            id: self.id.clone(),
+            step: self.step,
+            total_steps: self.total_steps,
+            image: self.image_index,
+            images: self.images_total,
+            eta_seconds: self.eta_seconds,
+        }
+    }
+}
+
+struct Job {
+    id: JobId,
+    state: JobState,
+    /// Taken by the engine thread when the job starts.
+    request: Option<GenerateRequest>,
+    summary: RequestSummary,
+    step: u32,
+    total_steps: u32,
+    image_index: u32,
+    images_total: u32,
+    created_at: SystemTime,
+    created: Instant,
+    started: Option<(SystemTime, Instant)>,
+    finished: Option<(SystemTime, Instant)>,
+    /// When the last progress report (or the start) arrived: the step-latency clock.
+    last_step: Option<Instant>,
+    error: Option<JobError>,
+    images: Vec<FinishedImage>,
+    cancel: Arc<AtomicBool>,
+    events: broadcast::Sender<JobEvent>,
+}
+
+impl Job {
+    fn eta_seconds(&self) -> Option<f64> {
+        let (_, started) = self.started?;
+        if self.state != JobState::Running || self.total_steps == 0 {
+            return None;
+        }
+        let total = u64::from(self.total_steps) * u64::from(self.images_total.max(1));
+        let done = u64::from(self.image_index) * u64::from(self.total_steps) + u64::from(self.step);
+        if done == 0 {
+            return None;
+        }
+        let per_step = started.elapsed().as_secs_f64() / done as f64;
+        Some(per_step * total.saturating_sub(done) as f64)
+    }
+
+    fn view(&self, queue_position: Option<usize>) -> JobView {
+        let now = Instant::now();
+        let queue_duration = Some(match self.started {
+            Some((_, started)) => started.duration_since(self.created),
+            None => self.finished.map(|(_, f)| f).unwrap_or(now).duration_since(self.created),
+        });
+        let run_duration = self
+            .started
+            .map(|(_, started)| self.finished.map(|(_, f)| f).unwrap_or(now).duration_since(started));
+        JobView {
+            id: self.id.clone(),
+            state: self.state,
+            queue_position,
+            step: self.step,
+            total_steps: self.total_steps,
+            image_index: self.image_index,
+            images_total: self.images_total,
+            eta_seconds: self.eta_seconds(),
+            created_at: self.created_at,
+            started_at: self.started.map(|(t, _)| t),
+            finished_at: self.finished.map(|(t, _)| t),
+            queue_duration,
+            run_duration,
+            error: self.error.clone(),
+            images: self.images.clone(),
+            request: self.summary.clone(),
+            preview: None,
+        }
+    }
+
+    /// Sends to whoever listens; nobody listening is normal.
+    fn emit(&self, event: JobEvent) {
+        let _ = self.events.send(event);
+    }
+}
+
+struct Inner {
+    jobs: HashMap<JobId, Job>,
+    queue: VecDeque<JobId>,
+    running: Option<JobId>,
+    tombstones: VecDeque<JobId>,
+    tombstone_set: HashSet<JobId>,
+    accepting: bool,
+    /// Set to make the engine thread exit once idle.
+    stop: bool,
+    engine_alive: bool,
+    /// Smoothed seconds per finished job, for `Retry-After`.
+    avg_job_secs: f64,
+}
+
+impl Inner {
+    fn position(&self, id: &JobId) -> Option<usize> {
+        self.queue.iter().position(|q| q == id)
+    }
+
+    fn view_of(&self, job: &Job) -> JobView {
+        job.view(if job.state == JobState::Queued { self.position(&job.id) } else { None })
+    }
+
+    fn lookup(&self, id: &JobId) -> Result<&Job, LookupError> {
+        match self.jobs.get(id) {
+            Some(job) => Ok(job),
+            None if self.tombstone_set.contains(id) => Err(LookupError::Gone(id.clone())),
+            None => Err(LookupError::NotFound(id.clone())),
+        }
+    }
+
+    /// Drops finished jobs older than `ttl`, remembering their ids (bounded) so lookups answer "gone".
+    fn expire(&mut self, ttl: Duration, max_tombstones: usize) {
+        let now = Instant::now();
+        let expired: Vec<JobId> = self
+            .jobs
+            .values()
+            .filter(|j| j.finished.is_some_and(|(_, f)| now.duration_since(f) >= ttl))
+            .map(|j| j.id.clone())
+            .collect();
+        for id in expired {
+            self.jobs.remove(&id);
+            if max_tombstones == 0 {
+                continue;
+            }
+            while self.tombstones.len() >= max_tombstones {
+                if let Some(old) = self.tombstones.pop_front() {
+                    self.tombstone_set.remove(&old);
+                }
+            }
+            self.tombstone_set.insert(id.clone());
+            self.tombstones.push_back(id);
+        }
+    }
+
+    /// Tells every queued job its new place after the queue moved.
+    fn announce_positions(&self) {
+        for (position, id) in self.queue.iter().enumerate() {
+            if let Some(job) = self.jobs.get(id) {
+                job.emit(JobEvent::Queued { id: id.clone(), position });
+            }
+        }
+    }
+}
+
+pub(crate) struct Shared {
+    inner: Mutex<Inner>,
+    /// Wakes the engine thread: work queued, or stop requested.
+    work: Condvar,
+    /// Wakes shutdown waiting for the engine thread to go idle.
+    idle: Condvar,
+    pub(crate) config: Arc<ServerConfig>,
+    pub(crate) metrics: Arc<Metrics>,
+    native_size: (u32, u32),
+    engine_thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// The queue and job store; clones share them.
+#[derive(Clone)]
+pub struct JobManager {
+    shared: Arc<Shared>,
+}
+
+/// What the engine thread gets for one job.
+pub(crate) struct StartedJob {
+    pub id: JobId,
+    pub request: GenerateRequest,
+    pub cancel: Arc<AtomicBool>,
+}
+
+/// How a run ended, as the engine thread reports it.
+pub(crate) enum Outcome {
+    Succeeded(Vec<FinishedImage>),
+    Failed(JobError),
+    Cancelled,
+}
+
+fn new_job_id() -> JobId {
+    let mut bytes = [0u8; 12];
+    if getrandom::fill(&mut bytes).is_err() {
+        // Ids need uniqueness, not secrecy: without OS entropy, time plus a counter still gives that.
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let t = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        bytes[..4].copy_from_slice(&(n as u32).to_le_bytes());
+        bytes[4..].copy_from_slice(&(t as u64).to_le_bytes());
+    }
+    JobId(format!("job_{}", bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()))
+}
+
+/// A seed below 2^32 (usable unchanged in A1111 and ComfyUI), drawn at submission so the job can report it.
+fn random_seed() -> u64 {
+    getrandom::u32().map(u64::from).unwrap_or_else(|_| {
+        let t =
+            SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+        u64::from(t)
+    })
+}
+
+fn summarize(req: &GenerateRequest, native: (u32, u32)) -> RequestSummary {
+    let (width, height) = req.output_size(native);
+    RequestSummary {
+        prompt: req.prompt.clone(),
+        negative_prompt: req.negative_prompt.clone(),
+        steps: req.steps,
+        cfg_scale: req.cfg_scale,
+        width,
+        height,
+        seed: req.seed.unwrap_or(0),
+        n: req.n,
+        sampler: req.sampler.name().to_string(),
+        scheduler: req.schedule.name().to_string(),
+        clip_skip: req.clip_skip,
+        strength: req.effective_strength(),
+        img2img: req.init_image.is_some(),
+        inpaint: req.mask.is_some(),
+    }
+}
+
+impl JobManager {
+    /// Starts the engine thread that owns `engine` and serves this manager's queue.
+    pub fn start(config: Arc<ServerConfig>, metrics: Arc<Metrics>, engine: Box<dyn Engine>) -> JobManager {
+        let info = engine.info();
+        let shared = Arc::new(Shared {
+            inner: Mutex::new(Inner {
+                jobs: HashMap::new(),
+                queue: VecDeque::new(),
+                running: None,
+                tombstones: VecDeque::new(),
+                tombstone_set: HashSet::new(),
+                accepting: true,
+                stop: false,
+                engine_alive: true,
+                avg_job_secs: 5.0,
+            }),
+            work: Condvar::new(),
+            idle: Condvar::new(),
+            config,
+            metrics,
+            native_size: (info.native_width, info.native_height),
+            engine_thread: Mutex::new(None),
+        });
+        let manager = JobManager { shared };
+        let handle = infer::spawn(manager.clone(), engine);
+        *lock_handle(&manager.shared.engine_thread) = Some(handle);
+        manager
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock leaves consistent-enough data (every update is a few field writes);
+        // refusing all further requests would be worse.
+        self.shared.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn lock_fresh(&self) -> MutexGuard<'_, Inner> {
+        let mut inner = self.lock();
+        inner.expire(self.shared.config.job_ttl, self.shared.config.max_tombstones);
+        inner
+    }
+
+    /// Queues a validated request. A request without a seed gets one drawn here, so the job reports it.
+    pub fn submit(&self, mut req: GenerateRequest) -> Result<JobId, SubmitError> {
+        let mut inner = self.lock_fresh();
+        if !inner.accepting {
+            return Err(SubmitError::ShuttingDown);
+        }
+        if inner.queue.len() >= self.shared.config.max_queue {
+            // One slot frees when the running job ends; the average job time is the best guess for that.
+            let retry_after_secs = inner.avg_job_secs.ceil().clamp(1.0, 60.0) as u64;
+            return Err(SubmitError::QueueFull { retry_after_secs });
+        }
+        if req.seed.is_none() {
+            req.seed = Some(random_seed());
+        }
+        let id = new_job_id();
+        let (events, _) = broadcast::channel(EVENT_CAPACITY);
+        let job = Job {
+            id: id.clone(),
+            state: JobState::Queued,
+            summary: summarize(&req, self.shared.native_size),
+            total_steps: req.steps,
+            images_total: req.n,
+            request: Some(req),
+            step: 0,
+            image_index: 0,
+            created_at: SystemTime::now(),
+            created: Instant::now(),
+            started: None,
+            finished: None,
+            last_step: None,
+            error: None,
+            images: Vec::new(),
+            cancel: Arc::new(AtomicBool::new(false)),
+            events,
+        };
+        let position = inner.queue.len();
+        job.emit(JobEvent::Queued { id: id.clone(), position });
+        inner.jobs.insert(id.clone(), job);
+        inner.queue.push_back(id.clone());
+        self.shared.metrics.job_entered(JobState::Queued);
+        drop(inner);
+        self.shared.work.notify_all();
+        Ok(id)
+    }
+
+    pub fn view(&self, id: &JobId) -> Result<JobView, LookupError> {
+        let inner = self.lock_fresh();
+        let job = inner.lookup(id)?;
+        Ok(inner.view_of(job))
+    }
+
+    /// The job's state and a receiver for every event after it: taken under one lock, so nothing is missed or
+    /// seen twice.
+    pub fn subscribe(&self, id: &JobId) -> Result<(JobView, broadcast::Receiver<JobEvent>), LookupError> {
+        let inner = self.lock_fresh();
+        let job = inner.lookup(id)?;
+        Ok((inner.view_of(job), job.events.subscribe()))
+    }
+
+    /// Resolves once the job is in a terminal state.
+    pub async fn wait(&self, id: &JobId) -> Result<JobView, LookupError> {
+        loop {
+            let (view, mut rx) = self.subscribe(id)?;
+            if view.state.is_terminal() {
+                return Ok(view);
+            }
+            loop {
+                match rx.recv().await {
+                    Ok(event) if event.is_terminal() => return self.view(id),
+                    Ok(_) => {}
+                    // Missed events may include the terminal one: look again.
+                    Err(broadcast::error::RecvError::Lagged(_)) => break,
+                    // The job was dropped (expired): the lookup says so.
+                    Err(broadcast::error::RecvError::Closed) => return self.view(id),
+                }
+            }
+        }
+    }
+
+    /// A queued job is taken off the queue and ends `cancelled` at once; a running one is flagged and stops
+    /// after its current denoising step (its state says `running` until then); a finished one is unchanged.
+    pub fn cancel(&self, id: &JobId) -> Result<JobView, LookupError> {
+        let mut inner = self.lock_fresh();
+        let state = inner.lookup(id)?.state;
+        match state {
+            JobState::Queued => {
+                inner.queue.retain(|q| q != id);
+                if let Some(job) = inner.jobs.get_mut(id) {
+                    finish_cancelled(job, &self.shared.metrics);
+                }
+                inner.announce_positions();
+            }
+            JobState::Running => {
+                if let Some(job) = inner.jobs.get(id) {
+                    job.cancel.store(true, Ordering::SeqCst);
+                }
+            }
+            JobState::Succeeded | JobState::Failed | JobState::Cancelled => {}
+        }
+        let job = inner.lookup(id)?;
+        Ok(inner.view_of(job))
+    }
+
+    /// The running job, if any.
+    pub fn current(&self) -> Option<JobView> {
+        let inner = self.lock();
+        let job = inner.jobs.get(inner.running.as_ref()?)?;
+        Some(inner.view_of(job))
+    }
+
+    /// Flags the running job for cancellation and returns its id.
+    pub fn cancel_current(&self) -> Option<JobId> {
+        let inner = self.lock();
+        let id = inner.running.clone()?;
+        if let Some(job) = inner.jobs.get(&id) {
+            job.cancel.store(true, Ordering::SeqCst);
+        }
+        Some(id)
+    }
+
+    /// Jobs waiting (not counting the running one).
+    pub fn queue_depth(&self) -> usize {
+        self.lock().queue.len()
+    }
+
+    /// Whether submissions are accepted (false once shutdown began).
+    pub fn is_accepting(&self) -> bool {
+        self.lock().accepting
+    }
+
+    /// Whether the engine thread is alive to run jobs.
+    pub fn engine_alive(&self) -> bool {
+        self.lock().engine_alive
+    }
+
+    /// The running job's progress, for heartbeats.
+    pub fn running_job(&self) -> Option<RunningJob> {
+        let inner = self.lock();
+        let job = inner.jobs.get(inner.running.as_ref()?)?;
+        Some(RunningJob {
+            id: job.id.clone(),
+            step: job.step,
+            total_steps: job.total_steps,
+            image: job.image_index,
+            images: job.images_total,
+        })
+    }
+
+    /// Submits and waits for the result. If the returned future is dropped first (an HTTP client went away and
+    /// its handler was dropped), the job is cancelled.
+    pub async fn run_to_completion(&self, req: GenerateRequest) -> Result<JobView, RunError> {
+        let id = self.submit(req)?;
+        let guard = CancelOnDrop::new(self.clone(), id.clone());
+        let view = self.wait(&id).await?;
+        guard.disarm();
+        Ok(view)
+    }
+
+    /// Stops accepting jobs and cancels everything still queued; the running job goes on.
+    pub fn begin_shutdown(&self) {
+        let mut inner = self.lock();
+        inner.accepting = false;
+        let queued: Vec<JobId> = inner.queue.drain(..).collect();
+        for id in queued {
+            if let Some(job) = inner.jobs.get_mut(&id) {
+                finish_cancelled(job, &self.shared.metrics);
+            }
+        }
+    }
+
+    /// Waits (blocking) up to `timeout` for the running job to end; true if nothing runs any more.
+    pub fn wait_idle_blocking(&self, timeout: Duration) -> bool {
+        let inner = self.lock();
+        let (inner, _) = self
+            .shared
+            .idle
+            .wait_timeout_while(inner, timeout, |i| i.running.is_some() || !i.queue.is_empty())
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        inner.running.is_none() && inner.queue.is_empty()
+    }
+
+    /// Tells the engine thread to exit once idle and waits for it.
+    pub fn stop_engine_blocking(&self) {
+        let still_running = {
+            let mut inner = self.lock();
+            inner.stop = true;
+            inner.running.is_some()
+        };
+        self.shared.work.notify_all();
+        if still_running {
+            // A job that ignored its cancellation would block the join forever; leave the thread to the exit.
+            return;
+        }
+        let handle = lock_handle(&self.shared.engine_thread).take();
+        if let Some(handle) = handle {
+            // The thread catches engine panics itself; a join error would be our own bug, already logged.
+            let _ = handle.join();
+        }
+    }
+
+    // ---- engine-thread side ----
+
+    /// Blocks until a job is queued (→ `Some`, now running) or a stop was requested (→ `None`). Sweeps expired
+    /// jobs while idle so memory is returned without any request arriving.
+    pub(crate) fn next_job(&self) -> Option<StartedJob> {
+        let mut inner = self.lock();
+        loop {
+            inner.expire(self.shared.config.job_ttl, self.shared.config.max_tombstones);
+            if inner.stop {
+                return None;
+            }
+            if let Some(id) = inner.queue.pop_front() {
+                let started = inner.jobs.get_mut(&id).and_then(|job| {
+                    let request = job.request.take()?;
+                    let now = (SystemTime::now(), Instant::now());
+                    job.state = JobState::Running;
+                    job.started = Some(now);
+                    job.last_step = Some(now.1);
+                    job.emit(JobEvent::Started { id: id.clone(), started_at: unix_secs(now.0) });
+                    Some(StartedJob { id: id.clone(), request, cancel: Arc::clone(&job.cancel) })
+                });
+                if let Some(started) = started {
+                    inner.running = Some(id);
+                    inner.announce_positions();
+                    self.shared.metrics.job_entered(JobState::Running);
+                    return Some(started);
+                }
+                continue;
+            }
+            inner = self
+                .shared
+                .work
+                .wait_timeout(inner, Duration::from_secs(1))
+                .map(|(guard, _)| guard)
+                .unwrap_or_else(|poisoned| poisoned.into_inner().0);
+        }
+    }
+
+    pub(crate) fn on_progress(&self, id: &JobId, p: &Progress) {
+        let mut inner = self.lock();
+        let Some(job) = inner.jobs.get_mut(id) else { return };
+        let now = Instant::now();
+        if let Some(last) = job.last_step {
+            self.shared.metrics.observe_step(now.duration_since(last));
+        }
+        job.last_step = Some(now);
+        job.step = p.step;
+        job.total_steps = p.steps;
+        job.image_index = p.image;
+        job.images_total = p.images;
+        let event = JobEvent::Progress {
+            id: id.clone(),
+            step: p.step,
+            total_steps: p.steps,
+            image: p.image,
+            images: p.images,
+            eta_seconds: job.eta_seconds(),
+        };
+        job.emit(event);
+    }
+
+    pub(crate) fn finish(&self, id: &JobId, outcome: Outcome) {
+        let mut inner = self.lock();
+        inner.running = None;
+        if let Some(job) = inner.jobs.get_mut(id) {
+            let now = (SystemTime::now(), Instant::now());
+            job.finished = Some(now);
+            let run_secs = job.started.map(|(_, s)| now.1.duration_since(s).as_secs_f64()).unwrap_or(0.0);
+            let state = match outcome {
+                Outcome::Succeeded(images) => {
+                    job.images = images;
+                    job.emit(JobEvent::Completed {
+                        id: id.clone(),
+                        images: job.images.iter().zip(0..).map(|(img, i)| img.to_wire(i)).collect(),
+                        run_seconds: run_secs,
+                    });
+                    self.shared.metrics.observe_generation(Duration::from_secs_f64(run_secs));
+                    JobState::Succeeded
+                }
+                Outcome::Failed(error) => {
+                    job.error = Some(error.clone());
+                    job.emit(JobEvent::Failed { id: id.clone(), error });
+                    JobState::Failed
+                }
+                Outcome::Cancelled => {
+                    job.emit(JobEvent::Cancelled { id: id.clone(), step: job.step });
+                    JobState::Cancelled
+                }
+            };
+            job.state = state;
+            self.shared.metrics.job_entered(state);
+            if state == JobState::Succeeded {
+                inner.avg_job_secs = 0.7 * inner.avg_job_secs + 0.3 * run_secs;
+            }
+        }
+        drop(inner);
+        self.shared.idle.notify_all();
+    }
+
+    pub(crate) fn mark_engine_dead(&self) {
+        let mut inner = self.lock();
+        inner.engine_alive = false;
+        inner.running = None;
+        drop(inner);
+        self.shared.idle.notify_all();
+    }
+
+    pub(crate) fn shared(&self) -> &Shared {
+        &self.shared
+    }
+}
+
+fn lock_handle(m: &Mutex<Option<JoinHandle<()>>>) -> MutexGuard<'_, Option<JoinHandle<()>>> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn finish_cancelled(job: &mut Job, metrics: &Metrics) {
+    job.state = JobState::Cancelled;
+    job.request = None;
+    job.finished = Some((SystemTime::now(), Instant::now()));
+    job.emit(JobEvent::Cancelled { id: job.id.clone(), step: job.step });
+    metrics.job_entered(JobState::Cancelled);
+}
+
+/// Cancels its job when dropped, unless disarmed: ties a job's life to a synchronous request handler.
+pub struct CancelOnDrop {
+    jobs: JobManager,
+    id: JobId,
+    armed: bool,
+}
+
+impl CancelOnDrop {
+    pub fn new(jobs: JobManager, id: JobId) -> Self {
+        CancelOnDrop { jobs, id, armed: true }
+    }
+
+    pub fn id(&self) -> &JobId {
+        &self.id
+    }
+
+    /// The job's outcome is wanted after all (it finished, or its ownership moved elsewhere).
+    pub fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::info!(job = %self.id, "client went away; cancelling its job");
+            // Already gone or finished: nothing to cancel, which is fine.
+            let _ = self.jobs.cancel(&self.id);
+        }
+    }
+}

@@ -1,0 +1,171 @@
+//! The worker's HTTP serving layer, split as a request flows through it: `extract` and `validation` turn a body
+//! into a checked [`GenerateRequest`](sdhive_engine::GenerateRequest), `jobs` queues it and keeps its state,
+//! `infer` runs it on the one engine thread, and `routes` exposes it (native jobs, ops, OpenAI, A1111). `serve`
+//! ties these to a listener, the model load, hive `registration` and graceful shutdown.
+
+pub mod auth;
+pub mod error;
+pub mod extract;
+mod infer;
+pub mod jobs;
+pub mod metrics;
+pub mod registration;
+pub mod routes;
+pub mod serve;
+pub mod validation;
+
+pub use error::ApiError;
+pub use extract::ApiJson;
+pub use jobs::{
+    CancelOnDrop, FinishedImage, JobErrorView, JobManager, JobView, LookupError, RunError, SubmitError,
+};
+pub use metrics::Metrics;
+pub use registration::RegistrationConfig;
+pub use serve::{run, serve, shutdown_signal, EngineLoader, ServeError};
+
+use axum::extract::DefaultBodyLimit;
+use sdhive_engine::{Engine, EngineInfo, Limits};
+use sdhive_protocol::{Capabilities, DeviceDescription};
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+/// Reads a device's current memory as (total, free) bytes; called for `/v1/info` and every heartbeat.
+#[derive(Clone)]
+pub struct MemoryProbe(pub Arc<dyn Fn() -> (Option<u64>, Option<u64>) + Send + Sync>);
+
+impl fmt::Debug for MemoryProbe {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("MemoryProbe")
+    }
+}
+
+/// Everything an operator configures about serving (the `serve` flags), minus where to listen.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub limits: Limits,
+    /// Jobs waiting behind the running one; one more is refused with 429.
+    pub max_queue: usize,
+    /// How long a finished job's result stays retrievable; afterwards its id answers 410.
+    pub job_ttl: Duration,
+    /// When set, every route but `/health` needs `Authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+    pub max_body_bytes: usize,
+    /// The model as the operator named it (`--model`); the engine's own name is in [`EngineInfo::model`].
+    pub model_name: String,
+    /// Cap on uploaded images (init images, masks), in pixels, checked before their pixels are allocated.
+    pub max_decode_pixels: u64,
+    /// On shutdown, how long the running job may go on before it is cancelled.
+    pub shutdown_grace: Duration,
+    pub worker_id: String,
+    pub device: DeviceDescription,
+    pub memory_probe: Option<MemoryProbe>,
+    /// Expired job ids remembered (to answer 410 rather than 404); the oldest are forgotten first.
+    pub max_tombstones: usize,
+    pub version: String,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            limits: Limits::default(),
+            max_queue: 64,
+            job_ttl: Duration::from_secs(600),
+            api_key: None,
+            max_body_bytes: 32 * 1024 * 1024,
+            model_name: String::new(),
+            max_decode_pixels: sdhive_engine::image_io::DEFAULT_MAX_DECODE_PIXELS,
+            shutdown_grace: Duration::from_secs(10),
+            worker_id: "worker".into(),
+            device: DeviceDescription {
+                backend: "cpu".into(),
+                index: 0,
+                name: "cpu".into(),
+                memory_total_bytes: None,
+                memory_free_bytes: None,
+                driver: None,
+            },
+            memory_probe: None,
+            max_tombstones: 10_000,
+            version: env!("CARGO_PKG_VERSION").into(),
+        }
+    }
+}
+
+/// What every handler gets. Cheap to clone: the job manager and config are shared.
+#[derive(Clone)]
+pub struct AppState {
+    pub jobs: JobManager,
+    pub config: Arc<ServerConfig>,
+    pub info: EngineInfo,
+    pub metrics: Arc<Metrics>,
+    pub started_at: SystemTime,
+}
+
+impl AppState {
+    /// Starts the engine thread around an already loaded engine and returns the state the routes share.
+    pub fn new(config: ServerConfig, engine: Box<dyn Engine>) -> AppState {
+        let config = Arc::new(config);
+        let metrics = Arc::new(Metrics::new());
+        let info = engine.info();
+        let jobs = JobManager::start(Arc::clone(&config), Arc::clone(&metrics), engine);
+        AppState { jobs, config, info, metrics, started_at: SystemTime::now() }
+    }
+
+    /// The device's memory now (falls back to what was known at start).
+    pub fn device(&self) -> DeviceDescription {
+        let mut device = self.config.device.clone();
+        if let Some(probe) = &self.config.memory_probe {
+            let (total, free) = (probe.0)();
+            device.memory_total_bytes = total.or(device.memory_total_bytes);
+            device.memory_free_bytes = free.or(device.memory_free_bytes);
+        }
+        device
+    }
+
+    /// What this worker can run, for `/v1/info` and the hive registration.
+    pub fn capabilities(&self) -> Capabilities {
+        let limits = &self.config.limits;
+        Capabilities {
+            engine: self.info.engine.clone(),
+            dtype: self.info.dtype.clone(),
+            samplers: self.info.samplers.clone(),
+            schedulers: [sdhive_engine::Schedule::Automatic, sdhive_engine::Schedule::Karras]
+                .iter()
+                .map(|s| s.name().to_string())
+                .collect(),
+            native_width: self.info.native_width,
+            native_height: self.info.native_height,
+            max_width: limits.max_width,
+            max_height: limits.max_height,
+            max_steps: limits.max_steps,
+            max_n: limits.max_n,
+            max_prompt_chars: limits.max_prompt_chars,
+            max_queue: self.config.max_queue,
+            max_body_bytes: self.config.max_body_bytes,
+            img2img: self.info.supports_img2img,
+            inpaint: self.info.supports_inpaint,
+            // The engine's progress callback carries no latents yet, so there is nothing to preview.
+            preview: false,
+        }
+    }
+}
+
+/// All route families over `state`, behind the API-key check and the body-size limit.
+pub fn router(state: AppState) -> axum::Router {
+    let body_limit = state.config.max_body_bytes;
+    axum::Router::new()
+        .merge(routes::native::router())
+        .merge(routes::ops::router())
+        .merge(routes::openai::router())
+        .merge(routes::a1111::router())
+        .fallback(routes::not_found)
+        .layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_api_key))
+        .layer(DefaultBodyLimit::max(body_limit))
+        .with_state(state)
+}
+
+/// Unix seconds (fractional) of `t`; 0 for times before the epoch, which a sane clock never gives.
+pub fn unix_secs(t: SystemTime) -> f64 {
+    t.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}

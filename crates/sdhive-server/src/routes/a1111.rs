@@ -1,0 +1,898 @@
+//! The AUTOMATIC1111 web UI API (`/sdapi/v1/*`) for the clients written against it: `txt2img` and `img2img`
+//! (synchronous; a client that disconnects cancels its job), `progress`, `interrupt`, `skip`, `sd-models`,
+//! `samplers`, `schedulers` and `options`. Request fields, defaults and the `info` JSON string follow A1111;
+//! where we differ (errors are 400 `{"error", "detail", "field"}` rather than 422, `inpainting_fill` is always
+//! "original", an interrupted request gets an error rather than partial images) `docs/api.md` says so. The
+//! few settings A1111 keeps server-side (`CLIP_stop_at_last_layers`) live in this router's own state.
+
+use crate::error::ApiError;
+use crate::extract::parse_json;
+use crate::jobs::{FinishedImage, JobView};
+use crate::routes::openai::{decode_capped, job_outcome, JobFailure};
+use crate::validation::{decode_base64, decode_base64_image, parse_sampler};
+use crate::AppState;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use base64::Engine as _;
+use sdhive_engine::{GenerateRequest, GrayImage, Sampler, Schedule, ValidationError};
+use sdhive_protocol::{JobId, Seed};
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::SystemTime;
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/sdapi/v1/txt2img", post(txt2img))
+        .route("/sdapi/v1/img2img", post(img2img))
+        .route("/sdapi/v1/progress", get(progress))
+        .route("/sdapi/v1/interrupt", post(interrupt))
+        .route("/sdapi/v1/skip", post(skip))
+        .route("/sdapi/v1/sd-models", get(sd_models))
+        .route("/sdapi/v1/samplers", get(samplers))
+        .route("/sdapi/v1/schedulers", get(schedulers))
+        .route("/sdapi/v1/options", get(get_options).post(set_options))
+        // One per router (so per server): tests run several servers in one process.
+        .layer(Extension(Local::default()))
+}
+
+/// A1111's API defaults where they differ from the engine's.
+const DEFAULT_STEPS: u32 = 50;
+const DEFAULT_SAMPLER: &str = "Euler";
+const DEFAULT_DENOISING: f32 = 0.75;
+const DEFAULT_MASK_BLUR: u32 = 4;
+/// A1111's mask-blur slider stops here; larger radii only burn CPU.
+const MAX_MASK_BLUR: u32 = 64;
+/// `inpainting_fill` = "original": the only one diffusers-style inpainting implements.
+const FILL_ORIGINAL: u32 = 1;
+
+// ---------------------------------------------------------------------------------------------------------
+// Router state and errors
+// ---------------------------------------------------------------------------------------------------------
+
+/// What A1111 keeps server-side between requests.
+#[derive(Debug, Default)]
+struct Settings {
+    /// `CLIP_stop_at_last_layers` from `POST /options`: the clip skip of requests that do not override it.
+    clip_skip: Option<u32>,
+    /// Options we do not act on, echoed back by `GET /options` so clients see what they set.
+    other: Map<String, Value>,
+    /// The job `/interrupt` last cancelled, so `/progress` can say `interrupted`.
+    interrupted: Option<JobId>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Local(Arc<Mutex<Settings>>);
+
+impl Local {
+    fn lock(&self) -> MutexGuard<'_, Settings> {
+        // Every update is a plain field write, so a poisoned lock still holds consistent data.
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// An [`ApiError`] in A1111's shape: `{"error": <kind>, "detail": <message>, "field": <request field or null>,
+/// "code": <stable code>}`, with the same status and `Retry-After`.
+#[derive(Debug)]
+pub struct A1111Error(pub ApiError);
+
+impl From<ApiError> for A1111Error {
+    fn from(e: ApiError) -> Self {
+        A1111Error(e)
+    }
+}
+
+impl IntoResponse for A1111Error {
+    fn into_response(self) -> Response {
+        let e = self.0;
+        let body = json!({
+            "error": e.body.error.kind,
+            "detail": e.body.error.message,
+            "field": e.body.error.param,
+            "code": e.body.error.code,
+        });
+        let mut response = (e.status, Json(body)).into_response();
+        if let Some(secs) = e.retry_after {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
+    }
+}
+
+fn invalid(field: &str, message: impl Into<String>) -> A1111Error {
+    A1111Error(ApiError::invalid(field, message))
+}
+
+/// How this request spelled the fields our validation names differently.
+#[derive(Debug, Clone, Copy)]
+struct Spelling {
+    /// `sampler_name`, or `sampler_index` when only that was sent.
+    sampler: &'static str,
+}
+
+impl Spelling {
+    fn field(self, ours: &str) -> String {
+        match ours {
+            "n" => "batch_size",
+            "strength" => "denoising_strength",
+            "init_image" => "init_images",
+            "clip_skip" => "override_settings.CLIP_stop_at_last_layers",
+            "sampler" => self.sampler,
+            other => other,
+        }
+        .to_string()
+    }
+
+    fn invalid(self, e: ValidationError) -> A1111Error {
+        let field = self.field(e.field);
+        invalid(&field, format!("invalid `{field}`: {}", e.message))
+    }
+}
+
+fn failure(f: JobFailure, spelling: Spelling) -> A1111Error {
+    A1111Error(match f {
+        JobFailure::Invalid { param, message } => {
+            ApiError::invalid(spelling.field(param.as_deref().unwrap_or("prompt")), message)
+        }
+        JobFailure::Cancelled => ApiError::new(
+            StatusCode::CONFLICT,
+            "interrupted",
+            Some("job_cancelled"),
+            None,
+            "the job was interrupted before it finished; no image is returned (our engine keeps no partial \
+             results)"
+                .into(),
+        ),
+        JobFailure::ShuttingDown(message) => {
+            let mut e = ApiError::unavailable("shutting_down", message);
+            e.retry_after = Some(10);
+            e
+        }
+        JobFailure::Engine { code, message } => {
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", Some(code), None, message)
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// txt2img / img2img
+// ---------------------------------------------------------------------------------------------------------
+
+/// The fields of A1111's `txt2img` and `img2img` bodies that we act on. Everything else A1111 accepts
+/// (`styles`, `restore_faces`, `save_images`, `subseed`, `alwayson_scripts`, …) is accepted and ignored.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct SdapiRequest {
+    prompt: Option<String>,
+    negative_prompt: Option<String>,
+    steps: Option<u32>,
+    cfg_scale: Option<f32>,
+    width: Option<u32>,
+    height: Option<u32>,
+    seed: Option<Seed>,
+    batch_size: Option<u32>,
+    n_iter: Option<u32>,
+    sampler_name: Option<String>,
+    sampler_index: Option<String>,
+    scheduler: Option<String>,
+    override_settings: Option<Map<String, Value>>,
+    denoising_strength: Option<f32>,
+    send_images: Option<bool>,
+    enable_hr: Option<bool>,
+    tiling: Option<bool>,
+    script_name: Option<String>,
+    init_images: Option<Vec<String>>,
+    mask: Option<String>,
+    mask_blur: Option<u32>,
+    inpainting_fill: Option<u32>,
+    inpainting_mask_invert: Option<Value>,
+    resize_mode: Option<u32>,
+    include_init_images: Option<bool>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Txt2Img,
+    Img2Img,
+}
+
+/// A parsed request, with what the response needs besides the job's own record.
+struct Prepared {
+    req: GenerateRequest,
+    spelling: Spelling,
+    batch_size: u32,
+    n_iter: u32,
+    send_images: bool,
+    mask_blur: Option<u32>,
+    echo: Value,
+}
+
+fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, A1111Error> {
+    body.map_err(|rejection| {
+        A1111Error(if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                Some("body_too_large"),
+                None,
+                "request body is larger than this server's limit".into(),
+            )
+        } else {
+            ApiError::bad_body("invalid_body", format!("cannot read the request body: {rejection}"))
+        })
+    })
+}
+
+/// A1111 flags are ints (0/1) that some clients send as booleans.
+fn flag(field: &str, value: Option<&Value>) -> Result<bool, A1111Error> {
+    match value {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(v) => match v.as_u64() {
+            Some(0) => Ok(false),
+            Some(1) => Ok(true),
+            _ => Err(invalid(field, format!("invalid `{field}`: must be 0 or 1, got {v}"))),
+        },
+    }
+}
+
+fn clip_skip_override(settings: Option<&Map<String, Value>>) -> Result<Option<u32>, A1111Error> {
+    let Some(value) = settings.and_then(|s| s.get("CLIP_stop_at_last_layers")) else {
+        return Ok(None);
+    };
+    parse_clip_skip(value).map(Some).map_err(|message| {
+        let field = "override_settings.CLIP_stop_at_last_layers";
+        invalid(field, format!("invalid `{field}`: {message}"))
+    })
+}
+
+fn parse_clip_skip(value: &Value) -> Result<u32, String> {
+    match value.as_u64() {
+        Some(v @ 1..=12) => Ok(v as u32),
+        _ => Err(format!("must be an integer between 1 and 12, got {value}")),
+    }
+}
+
+/// Checks a checkpoint name a client asks for against the one model this worker has.
+fn check_checkpoint(state: &AppState, field: &str, name: &Value) -> Result<(), A1111Error> {
+    let matches = name.as_str().is_some_and(|n| model_matches(state, n));
+    if matches {
+        Ok(())
+    } else {
+        Err(invalid(
+            field,
+            format!("invalid `{field}`: this worker serves only `{}`, got {name}", checkpoint_title(state)),
+        ))
+    }
+}
+
+fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<Prepared, A1111Error> {
+    let body: SdapiRequest = parse_json(bytes)?;
+    let raw: Value = serde_json::from_slice(bytes).unwrap_or(Value::Null);
+
+    if body.enable_hr == Some(true) {
+        return Err(invalid("enable_hr", "hires fix is not supported; upscale separately"));
+    }
+    if body.tiling == Some(true) {
+        return Err(invalid("tiling", "tiling is not supported"));
+    }
+    if let Some(script) = body.script_name.as_deref().filter(|s| !s.trim().is_empty()) {
+        return Err(invalid("script_name", format!("scripts are not supported, got `{script}`")));
+    }
+    if let Some(name) = body.override_settings.as_ref().and_then(|s| s.get("sd_model_checkpoint")) {
+        check_checkpoint(state, "override_settings.sd_model_checkpoint", name)?;
+    }
+
+    let sampler_name = body.sampler_name.as_deref().filter(|s| !s.trim().is_empty());
+    let spelling = Spelling {
+        sampler: if sampler_name.is_none() && body.sampler_index.is_some() {
+            "sampler_index"
+        } else {
+            "sampler_name"
+        },
+    };
+    let sampler = sampler_name.or(body.sampler_index.as_deref()).unwrap_or(DEFAULT_SAMPLER);
+    let (sampler, schedule) =
+        parse_sampler(Some(sampler), body.scheduler.as_deref(), spelling.sampler, "scheduler")
+            .map_err(|e| spelling.invalid(e))?;
+
+    let batch_size = body.batch_size.unwrap_or(1);
+    let n_iter = body.n_iter.unwrap_or(1);
+    for (field, v) in [("batch_size", batch_size), ("n_iter", n_iter)] {
+        if v == 0 {
+            return Err(invalid(field, format!("invalid `{field}`: must be at least 1")));
+        }
+    }
+    let n = batch_size
+        .checked_mul(n_iter)
+        .ok_or_else(|| invalid("n_iter", "batch_size × n_iter is too large"))?;
+    let max_n = state.config.limits.max_n;
+    if n > max_n {
+        return Err(invalid(
+            "batch_size",
+            format!("invalid `batch_size`: batch_size × n_iter = {n} images, more than the limit of {max_n}"),
+        ));
+    }
+    let clip_skip = match clip_skip_override(body.override_settings.as_ref())? {
+        Some(c) => c,
+        None => local.lock().clip_skip.unwrap_or(1),
+    };
+
+    let mut req = GenerateRequest {
+        prompt: body.prompt.clone().unwrap_or_default(),
+        negative_prompt: body.negative_prompt.clone().unwrap_or_default(),
+        steps: body.steps.unwrap_or(DEFAULT_STEPS),
+        cfg_scale: body.cfg_scale.unwrap_or(GenerateRequest::default().cfg_scale),
+        width: body.width,
+        height: body.height,
+        seed: body.seed.and_then(Seed::fixed),
+        n,
+        sampler,
+        schedule,
+        clip_skip,
+        init_image: None,
+        strength: body.denoising_strength.unwrap_or(DEFAULT_DENOISING),
+        mask: None,
+    };
+    // Cheap checks before any image is decoded.
+    req.validate(&state.config.limits).map_err(|e| spelling.invalid(e))?;
+
+    let mut mask_blur = None;
+    if mode == Mode::Img2Img {
+        if let Some(mode) = body.resize_mode.filter(|&m| m != 0) {
+            return Err(invalid(
+                "resize_mode",
+                format!("only resize_mode 0 (just resize) is supported, got {mode}"),
+            ));
+        }
+        if let Some(fill) = body.inpainting_fill.filter(|&f| f > 3) {
+            return Err(invalid("inpainting_fill", format!("must be 0, 1, 2 or 3, got {fill}")));
+        }
+        let blur = body.mask_blur.unwrap_or(DEFAULT_MASK_BLUR);
+        if blur > MAX_MASK_BLUR {
+            return Err(invalid("mask_blur", format!("must be between 0 and {MAX_MASK_BLUR}, got {blur}")));
+        }
+        let invert = flag("inpainting_mask_invert", body.inpainting_mask_invert.as_ref())?;
+        let first = body
+            .init_images
+            .as_ref()
+            .and_then(|images| images.first())
+            .ok_or_else(|| invalid("init_images", "img2img needs at least one image in `init_images`"))?;
+        let max_pixels = state.config.max_decode_pixels;
+        req.init_image =
+            Some(decode_base64_image("init_images", first, max_pixels).map_err(|e| spelling.invalid(e))?);
+        if let Some(data) = body.mask.as_deref() {
+            let bytes = decode_base64("mask", data).map_err(|e| spelling.invalid(e))?;
+            let mut mask = decode_a1111_mask(&bytes, max_pixels).map_err(|e| invalid("mask", e))?;
+            if invert {
+                mask.data.iter_mut().for_each(|v| *v = 255 - *v);
+            }
+            mask_blur = Some(blur);
+            req.mask = Some(gaussian_blur(&mask, blur as f32));
+        }
+        req.validate(&state.config.limits).map_err(|e| spelling.invalid(e))?;
+    }
+
+    let echo = echo_parameters(&raw, &req, state, mode, body.include_init_images == Some(true));
+    Ok(Prepared {
+        req,
+        spelling,
+        batch_size,
+        n_iter,
+        send_images: body.send_images.unwrap_or(true),
+        mask_blur,
+        echo,
+    })
+}
+
+/// A1111 echoes the request with every default filled in; we fill ours (the effective size, steps, …) and, as
+/// A1111 does unless `include_init_images`, leave the uploaded images out.
+fn echo_parameters(
+    raw: &Value,
+    req: &GenerateRequest,
+    state: &AppState,
+    mode: Mode,
+    include_images: bool,
+) -> Value {
+    let (width, height) = req.output_size((state.info.native_width, state.info.native_height));
+    let mut echo = json!({
+        "prompt": "",
+        "negative_prompt": "",
+        "styles": null,
+        "seed": -1,
+        "subseed": -1,
+        "subseed_strength": 0,
+        "seed_resize_from_h": -1,
+        "seed_resize_from_w": -1,
+        "sampler_name": null,
+        "scheduler": null,
+        "batch_size": 1,
+        "n_iter": 1,
+        "steps": DEFAULT_STEPS,
+        "cfg_scale": GenerateRequest::default().cfg_scale,
+        "width": width,
+        "height": height,
+        "restore_faces": null,
+        "tiling": null,
+        "denoising_strength": null,
+        "override_settings": null,
+        "override_settings_restore_afterwards": true,
+        "sampler_index": DEFAULT_SAMPLER,
+        "script_name": null,
+        "send_images": true,
+        "save_images": false,
+        "alwayson_scripts": {},
+    });
+    if let (Value::Object(out), Mode::Img2Img) = (&mut echo, mode) {
+        for (key, value) in [
+            ("init_images", Value::Null),
+            ("mask", Value::Null),
+            ("denoising_strength", json!(DEFAULT_DENOISING)),
+            ("resize_mode", json!(0)),
+            ("mask_blur", json!(DEFAULT_MASK_BLUR)),
+            ("inpainting_fill", json!(0)),
+            ("inpaint_full_res", json!(true)),
+            ("inpaint_full_res_padding", json!(0)),
+            ("inpainting_mask_invert", json!(0)),
+            ("include_init_images", json!(false)),
+        ] {
+            out.insert(key.into(), value);
+        }
+    }
+    if let (Value::Object(out), Value::Object(given)) = (&mut echo, raw) {
+        for (key, value) in given {
+            out.insert(key.clone(), value.clone());
+        }
+        if !include_images && mode == Mode::Img2Img {
+            out.insert("init_images".into(), Value::Null);
+            out.insert("mask".into(), Value::Null);
+        }
+    }
+    echo
+}
+
+/// An A1111 mask: white = repaint. Like A1111, a mask with real transparency is read from its alpha channel
+/// instead (opaque = repaint), rounded to black and white.
+fn decode_a1111_mask(bytes: &[u8], max_pixels: u64) -> Result<GrayImage, String> {
+    let img = decode_capped(bytes, max_pixels)?;
+    let (width, height) = (img.width(), img.height());
+    let rgba = img.color().has_alpha().then(|| img.to_rgba8());
+    let data = match rgba {
+        Some(rgba) if rgba.pixels().any(|p| p[3] != 255) => {
+            rgba.pixels().map(|p| if p[3] > 128 { 255 } else { 0 }).collect()
+        }
+        _ => img.to_luma8().into_raw(),
+    };
+    Ok(GrayImage { width, height, data })
+}
+
+/// A1111's mask blur: a Gaussian of standard deviation `sigma` over a kernel of 2·round(2.5·sigma)+1 taps,
+/// applied along x then y, mirroring at the edges (OpenCV's default border).
+fn gaussian_blur(mask: &GrayImage, sigma: f32) -> GrayImage {
+    if sigma <= 0.0 || mask.width == 0 || mask.height == 0 {
+        return mask.clone();
+    }
+    let radius = (2.5 * sigma + 0.5) as isize;
+    let mut kernel: Vec<f32> =
+        (-radius..=radius).map(|i| (-((i * i) as f32) / (2.0 * sigma * sigma)).exp()).collect();
+    let sum: f32 = kernel.iter().sum();
+    kernel.iter_mut().for_each(|k| *k /= sum);
+    let (w, h) = (mask.width as usize, mask.height as usize);
+    let pass = |src: &[f32], along_x: bool| -> Vec<f32> {
+        let mut out = vec![0.0f32; w * h];
+        for y in 0..h {
+            for x in 0..w {
+                let mut acc = 0.0;
+                for (tap, k) in (-radius..=radius).zip(&kernel) {
+                    let (sx, sy) = if along_x {
+                        (mirror(x as isize + tap, w), y)
+                    } else {
+                        (x, mirror(y as isize + tap, h))
+                    };
+                    acc += k * src[sy * w + sx];
+                }
+                out[y * w + x] = acc;
+            }
+        }
+        out
+    };
+    let src: Vec<f32> = mask.data.iter().map(|&v| f32::from(v)).collect();
+    let blurred = pass(&pass(&src, true), false);
+    GrayImage {
+        width: mask.width,
+        height: mask.height,
+        data: blurred.iter().map(|v| v.round().clamp(0.0, 255.0) as u8).collect(),
+    }
+}
+
+/// Reflects an out-of-range index back inside `0..n` without repeating the edge pixel (`dcb|abcd|cba`).
+fn mirror(i: isize, n: usize) -> usize {
+    if n == 1 {
+        return 0;
+    }
+    let period = 2 * (n as isize - 1);
+    let i = i.rem_euclid(period);
+    (if i >= n as isize { period - i } else { i }) as usize
+}
+
+/// A1111's `job_timestamp` format (`%Y%m%d%H%M%S`), in UTC.
+fn job_timestamp(t: SystemTime) -> String {
+    let secs = t.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let (year, month, day) = civil_date(secs / 86_400);
+    let rem = secs % 86_400;
+    format!("{year:04}{month:02}{day:02}{:02}{:02}{:02}", rem / 3600, rem / 60 % 60, rem % 60)
+}
+
+/// The proleptic Gregorian date `days` after 1970-01-01, counting in 400-year eras of 146 097 days that start
+/// on 1 March (so the leap day falls at the end of each counted year).
+fn civil_date(days: u64) -> (u64, u64, u64) {
+    let shifted = days + 719_468; // days from 0000-03-01 to 1970-01-01
+    let era = shifted / 146_097;
+    let day_of_era = shifted % 146_097;
+    let year_of_era = (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let month_from_march = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * month_from_march + 2) / 5 + 1;
+    let month = if month_from_march < 10 { month_from_march + 3 } else { month_from_march - 9 };
+    let year = era * 400 + year_of_era + u64::from(month <= 2);
+    (year, month, day)
+}
+
+fn scheduler_name(s: Schedule) -> &'static str {
+    match s {
+        Schedule::Automatic => "automatic",
+        Schedule::Karras => "karras",
+    }
+}
+
+/// The JSON string A1111 clients `json.loads` from the `info` field.
+fn info_json(state: &AppState, p: &Prepared, view: &JobView, images: &[FinishedImage]) -> String {
+    let summary = &view.request;
+    let req = &p.req;
+    let n = req.n as usize;
+    let all_seeds: Vec<u64> = if images.len() == n {
+        images.iter().map(|i| i.seed).collect()
+    } else {
+        (0..req.n).map(|i| summary.seed.wrapping_add(u64::from(i))).collect()
+    };
+    let (width, height) =
+        images.first().map(|i| (i.width, i.height)).unwrap_or((summary.width, summary.height));
+    let mut extra = Map::new();
+    if req.schedule != Schedule::Automatic {
+        extra.insert("Schedule type".into(), json!(req.schedule.name()));
+    }
+    if let Some(blur) = p.mask_blur {
+        extra.insert("Mask blur".into(), json!(blur));
+        extra.insert("Masked content".into(), json!("original"));
+    }
+    let inpainting_model = state.info.family.to_ascii_lowercase().contains("inpaint");
+    json!({
+        "prompt": req.prompt,
+        "all_prompts": vec![&req.prompt; n],
+        "negative_prompt": req.negative_prompt,
+        "all_negative_prompts": vec![&req.negative_prompt; n],
+        "seed": all_seeds.first().copied().unwrap_or(summary.seed),
+        "all_seeds": all_seeds,
+        "subseed": -1,
+        "all_subseeds": vec![-1; n],
+        "subseed_strength": 0,
+        "width": width,
+        "height": height,
+        "sampler_name": req.sampler.name(),
+        "scheduler": scheduler_name(req.schedule),
+        "cfg_scale": req.cfg_scale,
+        "steps": req.steps,
+        "batch_size": p.batch_size,
+        "n_iter": p.n_iter,
+        "restore_faces": false,
+        "face_restoration_model": null,
+        "sd_model_name": state.info.model,
+        "sd_model_hash": null,
+        "sd_vae_name": null,
+        "sd_vae_hash": null,
+        "seed_resize_from_w": -1,
+        "seed_resize_from_h": -1,
+        "denoising_strength": req.effective_strength().unwrap_or(0.0),
+        "extra_generation_params": extra,
+        "index_of_first_image": 0,
+        "infotexts": images.iter().map(|i| i.infotext.as_str()).collect::<Vec<_>>(),
+        "styles": [],
+        "job_timestamp": job_timestamp(view.started_at.unwrap_or(view.created_at)),
+        "clip_skip": req.clip_skip,
+        "is_using_inpainting_conditioning": inpainting_model && req.mask.is_some(),
+        "version": format!("sdhive {}", state.config.version),
+    })
+    .to_string()
+}
+
+async fn generate(
+    state: AppState,
+    local: Local,
+    body: Result<Bytes, BytesRejection>,
+    mode: Mode,
+) -> Result<Response, A1111Error> {
+    let bytes = read_body(body)?;
+    let prepared = prepare(&state, &local, &bytes, mode)?;
+    let view = state.jobs.run_to_completion(prepared.req.clone()).await.map_err(ApiError::from)?;
+    let (view, images) = job_outcome(view).map_err(|f| failure(f, prepared.spelling))?;
+    let info = info_json(&state, &prepared, &view, &images);
+    let encoded: Vec<String> = if prepared.send_images {
+        images.iter().map(|i| base64::engine::general_purpose::STANDARD.encode(&i.png)).collect()
+    } else {
+        Vec::new()
+    };
+    Ok(Json(json!({"images": encoded, "parameters": prepared.echo, "info": info})).into_response())
+}
+
+async fn txt2img(
+    State(state): State<AppState>,
+    Extension(local): Extension<Local>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, A1111Error> {
+    generate(state, local, body, Mode::Txt2Img).await
+}
+
+async fn img2img(
+    State(state): State<AppState>,
+    Extension(local): Extension<Local>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, A1111Error> {
+    generate(state, local, body, Mode::Img2Img).await
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Progress and control
+// ---------------------------------------------------------------------------------------------------------
+
+async fn progress(State(state): State<AppState>, Extension(local): Extension<Local>) -> Json<Value> {
+    let Some(view) = state.jobs.current() else {
+        return Json(json!({
+            "progress": 0.0,
+            "eta_relative": 0.0,
+            "state": {
+                "skipped": false,
+                "interrupted": false,
+                "job": "",
+                "job_count": 0,
+                "job_timestamp": "0",
+                "job_no": 0,
+                "sampling_step": 0,
+                "sampling_steps": 0,
+            },
+            "current_image": null,
+            "textinfo": null,
+        }));
+    };
+    let steps = u64::from(view.total_steps.max(1));
+    let images = u64::from(view.images_total.max(1));
+    let done = u64::from(view.image_index) * steps + u64::from(view.step);
+    let fraction = (done as f64 / (images * steps) as f64).clamp(0.0, 1.0);
+    let interrupted = local.lock().interrupted.as_ref() == Some(&view.id);
+    Json(json!({
+        "progress": fraction,
+        "eta_relative": view.eta_seconds.unwrap_or(0.0),
+        "state": {
+            "skipped": false,
+            "interrupted": interrupted,
+            // The native job id: `GET /v1/jobs/{id}` has the rest.
+            "job": view.id.as_str(),
+            "job_count": view.images_total,
+            "job_timestamp": job_timestamp(view.started_at.unwrap_or(view.created_at)),
+            "job_no": view.image_index,
+            "sampling_step": view.step,
+            "sampling_steps": view.total_steps,
+        },
+        // The engine reports no latents, so there is no preview to show.
+        "current_image": null,
+        "textinfo": format!(
+            "image {}/{}, step {}/{}",
+            view.image_index + 1,
+            view.images_total,
+            view.step,
+            view.total_steps
+        ),
+    }))
+}
+
+/// Cancels the running job (queued ones stay queued, as in A1111). Its synchronous caller gets a 409.
+async fn interrupt(State(state): State<AppState>, Extension(local): Extension<Local>) -> Json<Value> {
+    if let Some(id) = state.jobs.cancel_current() {
+        local.lock().interrupted = Some(id);
+    }
+    Json(json!({}))
+}
+
+/// Skipping to the next image of a batch needs engine support we do not have; saying so beats a silent no-op.
+async fn skip() -> A1111Error {
+    A1111Error(ApiError::new(
+        StatusCode::NOT_IMPLEMENTED,
+        "not_implemented",
+        Some("skip_unsupported"),
+        None,
+        "skip is not supported; use /sdapi/v1/interrupt to stop the running job".into(),
+    ))
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Models, samplers, schedulers, options
+// ---------------------------------------------------------------------------------------------------------
+
+fn checkpoint_title(state: &AppState) -> String {
+    state.info.model.clone()
+}
+
+/// The last path component without a checkpoint extension: what A1111 calls `model_name`.
+fn stem(name: &str) -> &str {
+    let base = name.trim().rsplit(['/', '\\']).next().unwrap_or(name);
+    [".safetensors", ".ckpt", ".pt", ".bin"].iter().find_map(|ext| base.strip_suffix(ext)).unwrap_or(base)
+}
+
+/// Whether `name` (a title like `model.safetensors [abcd1234]`, a file name, or a bare name) is our model.
+fn model_matches(state: &AppState, name: &str) -> bool {
+    let wanted = name.trim();
+    let wanted = match wanted.rsplit_once(" [") {
+        Some((base, hash)) if hash.ends_with(']') => base.trim(),
+        _ => wanted,
+    };
+    [state.info.model.as_str(), state.config.model_name.as_str()]
+        .iter()
+        .filter(|c| !c.trim().is_empty())
+        .any(|c| c.trim().eq_ignore_ascii_case(wanted) || stem(c).eq_ignore_ascii_case(stem(wanted)))
+}
+
+async fn sd_models(State(state): State<AppState>) -> Json<Value> {
+    let filename = if state.config.model_name.is_empty() {
+        state.info.model.clone()
+    } else {
+        state.config.model_name.clone()
+    };
+    Json(json!([{
+        "title": checkpoint_title(&state),
+        "model_name": stem(&state.info.model),
+        "hash": null,
+        "sha256": null,
+        "filename": filename,
+        "config": null,
+    }]))
+}
+
+async fn samplers() -> Json<Value> {
+    Json(Value::Array(
+        Sampler::ALL
+            .iter()
+            .map(|s| json!({"name": s.name(), "aliases": s.aliases(), "options": {}}))
+            .collect(),
+    ))
+}
+
+async fn schedulers() -> Json<Value> {
+    Json(json!([
+        {"name": "automatic", "label": "Automatic", "aliases": null, "default_rho": -1, "need_inner_model": false},
+        {"name": "karras", "label": "Karras", "aliases": null, "default_rho": 7.0, "need_inner_model": false},
+    ]))
+}
+
+/// Options we answer for ourselves; a POST cannot change them (except `CLIP_stop_at_last_layers`).
+const OWN_OPTIONS: &[&str] = &[
+    "sd_model_checkpoint",
+    "sd_checkpoint_hash",
+    "CLIP_stop_at_last_layers",
+    "samples_format",
+    "eta_noise_seed_delta",
+];
+
+async fn get_options(State(state): State<AppState>, Extension(local): Extension<Local>) -> Json<Value> {
+    let settings = local.lock();
+    let mut out = settings.other.clone();
+    out.insert("sd_model_checkpoint".into(), json!(checkpoint_title(&state)));
+    out.insert("sd_checkpoint_hash".into(), Value::Null);
+    out.insert("CLIP_stop_at_last_layers".into(), json!(settings.clip_skip.unwrap_or(1)));
+    out.insert("samples_format".into(), json!("png"));
+    out.insert("eta_noise_seed_delta".into(), json!(0));
+    Json(Value::Object(out))
+}
+
+/// Stores `CLIP_stop_at_last_layers`, accepts `sd_model_checkpoint` only if it names our model, and keeps any
+/// other key to echo back. Like A1111, answers `null`.
+async fn set_options(
+    State(state): State<AppState>,
+    Extension(local): Extension<Local>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, A1111Error> {
+    let bytes = read_body(body)?;
+    let Value::Object(given) = parse_json::<Value>(&bytes)? else {
+        return Err(A1111Error(ApiError::bad_body(
+            "invalid_body",
+            "the body must be a JSON object of options",
+        )));
+    };
+    // Check everything before storing anything, so a bad request changes nothing.
+    let clip_skip = given
+        .get("CLIP_stop_at_last_layers")
+        .map(|v| {
+            parse_clip_skip(v).map_err(|m| {
+                invalid("CLIP_stop_at_last_layers", format!("invalid `CLIP_stop_at_last_layers`: {m}"))
+            })
+        })
+        .transpose()?;
+    if let Some(name) = given.get("sd_model_checkpoint") {
+        check_checkpoint(&state, "sd_model_checkpoint", name)?;
+    }
+    let mut settings = local.lock();
+    if let Some(c) = clip_skip {
+        settings.clip_skip = Some(c);
+    }
+    for (key, value) in given {
+        if !OWN_OPTIONS.contains(&key.as_str()) {
+            settings.other.insert(key, value);
+        }
+    }
+    Ok(Json(Value::Null))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_are_utc_calendar_dates() {
+        let at = |secs: u64| job_timestamp(SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(secs));
+        assert_eq!(at(0), "19700101000000");
+        assert_eq!(at(1_700_000_000), "20231114221320");
+        assert_eq!(at(951_782_400), "20000229000000");
+        assert_eq!(at(4_107_542_399), "20991231235959");
+    }
+
+    #[test]
+    fn mirror_reflects_without_repeating_the_edge() {
+        let got: Vec<usize> = (-3..7).map(|i| mirror(i, 4)).collect();
+        assert_eq!(got, vec![3, 2, 1, 0, 1, 2, 3, 2, 1, 0]);
+        assert_eq!(mirror(-5, 1), 0);
+    }
+
+    #[test]
+    fn blur_softens_edges_and_keeps_flat_areas() {
+        let mut data = vec![0u8; 32 * 8];
+        for row in data.chunks_mut(32) {
+            row[16..].fill(255);
+        }
+        let mask = GrayImage { width: 32, height: 8, data };
+        let blurred = gaussian_blur(&mask, 4.0);
+        let row = &blurred.data[..32];
+        assert_eq!((row[0], row[31]), (0, 255));
+        assert!(row[15] > 0 && row[15] < 128 && row[16] > 128 && row[16] < 255, "{row:?}");
+        assert!(row.windows(2).all(|w| w[0] <= w[1]), "{row:?}");
+        assert_eq!(gaussian_blur(&mask, 0.0), mask);
+        // A flat mask stays flat: the kernel sums to one.
+        let flat = GrayImage { width: 5, height: 3, data: vec![200; 15] };
+        assert_eq!(gaussian_blur(&flat, 2.0), flat);
+    }
+
+    #[test]
+    fn alpha_masks_use_opacity_like_a1111() {
+        let img = image::RgbaImage::from_raw(3, 1, vec![0, 0, 0, 255, 0, 0, 0, 0, 9, 9, 9, 129]).unwrap();
+        let mut png = Vec::new();
+        img.write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png).unwrap();
+        assert_eq!(decode_a1111_mask(&png, 100).unwrap().data, vec![255, 0, 255]);
+    }
+
+    #[test]
+    fn flags_accept_ints_and_bools() {
+        assert!(!flag("f", None).unwrap());
+        assert!(flag("f", Some(&json!(1))).unwrap());
+        assert!(flag("f", Some(&json!(true))).unwrap());
+        assert!(flag("f", Some(&json!(2))).is_err());
+    }
+
+    #[test]
+    fn checkpoint_names_reduce_to_a_stem() {
+        assert_eq!(stem("models/v1-5-pruned.safetensors"), "v1-5-pruned");
+        assert_eq!(stem("stabilityai/sd-turbo"), "sd-turbo");
+        assert_eq!(stem("C:\\m\\x.ckpt"), "x");
+    }
+}

@@ -1,0 +1,64 @@
+//! Operational routes: liveness (`/health`), readiness (`/ready`), Prometheus metrics (`/metrics`) and the
+//! worker's self-description (`/v1/info`).
+
+use crate::AppState;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::json;
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .route("/v1/info", get(info))
+}
+
+pub async fn health() -> Json<serde_json::Value> {
+    Json(json!({"status": "ok"}))
+}
+
+/// 200 while jobs can be accepted and run; 503 while loading (served by the loading router), after the engine
+/// thread died, or once shutdown began.
+async fn ready(State(state): State<AppState>) -> Response {
+    let (status, reason) = if !state.jobs.engine_alive() {
+        (StatusCode::SERVICE_UNAVAILABLE, "engine_unavailable")
+    } else if !state.jobs.is_accepting() {
+        (StatusCode::SERVICE_UNAVAILABLE, "shutting_down")
+    } else {
+        (StatusCode::OK, "ready")
+    };
+    (status, Json(json!({"status": reason, "model": state.info.model}))).into_response()
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    let ready = state.jobs.engine_alive() && state.jobs.is_accepting();
+    let text = state.metrics.render(state.jobs.queue_depth(), state.jobs.current().is_some(), ready);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+async fn info(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let device = state.device();
+    Json(json!({
+        "worker_id": state.config.worker_id,
+        "version": state.config.version,
+        "engine": state.info.engine,
+        "backend": state.info.backend,
+        "device": device,
+        "dtype": state.info.dtype,
+        "model": {
+            "name": state.info.model,
+            "requested": state.config.model_name,
+            "family": state.info.family,
+            "native_width": state.info.native_width,
+            "native_height": state.info.native_height,
+        },
+        "capabilities": state.capabilities(),
+        "queue": {"depth": state.jobs.queue_depth(), "max": state.config.max_queue},
+        "job_ttl_secs": state.config.job_ttl.as_secs_f64(),
+        "auth_required": state.config.api_key.is_some(),
+    }))
+}

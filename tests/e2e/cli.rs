@@ -1,0 +1,243 @@
+//! `sd-worker-cpu generate` as a user runs it: bad inputs exit non-zero with a message naming the file or flag
+//! at fault, and a good run on the tiny SD 1.x fixture writes PNGs with A1111 infotext.
+
+use sdhive_tests::{fixtures, run_worker};
+use std::path::Path;
+use std::process::Output;
+
+fn sd1() -> String {
+    fixtures().join("models/sd1").display().to_string()
+}
+
+/// A quick, valid txt2img invocation on the fixture model writing to `out`; `extra` flag/value pairs replace
+/// the defaults of the same flag (clap refuses a flag given twice) or add to them.
+fn generate(out: &Path, extra: &[&str]) -> Output {
+    let model = sd1();
+    let out = out.display().to_string();
+    let defaults = [
+        ("--model", model.as_str()),
+        ("--prompt", "a cat"),
+        ("--width", "64"),
+        ("--height", "64"),
+        ("--steps", "4"),
+        ("--sampler", "Euler"),
+        ("--seed", "42"),
+        ("-o", out.as_str()),
+    ];
+    let mut args = vec!["generate"];
+    for (flag, value) in defaults {
+        if !extra.contains(&flag) {
+            args.extend([flag, value]);
+        }
+    }
+    args.extend_from_slice(extra);
+    run_worker(&args)
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Asserts a failed run whose stderr mentions every one of `needles`.
+fn assert_fails_with(o: &Output, needles: &[&str]) {
+    let err = stderr(o);
+    assert!(!o.status.success(), "expected failure, got success; stderr:\n{err}");
+    for needle in needles {
+        assert!(err.contains(needle), "stderr does not mention {needle:?}:\n{err}");
+    }
+}
+
+fn png_text(path: &Path) -> (u32, u32, String) {
+    let file = std::io::BufReader::new(std::fs::File::open(path).unwrap());
+    let reader = png::Decoder::new(file).read_info().unwrap();
+    let info = reader.info();
+    let text = info
+        .uncompressed_latin1_text
+        .iter()
+        .filter(|c| c.keyword == "parameters")
+        .map(|c| c.text.clone())
+        .chain(info.utf8_text.iter().filter(|c| c.keyword == "parameters").map(|c| c.get_text().unwrap()))
+        .next()
+        .unwrap_or_default();
+    (info.width, info.height, text)
+}
+
+#[test]
+fn version_names_the_backend() {
+    let o = run_worker(&["--version"]);
+    assert!(o.status.success());
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.starts_with("sd-worker-cpu ") && out.contains("backend: cpu"), "{out}");
+}
+
+#[test]
+fn missing_model_path_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("no-such-model.safetensors");
+    let model = missing.display().to_string();
+    let out = tmp.path().join("o.png").display().to_string();
+    let o = run_worker(&["generate", "--model", &model, "--prompt", "x", "-o", &out]);
+    assert_fails_with(&o, &["no-such-model.safetensors", "not found"]);
+}
+
+#[test]
+fn text_file_model_is_an_unknown_format() {
+    let tmp = tempfile::tempdir().unwrap();
+    let txt = tmp.path().join("model.txt");
+    std::fs::write(&txt, "hello").unwrap();
+    let model = txt.display().to_string();
+    let out = tmp.path().join("o.png").display().to_string();
+    let o = run_worker(&["generate", "--model", &model, "--prompt", "x", "-o", &out]);
+    assert_fails_with(&o, &["model.txt", "unknown model format"]);
+}
+
+#[test]
+fn corrupt_safetensors_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bad = tmp.path().join("corrupt.safetensors");
+    let mut bytes = 40u64.to_le_bytes().to_vec();
+    bytes.extend_from_slice(b"{\"w\": {\"dtype\": \"F32\", \"shape\": [100], \"data_offsets\": [0, 400]}}");
+    std::fs::write(&bad, bytes).unwrap();
+    let model = bad.display().to_string();
+    let out = tmp.path().join("o.png").display().to_string();
+    let o = run_worker(&["generate", "--model", &model, "--prompt", "x", "-o", &out]);
+    assert_fails_with(&o, &["corrupt.safetensors", "not a valid .safetensors"]);
+}
+
+#[test]
+fn pickle_checkpoint_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("old.ckpt");
+    std::fs::write(&ckpt, b"PK\x03\x04").unwrap();
+    let model = ckpt.display().to_string();
+    let out = tmp.path().join("o.png").display().to_string();
+    let o = run_worker(&["generate", "--model", &model, "--prompt", "x", "-o", &out]);
+    assert_fails_with(&o, &["old.ckpt", "only .safetensors"]);
+}
+
+#[test]
+fn unknown_sampler_lists_valid_names() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = generate(&tmp.path().join("o.png"), &["--sampler", "Heun"]);
+    assert_fails_with(&o, &["--sampler", "Heun", "Euler a", "DPM++ 2M"]);
+}
+
+#[test]
+fn conflicting_scheduler_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o =
+        generate(&tmp.path().join("o.png"), &["--sampler", "DPM++ 2M Karras", "--scheduler", "Automatic"]);
+    assert_fails_with(&o, &["--scheduler", "Karras"]);
+}
+
+#[test]
+fn width_not_a_multiple_of_8_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = generate(&tmp.path().join("o.png"), &["--width", "100"]);
+    assert_fails_with(&o, &["--width", "100"]);
+}
+
+#[test]
+fn missing_init_image_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("missing-init.png").display().to_string();
+    let o = generate(&tmp.path().join("o.png"), &["--init-image", &missing]);
+    assert_fails_with(&o, &["--init-image", "missing-init.png"]);
+}
+
+#[test]
+fn unreadable_init_image_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let garbage = tmp.path().join("garbage.png");
+    std::fs::write(&garbage, b"this is not an image").unwrap();
+    let garbage = garbage.display().to_string();
+    let o = generate(&tmp.path().join("o.png"), &["--init-image", &garbage]);
+    assert_fails_with(&o, &["--init-image", "garbage.png"]);
+}
+
+#[test]
+fn mask_without_init_image_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mask = fixtures().join("images/mask.png").display().to_string();
+    let o = generate(&tmp.path().join("o.png"), &["--mask", &mask]);
+    assert_fails_with(&o, &["--mask", "init image"]);
+}
+
+#[test]
+fn missing_output_directory_is_refused_before_loading() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = generate(&tmp.path().join("absent-dir/o.png"), &[]);
+    assert_fails_with(&o, &["absent-dir", "does not exist"]);
+}
+
+#[test]
+fn model_outside_model_root_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().display().to_string();
+    let o = generate(&tmp.path().join("o.png"), &["--model-root", &root]);
+    assert_fails_with(&o, &["outside the allowed model roots", "sd1"]);
+}
+
+#[test]
+fn generates_a_png_with_infotext() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("cat.png");
+    let o = generate(&out, &[]);
+    assert!(o.status.success(), "generate failed:\n{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("seed 42"));
+    let (w, h, params) = png_text(&out);
+    assert_eq!((w, h), (64, 64));
+    assert!(params.starts_with("a cat\n"), "{params}");
+    for field in ["Steps: 4", "Sampler: Euler,", "Seed: 42", "Size: 64x64"] {
+        assert!(params.contains(field), "infotext lacks {field:?}: {params}");
+    }
+}
+
+#[test]
+fn batches_write_numbered_files_with_consecutive_seeds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = generate(&tmp.path().join("batch.png"), &["-n", "2", "--steps", "2"]);
+    assert!(o.status.success(), "generate failed:\n{}", stderr(&o));
+    assert!(!tmp.path().join("batch.png").exists());
+    for (i, seed) in [(0, 42), (1, 43)] {
+        let (w, h, params) = png_text(&tmp.path().join(format!("batch-{i}.png")));
+        assert_eq!((w, h), (64, 64));
+        assert!(params.contains(&format!("Seed: {seed},")), "{params}");
+    }
+}
+
+#[cfg(unix)]
+#[test]
+fn ctrl_c_cancels_and_exits_non_zero() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("never.png").display().to_string();
+    let model = sd1();
+    // Long enough (8 images × 150 steps) that it cannot finish before the signal lands.
+    let mut child = Command::new(sdhive_tests::worker_cpu())
+        .args(["generate", "--model", &model, "--prompt", "x", "--width", "64", "--height", "64"])
+        .args(["--steps", "150", "-n", "8", "--seed", "1", "-o", &out])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    loop {
+        let mut line = String::new();
+        assert!(stderr.read_line(&mut line).unwrap() > 0, "worker ended before generating:\n{seen}");
+        seen.push_str(&line);
+        if line.starts_with("seed: ") {
+            break;
+        }
+    }
+    let kill = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(kill.success());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "worker was not cancelled:\n{seen}{rest}");
+    assert!(rest.contains("cancelled"), "{rest}");
+    assert!(!tmp.path().join("never-0.png").exists());
+}
