@@ -43,13 +43,26 @@ pub enum LoadError {
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
     #[error(transparent)]
-    Model(#[from] sdhive_models::ModelError),
+    Model(Box<sdhive_models::ModelError>),
     #[error(transparent)]
     Tokenizer(#[from] sdhive_tokenizer::TokenizerError),
     #[error(transparent)]
     Scheduler(#[from] sdhive_schedulers::SchedulerError),
     #[error(transparent)]
-    Checkpoint(#[from] sdhive_checkpoint::CheckpointError),
+    Checkpoint(Box<sdhive_checkpoint::CheckpointError>),
+}
+
+// Boxed: model and checkpoint errors carry paths and shapes, and a load error should not bloat every Result.
+impl From<sdhive_models::ModelError> for LoadError {
+    fn from(e: sdhive_models::ModelError) -> Self {
+        LoadError::Model(Box::new(e))
+    }
+}
+
+impl From<sdhive_checkpoint::CheckpointError> for LoadError {
+    fn from(e: sdhive_checkpoint::CheckpointError) -> Self {
+        LoadError::Checkpoint(Box::new(e))
+    }
 }
 
 /// One text encoder with the tokenizer that feeds it.
