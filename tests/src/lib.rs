@@ -29,8 +29,10 @@ fn build_bin(package: &str) -> PathBuf {
     let profile_dir =
         exe.parent().and_then(Path::parent).expect("test executable is not in <target>/<profile>/deps");
     let target_dir = profile_dir.parent().expect("profile folder has no parent");
+    // `cargo test` builds with the `test` profile into `debug/`; building the binary with the same profile reuses
+    // the libraries it just compiled instead of building a second, differently optimised copy.
     let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
-        Some("debug") | None => "dev",
+        Some("debug") | None => "test",
         Some(other) => other,
     };
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");

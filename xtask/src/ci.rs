@@ -7,7 +7,6 @@ pub fn run() -> Result<()> {
     let root = workspace_root();
     cargo(&root, &["fmt", "--all", "--check"])?;
     cargo(&root, &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?;
-    cargo(&root, &["build", "--release", "--bin", "sd-worker-cpu"])?;
     cargo(&root, &["test", "--workspace"])?;
     Ok(())
 }

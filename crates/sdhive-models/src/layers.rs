@@ -1,8 +1,8 @@
 //! Weight-holding building blocks shared by the networks: norms, convolutions, linears and the
 //! diffusers ResNet / down- / up-sampling blocks used by both the UNet and the VAE.
 
-use crate::ops;
-use candle_core::{Module, Result, Tensor};
+use crate::ops::{self, ConvExtras};
+use candle_core::{Result, Tensor};
 use candle_nn::{Conv2d, Conv2dConfig, Init, Linear, VarBuilder};
 
 /// GroupNorm with diffusers' names `weight`/`bias`.
@@ -29,6 +29,11 @@ impl GroupNorm {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         ops::group_norm(x, &self.weight, &self.bias, self.groups, self.eps)
+    }
+
+    /// `silu(self.forward(x))`, fused.
+    pub fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
+        ops::group_norm_silu(x, &self.weight, &self.bias, self.groups, self.eps)
     }
 }
 
@@ -125,19 +130,18 @@ impl ResnetBlock2D {
 
     /// `temb` is the already-computed time embedding `(B, T)`; the block applies SiLU itself.
     pub fn forward(&self, x: &Tensor, temb: Option<&Tensor>) -> Result<Tensor> {
-        let h = ops::silu(&self.norm1.forward(x)?)?;
-        let mut h = self.conv1.forward(&h)?;
-        if let (Some(proj), Some(temb)) = (&self.time_emb_proj, temb) {
-            let t = proj.forward(&ops::silu(temb)?)?.unsqueeze(2)?.unsqueeze(3)?;
-            h = h.broadcast_add(&t)?;
-        }
-        let h = ops::silu(&self.norm2.forward(&h)?)?;
-        let h = self.conv2.forward(&h)?;
+        let h = self.norm1.forward_silu(x)?;
+        let temb = match (&self.time_emb_proj, temb) {
+            (Some(proj), Some(temb)) => Some(ops::linear(proj, &ops::silu(temb)?, None)?),
+            _ => None,
+        };
+        let h = ops::conv2d(&self.conv1, &h, ConvExtras { per_sample: temb.as_ref(), ..Default::default() })?;
+        let h = self.norm2.forward_silu(&h)?;
         let skip = match &self.conv_shortcut {
-            Some(c) => c.forward(x)?,
+            Some(c) => ops::conv2d(c, x, ConvExtras::default())?,
             None => x.clone(),
         };
-        let out = (skip + h)?;
+        let out = ops::conv2d(&self.conv2, &h, ConvExtras { residual: Some(&skip), ..Default::default() })?;
         if self.output_scale_factor == 1.0 {
             Ok(out)
         } else {
@@ -165,9 +169,9 @@ impl Downsample2D {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if self.asymmetric_pad {
             let x = x.pad_with_zeros(3, 0, 1)?.pad_with_zeros(2, 0, 1)?;
-            self.conv.forward(&x)
+            ops::conv2d(&self.conv, &x, ConvExtras::default())
         } else {
-            self.conv.forward(x)
+            ops::conv2d(&self.conv, x, ConvExtras::default())
         }
     }
 }
@@ -186,7 +190,11 @@ impl Upsample2D {
     pub fn forward(&self, x: &Tensor, size: Option<(usize, usize)>) -> Result<Tensor> {
         let (_, _, h, w) = x.dims4()?;
         let (th, tw) = size.unwrap_or((2 * h, 2 * w));
+        if (th, tw) == (2 * h, 2 * w) {
+            // The convolution reads the input as if upsampled; nothing 4× larger is built.
+            return ops::conv2d(&self.conv, x, ConvExtras { upsample: true, ..Default::default() });
+        }
         let x = x.upsample_nearest2d(th, tw)?;
-        self.conv.forward(&x)
+        ops::conv2d(&self.conv, &x, ConvExtras::default())
     }
 }

@@ -1,8 +1,11 @@
-//! The hot tensor operations of all three networks (attention, normalisation, gated
-//! activations), each behind one small function so a fused kernel can replace it later without
-//! touching the model code.
+//! The hot tensor operations of all three networks (convolution, linears, attention,
+//! normalisation, gated activations), each behind one small function: f32 on the CPU goes to the
+//! fused kernels of `crate::cpu`, everything else (other dtypes, other devices) to candle's generic
+//! ops, kept here as the reference the kernels are tested against.
 
-use candle_core::{DType, Result, Tensor, D};
+use crate::cpu;
+use candle_core::{DType, Module, Result, Tensor, D};
+use candle_nn::{Conv2d, Linear};
 
 /// Above this many attention-score elements per call we split the queries into chunks, so a
 /// large VAE attention (one head over every pixel) does not need gigabytes of scores at once.
@@ -21,6 +24,10 @@ pub fn attention(
     mask: Option<&Tensor>,
     upcast: bool,
 ) -> Result<Tensor> {
+    if mask.is_none() && cpu::applies(&[q, k, v]) {
+        // Each of the N = batch·heads rows is one single-head problem.
+        return cpu::attention(q, k, v, 1, scale);
+    }
     let (n, sq, _) = q.dims3()?;
     let sk = k.dim(1)?;
     let per_query = n * sk;
@@ -79,8 +86,59 @@ pub fn merge_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
     x.reshape((bh / heads, heads, s, d))?.transpose(1, 2)?.contiguous()?.reshape((bh / heads, s, heads * d))
 }
 
+/// Multi-head attention on the projections' `(B, S, H·D)` layout, returning `(B, Sq, H·Dv)`:
+/// the split into heads, `softmax(q kᵀ · scale) v` and the merge back.
+pub fn multi_head_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: usize,
+    scale: f64,
+    upcast: bool,
+) -> Result<Tensor> {
+    if cpu::applies(&[q, k, v]) {
+        return cpu::attention(q, k, v, heads, scale);
+    }
+    let o = attention(
+        &split_heads(q, heads)?,
+        &split_heads(k, heads)?,
+        &split_heads(v, heads)?,
+        scale,
+        None,
+        upcast,
+    )?;
+    merge_heads(&o, heads)
+}
+
 /// GroupNorm over `(B, C, …)` with per-channel affine; statistics in f32 for half inputs.
 pub fn group_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, groups: usize, eps: f64) -> Result<Tensor> {
+    if cpu::applies(&[x, weight, bias]) {
+        return cpu::group_norm(x, weight, bias, groups, eps, false);
+    }
+    group_norm_reference(x, weight, bias, groups, eps)
+}
+
+/// `silu(group_norm(x))`, the pre-activation of every ResNet block, in one pass on the CPU.
+pub fn group_norm_silu(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    groups: usize,
+    eps: f64,
+) -> Result<Tensor> {
+    if cpu::applies(&[x, weight, bias]) {
+        return cpu::group_norm(x, weight, bias, groups, eps, true);
+    }
+    group_norm_reference(x, weight, bias, groups, eps)?.silu()
+}
+
+pub(crate) fn group_norm_reference(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    groups: usize,
+    eps: f64,
+) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     if dims.len() < 3 {
         candle_core::bail!("group_norm expects a (B, C, ...) tensor, got {:?}", dims);
@@ -109,6 +167,13 @@ pub fn group_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, groups: usize, eps
 /// LayerNorm over the last dimension, two-pass in f32: candle's fused kernel uses
 /// `E[x²] − E[x]²`, which cancels badly on CLIP's large-magnitude outlier channels.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    if cpu::applies(&[x, weight, bias]) {
+        return cpu::layer_norm(x, weight, bias, eps);
+    }
+    layer_norm_reference(x, weight, bias, eps)
+}
+
+pub(crate) fn layer_norm_reference(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let in_dtype = x.dtype();
     let n = x.dim(D::Minus1)? as f64;
     let xf = x.to_dtype(DType::F32)?;
@@ -123,16 +188,129 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
 }
 
 pub fn silu(x: &Tensor) -> Result<Tensor> {
+    if cpu::applies(&[x]) {
+        return cpu::silu(x);
+    }
     x.silu()
 }
 
 /// diffusers' GEGLU: the projection's first half gated by the exact (erf) GELU of its second.
 pub fn geglu(x: &Tensor) -> Result<Tensor> {
+    if cpu::applies(&[x]) {
+        return cpu::geglu(x);
+    }
+    geglu_reference(x)
+}
+
+pub(crate) fn geglu_reference(x: &Tensor) -> Result<Tensor> {
     let last = x.dim(D::Minus1)?;
     let half = last / 2;
     let hidden = x.narrow(D::Minus1, 0, half)?;
     let gate = x.narrow(D::Minus1, half, half)?;
     hidden.mul(&gate.gelu_erf()?)
+}
+
+/// What a convolution adds to its output besides its bias; on the CPU these cost no extra pass.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct ConvExtras<'a> {
+    /// `(B, Cout)`, added to every pixel of that sample's channel (the ResNet time embedding).
+    pub per_sample: Option<&'a Tensor>,
+    /// `(B, Cout, Ho, Wo)`, added element-wise (a skip connection).
+    pub residual: Option<&'a Tensor>,
+    /// Convolve the input nearest-neighbour upsampled ×2 (diffusers' `Upsample2D`).
+    pub upsample: bool,
+}
+
+/// `conv(x) + extras`.
+pub(crate) fn conv2d(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
+    let cfg = conv.config();
+    let mut tensors = vec![x, conv.weight()];
+    tensors.extend(conv.bias());
+    tensors.extend(extras.per_sample);
+    tensors.extend(extras.residual);
+    if cfg.groups == 1 && cfg.dilation == 1 && cpu::applies(&tensors) {
+        return cpu::conv2d(x, conv.weight(), conv.bias(), cfg.stride, cfg.padding, extras);
+    }
+    conv2d_reference(conv, x, extras)
+}
+
+pub(crate) fn conv2d_reference(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
+    let x = if extras.upsample {
+        let (_, _, h, w) = x.dims4()?;
+        x.upsample_nearest2d(2 * h, 2 * w)?
+    } else {
+        x.clone()
+    };
+    let mut y = conv.forward(&x)?;
+    if let Some(p) = extras.per_sample {
+        let (b, c) = p.dims2()?;
+        y = y.broadcast_add(&p.reshape((b, c, 1, 1))?)?;
+    }
+    match extras.residual {
+        Some(r) => y + r,
+        None => Ok(y),
+    }
+}
+
+/// `linear(x) (+ residual)`.
+pub(crate) fn linear(l: &Linear, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+    let mut tensors = vec![x, l.weight()];
+    tensors.extend(l.bias());
+    tensors.extend(residual);
+    if cpu::applies(&tensors) {
+        return cpu::linear(x, l.weight(), l.bias(), residual);
+    }
+    let y = l.forward(x)?;
+    match residual {
+        Some(r) => y + r,
+        None => Ok(y),
+    }
+}
+
+/// A 1×1 projection (`weight` `(Cout, Cin)` or `(Cout, Cin, 1, 1)`) of NCHW `x` into tokens
+/// `(B, H·W, Cout)`.
+pub(crate) fn image_to_tokens(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let mut tensors = vec![x, weight];
+    tensors.extend(bias);
+    if cpu::applies(&tensors) {
+        return cpu::image_to_tokens(x, weight, bias);
+    }
+    let (b, c, h, w) = x.dims4()?;
+    let tokens = x.reshape((b, c, h * w))?.transpose(1, 2)?;
+    let c_out = weight.dim(0)?;
+    let y = tokens.broadcast_matmul(&weight.reshape((c_out, c))?.t()?)?;
+    match bias {
+        Some(bias) => y.broadcast_add(bias),
+        None => Ok(y),
+    }
+}
+
+/// Tokens `(B, H·W, Cin)` through a 1×1 projection back to NCHW `(B, Cout, H, W)`, plus
+/// `residual`.
+pub(crate) fn tokens_to_image(
+    tokens: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    (h, w): (usize, usize),
+    residual: Option<&Tensor>,
+) -> Result<Tensor> {
+    let mut tensors = vec![tokens, weight];
+    tensors.extend(bias);
+    tensors.extend(residual);
+    if cpu::applies(&tensors) {
+        return cpu::tokens_to_image(tokens, weight, bias, (h, w), residual);
+    }
+    let (b, _, c) = tokens.dims3()?;
+    let c_out = weight.dim(0)?;
+    let mut y = tokens.broadcast_matmul(&weight.reshape((c_out, c))?.t()?)?;
+    if let Some(bias) = bias {
+        y = y.broadcast_add(bias)?;
+    }
+    let y = y.transpose(1, 2)?.reshape((b, c_out, h, w))?;
+    match residual {
+        Some(r) => y + r,
+        None => Ok(y),
+    }
 }
 
 /// OpenAI CLIP's `x · sigmoid(1.702 x)`.

@@ -4,8 +4,8 @@
 use crate::config::{check_act, check_divides, read_json};
 use crate::error::{input_err, invalid, weights_err, Result, TensorContext};
 use crate::layers::{conv2d, linear, Downsample2D, GroupNorm, ResnetBlock2D, ResnetSpec, Upsample2D};
-use crate::ops;
-use candle_core::{DType, Device, Module, Tensor};
+use crate::ops::{self, ConvExtras};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{Conv2d, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -167,15 +167,14 @@ impl VaeAttention {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (b, c, h, w) = x.dims4()?;
-        let tokens = self.group_norm.forward(x)?.reshape((b, c, h * w))?.transpose(1, 2)?.contiguous()?;
-        let q = self.to_q.forward(&tokens)?;
-        let k = self.to_k.forward(&tokens)?;
-        let v = self.to_v.forward(&tokens)?;
+        let (_, _, h, w) = x.dims4()?;
+        let normed = self.group_norm.forward(x)?;
+        let q = ops::image_to_tokens(&normed, self.to_q.weight(), self.to_q.bias())?;
+        let k = ops::image_to_tokens(&normed, self.to_k.weight(), self.to_k.bias())?;
+        let v = ops::image_to_tokens(&normed, self.to_v.weight(), self.to_v.bias())?;
         // diffusers upcasts this softmax (upcast_softmax=True).
         let o = ops::attention(&q, &k, &v, self.scale, None, true)?;
-        let o = self.to_out.forward(&o)?.transpose(1, 2)?.reshape((b, c, h, w))?;
-        o + x
+        ops::tokens_to_image(&o, self.to_out.weight(), self.to_out.bias(), (h, w), Some(x))
     }
 }
 
@@ -267,7 +266,7 @@ impl Encoder {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let mut x = self.conv_in.forward(x)?;
+        let mut x = ops::conv2d(&self.conv_in, x, ConvExtras::default())?;
         for block in &self.blocks {
             for r in &block.resnets {
                 x = r.forward(&x, None)?;
@@ -277,8 +276,8 @@ impl Encoder {
             }
         }
         x = self.mid.forward(&x)?;
-        let x = ops::silu(&self.conv_norm_out.forward(&x)?)?;
-        self.conv_out.forward(&x)
+        let x = self.conv_norm_out.forward_silu(&x)?;
+        ops::conv2d(&self.conv_out, &x, ConvExtras::default())
     }
 }
 
@@ -330,7 +329,7 @@ impl Decoder {
     }
 
     fn forward(&self, z: &Tensor) -> candle_core::Result<Tensor> {
-        let mut x = self.conv_in.forward(z)?;
+        let mut x = ops::conv2d(&self.conv_in, z, ConvExtras::default())?;
         x = self.mid.forward(&x)?;
         for block in &self.blocks {
             for r in &block.resnets {
@@ -340,8 +339,8 @@ impl Decoder {
                 x = u.forward(&x, None)?;
             }
         }
-        let x = ops::silu(&self.conv_norm_out.forward(&x)?)?;
-        self.conv_out.forward(&x)
+        let x = self.conv_norm_out.forward_silu(&x)?;
+        ops::conv2d(&self.conv_out, &x, ConvExtras::default())
     }
 }
 
@@ -418,7 +417,7 @@ impl AutoencoderKL {
             let x = x.to_device(&self.device)?.to_dtype(self.dtype)?;
             let mut moments = self.encoder.forward(&x)?;
             if let Some(q) = &self.quant_conv {
-                moments = q.forward(&moments)?;
+                moments = ops::conv2d(q, &moments, ConvExtras::default())?;
             }
             let l = self.config.latent_channels;
             let mean = moments.narrow(1, 0, l)?;
@@ -441,7 +440,7 @@ impl AutoencoderKL {
         let run = || -> candle_core::Result<Tensor> {
             let mut z = z.to_device(&self.device)?.to_dtype(self.dtype)?;
             if let Some(p) = &self.post_quant_conv {
-                z = p.forward(&z)?;
+                z = ops::conv2d(p, &z, ConvExtras::default())?;
             }
             self.decoder.forward(&z)
         };

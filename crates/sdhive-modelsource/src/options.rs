@@ -6,6 +6,7 @@ use std::path::PathBuf;
 #[derive(Debug, Clone)]
 pub struct ResolveOptions {
     /// Local model paths must lie inside one of these (after canonicalisation). Empty: no confinement.
+    /// Repo ids are not affected: validation already keeps them inside `hub_cache`.
     pub model_roots: Vec<PathBuf>,
     /// The hub cache (`models--org--name/{refs,snapshots,blobs}`), shared with Python tools.
     pub hub_cache: PathBuf,

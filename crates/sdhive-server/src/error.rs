@@ -110,7 +110,8 @@ impl ApiError {
 
 impl From<ValidationError> for ApiError {
     fn from(e: ValidationError) -> Self {
-        ApiError::invalid(e.field, e.message)
+        // The Display form names the field ("invalid `steps`: …"), for clients that only show the message.
+        ApiError::invalid(e.field, e.to_string())
     }
 }
 

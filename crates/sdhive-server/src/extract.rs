@@ -56,11 +56,15 @@ fn json_error(path: &str, e: &serde_json::Error) -> ApiError {
         }
         Category::Data => {
             let message = e.to_string();
-            // serde names missing and unknown fields only in its message; the path stops at their parent.
+            // serde names a missing field only in its message; the path stops at its parent (an unknown
+            // field's path already ends with it).
             let named = backticked(&message)
                 .filter(|_| message.starts_with("missing field") || message.starts_with("unknown field"));
             let param = match (named, path) {
                 (Some(field), "." | "") => field.to_string(),
+                (Some(field), path) if path == field || path.ends_with(&format!(".{field}")) => {
+                    path.to_string()
+                }
                 (Some(field), parent) => format!("{parent}.{field}"),
                 (None, path) => path.to_string(),
             };

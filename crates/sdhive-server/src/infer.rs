@@ -2,15 +2,16 @@
 //! with a progress callback that records steps and answers cancellation, encodes the images, and turns every
 //! failure — engine errors and engine panics alike — into a failed job, so the worker keeps serving.
 
-use crate::jobs::{FinishedImage, JobManager, Outcome, StartedJob};
+use crate::jobs::{FinishedImage, JobManager, Next, Outcome, Shared, StartedJob};
 use bytes::Bytes;
 use sdhive_engine::{encode_png, Control, Engine, EngineError, GenerateOutput, Progress};
 use sdhive_protocol::{JobError, JobErrorKind};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
+use std::sync::Weak;
 use std::thread::JoinHandle;
 
-pub(crate) fn spawn(jobs: JobManager, engine: Box<dyn Engine>) -> JoinHandle<()> {
+pub(crate) fn spawn(jobs: Weak<Shared>, engine: Box<dyn Engine>) -> JoinHandle<()> {
     let spawned = std::thread::Builder::new().name("sdhive-engine".into()).spawn({
         let jobs = jobs.clone();
         move || run(jobs, engine)
@@ -20,26 +21,38 @@ pub(crate) fn spawn(jobs: JobManager, engine: Box<dyn Engine>) -> JoinHandle<()>
         Err(e) => {
             // Without a thread there is no engine: report not-ready instead of failing every request later.
             tracing::error!("cannot start the engine thread: {e}");
-            jobs.mark_engine_dead();
+            if let Some(jobs) = JobManager::upgrade(&jobs) {
+                jobs.mark_engine_dead();
+            }
             std::thread::spawn(|| {})
         }
     }
 }
 
 /// Marks the engine dead if the thread unwinds through our own code (engine panics are caught earlier).
-struct AliveGuard(JobManager);
+struct AliveGuard(Weak<Shared>);
 
 impl Drop for AliveGuard {
     fn drop(&mut self) {
-        self.0.mark_engine_dead();
+        if let Some(jobs) = JobManager::upgrade(&self.0) {
+            jobs.mark_engine_dead();
+        }
     }
 }
 
-fn run(jobs: JobManager, mut engine: Box<dyn Engine>) {
-    let _alive = AliveGuard(jobs.clone());
-    while let Some(job) = jobs.next_job() {
-        let outcome = run_one(&jobs, engine.as_mut(), &job);
-        jobs.finish(&job.id, outcome);
+/// Serves jobs until told to stop or until nothing can submit any more (every manager handle dropped); the
+/// engine, and with it the model's memory, is freed when this returns.
+fn run(weak: Weak<Shared>, mut engine: Box<dyn Engine>) {
+    let _alive = AliveGuard(weak.clone());
+    while let Some(jobs) = JobManager::upgrade(&weak) {
+        match jobs.next_job() {
+            Next::Job(job) => {
+                let outcome = run_one(&jobs, engine.as_mut(), &job);
+                jobs.finish(&job.id, outcome);
+            }
+            Next::Idle => {}
+            Next::Stop => break,
+        }
     }
 }
 

@@ -15,7 +15,7 @@ use sdhive_protocol::{
 };
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 use thiserror::Error;
@@ -333,6 +333,14 @@ pub(crate) struct StartedJob {
     pub cancel: Arc<AtomicBool>,
 }
 
+/// What the engine thread should do next.
+pub(crate) enum Next {
+    Job(StartedJob),
+    /// Nothing queued yet; ask again.
+    Idle,
+    Stop,
+}
+
 /// How a run ended, as the engine thread reports it.
 pub(crate) enum Outcome {
     Succeeded(Vec<FinishedImage>),
@@ -406,7 +414,7 @@ impl JobManager {
             engine_thread: Mutex::new(None),
         });
         let manager = JobManager { shared };
-        let handle = infer::spawn(manager.clone(), engine);
+        let handle = infer::spawn(manager.downgrade(), engine);
         *lock_handle(&manager.shared.engine_thread) = Some(handle);
         manager
     }
@@ -625,14 +633,16 @@ impl JobManager {
 
     // ---- engine-thread side ----
 
-    /// Blocks until a job is queued (→ `Some`, now running) or a stop was requested (→ `None`). Sweeps expired
-    /// jobs while idle so memory is returned without any request arriving.
-    pub(crate) fn next_job(&self) -> Option<StartedJob> {
+    /// Waits up to a second for a job (→ `Next::Job`, now running). Sweeps expired jobs while idle, so memory
+    /// is returned without any request arriving; the short wait lets the engine thread notice when every
+    /// handle to this manager is gone.
+    pub(crate) fn next_job(&self) -> Next {
         let mut inner = self.lock();
+        let mut waited = false;
         loop {
             inner.expire(self.shared.config.job_ttl, self.shared.config.max_tombstones);
             if inner.stop {
-                return None;
+                return Next::Stop;
             }
             if let Some(id) = inner.queue.pop_front() {
                 let started = inner.jobs.get_mut(&id).and_then(|job| {
@@ -648,10 +658,14 @@ impl JobManager {
                     inner.running = Some(id);
                     inner.announce_positions();
                     self.shared.metrics.job_entered(JobState::Running);
-                    return Some(started);
+                    return Next::Job(started);
                 }
                 continue;
             }
+            if waited {
+                return Next::Idle;
+            }
+            waited = true;
             inner = self
                 .shared
                 .work
@@ -661,11 +675,21 @@ impl JobManager {
         }
     }
 
+    /// A handle that does not keep the manager alive (for the engine thread).
+    pub(crate) fn downgrade(&self) -> Weak<Shared> {
+        Arc::downgrade(&self.shared)
+    }
+
+    pub(crate) fn upgrade(weak: &Weak<Shared>) -> Option<JobManager> {
+        weak.upgrade().map(|shared| JobManager { shared })
+    }
+
     pub(crate) fn on_progress(&self, id: &JobId, p: &Progress) {
         let mut inner = self.lock();
         let Some(job) = inner.jobs.get_mut(id) else { return };
         let now = Instant::now();
-        if let Some(last) = job.last_step {
+        // An image's first report also covers prompt encoding (and, for img2img, the VAE encode): not a step.
+        if let Some(last) = job.last_step.filter(|_| p.step > 1) {
             self.shared.metrics.observe_step(now.duration_since(last));
         }
         job.last_step = Some(now);
@@ -728,10 +752,6 @@ impl JobManager {
         inner.running = None;
         drop(inner);
         self.shared.idle.notify_all();
-    }
-
-    pub(crate) fn shared(&self) -> &Shared {
-        &self.shared
     }
 }
 

@@ -6,7 +6,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 
 #[derive(Debug, Parser)]
-#[command(about = "Stable Diffusion worker", propagate_version = true)]
+#[command(about = "Stable Diffusion worker", version, propagate_version = true)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -16,6 +16,8 @@ pub struct Cli {
 pub enum Command {
     /// Generate images from a prompt (txt2img, or img2img/inpaint with --init-image/--mask) and write PNGs.
     Generate(GenerateArgs),
+    /// Serve the model over HTTP (native jobs, OpenAI and A1111 APIs), optionally registering with a hive.
+    Serve(crate::serve::ServeArgs),
 }
 
 #[derive(Debug, Clone, Args)]

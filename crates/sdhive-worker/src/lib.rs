@@ -5,6 +5,7 @@ pub mod cli;
 mod generate;
 pub mod output;
 pub mod request;
+pub mod serve;
 
 use clap::{CommandFactory, FromArgMatches};
 use cli::{Cli, Command};
@@ -26,6 +27,7 @@ where
     init_tracing();
     match cli.command {
         Command::Generate(args) => generate::run(backend, &args),
+        Command::Serve(args) => serve::run(backend, &args),
     }
 }
 

@@ -135,6 +135,7 @@ mod tests {
         argv.extend_from_slice(extra);
         match Cli::try_parse_from(argv).unwrap().command {
             Command::Generate(a) => a,
+            other => panic!("expected generate, got {other:?}"),
         }
     }
 

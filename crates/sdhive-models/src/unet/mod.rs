@@ -14,9 +14,9 @@ pub use transformer::{CrossAttention, Transformer2DModel, TransformerSpec};
 
 use crate::error::{input_err, weights_err, Result, TensorContext};
 use crate::layers::{conv2d, GroupNorm};
-use crate::ops;
+use crate::ops::{self, ConvExtras};
 use blocks::{BlockCommon, DownBlock, MidBlock, UpBlock};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{Conv2d, VarBuilder};
 use std::path::Path;
 
@@ -242,7 +242,7 @@ impl UNet2DConditionModel {
         let factor = 1usize << n_up;
         let forward_upsample_size = h % factor != 0 || w % factor != 0;
 
-        let mut x = self.conv_in.forward(&sample)?;
+        let mut x = ops::conv2d(&self.conv_in, &sample, ConvExtras::default())?;
         let mut skips = vec![x.clone()];
         for block in &self.down_blocks {
             let (out, res) = block.forward(&x, temb, &context)?;
@@ -271,7 +271,7 @@ impl UNet2DConditionModel {
             };
             x = block.forward(&x, &res, temb, &context, upsample_size)?;
         }
-        let x = ops::silu(&self.conv_norm_out.forward(&x)?)?;
-        self.conv_out.forward(&x)
+        let x = self.conv_norm_out.forward_silu(&x)?;
+        ops::conv2d(&self.conv_out, &x, ConvExtras::default())
     }
 }

@@ -3,7 +3,7 @@
 
 use crate::layers::{conv2d, linear, GroupNorm, LayerNorm};
 use crate::ops;
-use candle_core::{Module, Result, Tensor};
+use candle_core::{Result, Tensor};
 use candle_nn::{Conv2d, Linear, VarBuilder};
 
 /// diffusers `Attention` as used by the UNet: bias-free q/k/v, biased `to_out.0`.
@@ -43,12 +43,22 @@ impl CrossAttention {
 
     /// `x` `(B, S, C)`; `context` `(B, T, Cctx)` or `None` to attend to `x` itself.
     pub fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
+        self.forward_residual(x, context, None)
+    }
+
+    /// [`Self::forward`] plus `residual` (`(B, S, C)`), added by the output projection.
+    pub fn forward_residual(
+        &self,
+        x: &Tensor,
+        context: Option<&Tensor>,
+        residual: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let ctx = context.unwrap_or(x);
-        let q = ops::split_heads(&self.to_q.forward(x)?, self.heads)?;
-        let k = ops::split_heads(&self.to_k.forward(ctx)?, self.heads)?;
-        let v = ops::split_heads(&self.to_v.forward(ctx)?, self.heads)?;
-        let o = ops::attention(&q, &k, &v, self.scale, None, self.upcast)?;
-        self.to_out.forward(&ops::merge_heads(&o, self.heads)?)
+        let q = ops::linear(&self.to_q, x, None)?;
+        let k = ops::linear(&self.to_k, ctx, None)?;
+        let v = ops::linear(&self.to_v, ctx, None)?;
+        let o = ops::multi_head_attention(&q, &k, &v, self.heads, self.scale, self.upcast)?;
+        ops::linear(&self.to_out, &o, residual)
     }
 }
 
@@ -68,8 +78,10 @@ impl FeedForward {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.proj_out.forward(&ops::geglu(&self.proj_in.forward(x)?)?)
+    /// `proj_out(geglu(proj_in(x))) + residual`.
+    fn forward(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        let h = ops::geglu(&ops::linear(&self.proj_in, x, None)?)?;
+        ops::linear(&self.proj_out, &h, Some(residual))
     }
 }
 
@@ -105,9 +117,9 @@ impl BasicTransformerBlock {
     }
 
     fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
-        let x = (self.attn1.forward(&self.norm1.forward(x)?, None)? + x)?;
-        let x = (self.attn2.forward(&self.norm2.forward(&x)?, Some(context))? + &x)?;
-        self.ff.forward(&self.norm3.forward(&x)?)? + x
+        let x = self.attn1.forward_residual(&self.norm1.forward(x)?, None, Some(x))?;
+        let x = self.attn2.forward_residual(&self.norm2.forward(&x)?, Some(context), Some(&x))?;
+        self.ff.forward(&self.norm3.forward(&x)?, &x)
     }
 }
 
@@ -170,28 +182,25 @@ impl Transformer2DModel {
     }
 
     pub fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
-        let (b, _, h, w) = x.dims4()?;
-        let residual = x;
-        let x = self.norm.forward(x)?;
-        let to_tokens = |t: &Tensor| -> Result<Tensor> {
-            let c = t.dim(1)?;
-            t.permute((0, 2, 3, 1))?.reshape((b, h * w, c))
-        };
-        let mut tokens = match &self.proj_in {
-            Projection::Conv(conv) => to_tokens(&conv.forward(&x)?)?,
-            Projection::Linear(l) => l.forward(&to_tokens(&x)?)?,
-        };
+        let (_, _, h, w) = x.dims4()?;
+        let normed = self.norm.forward(x)?;
+        // A 1×1 conv and a linear projection are the same product; only the weight's shape
+        // differs, and the kernels read the NCHW ↔ token layouts through strides.
+        let (w_in, b_in) = self.proj_in.weight_bias();
+        let mut tokens = ops::image_to_tokens(&normed, w_in, b_in)?;
         for block in &self.blocks {
             tokens = block.forward(&tokens, context)?;
         }
-        let to_image = |t: &Tensor| -> Result<Tensor> {
-            let c = t.dim(2)?;
-            t.reshape((b, h, w, c))?.permute((0, 3, 1, 2))?.contiguous()
-        };
-        let out = match &self.proj_out {
-            Projection::Conv(conv) => conv.forward(&to_image(&tokens)?)?,
-            Projection::Linear(l) => to_image(&l.forward(&tokens)?)?,
-        };
-        out + residual
+        let (w_out, b_out) = self.proj_out.weight_bias();
+        ops::tokens_to_image(&tokens, w_out, b_out, (h, w), Some(x))
+    }
+}
+
+impl Projection {
+    fn weight_bias(&self) -> (&Tensor, Option<&Tensor>) {
+        match self {
+            Projection::Conv(c) => (c.weight(), c.bias()),
+            Projection::Linear(l) => (l.weight(), l.bias()),
+        }
     }
 }

@@ -48,8 +48,6 @@ const DEFAULT_DENOISING: f32 = 0.75;
 const DEFAULT_MASK_BLUR: u32 = 4;
 /// A1111's mask-blur slider stops here; larger radii only burn CPU.
 const MAX_MASK_BLUR: u32 = 64;
-/// `inpainting_fill` = "original": the only one diffusers-style inpainting implements.
-const FILL_ORIGINAL: u32 = 1;
 
 // ---------------------------------------------------------------------------------------------------------
 // Router state and errors
@@ -414,7 +412,7 @@ fn echo_parameters(
         "batch_size": 1,
         "n_iter": 1,
         "steps": DEFAULT_STEPS,
-        "cfg_scale": GenerateRequest::default().cfg_scale,
+        "cfg_scale": decimal(GenerateRequest::default().cfg_scale),
         "width": width,
         "height": height,
         "restore_faces": null,
@@ -432,7 +430,7 @@ fn echo_parameters(
         for (key, value) in [
             ("init_images", Value::Null),
             ("mask", Value::Null),
-            ("denoising_strength", json!(DEFAULT_DENOISING)),
+            ("denoising_strength", json!(decimal(DEFAULT_DENOISING))),
             ("resize_mode", json!(0)),
             ("mask_blur", json!(DEFAULT_MASK_BLUR)),
             ("inpainting_fill", json!(0)),
@@ -543,6 +541,11 @@ fn civil_date(days: u64) -> (u64, u64, u64) {
     (year, month, day)
 }
 
+/// An `f32` as the decimal the client wrote (0.6, not 0.6000000238418579): A1111 clients compare these.
+fn decimal(v: f32) -> f64 {
+    v.to_string().parse().unwrap_or(f64::from(v))
+}
+
 fn scheduler_name(s: Schedule) -> &'static str {
     match s {
         Schedule::Automatic => "automatic",
@@ -585,7 +588,7 @@ fn info_json(state: &AppState, p: &Prepared, view: &JobView, images: &[FinishedI
         "height": height,
         "sampler_name": req.sampler.name(),
         "scheduler": scheduler_name(req.schedule),
-        "cfg_scale": req.cfg_scale,
+        "cfg_scale": decimal(req.cfg_scale),
         "steps": req.steps,
         "batch_size": p.batch_size,
         "n_iter": p.n_iter,
@@ -597,7 +600,7 @@ fn info_json(state: &AppState, p: &Prepared, view: &JobView, images: &[FinishedI
         "sd_vae_hash": null,
         "seed_resize_from_w": -1,
         "seed_resize_from_h": -1,
-        "denoising_strength": req.effective_strength().unwrap_or(0.0),
+        "denoising_strength": decimal(req.effective_strength().unwrap_or(0.0)),
         "extra_generation_params": extra,
         "index_of_first_image": 0,
         "infotexts": images.iter().map(|i| i.infotext.as_str()).collect::<Vec<_>>(),
@@ -845,7 +848,7 @@ mod tests {
         assert_eq!(at(0), "19700101000000");
         assert_eq!(at(1_700_000_000), "20231114221320");
         assert_eq!(at(951_782_400), "20000229000000");
-        assert_eq!(at(4_107_542_399), "20991231235959");
+        assert_eq!(at(4_107_542_399), "21000228235959"); // 2100 is not a leap year
     }
 
     #[test]

@@ -1,0 +1,248 @@
+//! The `serve` subcommand: its flags (each also an environment variable, for containers), turning them into the
+//! server's configuration, opening the device up front (a wrong `--device` fails before anything listens),
+//! and handing model resolution and loading to the server, which runs them while `/health` already answers.
+
+use crate::cli::DTypeArg;
+use anyhow::Context;
+use clap::Args;
+use sdhive_candle::{CandleEngine, LoadOptions};
+use sdhive_engine::{Engine, Limits};
+use sdhive_modelsource::ResolveOptions;
+use sdhive_protocol::DeviceDescription;
+use sdhive_server::{EngineLoader, MemoryProbe, RegistrationConfig, ServerConfig};
+use shared_worker::Backend;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// A diffusers folder, a .safetensors checkpoint, or a Hugging Face repo id `org/name[@revision]`.
+    #[arg(long, short = 'm', env = "MODEL_PATH", value_name = "MODEL")]
+    pub model: String,
+
+    /// Address to listen on; loopback unless you mean to expose the worker.
+    #[arg(long, env = "HOST", default_value = "127.0.0.1")]
+    pub host: String,
+
+    /// Port to listen on; 0 picks a free one (printed, and sent to the hive).
+    #[arg(long, env = "PORT", default_value_t = 7860)]
+    pub port: u16,
+
+    /// URL the hive uses to reach this worker; default http://HOST:PORT as bound.
+    #[arg(long, env = "PUBLIC_URL", value_name = "URL")]
+    pub public_url: Option<String>,
+
+    /// This worker's name towards the hive; default HOSTNAME-BACKEND-DEVICE-PID.
+    #[arg(long, env = "WORKER_ID")]
+    pub worker_id: Option<String>,
+
+    /// The hive's registration endpoint; without it the worker runs standalone.
+    #[arg(long, env = "CALLBACK_URL", value_name = "URL")]
+    pub callback_url: Option<String>,
+
+    /// Bearer token sent to the hive.
+    #[arg(long, env = "WORKER_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+
+    /// Require `Authorization: Bearer KEY` on every route but /health.
+    #[arg(long, env = "API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+
+    /// Device index on this binary's backend.
+    #[arg(long, env = "DEVICE", default_value_t = 0)]
+    pub device: usize,
+
+    /// Weight and activation precision; default: f32 on CPU, f16 on GPUs.
+    #[arg(long, env = "DTYPE", value_enum)]
+    pub dtype: Option<DTypeArg>,
+
+    /// Jobs that may wait behind the running one; more are refused with 429.
+    #[arg(long, env = "MAX_QUEUE", default_value_t = 64)]
+    pub max_queue: usize,
+
+    /// How long finished results stay retrievable (e.g. 600s, 10m, 1h).
+    #[arg(long, env = "JOB_TTL", default_value = "600s", value_parser = parse_duration)]
+    pub job_ttl: Duration,
+
+    /// On SIGTERM/SIGINT, how long the running job may finish before it is cancelled.
+    #[arg(long, env = "SHUTDOWN_GRACE", default_value = "10s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+
+    /// Only load local models inside this folder (repeatable; the variable takes a comma-separated list).
+    #[arg(long = "model-root", env = "MODEL_ROOTS", value_name = "DIR", value_delimiter = ',')]
+    pub model_roots: Vec<PathBuf>,
+
+    /// Never download from the Hugging Face hub (also: HF_HUB_OFFLINE=1).
+    #[arg(long, env = "OFFLINE")]
+    pub offline: bool,
+
+    #[arg(long, env = "MAX_WIDTH", default_value_t = 2048)]
+    pub max_width: u32,
+
+    #[arg(long, env = "MAX_HEIGHT", default_value_t = 2048)]
+    pub max_height: u32,
+
+    #[arg(long, env = "MAX_STEPS", default_value_t = 150)]
+    pub max_steps: u32,
+
+    /// Most images per request.
+    #[arg(long, env = "MAX_N", default_value_t = 8)]
+    pub max_n: u32,
+
+    /// Longest prompt (and negative prompt), in characters.
+    #[arg(long, env = "MAX_PROMPT_CHARS", default_value_t = 20_000)]
+    pub max_prompt_chars: usize,
+
+    /// Largest request body; base64 images count towards it.
+    #[arg(long, env = "MAX_BODY_BYTES", default_value_t = 32 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+
+    /// Largest uploaded image, in pixels, checked before decoding.
+    #[arg(long, env = "MAX_IMAGE_PIXELS", default_value_t = 8192 * 8192)]
+    pub max_image_pixels: u64,
+}
+
+/// `90`, `90s`, `500ms`, `10m`, `1h`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let value: f64 = number.parse().map_err(|_| format!("`{s}` is not a duration (e.g. 600s, 10m, 1h)"))?;
+    let secs = match unit.trim() {
+        "" | "s" => value,
+        "ms" => value / 1000.0,
+        "m" | "min" => value * 60.0,
+        "h" => value * 3600.0,
+        other => return Err(format!("unknown unit `{other}` in `{s}` (use ms, s, m or h)")),
+    };
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("`{s}`: {e}"))
+}
+
+fn default_worker_id(backend: Backend, device: usize) -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "worker".into());
+    format!("{host}-{backend}{device}-{}", std::process::id())
+}
+
+pub fn run(backend: Backend, args: &ServeArgs) -> anyhow::Result<()> {
+    let (device, info) = shared_worker::init(backend, args.device)
+        .with_context(|| format!("cannot open --device {} on backend {backend}", args.device))?;
+    let dtype = args.dtype.map(Into::into).unwrap_or_else(|| backend.default_dtype());
+    let limits = Limits {
+        max_width: args.max_width,
+        max_height: args.max_height,
+        max_steps: args.max_steps,
+        max_n: args.max_n,
+        max_prompt_chars: args.max_prompt_chars,
+    };
+    let memory_probe = (backend == Backend::Cpu).then(|| {
+        let index = args.device;
+        // Re-reading /proc/meminfo is cheap; GPU backends would need a driver query, which shared-worker lacks.
+        MemoryProbe(Arc::new(move || match shared_worker::init(backend, index) {
+            Ok((_, i)) => (i.memory_total_bytes, i.memory_free_bytes),
+            Err(_) => (None, None),
+        }))
+    });
+    let config = ServerConfig {
+        limits: limits.clone(),
+        max_queue: args.max_queue,
+        job_ttl: args.job_ttl,
+        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        max_body_bytes: args.max_body_bytes,
+        model_name: args.model.clone(),
+        max_decode_pixels: args.max_image_pixels,
+        shutdown_grace: args.shutdown_grace,
+        worker_id: args.worker_id.clone().unwrap_or_else(|| default_worker_id(backend, args.device)),
+        device: DeviceDescription {
+            backend: backend.name().into(),
+            index: info.index,
+            name: info.name.clone(),
+            memory_total_bytes: info.memory_total_bytes,
+            memory_free_bytes: info.memory_free_bytes,
+            driver: info.driver.clone(),
+        },
+        memory_probe,
+        ..ServerConfig::default()
+    };
+    let registration = args.callback_url.as_ref().map(|url| {
+        let mut reg = RegistrationConfig::new(url.clone(), args.token.clone());
+        reg.base_url = args.public_url.as_ref().map(|u| u.trim_end_matches('/').to_string());
+        reg
+    });
+
+    let model_arg = args.model.clone();
+    let env = ResolveOptions::from_env();
+    let resolve_opts =
+        ResolveOptions { model_roots: args.model_roots.clone(), offline: args.offline || env.offline, ..env };
+    let device_name = info.name.clone();
+    let loader: EngineLoader = Box::new(move || {
+        let model = sdhive_modelsource::resolve(&model_arg, &resolve_opts)
+            .with_context(|| format!("cannot use --model {model_arg}"))?;
+        tracing::info!(model = %model.name, path = %model.location.path().display(), device = %device_name, ?dtype, "loading");
+        let opts = LoadOptions { device, dtype, backend_name: backend.name().to_string(), device_name };
+        let engine = CandleEngine::load(&model, opts).with_context(|| {
+            format!("cannot load model {} from {}", model.name, model.location.path().display())
+        })?;
+        let engine: Box<dyn Engine> = Box::new(engine.with_limits(limits));
+        Ok(engine)
+    });
+
+    sdhive_server::run(&args.host, args.port, config, loader, registration, |addr| {
+        // Scripts and the hive's supervisor wait for this exact line to learn the port.
+        eprintln!("listening on http://{addr}");
+    })
+    .map_err(|e| {
+        let hint = match &e {
+            sdhive_server::ServeError::Bind { addr, .. } => {
+                Some(format!("is another process using {addr}? pick another --port"))
+            }
+            _ => None,
+        };
+        let e = anyhow::Error::new(e);
+        match hint {
+            Some(hint) => e.context(hint),
+            None => e,
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::{Cli, Command};
+    use clap::Parser;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("600s"), Ok(Duration::from_secs(600)));
+        assert_eq!(parse_duration("90"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("5 parsecs").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn serve_flags_parse_with_defaults() {
+        let cli =
+            Cli::try_parse_from(["sd-worker", "serve", "--model", "m", "--port", "0", "--model-root", "/a"])
+                .unwrap();
+        let Command::Serve(args) = cli.command else { panic!("expected serve") };
+        assert_eq!((args.port, args.max_queue), (0, 64));
+        if std::env::var_os("HOST").is_none() {
+            assert_eq!(args.host, "127.0.0.1");
+        }
+        assert_eq!(args.job_ttl, Duration::from_secs(600));
+        assert_eq!(args.model_roots, vec![PathBuf::from("/a")]);
+        assert_eq!((args.max_width, args.max_steps, args.max_n), (2048, 150, 8));
+        assert!(args.callback_url.is_none() && args.api_key.is_none());
+    }
+}
