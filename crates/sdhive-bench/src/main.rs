@@ -75,6 +75,10 @@ struct Report {
     vae_decode: Option<Timing>,
     /// VmHWM: the most resident memory the process ever had, with both networks built.
     peak_rss_bytes: u64,
+    /// VmRSS once both networks are built (their weights), and VmHWM after the UNet steps:
+    /// where the peak comes from.
+    rss_after_build_bytes: u64,
+    peak_rss_after_unet_bytes: u64,
 }
 
 fn main() -> Result<()> {
@@ -100,17 +104,22 @@ fn main() -> Result<()> {
     let vae = AutoencoderKL::new(random_var_builder(DType::F32, &dev), &sd15_vae_config())
         .context("building the SD1.5 VAE with random weights")?;
     let vae_build_ms = ms_since(t);
-    eprintln!("built UNet in {unet_build_ms:.0} ms, VAE in {vae_build_ms:.0} ms");
+    let rss_after_build_bytes = status_kb("VmRSS:").context("reading VmRSS from /proc/self/status")?;
+    eprintln!(
+        "built UNet in {unet_build_ms:.0} ms, VAE in {vae_build_ms:.0} ms; RSS {:.2} GB",
+        rss_after_build_bytes as f64 / 1e9
+    );
 
     let unet_step_b2 = match args.only {
         Only::Both | Only::Unet => Some(time_unet(&unet, &args, &dev)?),
         Only::Vae => None,
     };
+    let peak_rss_after_unet_bytes = status_kb("VmHWM:").context("reading VmHWM from /proc/self/status")?;
     let vae_decode = match args.only {
         Only::Both | Only::Vae => Some(time_vae(&vae, &args, &dev)?),
         Only::Unet => None,
     };
-    let peak_rss_bytes = peak_rss_bytes().context("reading VmHWM from /proc/self/status")?;
+    let peak_rss_bytes = status_kb("VmHWM:").context("reading VmHWM from /proc/self/status")?;
     eprintln!("peak RSS {:.2} GB", peak_rss_bytes as f64 / 1e9);
 
     let report = Report {
@@ -121,6 +130,8 @@ fn main() -> Result<()> {
         unet_step_b2,
         vae_decode,
         peak_rss_bytes,
+        rss_after_build_bytes,
+        peak_rss_after_unet_bytes,
     };
     println!("{}", serde_json::to_string(&report).context("serialising the report")?);
     Ok(())
@@ -163,15 +174,16 @@ fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
-fn peak_rss_bytes() -> Result<u64> {
+/// A `kB` line of `/proc/self/status` (`VmHWM:`, `VmRSS:`), in bytes.
+fn status_kb(key: &str) -> Result<u64> {
     let status = std::fs::read_to_string("/proc/self/status")?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:")).context("no VmHWM line")?;
+    let line = status.lines().find(|l| l.starts_with(key)).with_context(|| format!("no {key} line"))?;
     let kb: u64 = line
-        .trim_start_matches("VmHWM:")
+        .trim_start_matches(key)
         .trim()
         .trim_end_matches("kB")
         .trim()
         .parse()
-        .with_context(|| format!("unexpected VmHWM line `{line}`"))?;
+        .with_context(|| format!("unexpected line `{line}`"))?;
     Ok(kb * 1024)
 }

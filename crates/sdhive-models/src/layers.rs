@@ -1,7 +1,7 @@
 //! Weight-holding building blocks shared by the networks: norms, convolutions, linears and the
 //! diffusers ResNet / down- / up-sampling blocks used by both the UNet and the VAE.
 
-use crate::ops::{self, ConvExtras};
+use crate::ops::{self, ConvExtras, PreNorm};
 use candle_core::{Result, Tensor};
 use candle_nn::{Conv2d, Conv2dConfig, Init, Linear, VarBuilder};
 
@@ -34,6 +34,11 @@ impl GroupNorm {
     /// `silu(self.forward(x))`, fused.
     pub fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
         ops::group_norm_silu(x, &self.weight, &self.bias, self.groups, self.eps)
+    }
+
+    /// This norm (then SiLU) as a convolution's input stage.
+    pub(crate) fn as_pre_norm(&self) -> PreNorm<'_> {
+        PreNorm { weight: &self.weight, bias: &self.bias, groups: self.groups, eps: self.eps }
     }
 }
 
@@ -130,18 +135,33 @@ impl ResnetBlock2D {
 
     /// `temb` is the already-computed time embedding `(B, T)`; the block applies SiLU itself.
     pub fn forward(&self, x: &Tensor, temb: Option<&Tensor>) -> Result<Tensor> {
-        let h = self.norm1.forward_silu(x)?;
         let temb = match (&self.time_emb_proj, temb) {
             (Some(proj), Some(temb)) => Some(ops::linear(proj, &ops::silu(temb)?, None)?),
             _ => None,
         };
-        let h = ops::conv2d(&self.conv1, &h, ConvExtras { per_sample: temb.as_ref(), ..Default::default() })?;
-        let h = self.norm2.forward_silu(&h)?;
+        // norm → SiLU → conv run as one op on the CPU: the activated input never exists whole.
+        let h = ops::conv2d(
+            &self.conv1,
+            x,
+            ConvExtras {
+                per_sample: temb.as_ref(),
+                pre_norm: Some(self.norm1.as_pre_norm()),
+                ..Default::default()
+            },
+        )?;
         let skip = match &self.conv_shortcut {
             Some(c) => ops::conv2d(c, x, ConvExtras::default())?,
             None => x.clone(),
         };
-        let out = ops::conv2d(&self.conv2, &h, ConvExtras { residual: Some(&skip), ..Default::default() })?;
+        let out = ops::conv2d(
+            &self.conv2,
+            &h,
+            ConvExtras {
+                residual: Some(&skip),
+                pre_norm: Some(self.norm2.as_pre_norm()),
+                ..Default::default()
+            },
+        )?;
         if self.output_scale_factor == 1.0 {
             Ok(out)
         } else {

@@ -219,6 +219,18 @@ pub(crate) struct ConvExtras<'a> {
     pub residual: Option<&'a Tensor>,
     /// Convolve the input nearest-neighbour upsampled ×2 (diffusers' `Upsample2D`).
     pub upsample: bool,
+    /// Convolve `silu(group_norm(x))` instead of `x` (the ResNet block's pre-activation); on
+    /// the CPU the normalised input is never materialised.
+    pub pre_norm: Option<PreNorm<'a>>,
+}
+
+/// The group norm whose output, through SiLU, a convolution reads.
+#[derive(Clone, Copy)]
+pub(crate) struct PreNorm<'a> {
+    pub weight: &'a Tensor,
+    pub bias: &'a Tensor,
+    pub groups: usize,
+    pub eps: f64,
 }
 
 /// `conv(x) + extras`.
@@ -228,6 +240,9 @@ pub(crate) fn conv2d(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Te
     tensors.extend(conv.bias());
     tensors.extend(extras.per_sample);
     tensors.extend(extras.residual);
+    if let Some(p) = &extras.pre_norm {
+        tensors.extend([p.weight, p.bias]);
+    }
     if cfg.groups == 1 && cfg.dilation == 1 && cpu::applies(&tensors) {
         return cpu::conv2d(x, conv.weight(), conv.bias(), cfg.stride, cfg.padding, extras);
     }
@@ -235,6 +250,10 @@ pub(crate) fn conv2d(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Te
 }
 
 pub(crate) fn conv2d_reference(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
+    let x = match &extras.pre_norm {
+        Some(p) => group_norm_reference(x, p.weight, p.bias, p.groups, p.eps)?.silu()?,
+        None => x.clone(),
+    };
     let x = if extras.upsample {
         let (_, _, h, w) = x.dims4()?;
         x.upsample_nearest2d(2 * h, 2 * w)?

@@ -424,7 +424,9 @@ impl AutoencoderKL {
             let logvar = moments.narrow(1, l, l)?.clamp(-30f32, 20f32)?;
             Ok(DiagonalGaussian { mean, logvar })
         };
-        run().ctx(MODEL)
+        let out = run().ctx(MODEL);
+        crate::cpu::release_scratch();
+        out
     }
 
     /// Latents `(B, latent_channels, h, w)` → images `(B, out_channels, 8h, 8w)`-ish.
@@ -444,6 +446,8 @@ impl AutoencoderKL {
             }
             self.decoder.forward(&z)
         };
-        run().ctx(MODEL)
+        let out = run().ctx(MODEL);
+        crate::cpu::release_scratch();
+        out
     }
 }

@@ -240,7 +240,7 @@ pub enum JobErrorKind {
     EngineError,
     /// The engine panicked; the worker caught it and keeps serving.
     EnginePanic,
-    /// The worker shut down before the job could run.
+    /// The worker shut down before the job could run or finish; submitting it again elsewhere is the remedy.
     ShuttingDown,
 }
 

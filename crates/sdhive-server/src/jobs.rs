@@ -189,6 +189,9 @@ struct Job {
     error: Option<JobError>,
     images: Vec<FinishedImage>,
     cancel: Arc<AtomicBool>,
+    /// Cancelled because the worker is shutting down: ends `failed` (`shutting_down`), which tells clients to
+    /// resubmit elsewhere, rather than `cancelled`, which says someone chose to stop it.
+    stopped_by_shutdown: bool,
     events: broadcast::Sender<JobEvent>,
 }
 
@@ -308,6 +311,7 @@ impl Inner {
     }
 }
 
+/// The state behind every `JobManager` clone; the engine thread holds it weakly.
 pub(crate) struct Shared {
     inner: Mutex<Inner>,
     /// Wakes the engine thread: work queued, or stop requested.
@@ -464,6 +468,7 @@ impl JobManager {
             error: None,
             images: Vec::new(),
             cancel: Arc::new(AtomicBool::new(false)),
+            stopped_by_shutdown: false,
             events,
         };
         let position = inner.queue.len();
@@ -589,16 +594,39 @@ impl JobManager {
         Ok(view)
     }
 
-    /// Stops accepting jobs and cancels everything still queued; the running job goes on.
+    /// Stops accepting jobs and fails everything still queued (`shutting_down`); the running job goes on.
     pub fn begin_shutdown(&self) {
         let mut inner = self.lock();
         inner.accepting = false;
         let queued: Vec<JobId> = inner.queue.drain(..).collect();
         for id in queued {
             if let Some(job) = inner.jobs.get_mut(&id) {
-                finish_cancelled(job, &self.shared.metrics);
+                let error = JobError {
+                    kind: JobErrorKind::ShuttingDown,
+                    message: "the worker shut down before the job could run; submit it again elsewhere"
+                        .into(),
+                    param: None,
+                };
+                job.state = JobState::Failed;
+                job.request = None;
+                job.finished = Some((SystemTime::now(), Instant::now()));
+                job.error = Some(error.clone());
+                job.emit(JobEvent::Failed { id: id.clone(), error });
+                self.shared.metrics.job_entered(JobState::Failed);
             }
         }
+    }
+
+    /// Flags the running job to stop because the worker is shutting down; it then ends `failed` with kind
+    /// `shutting_down`.
+    pub fn cancel_current_for_shutdown(&self) -> Option<JobId> {
+        let mut inner = self.lock();
+        let id = inner.running.clone()?;
+        if let Some(job) = inner.jobs.get_mut(&id) {
+            job.stopped_by_shutdown = true;
+            job.cancel.store(true, Ordering::SeqCst);
+        }
+        Some(id)
     }
 
     /// Waits (blocking) up to `timeout` for the running job to end; true if nothing runs any more.
@@ -727,6 +755,19 @@ impl JobManager {
                     JobState::Succeeded
                 }
                 Outcome::Failed(error) => {
+                    job.error = Some(error.clone());
+                    job.emit(JobEvent::Failed { id: id.clone(), error });
+                    JobState::Failed
+                }
+                Outcome::Cancelled if job.stopped_by_shutdown => {
+                    let error = JobError {
+                        kind: JobErrorKind::ShuttingDown,
+                        message: format!(
+                            "the worker shut down and stopped the job at step {} of {}",
+                            job.step, job.total_steps
+                        ),
+                        param: None,
+                    };
                     job.error = Some(error.clone());
                     job.emit(JobEvent::Failed { id: id.clone(), error });
                     JobState::Failed

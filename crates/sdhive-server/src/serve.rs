@@ -99,7 +99,16 @@ pub fn run(
             .map_err(|source| ServeError::Bind { addr: addr.clone(), source })?;
         let local = listener.local_addr().map_err(|source| ServeError::Bind { addr, source })?;
         on_listening(local);
-        serve(listener, config, loader, registration, shutdown_signal()).await
+        let signal = async {
+            shutdown_signal().await;
+            // The drain can take a while (grace period, a slow step); a second signal means "now".
+            tokio::spawn(async {
+                shutdown_signal().await;
+                eprintln!("second signal: exiting without draining");
+                std::process::exit(130);
+            });
+        };
+        serve(listener, config, loader, registration, signal).await
     })
 }
 
@@ -238,7 +247,8 @@ async fn stop_http(
     }
 }
 
-/// Refuses new jobs, cancels queued ones, lets the running job finish within the grace period, then cancels it.
+/// Refuses new jobs, fails queued ones (`shutting_down`), lets the running job finish within the grace period,
+/// then stops it.
 pub async fn drain(state: &AppState) {
     let jobs = state.jobs.clone();
     let grace = state.config.shutdown_grace;
@@ -247,7 +257,7 @@ pub async fn drain(state: &AppState) {
         if jobs.wait_idle_blocking(grace) {
             return;
         }
-        if let Some(id) = jobs.cancel_current() {
+        if let Some(id) = jobs.cancel_current_for_shutdown() {
             tracing::warn!(job = %id, "grace period over; cancelling the running job");
         }
         if !jobs.wait_idle_blocking(CANCEL_WAIT) {

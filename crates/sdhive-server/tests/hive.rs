@@ -8,7 +8,7 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use axum::{Json, Router};
-use common::{config, fixture_loader, start_with};
+use common::{config, slow_loader, start_with};
 use sdhive_server::RegistrationConfig;
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
@@ -97,7 +97,8 @@ async fn registers_heartbeats_reregisters_and_deregisters() {
 
     let mut reg = RegistrationConfig::new(format!("{hive_url}/hive/register"), Some("hive-token".into()));
     reg.backoff_initial = Duration::from_millis(50);
-    let server = start_with(config(), fixture_loader(), Some(reg)).await;
+    // Slow steps keep the job below running across a heartbeat whatever the machine's speed.
+    let server = start_with(config(), slow_loader(Duration::from_millis(20)), Some(reg)).await;
 
     wait_for(&hive, "the first registration", |h| !h.registrations.is_empty()).await;
     {

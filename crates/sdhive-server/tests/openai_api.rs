@@ -24,7 +24,9 @@ fn fixture(rel: &str) -> PathBuf {
 
 fn load_engine() -> CandleEngine {
     let path = fixture("models/sd1");
-    let model = sdhive_modelsource::resolve(&path.to_string_lossy(), &Default::default())
+    // A local folder needs no network; offline makes sure a resolution bug cannot reach for one.
+    let offline = sdhive_modelsource::ResolveOptions { offline: true, ..Default::default() };
+    let model = sdhive_modelsource::resolve(&path.to_string_lossy(), &offline)
         .expect("the sd1 fixture model resolves");
     let opts = LoadOptions {
         device: Device::Cpu,
@@ -578,4 +580,6 @@ async fn the_official_openai_python_sdk_works() {
         ..Default::default()
     });
     assert_eq!(read("edited-0.png"), want[0]);
+    // Kept on failure (the asserts above return early) for inspection; removed once the images matched.
+    let _ = std::fs::remove_dir_all(&dir);
 }

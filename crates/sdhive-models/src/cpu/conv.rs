@@ -9,9 +9,10 @@
 //! read as if nearest-upsampled ×2 (the decoder's upsamplers) without materialising it.
 
 use super::gemm::{matmul, Mat};
+use super::math;
 use super::winograd;
+use super::Scratch;
 use rayon::prelude::*;
-use std::sync::Mutex;
 
 /// Elements of patch matrix built at once. Bigger slices help the matrix product little and
 /// cost resident memory.
@@ -21,9 +22,8 @@ const COL_BUDGET: usize = 1 << 23;
 /// the tiny 8² and 4² UNet levels) instead of one product each.
 const MERGE_BELOW_PIXELS: usize = 512;
 
-/// Reused patch-matrix storage: a fresh tens-of-megabytes buffer per convolution would be
-/// page-faulted in every time.
-static SCRATCH: Mutex<Vec<f32>> = Mutex::new(Vec::new());
+/// Patch-matrix storage.
+pub(crate) static COL_SCRATCH: Scratch = Scratch::new();
 
 /// Shape of one convolution. `h`, `w` are the input size the kernel sees; with `upsample` the
 /// stored input is `(h/2, w/2)` and is read nearest-neighbour ×2.
@@ -95,18 +95,39 @@ impl Epilogue<'_> {
     }
 }
 
+/// Per (sample, input channel) `(a, shift)`: the convolution reads its input as
+/// `silu(x·a + shift)` (a fused group norm + SiLU); padding stays zero.
+pub(crate) type PreActivation<'a> = Option<&'a [(f32, f32)]>;
+
 /// `x` is the stored input `(B, Cin, src_h, src_w)`, `weight` `(Cout, Cin, Kh, Kw)`; returns
 /// `(B, Cout, Ho, Wo)`.
-pub(crate) fn conv2d(x: &[f32], weight: &[f32], s: &ConvShape, epi: &Epilogue, threads: usize) -> Vec<f32> {
+pub(crate) fn conv2d(
+    x: &[f32],
+    pre: PreActivation,
+    weight: &[f32],
+    s: &ConvShape,
+    epi: &Epilogue,
+    threads: usize,
+) -> Vec<f32> {
     if winograd::worth_it(s) {
-        return winograd::conv3x3(x, weight, s, epi);
+        return winograd::conv3x3(x, pre, weight, s, epi);
     }
-    conv2d_with_budget(x, weight, s, epi, threads, COL_BUDGET)
+    conv2d_with_budget(x, pre, weight, s, epi, threads, COL_BUDGET)
+}
+
+/// `silu(x·a + shift)` of the whole input, for the paths that read it in place.
+fn activated(x: &[f32], pre: &[(f32, f32)], plane: usize) -> Vec<f32> {
+    let mut out = x.to_vec();
+    if plane > 0 {
+        out.par_chunks_mut(plane).zip(pre).for_each(|(p, &(a, b))| math::affine_silu_inplace(p, a, b));
+    }
+    out
 }
 
 /// [`conv2d`] with the patch-matrix budget as a parameter, so tests reach every path.
 pub(crate) fn conv2d_with_budget(
     x: &[f32],
+    pre: PreActivation,
     weight: &[f32],
     s: &ConvShape,
     epi: &Epilogue,
@@ -124,11 +145,16 @@ pub(crate) fn conv2d_with_budget(
     }
     let w_mat = Mat::rows(0, s.c_out, k, k);
     let direct = s.kh == 1 && s.kw == 1 && s.stride == 1 && s.pad == 0 && !s.upsample;
+    if let (true, Some(p)) = (direct, pre) {
+        // A 1×1 product reads the input directly: activate a copy first.
+        let act = activated(x, p, sh * sw);
+        return conv2d_with_budget(&act, None, weight, s, epi, threads, budget);
+    }
 
     if s.batch > 1 && pixels < MERGE_BELOW_PIXELS && k * s.batch * pixels <= budget {
         // One product for all samples into a (Cout × B·pixels) scratch, then scattered.
         let cols = s.batch * pixels;
-        let mut col = take_scratch(k * cols);
+        let mut col = COL_SCRATCH.take(k * cols);
         for b in 0..s.batch {
             let src = &x[b * in_len..][..in_len];
             if direct {
@@ -137,13 +163,13 @@ pub(crate) fn conv2d_with_budget(
                     col[ci * cols + b * pixels..][..pixels].copy_from_slice(&src[ci * pixels..][..pixels]);
                 }
             } else {
-                im2col(src, s, 0, ho, &mut col, cols, b * pixels);
+                im2col(src, pre.map(|p| &p[b * s.c_in..][..s.c_in]), s, 0, ho, &mut col, cols, b * pixels);
             }
         }
         let mut tmp = vec![0f32; s.c_out * cols];
         let r = Mat::rows(0, k, cols, cols);
         matmul(&mut tmp, Mat::rows(0, s.c_out, cols, cols), false, weight, w_mat, &col, r, 1.0, threads);
-        put_scratch(col);
+        COL_SCRATCH.put(col);
         out.par_chunks_mut(pixels).enumerate().for_each(|(i, o)| {
             let (b, c) = (i / s.c_out, i % s.c_out);
             let v = epi.channel_value(b, s.c_out, c);
@@ -179,7 +205,7 @@ pub(crate) fn conv2d_with_budget(
     }
 
     let rows_per_slice = (budget / (k * wo).max(1)).clamp(1, ho);
-    let mut col = take_scratch(k * rows_per_slice * wo);
+    let mut col = COL_SCRATCH.take(k * rows_per_slice * wo);
     for (b, out_b) in out.chunks_exact_mut(out_len).enumerate() {
         if accumulate {
             epi.fill(out_b, b, s.c_out, pixels);
@@ -189,42 +215,38 @@ pub(crate) fn conv2d_with_budget(
         while r0 < ho {
             let r1 = (r0 + rows_per_slice).min(ho);
             let cols = (r1 - r0) * wo;
-            im2col(src, s, r0, r1, &mut col[..k * cols], cols, 0);
+            im2col(src, pre.map(|p| &p[b * s.c_in..][..s.c_in]), s, r0, r1, &mut col[..k * cols], cols, 0);
             let d = Mat::rows(r0 * wo, s.c_out, cols, pixels);
             matmul(out_b, d, accumulate, weight, w_mat, &col, Mat::rows(0, k, cols, cols), 1.0, threads);
             r0 = r1;
         }
     }
-    put_scratch(col);
+    COL_SCRATCH.put(col);
     out
-}
-
-fn take_scratch(len: usize) -> Vec<f32> {
-    let mut v = SCRATCH.lock().map(|mut g| std::mem::take(&mut *g)).unwrap_or_default();
-    if v.len() < len {
-        v.resize(len, 0.0);
-    }
-    v
-}
-
-fn put_scratch(v: Vec<f32>) {
-    if let Ok(mut g) = SCRATCH.lock() {
-        if g.capacity() < v.capacity() {
-            *g = v;
-        }
-    }
 }
 
 /// Patch rows of output rows `r0..r1` of one sample into `col`: patch row `(ci, ky, kx)` is row
 /// `(ci·Kh + ky)·Kw + kx` of `col` (rows `col_rs` apart), output pixel `(oy, ox)` its column
-/// `col_off + (oy − r0)·Wo + ox`. Out-of-image taps are zero.
-fn im2col(src: &[f32], s: &ConvShape, r0: usize, r1: usize, col: &mut [f32], col_rs: usize, col_off: usize) {
+/// `col_off + (oy − r0)·Wo + ox`. Out-of-image taps are zero; `pre` holds this sample's
+/// per-channel pre-activation.
+#[allow(clippy::too_many_arguments)]
+fn im2col(
+    src: &[f32],
+    pre: PreActivation,
+    s: &ConvShape,
+    r0: usize,
+    r1: usize,
+    col: &mut [f32],
+    col_rs: usize,
+    col_off: usize,
+) {
     let wo = s.w_out();
     let (sh, sw) = s.src_hw();
     let taps = s.kh * s.kw;
     let plain = s.stride == 1 && !s.upsample;
     col.par_chunks_mut(taps * col_rs).take(s.c_in).enumerate().for_each(|(ci, rows)| {
         let plane = &src[ci * sh * sw..][..sh * sw];
+        let act = pre.map(|p| p[ci]);
         for ky in 0..s.kh {
             for kx in 0..s.kw {
                 let row = &mut rows[(ky * s.kw + kx) * col_rs + col_off..];
@@ -247,16 +269,18 @@ fn im2col(src: &[f32], s: &ConvShape, r0: usize, r1: usize, col: &mut [f32], col
                         }
                         seg[..lo].fill(0.0);
                         seg[lo..hi].copy_from_slice(&line[lo + kx - s.pad..hi + kx - s.pad]);
+                        if let Some((a, b)) = act {
+                            math::affine_silu_inplace(&mut seg[lo..hi], a, b);
+                        }
                         seg[hi..].fill(0.0);
                     } else {
                         for (ox, v) in seg.iter_mut().enumerate() {
                             let ix = (ox * s.stride + kx) as isize - s.pad as isize;
                             *v = if ix < 0 || ix >= s.w as isize {
                                 0.0
-                            } else if s.upsample {
-                                line[ix as usize / 2]
                             } else {
-                                line[ix as usize]
+                                let v = if s.upsample { line[ix as usize / 2] } else { line[ix as usize] };
+                                act.map_or(v, |(a, b)| math::silu(v * a + b))
                             };
                         }
                     }

@@ -214,6 +214,15 @@ multiversion! {
 }
 
 multiversion! {
+    /// `x ← silu(x · a + b)`: a group-normed, activated convolution input, in place.
+    fn affine_silu_inplace(x: &mut [f32], a: f32, b: f32) {
+        for v in x.iter_mut() {
+            *v = silu(*v * a + b);
+        }
+    }
+}
+
+multiversion! {
     /// Row-wise `dst = (src − mean) · rstd · w + b` with per-column `w`, `b` (layer norm's affine step).
     fn normalize_affine(src: &[f32], dst: &mut [f32], mean: f32, rstd: f32, w: &[f32], b: &[f32]) {
         for (((o, &v), &w), &b) in dst.iter_mut().zip(src).zip(w).zip(b) {

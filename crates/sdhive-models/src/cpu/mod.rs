@@ -20,6 +20,55 @@ mod winograd;
 
 use crate::ops::ConvExtras;
 use candle_core::{bail, CpuStorage, DType, Device, Result, Storage, StorageRef, Tensor};
+use std::sync::Mutex;
+
+/// A reusable f32 buffer for kernel temporaries (patch matrices, Winograd blocks). Reusing it
+/// avoids page-faulting tens of megabytes in on every convolution; it is dropped when a much
+/// smaller one would do, and by [`release_scratch`] after each network call, so a buffer sized
+/// for one network does not sit in memory while another runs.
+pub(crate) struct Scratch(Mutex<Vec<f32>>);
+
+static SLOTS: [&Scratch; 4] =
+    [&conv::COL_SCRATCH, &winograd::U_SCRATCH, &winograd::V_SCRATCH, &winograd::M_SCRATCH];
+
+impl Scratch {
+    pub const fn new() -> Self {
+        Self(Mutex::new(Vec::new()))
+    }
+
+    /// A buffer of at least `len` elements (contents unspecified).
+    pub fn take(&self, len: usize) -> Vec<f32> {
+        let mut v = self.0.lock().map(|mut g| std::mem::take(&mut *g)).unwrap_or_default();
+        if v.capacity() > 2 * len + (1 << 20) {
+            v = Vec::new();
+        }
+        if v.len() < len {
+            v.resize(len, 0.0);
+        }
+        v
+    }
+
+    pub fn put(&self, v: Vec<f32>) {
+        if let Ok(mut g) = self.0.lock() {
+            if g.capacity() < v.capacity() {
+                *g = v;
+            }
+        }
+    }
+
+    fn clear(&self) {
+        if let Ok(mut g) = self.0.lock() {
+            *g = Vec::new();
+        }
+    }
+}
+
+/// Frees the kernels' reusable buffers; the networks call it when a forward pass ends.
+pub(crate) fn release_scratch() {
+    for s in SLOTS {
+        s.clear();
+    }
+}
 
 /// Whether the fast path can take these tensors: all f32 on the CPU.
 pub(crate) fn applies(ts: &[&Tensor]) -> bool {
@@ -189,11 +238,33 @@ pub(crate) fn conv2d(
     let x = x.contiguous()?;
     let weight = weight.contiguous()?;
     let (xd, wd) = (F32::new(&x)?, F32::new(&weight)?);
+    let pre = match &extras.pre_norm {
+        Some(p) => {
+            if p.groups == 0 || c_in % p.groups != 0 {
+                bail!("conv2d: {} groups do not divide {c_in} input channels", p.groups);
+            }
+            check_len("group_norm weight", p.weight, c_in)?;
+            check_len("group_norm bias", p.bias, c_in)?;
+            let (nw, nb) = (p.weight.contiguous()?, p.bias.contiguous()?);
+            let (nwd, nbd) = (F32::new(&nw)?, F32::new(&nb)?);
+            let spatial = sh * sw;
+            Some(norm::group_norm_coefficients(
+                xd.slice(),
+                c_in,
+                spatial,
+                p.groups,
+                p.eps,
+                nwd.slice(),
+                nbd.slice(),
+            ))
+        }
+        None => None,
+    };
     let out = with_opt(bias, |bias| {
         with_opt(extras.per_sample, |per_sample| {
             with_opt(extras.residual, |residual| {
                 let epi = conv::Epilogue { bias, per_sample, residual };
-                Ok(conv::conv2d(xd.slice(), wd.slice(), &s, &epi, threads()))
+                Ok(conv::conv2d(xd.slice(), pre.as_deref(), wd.slice(), &s, &epi, threads()))
             })
         })
     })?;

@@ -5,7 +5,40 @@
 use super::math;
 use rayon::prelude::*;
 
-/// Group norm of `x` laid out `(B, C, S)` (S = spatial size), per-channel affine `w`, `b`.
+/// Group norm as a per-(sample, channel) affine map: `(a, shift)` with `norm(x) = x·a + shift`,
+/// for `x` laid out `(B, C, S)` (S = spatial size) and per-channel affine `w`, `b`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn group_norm_coefficients(
+    x: &[f32],
+    channels: usize,
+    spatial: usize,
+    groups: usize,
+    eps: f64,
+    w: &[f32],
+    b: &[f32],
+) -> Vec<(f32, f32)> {
+    let per_group = channels / groups;
+    let group_len = per_group * spatial;
+    let mut coef = vec![(1f32, 0f32); x.len() / spatial.max(1)];
+    if group_len == 0 {
+        return coef;
+    }
+    coef.par_chunks_mut(per_group).zip(x.par_chunks(group_len)).enumerate().for_each(|(i, (cg, xg))| {
+        let g = i % groups;
+        let n = group_len as f64;
+        let mean = math::sum(xg) / n;
+        let var = math::centered_sq_sum(xg, mean as f32) / n;
+        let rstd = 1.0 / (var + eps).sqrt();
+        for (j, c) in cg.iter_mut().enumerate() {
+            let ch = g * per_group + j;
+            let a = rstd * w[ch] as f64;
+            *c = (a as f32, (b[ch] as f64 - mean * a) as f32);
+        }
+    });
+    coef
+}
+
+/// Group norm of `x` laid out `(B, C, S)`, then SiLU when `silu`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn group_norm(
     x: &[f32],
@@ -17,25 +50,13 @@ pub(crate) fn group_norm(
     b: &[f32],
     silu: bool,
 ) -> Vec<f32> {
-    let per_group = channels / groups;
-    let group_len = per_group * spatial;
+    let coef = group_norm_coefficients(x, channels, spatial, groups, eps, w, b);
     let mut out = vec![0f32; x.len()];
-    if group_len == 0 {
+    if spatial == 0 {
         return out;
     }
-    out.par_chunks_mut(group_len).zip(x.par_chunks(group_len)).enumerate().for_each(|(i, (o, xg))| {
-        let g = i % groups;
-        let n = group_len as f64;
-        let mean = math::sum(xg) / n;
-        let var = math::centered_sq_sum(xg, mean as f32) / n;
-        let rstd = 1.0 / (var + eps).sqrt();
-        for j in 0..per_group {
-            let ch = g * per_group + j;
-            let a = rstd * w[ch] as f64;
-            let shift = b[ch] as f64 - mean * a;
-            let range = j * spatial..(j + 1) * spatial;
-            math::scale_shift(&xg[range.clone()], &mut o[range], a as f32, shift as f32, silu);
-        }
+    out.par_chunks_mut(spatial).zip(x.par_chunks(spatial)).zip(&coef).for_each(|((o, xc), &(a, shift))| {
+        math::scale_shift(xc, o, a, shift, silu);
     });
     out
 }

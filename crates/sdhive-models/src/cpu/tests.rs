@@ -3,7 +3,7 @@
 //! convolution products, query blocks in attention.
 
 use super::*;
-use crate::ops::{self, ConvExtras};
+use crate::ops::{self, ConvExtras, PreNorm};
 use candle_core::{Device, Module, Tensor};
 use candle_nn::{Conv2d, Conv2dConfig, Linear};
 
@@ -84,41 +84,49 @@ fn conv_case(
     let plain = ops::conv2d_reference(&conv, &x, ConvExtras { upsample, ..Default::default() }).unwrap();
     let per_sample = randn(&[batch, c_out], 11);
     let residual = randn(plain.dims(), 12);
-    let extras = ConvExtras { per_sample: Some(&per_sample), residual: Some(&residual), upsample };
+    let groups = if c_in % 2 == 0 { 2 } else { 1 };
+    let (nw, nb) = (randn(&[c_in], 13), randn(&[c_in], 14));
+    let pre_norm = PreNorm { weight: &nw, bias: &nb, groups, eps: 1e-5 };
+    let extras =
+        ConvExtras { per_sample: Some(&per_sample), residual: Some(&residual), upsample, pre_norm: None };
     let want = ops::conv2d_reference(&conv, &x, extras).unwrap();
+    let extras_pre = ConvExtras { pre_norm: Some(pre_norm), ..extras };
+    let want_pre = ops::conv2d_reference(&conv, &x, extras_pre).unwrap();
 
     // The tensor entry point (default budget) with and without extras.
+    let label = format!("{batch}×{c_in}×{hw:?} k{k} s{stride} p{pad} up{upsample}");
     let got =
         conv2d(&x, &weight, Some(&bias), stride, pad, ConvExtras { upsample, ..Default::default() }).unwrap();
-    assert!(rel_diff(&got, &plain) < 1e-5, "plain {batch}×{c_in}×{hw:?} k{k} s{stride} p{pad} up{upsample}");
+    assert!(rel_diff(&got, &plain) < 1e-5, "plain {label}");
     let got = conv2d(&x, &weight, Some(&bias), stride, pad, extras).unwrap();
-    assert!(rel_diff(&got, &want) < 1e-5, "extras {batch}×{c_in}×{hw:?} k{k} s{stride} p{pad} up{upsample}");
+    assert!(rel_diff(&got, &want) < 1e-5, "extras {label}");
+    let got = conv2d(&x, &weight, Some(&bias), stride, pad, extras_pre).unwrap();
+    assert!(rel_diff(&got, &want_pre) < 1e-5, "pre-norm {label}: {}", rel_diff(&got, &want_pre));
 
-    // Tiny budgets force one output row per slice, and keep small convs from merging samples.
+    // Every internal path, with and without the pre-activation: Winograd, and patch matrices
+    // with tiny budgets (one output row per slice, no merged samples) or roomy ones.
     let (h, w) = if upsample { (2 * hw.0, 2 * hw.1) } else { hw };
     let s = conv::ConvShape { batch, c_in, h, w, c_out, kh: k, kw: k, stride, pad, upsample };
     let (xd, wd) = (F32::new(&x).unwrap(), F32::new(&weight).unwrap());
     let (bd, pd, rd) =
         (F32::new(&bias).unwrap(), F32::new(&per_sample).unwrap(), F32::new(&residual).unwrap());
+    let (nwd, nbd) = (F32::new(&nw).unwrap(), F32::new(&nb).unwrap());
+    let coef =
+        norm::group_norm_coefficients(xd.slice(), c_in, hw.0 * hw.1, groups, 1e-5, nwd.slice(), nbd.slice());
     let epi =
         conv::Epilogue { bias: Some(bd.slice()), per_sample: Some(pd.slice()), residual: Some(rd.slice()) };
-    if k == 3 && stride == 1 {
-        let out = winograd::conv3x3(xd.slice(), wd.slice(), &s, &epi);
-        let got = Tensor::from_vec(out, want.dims(), &Device::Cpu).unwrap();
-        assert!(
-            rel_diff(&got, &want) < 1e-5,
-            "winograd {batch}×{c_in}×{hw:?} p{pad} up{upsample}: {}",
-            rel_diff(&got, &want)
-        );
-    }
-    for budget in [1, c_in * k * k * s.w_out() * 2 + 1] {
-        for threads in [1, 2] {
-            let out = conv::conv2d_with_budget(xd.slice(), wd.slice(), &s, &epi, threads, budget);
+    for (pre, want) in [(None, &want), (Some(&coef[..]), &want_pre)] {
+        if k == 3 && stride == 1 {
+            let out = winograd::conv3x3(xd.slice(), pre, wd.slice(), &s, &epi);
             let got = Tensor::from_vec(out, want.dims(), &Device::Cpu).unwrap();
-            assert!(
-                rel_diff(&got, &want) < 1e-5,
-                "budget {budget} {batch}×{c_in}×{hw:?} k{k} s{stride} p{pad}"
-            );
+            assert!(rel_diff(&got, want) < 1e-5, "winograd {label}: {}", rel_diff(&got, want));
+        }
+        for budget in [1, c_in * k * k * s.w_out() * 2 + 1, usize::MAX / 2] {
+            for threads in [1, 2] {
+                let out = conv::conv2d_with_budget(xd.slice(), pre, wd.slice(), &s, &epi, threads, budget);
+                let got = Tensor::from_vec(out, want.dims(), &Device::Cpu).unwrap();
+                assert!(rel_diff(&got, want) < 1e-5, "budget {budget} {label}");
+            }
         }
     }
 }

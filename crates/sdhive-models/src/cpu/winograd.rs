@@ -9,11 +9,11 @@
 //! input and the products stay a few megabytes. The transforms work on 16 tiles (or filters) at
 //! once, one per SIMD lane.
 
-use super::conv::{ConvShape, Epilogue};
+use super::conv::{ConvShape, Epilogue, PreActivation};
 use super::gemm::{matmul_raw, Mat};
-use super::math::{multiversion, LANES};
+use super::math::{self, multiversion, LANES};
+use super::Scratch;
 use rayon::prelude::*;
-use std::sync::Mutex;
 
 /// Transformed positions per tile (6×6).
 const XI: usize = 36;
@@ -21,25 +21,9 @@ const XI: usize = 36;
 /// Elements of the transformed-input and product blocks each.
 const BLOCK_BUDGET: usize = 1 << 22;
 
-static U_SCRATCH: Mutex<Vec<f32>> = Mutex::new(Vec::new());
-static V_SCRATCH: Mutex<Vec<f32>> = Mutex::new(Vec::new());
-static M_SCRATCH: Mutex<Vec<f32>> = Mutex::new(Vec::new());
-
-fn take(slot: &Mutex<Vec<f32>>, len: usize) -> Vec<f32> {
-    let mut v = slot.lock().map(|mut g| std::mem::take(&mut *g)).unwrap_or_default();
-    if v.len() < len {
-        v.resize(len, 0.0);
-    }
-    v
-}
-
-fn put(slot: &Mutex<Vec<f32>>, v: Vec<f32>) {
-    if let Ok(mut g) = slot.lock() {
-        if g.capacity() < v.capacity() {
-            *g = v;
-        }
-    }
-}
+pub(crate) static U_SCRATCH: Scratch = Scratch::new();
+pub(crate) static V_SCRATCH: Scratch = Scratch::new();
+pub(crate) static M_SCRATCH: Scratch = Scratch::new();
 
 /// Output tiles of one sample: `(rows, cols)` of 4×4 tiles.
 fn tile_grid(s: &ConvShape) -> (usize, usize) {
@@ -264,7 +248,13 @@ fn segments(start: usize, n: usize, per_sample: usize, tw: usize) -> Vec<Segment
 
 /// 3×3, stride-1 convolution of `x` (stored `(B, Cin, src_h, src_w)`) with `weight`
 /// `(Cout, Cin, 3, 3)`; same contract as [`super::conv::conv2d`].
-pub(crate) fn conv3x3(x: &[f32], weight: &[f32], s: &ConvShape, epi: &Epilogue) -> Vec<f32> {
+pub(crate) fn conv3x3(
+    x: &[f32],
+    pre: PreActivation,
+    weight: &[f32],
+    s: &ConvShape,
+    epi: &Epilogue,
+) -> Vec<f32> {
     let (ho, wo) = (s.h_out(), s.w_out());
     let (c_in, c_out) = (s.c_in, s.c_out);
     let mut out = vec![0f32; s.batch * c_out * ho * wo];
@@ -281,15 +271,15 @@ pub(crate) fn conv3x3(x: &[f32], weight: &[f32], s: &ConvShape, epi: &Epilogue) 
     let strip_stride = 4 * (tw + LANES) + 2;
 
     // U laid out [co][ξ][ci]: U[ξ] is a (Cout × Cin) matrix with rows 36·Cin apart.
-    let mut u = take(&U_SCRATCH, c_out * XI * c_in);
+    let mut u = U_SCRATCH.take(c_out * XI * c_in);
     u[..c_out * XI * c_in].par_chunks_mut(XI * c_in).enumerate().for_each(|(co, dst)| {
         filters(&weight[co * c_in * 9..][..c_in * 9], c_in, dst, c_in);
     });
 
     let block = (BLOCK_BUDGET / (XI * c_in.max(c_out))).clamp(16, 1024).min(total);
     // V laid out [ci][ξ][t], M laid out [co][ξ][t].
-    let mut v = take(&V_SCRATCH, c_in * XI * block);
-    let mut m = take(&M_SCRATCH, c_out * XI * block);
+    let mut v = V_SCRATCH.take(c_in * XI * block);
+    let mut m = M_SCRATCH.take(c_out * XI * block);
     let out_ptr = SharedMut(out.as_mut_ptr());
     let (pad, h, w) = (s.pad as isize, s.h as isize, s.w as isize);
 
@@ -323,6 +313,10 @@ pub(crate) fn conv3x3(x: &[f32], weight: &[f32], s: &ConvShape, epi: &Epilogue) 
                         }
                     } else {
                         row[lo..hi].copy_from_slice(&line[first..first + hi - lo]);
+                    }
+                    if let Some(p) = pre {
+                        let (a, b) = p[seg.b * c_in + ci];
+                        math::affine_silu_inplace(&mut row[lo..hi], a, b);
                     }
                 }
                 input_tiles(&strip, strip_stride, seg.len, &mut vc[seg.t0..], block);
@@ -372,8 +366,8 @@ pub(crate) fn conv3x3(x: &[f32], weight: &[f32], s: &ConvShape, epi: &Epilogue) 
         });
         start += n;
     }
-    put(&U_SCRATCH, u);
-    put(&V_SCRATCH, v);
-    put(&M_SCRATCH, m);
+    U_SCRATCH.put(u);
+    V_SCRATCH.put(v);
+    M_SCRATCH.put(m);
     out
 }

@@ -177,7 +177,9 @@ impl UNet2DConditionModel {
             ));
         }
         let temb = self.time_embed(timestep, b, added)?;
-        self.run(sample, &temb, encoder_hidden_states).ctx(MODEL)
+        let out = self.run(sample, &temb, encoder_hidden_states).ctx(MODEL);
+        crate::cpu::release_scratch();
+        out
     }
 
     fn time_embed(&self, timestep: f64, b: usize, added: Option<&SdxlConditioning>) -> Result<Tensor> {

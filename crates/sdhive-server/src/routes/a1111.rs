@@ -102,8 +102,9 @@ impl IntoResponse for A1111Error {
     }
 }
 
-fn invalid(field: &str, message: impl Into<String>) -> A1111Error {
-    A1111Error(ApiError::invalid(field, message))
+/// 400 about `field`, with the message saying which field as the engine's validation messages do.
+fn invalid(field: &str, message: impl std::fmt::Display) -> A1111Error {
+    A1111Error(ApiError::invalid(field, format!("invalid `{field}`: {message}")))
 }
 
 /// How this request spelled the fields our validation names differently.
@@ -128,15 +129,19 @@ impl Spelling {
 
     fn invalid(self, e: ValidationError) -> A1111Error {
         let field = self.field(e.field);
-        invalid(&field, format!("invalid `{field}`: {}", e.message))
+        invalid(&field, e.message)
     }
 }
 
 fn failure(f: JobFailure, spelling: Spelling) -> A1111Error {
     A1111Error(match f {
-        JobFailure::Invalid { param, message } => {
-            ApiError::invalid(spelling.field(param.as_deref().unwrap_or("prompt")), message)
-        }
+        JobFailure::Invalid { param, message } => ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Some("invalid_value"),
+            param.as_deref().map(|p| spelling.field(p)),
+            message,
+        ),
         JobFailure::Cancelled => ApiError::new(
             StatusCode::CONFLICT,
             "interrupted",
@@ -234,7 +239,7 @@ fn flag(field: &str, value: Option<&Value>) -> Result<bool, A1111Error> {
         Some(v) => match v.as_u64() {
             Some(0) => Ok(false),
             Some(1) => Ok(true),
-            _ => Err(invalid(field, format!("invalid `{field}`: must be 0 or 1, got {v}"))),
+            _ => Err(invalid(field, format!("must be 0 or 1, got {v}"))),
         },
     }
 }
@@ -243,10 +248,9 @@ fn clip_skip_override(settings: Option<&Map<String, Value>>) -> Result<Option<u3
     let Some(value) = settings.and_then(|s| s.get("CLIP_stop_at_last_layers")) else {
         return Ok(None);
     };
-    parse_clip_skip(value).map(Some).map_err(|message| {
-        let field = "override_settings.CLIP_stop_at_last_layers";
-        invalid(field, format!("invalid `{field}`: {message}"))
-    })
+    parse_clip_skip(value)
+        .map(Some)
+        .map_err(|message| invalid("override_settings.CLIP_stop_at_last_layers", message))
 }
 
 fn parse_clip_skip(value: &Value) -> Result<u32, String> {
@@ -262,10 +266,7 @@ fn check_checkpoint(state: &AppState, field: &str, name: &Value) -> Result<(), A
     if matches {
         Ok(())
     } else {
-        Err(invalid(
-            field,
-            format!("invalid `{field}`: this worker serves only `{}`, got {name}", checkpoint_title(state)),
-        ))
+        Err(invalid(field, format!("this worker serves only `{}`, got {name}", checkpoint_title(state))))
     }
 }
 
@@ -303,7 +304,7 @@ fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<
     let n_iter = body.n_iter.unwrap_or(1);
     for (field, v) in [("batch_size", batch_size), ("n_iter", n_iter)] {
         if v == 0 {
-            return Err(invalid(field, format!("invalid `{field}`: must be at least 1")));
+            return Err(invalid(field, "must be at least 1"));
         }
     }
     let n = batch_size
@@ -313,7 +314,7 @@ fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<
     if n > max_n {
         return Err(invalid(
             "batch_size",
-            format!("invalid `batch_size`: batch_size × n_iter = {n} images, more than the limit of {max_n}"),
+            format!("batch_size × n_iter = {n} images, more than the limit of {max_n}"),
         ));
     }
     let clip_skip = match clip_skip_override(body.override_settings.as_ref())? {
@@ -620,7 +621,13 @@ async fn generate(
     mode: Mode,
 ) -> Result<Response, A1111Error> {
     let bytes = read_body(body)?;
-    let prepared = prepare(&state, &local, &bytes, mode)?;
+    // Decoding uploads and blurring a large mask take real CPU time: keep them off the async workers.
+    let prepared = tokio::task::spawn_blocking({
+        let state = state.clone();
+        move || prepare(&state, &local, &bytes, mode)
+    })
+    .await
+    .map_err(|e| A1111Error(ApiError::internal(format!("request preparation failed: {e}"))))??;
     let view = state.jobs.run_to_completion(prepared.req.clone()).await.map_err(ApiError::from)?;
     let (view, images) = job_outcome(view).map_err(|f| failure(f, prepared.spelling))?;
     let info = info_json(&state, &prepared, &view, &images);
@@ -817,11 +824,7 @@ async fn set_options(
     // Check everything before storing anything, so a bad request changes nothing.
     let clip_skip = given
         .get("CLIP_stop_at_last_layers")
-        .map(|v| {
-            parse_clip_skip(v).map_err(|m| {
-                invalid("CLIP_stop_at_last_layers", format!("invalid `CLIP_stop_at_last_layers`: {m}"))
-            })
-        })
+        .map(|v| parse_clip_skip(v).map_err(|m| invalid("CLIP_stop_at_last_layers", m)))
         .transpose()?;
     if let Some(name) = given.get("sd_model_checkpoint") {
         check_checkpoint(&state, "sd_model_checkpoint", name)?;

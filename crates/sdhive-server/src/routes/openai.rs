@@ -293,10 +293,14 @@ fn no_retry(error: ApiError) -> Response {
 
 fn failure_response(f: JobFailure) -> Response {
     match f {
-        JobFailure::Invalid { param, message } => {
-            let param = param.as_deref().map(openai_param).unwrap_or("prompt").to_string();
-            ApiError::invalid(param, message).into_response()
-        }
+        JobFailure::Invalid { param, message } => ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Some("invalid_value"),
+            param.as_deref().map(|p| openai_param(p).to_string()),
+            message,
+        )
+        .into_response(),
         JobFailure::Cancelled => no_retry(ApiError::new(
             StatusCode::CONFLICT,
             "server_error",
@@ -483,6 +487,10 @@ async fn read_form(mut multipart: Multipart) -> Result<EditForm, ApiError> {
                 let bytes = field.bytes().await.map_err(multipart_error)?;
                 form.mask = Some(bytes.to_vec());
             }
+            // Other uploads (`markup`, extra images) have no meaning here; they are read past, not parsed as text.
+            _ if field.file_name().is_some() => {
+                field.bytes().await.map_err(multipart_error)?;
+            }
             _ => {
                 let text = field.text().await.map_err(multipart_error)?;
                 let value = if STRING_FIELDS.contains(&name.as_str()) {
@@ -557,10 +565,28 @@ async fn prepare_edit(
     let params: ImageParams = parse_json(&body)?;
     let d = delivery(&params)?;
     let image_bytes = form.image.ok_or_else(|| ApiError::invalid("image", "an `image` file is required"))?;
+    let mask_bytes = form.mask;
+    // Decoding uploads takes real CPU time: keep it off the async workers.
+    let state = state.clone();
+    let req = tokio::task::spawn_blocking(move || {
+        decode_edit(&params, &state, &image_bytes, mask_bytes.as_deref())
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))??;
+    Ok((d, req))
+}
+
+/// The edit's engine request from its uploads: the image, and the mask checked against it.
+fn decode_edit(
+    params: &ImageParams,
+    state: &AppState,
+    image_bytes: &[u8],
+    mask_bytes: Option<&[u8]>,
+) -> Result<GenerateRequest, ApiError> {
     let max_pixels = state.config.max_decode_pixels;
     let init =
-        decode_image(&image_bytes, max_pixels).map_err(|e| ApiError::invalid("image", e.to_string()))?;
-    let mask = match &form.mask {
+        decode_image(image_bytes, max_pixels).map_err(|e| ApiError::invalid("image", e.to_string()))?;
+    let mask = match mask_bytes {
         Some(bytes) => {
             let mask = decode_openai_mask(bytes, max_pixels).map_err(|e| ApiError::invalid("mask", e))?;
             if (mask.width, mask.height) != (init.width, init.height) {
@@ -576,8 +602,7 @@ async fn prepare_edit(
         }
         None => None,
     };
-    let req = build_request(&params, state, Some(init), mask)?;
-    Ok((d, req))
+    build_request(params, state, Some(init), mask)
 }
 
 fn model_object(state: &AppState) -> Value {

@@ -6,7 +6,10 @@
 use base64::Engine as _;
 use candle_core::{DType, Device};
 use sdhive_candle::{CandleEngine, LoadOptions};
-use sdhive_engine::Engine;
+use sdhive_engine::{
+    Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest, GeneratedImage, Progress,
+    RgbImage,
+};
 use sdhive_modelsource::ResolveOptions;
 use sdhive_protocol::JobSnapshot;
 use sdhive_server::{serve, EngineLoader, RegistrationConfig, ServeError, ServerConfig};
@@ -33,6 +36,55 @@ pub fn fixture_engine() -> CandleEngine {
 
 pub fn fixture_loader() -> EngineLoader {
     Box::new(|| Ok(Box::new(fixture_engine()) as Box<dyn Engine>))
+}
+
+/// A stand-in engine whose steps take a fixed time, for tests that need a job to be running for a while
+/// whatever the machine's speed. Makes grey 8×8 images.
+pub struct SlowEngine {
+    pub per_step: Duration,
+}
+
+impl Engine for SlowEngine {
+    fn info(&self) -> EngineInfo {
+        EngineInfo {
+            engine: "slow".into(),
+            backend: "cpu".into(),
+            device: "none".into(),
+            dtype: "f32".into(),
+            model: "slow".into(),
+            family: "sd1".into(),
+            native_width: 8,
+            native_height: 8,
+            samplers: vec!["Euler a".into()],
+            supports_img2img: false,
+            supports_inpaint: false,
+        }
+    }
+
+    fn generate(
+        &mut self,
+        req: &GenerateRequest,
+        progress: &mut dyn FnMut(&Progress) -> Control,
+    ) -> Result<GenerateOutput, EngineError> {
+        let mut images = Vec::new();
+        for image in 0..req.n {
+            for step in 1..=req.steps {
+                std::thread::sleep(self.per_step);
+                let p = Progress { image, images: req.n, step, steps: req.steps };
+                if progress(&p) == Control::Cancel {
+                    return Err(EngineError::Cancelled);
+                }
+            }
+            let seed = req.seed.unwrap_or(0).wrapping_add(u64::from(image));
+            let image = RgbImage { width: 8, height: 8, data: vec![128; 8 * 8 * 3] };
+            images.push(GeneratedImage { image, seed, infotext: "slow".into() });
+        }
+        Ok(GenerateOutput { images })
+    }
+}
+
+pub fn slow_loader(per_step: Duration) -> EngineLoader {
+    Box::new(move || Ok(Box::new(SlowEngine { per_step }) as Box<dyn Engine>))
 }
 
 pub fn config() -> ServerConfig {
