@@ -23,11 +23,19 @@ pub enum Which {
         #[arg(long, default_value_t = 3)]
         iters: usize,
     },
+    /// Per-job overhead of the HTTP path over direct `Engine::generate`, and SSE progress latency, on
+    /// loopback with the tiny fixture model.
+    Serve {
+        /// Timed runs of each path, after one warm-up run.
+        #[arg(long, default_value_t = 20)]
+        iters: usize,
+    },
 }
 
 pub fn run(which: Which) -> Result<()> {
     match which {
         Which::Cpu { python, iters } => cpu(python, iters),
+        Which::Serve { iters } => crate::bench_serve::run(iters),
     }
 }
 

@@ -2,6 +2,7 @@
 //! `cargo xtask --help` lists them.
 
 mod bench;
+mod bench_serve;
 mod ci;
 mod fixtures;
 mod util;

@@ -6,7 +6,10 @@ use std::process::Command;
 
 /// The workspace root: xtask's manifest lives one level below it.
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
 }
 
 pub fn cargo(root: &Path, args: &[&str]) -> Result<()> {

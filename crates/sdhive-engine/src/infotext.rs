@@ -38,10 +38,8 @@ pub fn infotext(req: &GenerateRequest, ctx: &InfotextContext<'_>) -> String {
         out.push_str("\nNegative prompt: ");
         out.push_str(&req.negative_prompt);
     }
-    let mut fields: Vec<(&str, String)> = vec![
-        ("Steps", req.steps.to_string()),
-        ("Sampler", req.sampler.name().to_string()),
-    ];
+    let mut fields: Vec<(&str, String)> =
+        vec![("Steps", req.steps.to_string()), ("Sampler", req.sampler.name().to_string())];
     if req.schedule != Schedule::Automatic {
         fields.push(("Schedule type", req.schedule.name().to_string()));
     }
@@ -81,7 +79,8 @@ mod tests {
             clip_skip: 2,
             ..Default::default()
         };
-        let ctx = InfotextContext { seed: 42, width: 512, height: 768, model: "sd15", version: "sdhive 0.1.0" };
+        let ctx =
+            InfotextContext { seed: 42, width: 512, height: 768, model: "sd15", version: "sdhive 0.1.0" };
         assert_eq!(
             infotext(&req, &ctx),
             "a cat\nNegative prompt: blurry\nSteps: 20, Sampler: DPM++ 2M, Schedule type: Karras, CFG scale: 7, \

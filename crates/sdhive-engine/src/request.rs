@@ -90,10 +90,16 @@ impl GenerateRequest {
             }
         }
         if self.steps == 0 || self.steps > limits.max_steps {
-            return Err(invalid("steps", format!("must be between 1 and {}, got {}", limits.max_steps, self.steps)));
+            return Err(invalid(
+                "steps",
+                format!("must be between 1 and {}, got {}", limits.max_steps, self.steps),
+            ));
         }
         if !self.cfg_scale.is_finite() || self.cfg_scale < 0.0 || self.cfg_scale > 100.0 {
-            return Err(invalid("cfg_scale", format!("must be a number between 0 and 100, got {}", self.cfg_scale)));
+            return Err(invalid(
+                "cfg_scale",
+                format!("must be a number between 0 and 100, got {}", self.cfg_scale),
+            ));
         }
         for (field, value, max) in
             [("width", self.width, limits.max_width), ("height", self.height, limits.max_height)]
@@ -128,7 +134,10 @@ impl GenerateRequest {
         if let Some(img) = &self.init_image {
             let (w, h) = self.output_size_with_default((img.width, img.height));
             if w == 0 || h == 0 {
-                return Err(invalid("init_image", format!("{}x{} is smaller than 8x8", img.width, img.height)));
+                return Err(invalid(
+                    "init_image",
+                    format!("{}x{} is smaller than 8x8", img.width, img.height),
+                ));
             }
         }
         Ok(())
@@ -182,7 +191,10 @@ mod tests {
         let l = Limits::default();
         assert_eq!(GenerateRequest { steps: 0, ..req() }.validate(&l).unwrap_err().field, "steps");
         assert_eq!(GenerateRequest { steps: 151, ..req() }.validate(&l).unwrap_err().field, "steps");
-        assert_eq!(GenerateRequest { cfg_scale: f32::NAN, ..req() }.validate(&l).unwrap_err().field, "cfg_scale");
+        assert_eq!(
+            GenerateRequest { cfg_scale: f32::NAN, ..req() }.validate(&l).unwrap_err().field,
+            "cfg_scale"
+        );
         assert_eq!(GenerateRequest { n: 9, ..req() }.validate(&l).unwrap_err().field, "n");
         let img = RgbImage { width: 64, height: 64, data: vec![0; 64 * 64 * 3] };
         let e = GenerateRequest { init_image: Some(img.clone()), strength: 0.0, ..req() }.validate(&l);

@@ -23,14 +23,8 @@ pub enum Schedule {
 }
 
 impl Sampler {
-    pub const ALL: [Sampler; 6] = [
-        Sampler::Euler,
-        Sampler::EulerA,
-        Sampler::Ddim,
-        Sampler::DpmPp2M,
-        Sampler::Lcm,
-        Sampler::Pndm,
-    ];
+    pub const ALL: [Sampler; 6] =
+        [Sampler::Euler, Sampler::EulerA, Sampler::Ddim, Sampler::DpmPp2M, Sampler::Lcm, Sampler::Pndm];
 
     /// The canonical A1111 display name.
     pub fn name(self) -> &'static str {
