@@ -141,6 +141,7 @@ fn time_unet(unet: &UNet2DConditionModel, args: &Args, dev: &Device) -> Result<T
     let x = Tensor::randn(0f32, 1., (2, 4, args.latent, args.latent), dev)?;
     let ctx = Tensor::randn(0f32, 1., (2, 77, 768), dev)?;
     for i in 0..args.warmup {
+        sdhive_models::cpu::prof_dump();
         unet.forward(&x, 500.0 - i as f64, &ctx, None).context("UNet warm-up step")?;
     }
     let mut ms = Vec::with_capacity(args.iters);
@@ -149,6 +150,9 @@ fn time_unet(unet: &UNet2DConditionModel, args: &Args, dev: &Device) -> Result<T
         let out = unet.forward(&x, 999.0 - 50.0 * i as f64, &ctx, None).context("UNet step")?;
         ms.push(ms_since(t));
         eprintln!("unet step {i}: {:.0} ms", ms[i]);
+        if i == 0 {
+            sdhive_models::cpu::prof_dump();
+        }
         drop(out);
     }
     Ok(Timing::new(ms))
@@ -159,12 +163,16 @@ fn time_vae(vae: &AutoencoderKL, args: &Args, dev: &Device) -> Result<Timing> {
     for _ in 0..args.warmup {
         vae.decode(&z).context("VAE warm-up decode")?;
     }
+    sdhive_models::cpu::prof_dump();
     let mut ms = Vec::with_capacity(args.iters);
     for i in 0..args.iters {
         let t = Instant::now();
         let out = vae.decode(&z).context("VAE decode")?;
         ms.push(ms_since(t));
         eprintln!("vae decode {i}: {:.0} ms", ms[i]);
+        if i == 0 {
+            sdhive_models::cpu::prof_dump();
+        }
         drop(out);
     }
     Ok(Timing::new(ms))

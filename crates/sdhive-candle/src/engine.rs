@@ -3,7 +3,9 @@
 
 use crate::conditioning::{encode_pair, encode_positive};
 use crate::model::{LoadError, SdModel};
-use crate::pipeline::{generate_image, ImageJob, PipelineError, UnetConditioning};
+use crate::pipeline::{
+    generate_image, latent_preview, ImageJob, PipelineError, StepReport, UnetConditioning,
+};
 use candle_core::{DType, Device};
 use sdhive_engine::{
     infotext, Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest, GeneratedImage,
@@ -150,8 +152,17 @@ impl Engine for CandleEngine {
                 mask: req.mask.as_ref(),
                 strength: f64::from(req.strength),
             };
-            let mut on_step = |step: usize, steps: usize| {
-                let p = Progress { image: index, images: req.n, step: step as u32, steps: steps as u32 };
+            let model = &self.model;
+            let mut on_step = |r: StepReport<'_>| {
+                let wants_preview = req.preview_every > 0 && r.step % req.preview_every as usize == 0;
+                let preview = if wants_preview { latent_preview(model, r.estimate) } else { None };
+                let p = Progress {
+                    image: index,
+                    images: req.n,
+                    step: r.step as u32,
+                    steps: r.steps as u32,
+                    preview,
+                };
                 progress(&p) == Control::Continue
             };
             let image = generate_image(&self.model, &cond, &job, &self.device, &mut on_step).map_err(

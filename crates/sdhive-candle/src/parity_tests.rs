@@ -68,7 +68,7 @@ fn run_case(models: &mut HashMap<String, SdModel>, case: &Value) -> CaseResult {
         mask: mask.as_ref(),
         strength: case["strength"].as_f64().unwrap_or(1.0),
     };
-    let latents = denoise(model, &cond, &job, &dev, &mut |_, _| true).unwrap();
+    let latents = denoise(model, &cond, &job, &dev, &mut |_| true).unwrap();
     let golden = candle_core::safetensors::load(fixtures().join("golden").join(s("file")), &dev).unwrap();
     let want_latents = &golden["latents"];
     let diff =

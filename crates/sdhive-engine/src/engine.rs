@@ -7,7 +7,7 @@ use serde::Serialize;
 use thiserror::Error;
 
 /// Reported after every denoising step of every image.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Progress {
     /// 0-based index of the image being made.
     pub image: u32,
@@ -15,6 +15,10 @@ pub struct Progress {
     /// 1-based count of finished steps for this image.
     pub step: u32,
     pub steps: u32,
+    /// Present on every `preview_every`-th step when the request asked for previews: the current estimate of
+    /// the final image at latent resolution (a linear map of the latents, not a VAE decode).
+    #[serde(skip)]
+    pub preview: Option<RgbImage>,
 }
 
 /// The caller's answer to a progress report: cancelling stops the job before the next step starts.

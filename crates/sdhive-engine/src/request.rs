@@ -29,6 +29,8 @@ pub struct GenerateRequest {
     pub strength: f32,
     /// White = repaint, black = keep. Requires `init_image`.
     pub mask: Option<GrayImage>,
+    /// Attach a cheap low-resolution preview to every k-th progress report; 0 = never.
+    pub preview_every: u32,
 }
 
 impl Default for GenerateRequest {
@@ -48,6 +50,7 @@ impl Default for GenerateRequest {
             init_image: None,
             strength: 0.75,
             mask: None,
+            preview_every: 0,
         }
     }
 }

@@ -5,7 +5,7 @@
 
 pub mod clip;
 pub mod config;
-mod cpu;
+pub mod cpu;
 pub mod error;
 mod layers;
 pub mod loading;

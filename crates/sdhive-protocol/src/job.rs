@@ -317,6 +317,14 @@ pub enum JobEvent {
         images: u32,
         eta_seconds: Option<f64>,
     },
+    /// Every `preview_every`-th step: the current estimate of the image at latent resolution (1/8 of the
+    /// output size), as a base64 PNG.
+    Preview {
+        id: JobId,
+        step: u32,
+        image: u32,
+        png_base64: String,
+    },
     Completed {
         id: JobId,
         images: Vec<JobImage>,
@@ -340,6 +348,7 @@ impl JobEvent {
             JobEvent::Queued { .. } => "queued",
             JobEvent::Started { .. } => "started",
             JobEvent::Progress { .. } => "progress",
+            JobEvent::Preview { .. } => "preview",
             JobEvent::Completed { .. } => "completed",
             JobEvent::Failed { .. } => "failed",
             JobEvent::Cancelled { .. } => "cancelled",
@@ -355,6 +364,7 @@ impl JobEvent {
             JobEvent::Queued { id, .. }
             | JobEvent::Started { id, .. }
             | JobEvent::Progress { id, .. }
+            | JobEvent::Preview { id, .. }
             | JobEvent::Completed { id, .. }
             | JobEvent::Failed { id, .. }
             | JobEvent::Cancelled { id, .. } => id,

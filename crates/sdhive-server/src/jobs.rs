@@ -98,7 +98,7 @@ pub struct JobView {
     pub error: Option<JobErrorView>,
     pub images: Vec<FinishedImage>,
     pub request: RequestSummary,
-    /// Always `None` for now: the engine reports no latents to preview.
+    /// The latest latent preview (PNG at latent resolution) of a running job that asked for previews.
     pub preview: Option<Bytes>,
 }
 
@@ -186,6 +186,8 @@ struct Job {
     finished: Option<(SystemTime, Instant)>,
     /// When the last progress report (or the start) arrived: the step-latency clock.
     last_step: Option<Instant>,
+    /// The latest preview PNG, when the request asked for previews.
+    preview: Option<Bytes>,
     error: Option<JobError>,
     images: Vec<FinishedImage>,
     cancel: Arc<AtomicBool>,
@@ -236,7 +238,7 @@ impl Job {
             error: self.error.clone(),
             images: self.images.clone(),
             request: self.summary.clone(),
-            preview: None,
+            preview: self.preview.clone(),
         }
     }
 
@@ -465,6 +467,7 @@ impl JobManager {
             started: None,
             finished: None,
             last_step: None,
+            preview: None,
             error: None,
             images: Vec::new(),
             cancel: Arc::new(AtomicBool::new(false)),
@@ -734,6 +737,17 @@ impl JobManager {
             eta_seconds: job.eta_seconds(),
         };
         job.emit(event);
+        if let Some(png) = p.preview.as_ref().and_then(|img| sdhive_engine::encode_png(img, None).ok()) {
+            use base64::Engine as _;
+            let png = Bytes::from(png);
+            job.emit(JobEvent::Preview {
+                id: id.clone(),
+                step: p.step,
+                image: p.image,
+                png_base64: base64::engine::general_purpose::STANDARD.encode(&png),
+            });
+            job.preview = Some(png);
+        }
     }
 
     pub(crate) fn finish(&self, id: &JobId, outcome: Outcome) {

@@ -145,8 +145,7 @@ impl AppState {
             max_body_bytes: self.config.max_body_bytes,
             img2img: self.info.supports_img2img,
             inpaint: self.info.supports_inpaint,
-            // The engine's progress callback carries no latents yet, so there is nothing to preview.
-            preview: false,
+            preview: true,
         }
     }
 }

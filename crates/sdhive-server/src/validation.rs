@@ -126,6 +126,7 @@ pub fn build_request(
         init_image: None,
         strength: req.strength.unwrap_or(defaults.strength),
         mask: None,
+        preview_every: req.preview_every.unwrap_or(0),
     };
     out.validate(limits)?;
     if req.mask.is_some() && req.init_image.is_none() {

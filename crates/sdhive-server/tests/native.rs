@@ -99,6 +99,37 @@ async fn events_arrive_in_order() {
     server.shutdown().await.unwrap();
 }
 
+/// `preview_every: 2` adds a `preview` event after steps 2 and 4: a PNG at latent resolution (64 px / 8), and
+/// `/v1/info` says previews are supported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn previews_arrive_every_k_steps_at_latent_resolution() {
+    let server = start(config()).await;
+    let info: Value = server.get("/v1/info").await.json().await.unwrap();
+    assert_eq!(info["capabilities"]["preview"], true, "{info}");
+    let id = server.submit(&json!({"prompt": "x", "steps": 4, "seed": 1, "preview_every": 2})).await;
+    let mut sse = SseReader::new(server.get(&format!("/v1/jobs/{id}/events")).await);
+    let mut preview_steps = Vec::new();
+    let mut last_progress = 0;
+    while let Some(e) = sse.next().await {
+        if e.event == "progress" {
+            last_progress = e.data["step"].as_u64().unwrap();
+        }
+        if e.event == "preview" {
+            assert_eq!(
+                e.data["step"].as_u64().unwrap(),
+                last_progress,
+                "a preview follows its step's progress"
+            );
+            let img = decode_png_b64(e.data["png_base64"].as_str().unwrap());
+            assert_eq!((img.width, img.height), (8, 8));
+            assert!(img.data.iter().any(|&v| v != img.data[0]), "a preview with structure, not a flat fill");
+            preview_steps.push(last_progress);
+        }
+    }
+    assert_eq!(preview_steps, [2, 4]);
+    server.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelling_a_running_job_stops_within_one_step() {
     let server = start(config()).await;
@@ -237,7 +268,7 @@ async fn ops_routes_have_their_shapes() {
     assert!(caps["samplers"].as_array().unwrap().iter().any(|s| s == "Euler a"));
     assert_eq!(caps["schedulers"], json!(["Automatic", "Karras"]));
     assert_eq!((caps["max_width"].as_u64(), caps["max_steps"].as_u64()), (Some(2048), Some(150)));
-    assert_eq!(caps["preview"], false);
+    assert_eq!(caps["preview"], true);
     assert_eq!(caps["img2img"], true);
     assert_eq!(info["queue"]["max"], 64);
 
@@ -343,7 +374,9 @@ impl Engine for FlakyEngine {
             return Err(EngineError::OutOfMemory("8 GiB needed".into()));
         }
         for step in 1..=req.steps {
-            if progress(&Progress { image: 0, images: 1, step, steps: req.steps }) == Control::Cancel {
+            if progress(&Progress { image: 0, images: 1, step, steps: req.steps, preview: None })
+                == Control::Cancel
+            {
                 return Err(EngineError::Cancelled);
             }
         }

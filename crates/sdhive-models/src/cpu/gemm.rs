@@ -3,6 +3,7 @@
 //! head's columns inside a `(S, H·D)` buffer) without copying and without scattering `unsafe`.
 
 use gemm::Parallelism;
+use rayon::prelude::*;
 
 /// Where a `rows × cols` matrix sits in a slice: element `(i, j)` is at `offset + i·rs + j·cs`.
 #[derive(Debug, Clone, Copy)]
@@ -40,6 +41,23 @@ impl Mat {
     /// The transpose, same storage.
     pub fn t(self) -> Self {
         Self { offset: self.offset, rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs }
+    }
+}
+
+fn split_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SDHIVE_GEMM_SPLIT").map_or(true, |v| v != "0"))
+}
+
+/// The destination pointer shared by the parts of one split product.
+struct SharedDst(*mut f32);
+// SAFETY: the parts write disjoint elements and the destination outlives the parallel loop.
+unsafe impl Send for SharedDst {}
+unsafe impl Sync for SharedDst {}
+
+impl SharedDst {
+    fn get(&self) -> *mut f32 {
+        self.0
     }
 }
 
@@ -99,6 +117,39 @@ pub(crate) unsafe fn matmul_raw(
     assert!(d.is_injective(), "gemm: destination {d:?} overlaps itself");
     if d.rows == 0 || d.cols == 0 {
         return;
+    }
+    if threads > 1 && split_enabled() {
+        let flops = 2 * d.rows * d.cols * l.cols;
+        // Split the destination along the dimension that also splits the larger operand, so
+        // each thread streams its own part of it (the weights, for most layers).
+        let by_cols = r.rows * r.cols >= l.rows * l.cols;
+        let dim = if by_cols { d.cols } else { d.rows };
+        let parts = threads.min(dim / 64);
+        if parts > 1 && flops >= 1 << 22 {
+            let chunk = dim.div_ceil(parts).next_multiple_of(64);
+            let shared = SharedDst(dst);
+            let shared = &shared;
+            (0..dim.div_ceil(chunk)).into_par_iter().for_each(|p| {
+                let (a, b) = (p * chunk, ((p + 1) * chunk).min(dim));
+                let (dp, lp, rp) = if by_cols {
+                    (
+                        Mat { offset: d.offset + a * d.cs, cols: b - a, ..d },
+                        l,
+                        Mat { offset: r.offset + a * r.cs, cols: b - a, ..r },
+                    )
+                } else {
+                    (
+                        Mat { offset: d.offset + a * d.rs, rows: b - a, ..d },
+                        Mat { offset: l.offset + a * l.rs, rows: b - a, ..l },
+                        r,
+                    )
+                };
+                // SAFETY: the parts cover disjoint rows or columns of the destination, which the
+                // caller guarantees is valid and exclusive for the whole call.
+                unsafe { matmul_raw(shared.get(), dp, accumulate, lhs, lp, rhs, rp, scale, 1) };
+            });
+            return;
+        }
     }
     if l.cols == 0 {
         if !accumulate {

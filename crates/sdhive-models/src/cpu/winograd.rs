@@ -39,7 +39,10 @@ pub(crate) fn worth_it(s: &ConvShape) -> bool {
         return false;
     }
     let (th, tw) = tile_grid(s);
-    s.batch * th * tw >= 64
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let min =
+        *MIN.get_or_init(|| std::env::var("SDHIVE_WINO_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(64));
+    s.batch * th * tw >= min
 }
 
 /// A buffer shared by tasks that write pairwise disjoint elements of it.

@@ -337,6 +337,8 @@ fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<
         init_image: None,
         strength: body.denoising_strength.unwrap_or(DEFAULT_DENOISING),
         mask: None,
+        // A1111's default "show_progress_every_n_steps" is 10: its clients poll /progress for current_image.
+        preview_every: 10,
     };
     // Cheap checks before any image is decoded.
     req.validate(&state.config.limits).map_err(|e| spelling.invalid(e))?;
@@ -697,8 +699,10 @@ async fn progress(State(state): State<AppState>, Extension(local): Extension<Loc
             "sampling_step": view.step,
             "sampling_steps": view.total_steps,
         },
-        // The engine reports no latents, so there is no preview to show.
-        "current_image": null,
+        "current_image": view.preview.as_ref().map(|png| {
+            use base64::Engine as _;
+            base64::engine::general_purpose::STANDARD.encode(png)
+        }),
         "textinfo": format!(
             "image {}/{}, step {}/{}",
             view.image_index + 1,

@@ -229,6 +229,8 @@ fn build_request(
         init_image: init,
         strength: p.strength.unwrap_or(default_strength),
         mask,
+        // Synchronous calls return only the final images: nobody would see a preview.
+        preview_every: 0,
     };
     req.validate(&state.config.limits).map_err(openai_invalid)?;
     Ok(req)

@@ -70,7 +70,7 @@ impl Engine for SlowEngine {
         for image in 0..req.n {
             for step in 1..=req.steps {
                 std::thread::sleep(self.per_step);
-                let p = Progress { image, images: req.n, step, steps: req.steps };
+                let p = Progress { image, images: req.n, step, steps: req.steps, preview: None };
                 if progress(&p) == Control::Cancel {
                     return Err(EngineError::Cancelled);
                 }
