@@ -1,15 +1,19 @@
-//! `cargo xtask bench cpu`: runs `sdhive-bench` (release build) and then, when a Python with diffusers is
-//! available, `xtask/bench/bench_cpu_diffusers.py` on the same work, one after the other so neither disturbs the
-//! other's timings, and prints both side by side with the ratios and the project's targets. Absolute times vary
-//! between machines and with background load; the ratio against diffusers measured in the same invocation is the
-//! figure that means something.
+//! `cargo xtask bench cpu`: the SD1.5 UNet step (256², CFG batch 2) and VAE decode (256²) on the CPU in f32,
+//! sdhive (`sdhive-bench`, release build) next to diffusers (`xtask/bench/bench_cpu_diffusers.py`) when a Python
+//! with diffusers is available, and the table of ratios against the project's targets.
+//!
+//! Both implementations build their networks once in their own process and then run one call at a time on
+//! request, alternating (sdhive, diffusers, diffusers, sdhive, …), so they never run at the same time and slow
+//! drifts in background load hit both alike. The ratio against diffusers measured in the same invocation is the
+//! figure that means something; absolute times vary between machines and with load.
 
 use crate::util::{cargo, workspace_root};
 use anyhow::{bail, Context, Result};
 use clap::Subcommand;
 use serde_json::Value;
+use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 #[derive(Subcommand)]
 pub enum Which {
@@ -19,15 +23,8 @@ pub enum Which {
         /// Python with torch + diffusers (default: $SDHIVE_PYTHON, else `python3`).
         #[arg(long)]
         python: Option<String>,
-        /// Timed calls of each network, after one warm-up call.
-        #[arg(long, default_value_t = 3)]
-        iters: usize,
-    },
-    /// Per-job overhead of the HTTP path over direct `Engine::generate`, and SSE progress latency, on
-    /// loopback with the tiny fixture model.
-    Serve {
-        /// Timed runs of each path, after one warm-up run.
-        #[arg(long, default_value_t = 20)]
+        /// Timed calls of each network per implementation, after one warm-up call.
+        #[arg(long, default_value_t = 5)]
         iters: usize,
     },
 }
@@ -35,18 +32,18 @@ pub enum Which {
 pub fn run(which: Which) -> Result<()> {
     match which {
         Which::Cpu { python, iters } => cpu(python, iters),
-        Which::Serve { iters } => crate::bench_serve::run(iters),
     }
 }
 
-/// Ratio targets (ours / diffusers) and the absolute peak-RSS target.
+/// Ratio targets (sdhive / diffusers) and the absolute peak-RSS target.
 const UNET_TARGET: f64 = 0.90;
 const VAE_TARGET: f64 = 0.85;
 const RSS_TARGET_BYTES: f64 = 4.1e9;
 
-const DIFFUSERS_PREFIX: &str = "SDHIVE_DIFFUSERS_JSON ";
-/// The script's exit status for "torch/diffusers cannot be imported".
+/// The diffusers script's exit status for "torch/diffusers cannot be imported".
 const NO_DIFFUSERS_EXIT: i32 = 3;
+
+const WORK: [&str; 2] = ["unet", "vae"];
 
 fn cpu(python: Option<String>, iters: usize) -> Result<()> {
     if iters == 0 {
@@ -56,94 +53,195 @@ fn cpu(python: Option<String>, iters: usize) -> Result<()> {
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     cargo(&root, &["build", "--release", "-p", "sdhive-bench"])?;
 
-    let ours = run_sdhive(&root, iters, threads)?;
+    let exe = root.join("target/release/sdhive-bench");
+    let mut ours = Server::start(
+        "sdhive",
+        Command::new(&exe).arg("--serve").env("RAYON_NUM_THREADS", threads.to_string()),
+        &root,
+    )?;
     let python = python
         .or_else(|| std::env::var("SDHIVE_PYTHON").ok().filter(|p| !p.is_empty()))
         .unwrap_or_else(|| "python3".into());
-    let theirs = match run_diffusers(&root, &python, iters, threads) {
-        Ok(v) => Some(v),
+    let script = root.join("xtask/bench/bench_cpu_diffusers.py");
+    let mut theirs = match Server::start(
+        "diffusers",
+        Command::new(&python).arg(&script).args(["--serve", "--threads", &threads.to_string()]),
+        &root,
+    ) {
+        Ok(s) => Some(s),
         Err(e) => {
             eprintln!("xtask: no diffusers reference, showing sdhive's figures alone: {e:#}");
+            eprintln!("xtask: (pass --python or set SDHIVE_PYTHON to a Python with torch and diffusers)");
             None
         }
     };
 
+    // Warm-up: one untimed call of each network in each process.
+    for work in WORK {
+        ours.call(work)?;
+        if let Some(t) = theirs.as_mut() {
+            t.call(work)?;
+        }
+    }
+    let mut ours_ms: [Vec<Value>; 2] = [Vec::new(), Vec::new()];
+    let mut theirs_ms: [Vec<Value>; 2] = [Vec::new(), Vec::new()];
+    for i in 0..iters {
+        for (w, work) in WORK.iter().enumerate() {
+            // Alternate who goes first, so neither always runs right after the other.
+            let ours_first = i % 2 == 0;
+            if ours_first {
+                ours_ms[w].push(ours.call(work)?);
+            }
+            if let Some(t) = theirs.as_mut() {
+                theirs_ms[w].push(t.call(work)?);
+            }
+            if !ours_first {
+                ours_ms[w].push(ours.call(work)?);
+            }
+            let last = |v: &[Value]| v.last().and_then(|c| c.get("ms")).and_then(Value::as_f64);
+            eprintln!(
+                "xtask: round {i} {work}: sdhive {:.0} ms, diffusers {}",
+                last(&ours_ms[w]).unwrap_or(f64::NAN),
+                last(&theirs_ms[w]).map_or("—".into(), |ms| format!("{ms:.0} ms"))
+            );
+        }
+    }
+    let ours_report = ours.finish()?;
+    let theirs_report = match theirs {
+        Some(t) => Some(t.finish()?),
+        None => None,
+    };
+
+    let summary = |calls: &[Vec<Value>; 2], report: &Value| -> Result<Value> {
+        let mut s = serde_json::json!({
+            "peak_rss_bytes": report.get("peak_rss_bytes"),
+            "report": report,
+        });
+        for (w, work) in WORK.iter().enumerate() {
+            let ms: Vec<f64> = calls[w].iter().filter_map(|c| c.get("ms").and_then(Value::as_f64)).collect();
+            let cpu: Vec<f64> =
+                calls[w].iter().filter_map(|c| c.get("cpu_ms").and_then(Value::as_f64)).collect();
+            s[work] = serde_json::json!({
+                "ms": ms,
+                "cpu_ms": cpu,
+                "median_ms": median(&ms),
+                "min_ms": ms.iter().copied().fold(f64::INFINITY, f64::min),
+            });
+        }
+        Ok(s)
+    };
+    let ours_summary = summary(&ours_ms, &ours_report)?;
+    let theirs_summary = match &theirs_report {
+        Some(r) => Some(summary(&theirs_ms, r)?),
+        None => None,
+    };
+
     let out_dir = root.join("target/bench");
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
-    let combined = serde_json::json!({ "threads": threads, "sdhive": ours, "diffusers": theirs });
+    let combined = serde_json::json!({
+        "threads": threads,
+        "iters": iters,
+        "sdhive": ours_summary,
+        "diffusers": theirs_summary,
+    });
     let out_file = out_dir.join("cpu.json");
     std::fs::write(&out_file, serde_json::to_string_pretty(&combined)?)
         .with_context(|| format!("writing {}", out_file.display()))?;
 
-    print_table(&ours, theirs.as_ref(), threads)?;
-    println!("\nraw figures: {}", out_file.display());
+    print_table(&ours_summary, theirs_summary.as_ref(), threads, iters)?;
+    println!("\nraw figures (every call, wall and CPU time, min and median): {}", out_file.display());
     Ok(())
 }
 
-fn run_sdhive(root: &Path, iters: usize, threads: usize) -> Result<Value> {
-    let exe = root.join("target/release/sdhive-bench");
-    eprintln!("xtask: {} --iters {iters}", exe.display());
-    let out = Command::new(&exe)
-        .args(["--iters", &iters.to_string()])
-        .env("RAYON_NUM_THREADS", threads.to_string())
-        .current_dir(root)
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| format!("running {}", exe.display()))?;
-    if !out.status.success() {
-        bail!("{} failed ({})", exe.display(), out.status);
-    }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout
-        .lines()
-        .rev()
-        .find(|l| l.trim_start().starts_with('{'))
-        .context("sdhive-bench printed no JSON")?;
-    serde_json::from_str(line).with_context(|| format!("parsing sdhive-bench output `{line}`"))
+/// A benchmark process speaking the `--serve` line protocol: one command per line on stdin, one JSON line
+/// per answer on stdout; its stderr goes straight to ours.
+struct Server {
+    name: &'static str,
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
 }
 
-fn run_diffusers(root: &Path, python: &str, iters: usize, threads: usize) -> Result<Value> {
-    let script = root.join("xtask/bench/bench_cpu_diffusers.py");
-    eprintln!("xtask: {python} {} --iters {iters} --threads {threads}", script.display());
-    let out = Command::new(python)
-        .arg(&script)
-        .args(["--iters", &iters.to_string(), "--threads", &threads.to_string()])
-        .current_dir(root)
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| format!("cannot start `{python}` (pass --python or set SDHIVE_PYTHON)"))?;
-    match out.status.code() {
-        Some(0) => {}
-        Some(NO_DIFFUSERS_EXIT) => {
-            bail!("`{python}` cannot import torch/diffusers (pass --python or set SDHIVE_PYTHON)")
+impl Server {
+    fn start(name: &'static str, cmd: &mut Command, root: &Path) -> Result<Self> {
+        eprintln!("xtask: starting {name}: {cmd:?}");
+        let mut child = cmd
+            .current_dir(root)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("cannot start {name} ({cmd:?})"))?;
+        let stdin = child.stdin.take().context("child stdin")?;
+        let stdout = BufReader::new(child.stdout.take().context("child stdout")?);
+        let mut server = Self { name, child, stdin, stdout };
+        let ready = server.read()?;
+        if ready.get("ready").and_then(Value::as_bool) != Some(true) {
+            bail!("{name} did not report ready: {ready}");
         }
-        _ => bail!("{} failed under `{python}` ({})", script.display(), out.status),
+        Ok(server)
     }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix(DIFFUSERS_PREFIX))
-        .with_context(|| format!("{} printed no `{}` line", script.display(), DIFFUSERS_PREFIX.trim()))?;
-    serde_json::from_str(line).with_context(|| format!("parsing the diffusers report `{line}`"))
+
+    fn read(&mut self) -> Result<Value> {
+        let mut line = String::new();
+        let n = self.stdout.read_line(&mut line).with_context(|| format!("reading from {}", self.name))?;
+        if n == 0 {
+            let status = self.child.wait().with_context(|| format!("waiting for {}", self.name))?;
+            if status.code() == Some(NO_DIFFUSERS_EXIT) {
+                bail!("{} cannot import torch/diffusers", self.name);
+            }
+            bail!("{} exited ({status}) without answering", self.name);
+        }
+        serde_json::from_str(line.trim())
+            .with_context(|| format!("parsing {}'s answer `{}`", self.name, line.trim()))
+    }
+
+    fn call(&mut self, cmd: &str) -> Result<Value> {
+        writeln!(self.stdin, "{cmd}")
+            .and_then(|()| self.stdin.flush())
+            .with_context(|| format!("sending `{cmd}` to {}", self.name))?;
+        self.read()
+    }
+
+    /// The final report (peak RSS), then a clean exit.
+    fn finish(mut self) -> Result<Value> {
+        let report = self.call("report")?;
+        writeln!(self.stdin, "quit").with_context(|| format!("stopping {}", self.name))?;
+        let status = self.child.wait().with_context(|| format!("waiting for {}", self.name))?;
+        if !status.success() {
+            bail!("{} exited with {status}", self.name);
+        }
+        Ok(report)
+    }
 }
 
-fn median_ms(report: &Value, work: &str) -> Option<f64> {
-    report.get(work)?.get("median_ms")?.as_f64()
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
 }
 
-fn peak_rss(report: &Value) -> Option<f64> {
-    report.get("peak_rss_bytes")?.as_f64()
+fn median_ms(summary: &Value, work: &str) -> Option<f64> {
+    summary.get(work)?.get("median_ms")?.as_f64()
 }
 
-fn print_table(ours: &Value, theirs: Option<&Value>, threads: usize) -> Result<()> {
+fn peak_rss(summary: &Value) -> Option<f64> {
+    summary.get("peak_rss_bytes")?.as_f64()
+}
+
+fn print_table(ours: &Value, theirs: Option<&Value>, threads: usize, iters: usize) -> Result<()> {
     let header = ["work", "sdhive", "diffusers", "ratio", "target", "met?"];
     let mut rows: Vec<[String; 6]> = Vec::new();
     let timed = [
-        ("SD1.5 UNet step, 256² (latent 32²), CFG batch 2", "unet_step_b2", UNET_TARGET),
-        ("SD1.5 VAE decode, 256²", "vae_decode", VAE_TARGET),
+        ("SD1.5 UNet step, 256² (latent 32²), CFG batch 2", "unet", UNET_TARGET),
+        ("SD1.5 VAE decode, 256²", "vae", VAE_TARGET),
     ];
     for (label, key, target) in timed {
-        let a = median_ms(ours, key).with_context(|| format!("sdhive-bench report lacks {key}"))?;
+        let a = median_ms(ours, key).with_context(|| format!("no {key} timings from sdhive-bench"))?;
         let b = theirs.and_then(|t| median_ms(t, key));
         let ratio = b.map(|b| a / b);
         rows.push([
@@ -155,7 +253,7 @@ fn print_table(ours: &Value, theirs: Option<&Value>, threads: usize) -> Result<(
             ratio.map_or("n/a".into(), |r| yes_no(r <= target)),
         ]);
     }
-    let a = peak_rss(ours).context("sdhive-bench report lacks peak_rss_bytes")?;
+    let a = peak_rss(ours).context("no peak RSS from sdhive-bench")?;
     let b = theirs.and_then(peak_rss);
     rows.push([
         "peak RSS (UNet + VAE built, f32)".into(),
@@ -166,7 +264,7 @@ fn print_table(ours: &Value, theirs: Option<&Value>, threads: usize) -> Result<(
         yes_no(a <= RSS_TARGET_BYTES),
     ]);
 
-    println!("\nCPU, f32, {threads} threads, median of the timed calls:\n");
+    println!("\nCPU, f32, {threads} threads, median of {iters} alternating calls each (GB = 10⁹ bytes):\n");
     let width = |i: usize| {
         rows.iter()
             .map(|r| r[i].chars().count())

@@ -1,9 +1,12 @@
 //! `sdhive-bench`: times the full-size SD1.5 UNet (one CFG step, batch 2, latent 32² = 256²
 //! pixels) and VAE decode (one 256² image) on the CPU in f32 with random weights, and reports the
-//! process's peak RSS with both networks built. `cargo xtask bench cpu` runs it next to diffusers.
+//! process's peak RSS with both networks built.
 //!
-//! Human-readable progress goes to stderr; stdout carries one JSON object, so the xtask (or a
-//! script) can parse it without scraping.
+//! Two modes. By default it warms up, times `--iters` calls of each network and prints one JSON
+//! report on stdout (progress on stderr). With `--serve` it builds the networks, prints a `ready`
+//! line and then runs one call per command read from stdin (`unet`, `vae`, `report`, `quit`),
+//! answering each with one JSON line: `cargo xtask bench cpu` drives this and diffusers' script
+//! in alternation, so both see the same background load.
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -12,6 +15,7 @@ use sdhive_models::{
     random_var_builder, sd15_unet_config, sd15_vae_config, AutoencoderKL, UNet2DConditionModel,
 };
 use serde::Serialize;
+use std::io::{BufRead, Write};
 use std::time::Instant;
 
 #[derive(Parser)]
@@ -29,6 +33,9 @@ struct Args {
     /// Which work to time.
     #[arg(long, value_enum, default_value_t = Only::Both)]
     only: Only,
+    /// Run calls on request from stdin instead (see the module docs).
+    #[arg(long)]
+    serve: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -38,30 +45,39 @@ enum Only {
     Vae,
 }
 
-/// Per-call wall times of one piece of work.
+/// One timed call.
+#[derive(Serialize, Clone, Copy)]
+struct Call {
+    ms: f64,
+    /// Process CPU time (all threads, user + system): less disturbed than wall time when other
+    /// work shares the cores, and a check that both cores were busy.
+    cpu_ms: f64,
+}
+
+/// The timed calls of one piece of work.
 #[derive(Serialize)]
 struct Timing {
     ms: Vec<f64>,
+    cpu_ms: Vec<f64>,
     median_ms: f64,
     mean_ms: f64,
     min_ms: f64,
 }
 
 impl Timing {
-    fn new(ms: Vec<f64>) -> Self {
+    fn new(calls: &[Call]) -> Self {
+        let ms: Vec<f64> = calls.iter().map(|c| c.ms).collect();
         let mut sorted = ms.clone();
         sorted.sort_by(f64::total_cmp);
-        let n = sorted.len().max(1);
-        let median_ms = if sorted.is_empty() {
-            f64::NAN
-        } else if n % 2 == 1 {
-            sorted[n / 2]
-        } else {
-            (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
+        let n = sorted.len();
+        let median_ms = match n {
+            0 => f64::NAN,
+            _ if n % 2 == 1 => sorted[n / 2],
+            _ => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
         };
-        let mean_ms = sorted.iter().sum::<f64>() / n as f64;
+        let mean_ms = sorted.iter().sum::<f64>() / n.max(1) as f64;
         let min_ms = sorted.first().copied().unwrap_or(f64::NAN);
-        Self { ms, median_ms, mean_ms, min_ms }
+        Self { cpu_ms: calls.iter().map(|c| c.cpu_ms).collect(), ms, median_ms, mean_ms, min_ms }
     }
 }
 
@@ -75,108 +91,185 @@ struct Report {
     vae_decode: Option<Timing>,
     /// VmHWM: the most resident memory the process ever had, with both networks built.
     peak_rss_bytes: u64,
-    /// VmRSS once both networks are built (their weights), and VmHWM after the UNet steps:
-    /// where the peak comes from.
+    /// VmRSS once both networks are built (their weights): how much of the peak is activations.
     rss_after_build_bytes: u64,
-    peak_rss_after_unet_bytes: u64,
+}
+
+/// Both networks and their inputs. They stay alive together for the whole run, as in the
+/// diffusers reference, so the peak RSS covers the UNet and the VAE built together.
+struct Bench {
+    unet: UNet2DConditionModel,
+    vae: AutoencoderKL,
+    sample: Tensor,
+    context: Tensor,
+    latent: Tensor,
+    unet_calls: usize,
+    unet_build_ms: f64,
+    vae_build_ms: f64,
+    rss_after_build_bytes: u64,
+}
+
+impl Bench {
+    fn new(latent: usize) -> Result<Self> {
+        let dev = Device::Cpu;
+        let t = Instant::now();
+        let unet = UNet2DConditionModel::new(random_var_builder(DType::F32, &dev), &sd15_unet_config())
+            .context("building the SD1.5 UNet with random weights")?;
+        let unet_build_ms = ms_since(t);
+        let t = Instant::now();
+        let vae = AutoencoderKL::new(random_var_builder(DType::F32, &dev), &sd15_vae_config())
+            .context("building the SD1.5 VAE with random weights")?;
+        let vae_build_ms = ms_since(t);
+        let rss_after_build_bytes = status_kb("VmRSS:")?;
+        Ok(Self {
+            unet,
+            vae,
+            sample: Tensor::randn(0f32, 1., (2, 4, latent, latent), &dev)?,
+            context: Tensor::randn(0f32, 1., (2, 77, 768), &dev)?,
+            latent: Tensor::randn(0f32, 1., (1, 4, latent, latent), &dev)?,
+            unet_calls: 0,
+            unet_build_ms,
+            vae_build_ms,
+            rss_after_build_bytes,
+        })
+    }
+
+    /// One CFG step; the timestep moves like a sampler's so no call is special.
+    fn unet_step(&mut self) -> Result<Call> {
+        let timestep = 999.0 - 50.0 * (self.unet_calls % 20) as f64;
+        self.unet_calls += 1;
+        timed(|| {
+            self.unet.forward(&self.sample, timestep, &self.context, None).context("UNet step")?;
+            Ok(())
+        })
+    }
+
+    fn vae_decode(&self) -> Result<Call> {
+        timed(|| {
+            self.vae.decode(&self.latent).context("VAE decode")?;
+            Ok(())
+        })
+    }
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if args.iters == 0 {
-        bail!("--iters must be at least 1");
-    }
-    let dev = Device::Cpu;
     let threads = candle_core::utils::get_num_threads();
     eprintln!(
         "sdhive-bench: f32, {threads} threads, latent {0}² ({1}² pixels)",
         args.latent,
         args.latent * 8
     );
-
-    // Both networks stay alive for the whole run, as in the diffusers reference, so the peak RSS
-    // covers the UNet and the VAE built together.
-    let t = Instant::now();
-    let unet = UNet2DConditionModel::new(random_var_builder(DType::F32, &dev), &sd15_unet_config())
-        .context("building the SD1.5 UNet with random weights")?;
-    let unet_build_ms = ms_since(t);
-    let t = Instant::now();
-    let vae = AutoencoderKL::new(random_var_builder(DType::F32, &dev), &sd15_vae_config())
-        .context("building the SD1.5 VAE with random weights")?;
-    let vae_build_ms = ms_since(t);
-    let rss_after_build_bytes = status_kb("VmRSS:").context("reading VmRSS from /proc/self/status")?;
+    let mut bench = Bench::new(args.latent)?;
     eprintln!(
-        "built UNet in {unet_build_ms:.0} ms, VAE in {vae_build_ms:.0} ms; RSS {:.2} GB",
-        rss_after_build_bytes as f64 / 1e9
+        "built UNet in {:.0} ms, VAE in {:.0} ms; RSS {:.2} GB",
+        bench.unet_build_ms,
+        bench.vae_build_ms,
+        bench.rss_after_build_bytes as f64 / 1e9
     );
+    if args.serve {
+        return serve(&mut bench, threads);
+    }
+    if args.iters == 0 {
+        bail!("--iters must be at least 1");
+    }
 
-    let unet_step_b2 = match args.only {
-        Only::Both | Only::Unet => Some(time_unet(&unet, &args, &dev)?),
-        Only::Vae => None,
-    };
-    let peak_rss_after_unet_bytes = status_kb("VmHWM:").context("reading VmHWM from /proc/self/status")?;
-    let vae_decode = match args.only {
-        Only::Both | Only::Vae => Some(time_vae(&vae, &args, &dev)?),
-        Only::Unet => None,
-    };
-    let peak_rss_bytes = status_kb("VmHWM:").context("reading VmHWM from /proc/self/status")?;
-    eprintln!("peak RSS {:.2} GB", peak_rss_bytes as f64 / 1e9);
-
-    let report = Report {
-        threads,
-        latent: args.latent,
-        unet_build_ms,
-        vae_build_ms,
-        unet_step_b2,
-        vae_decode,
-        peak_rss_bytes,
-        rss_after_build_bytes,
-        peak_rss_after_unet_bytes,
-    };
+    let mut unet_step_b2 = None;
+    if args.only != Only::Vae {
+        for _ in 0..args.warmup {
+            bench.unet_step()?;
+        }
+        let calls = (0..args.iters)
+            .map(|i| {
+                let c = bench.unet_step()?;
+                eprintln!("unet step {i}: {:.0} ms (cpu {:.0} ms)", c.ms, c.cpu_ms);
+                Ok(c)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        unet_step_b2 = Some(Timing::new(&calls));
+    }
+    let mut vae_decode = None;
+    if args.only != Only::Unet {
+        for _ in 0..args.warmup {
+            bench.vae_decode()?;
+        }
+        let calls = (0..args.iters)
+            .map(|i| {
+                let c = bench.vae_decode()?;
+                eprintln!("vae decode {i}: {:.0} ms (cpu {:.0} ms)", c.ms, c.cpu_ms);
+                Ok(c)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        vae_decode = Some(Timing::new(&calls));
+    }
+    let report = report(&bench, threads, args.latent, unet_step_b2, vae_decode)?;
+    eprintln!("peak RSS {:.2} GB", report.peak_rss_bytes as f64 / 1e9);
     println!("{}", serde_json::to_string(&report).context("serialising the report")?);
     Ok(())
 }
 
-fn time_unet(unet: &UNet2DConditionModel, args: &Args, dev: &Device) -> Result<Timing> {
-    let x = Tensor::randn(0f32, 1., (2, 4, args.latent, args.latent), dev)?;
-    let ctx = Tensor::randn(0f32, 1., (2, 77, 768), dev)?;
-    for i in 0..args.warmup {
-        sdhive_models::cpu::prof_dump();
-        unet.forward(&x, 500.0 - i as f64, &ctx, None).context("UNet warm-up step")?;
-    }
-    let mut ms = Vec::with_capacity(args.iters);
-    for i in 0..args.iters {
-        let t = Instant::now();
-        let out = unet.forward(&x, 999.0 - 50.0 * i as f64, &ctx, None).context("UNet step")?;
-        ms.push(ms_since(t));
-        eprintln!("unet step {i}: {:.0} ms", ms[i]);
-        if i == 0 {
-            sdhive_models::cpu::prof_dump();
-        }
-        drop(out);
-    }
-    Ok(Timing::new(ms))
+fn report(
+    bench: &Bench,
+    threads: usize,
+    latent: usize,
+    unet_step_b2: Option<Timing>,
+    vae_decode: Option<Timing>,
+) -> Result<Report> {
+    Ok(Report {
+        threads,
+        latent,
+        unet_build_ms: bench.unet_build_ms,
+        vae_build_ms: bench.vae_build_ms,
+        unet_step_b2,
+        vae_decode,
+        peak_rss_bytes: status_kb("VmHWM:")?,
+        rss_after_build_bytes: bench.rss_after_build_bytes,
+    })
 }
 
-fn time_vae(vae: &AutoencoderKL, args: &Args, dev: &Device) -> Result<Timing> {
-    let z = Tensor::randn(0f32, 1., (1, 4, args.latent, args.latent), dev)?;
-    for _ in 0..args.warmup {
-        vae.decode(&z).context("VAE warm-up decode")?;
-    }
-    sdhive_models::cpu::prof_dump();
-    let mut ms = Vec::with_capacity(args.iters);
-    for i in 0..args.iters {
-        let t = Instant::now();
-        let out = vae.decode(&z).context("VAE decode")?;
-        ms.push(ms_since(t));
-        eprintln!("vae decode {i}: {:.0} ms", ms[i]);
-        if i == 0 {
-            sdhive_models::cpu::prof_dump();
+/// The stdin/stdout protocol of `--serve`: one command per line, one JSON line per answer.
+fn serve(bench: &mut Bench, threads: usize) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    let mut say = |value: serde_json::Value| -> Result<()> {
+        writeln!(out, "{value}").and_then(|()| out.flush()).context("writing to stdout")
+    };
+    say(serde_json::json!({ "ready": true, "threads": threads }))?;
+    for line in std::io::stdin().lock().lines() {
+        let line = line.context("reading a command from stdin")?;
+        match line.trim() {
+            "unet" => say(serde_json::to_value(bench.unet_step()?)?)?,
+            "vae" => say(serde_json::to_value(bench.vae_decode()?)?)?,
+            "report" => {
+                say(serde_json::to_value(report(bench, threads, bench.sample.dim(3)?, None, None)?)?)?
+            }
+            "quit" | "" => break,
+            other => bail!("unknown command `{other}` (expected unet, vae, report or quit)"),
         }
-        drop(out);
     }
-    Ok(Timing::new(ms))
+    Ok(())
 }
+
+fn timed(f: impl FnOnce() -> Result<()>) -> Result<Call> {
+    let (t, c) = (Instant::now(), cpu_time_ms()?);
+    f()?;
+    Ok(Call { ms: ms_since(t), cpu_ms: cpu_time_ms()? - c })
+}
+
+/// utime + stime of the whole process from `/proc/self/stat`, in ms (clock-tick resolution).
+fn cpu_time_ms() -> Result<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").context("reading /proc/self/stat")?;
+    // The command name (field 2) may hold spaces; the fields after its closing parenthesis do not.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).context("unexpected /proc/self/stat")?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+    let ticks = |i: usize| -> Result<f64> {
+        fields.get(i).context("short /proc/self/stat")?.parse::<f64>().context("bad /proc/self/stat field")
+    };
+    Ok((ticks(11)? + ticks(12)?) * 1e3 / CLOCK_TICKS_PER_SEC)
+}
+
+/// `sysconf(_SC_CLK_TCK)`: 100 on every Linux configuration this runs on.
+const CLOCK_TICKS_PER_SEC: f64 = 100.0;
 
 fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
@@ -184,7 +277,7 @@ fn ms_since(t: Instant) -> f64 {
 
 /// A `kB` line of `/proc/self/status` (`VmHWM:`, `VmRSS:`), in bytes.
 fn status_kb(key: &str) -> Result<u64> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
+    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
     let line = status.lines().find(|l| l.starts_with(key)).with_context(|| format!("no {key} line"))?;
     let kb: u64 = line
         .trim_start_matches(key)

@@ -22,11 +22,6 @@ const COL_BUDGET: usize = 1 << 23;
 /// the tiny 8² and 4² UNet levels) instead of one product each.
 const MERGE_BELOW_PIXELS: usize = 512;
 
-fn colmajor_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SDHIVE_CONV_COLMAJOR").map_or(true, |v| v != "0"))
-}
-
 /// Patch-matrix storage.
 pub(crate) static COL_SCRATCH: Scratch = Scratch::new();
 
@@ -114,8 +109,8 @@ pub(crate) fn conv2d(
     epi: &Epilogue,
     threads: usize,
 ) -> Vec<f32> {
-    if winograd::worth_it(s) {
-        return winograd::conv3x3(x, pre, weight, s, epi);
+    if let Some(tile) = winograd::choose(s) {
+        return winograd::conv3x3(x, pre, weight, s, epi, tile);
     }
     conv2d_with_budget(x, pre, weight, s, epi, threads, COL_BUDGET)
 }
@@ -173,35 +168,21 @@ pub(crate) fn conv2d_with_budget(
         }
         let mut tmp = vec![0f32; s.c_out * cols];
         let r = Mat::rows(0, k, cols, cols);
-        // Column-major scratch (pixel-major): the product then runs with the many output channels
-        // as its long dimension, which suits the matrix kernel better than the few pixels.
-        let col_major = colmajor_enabled();
-        let d = if col_major {
-            Mat { offset: 0, rows: s.c_out, cols, rs: 1, cs: s.c_out }
-        } else {
-            Mat::rows(0, s.c_out, cols, cols)
-        };
-        matmul(&mut tmp, d, false, weight, w_mat, &col, r, 1.0, threads);
+        matmul(&mut tmp, Mat::rows(0, s.c_out, cols, cols), false, weight, w_mat, &col, r, 1.0, threads);
         COL_SCRATCH.put(col);
         out.par_chunks_mut(pixels).enumerate().for_each(|(i, o)| {
             let (b, c) = (i / s.c_out, i % s.c_out);
             let v = epi.channel_value(b, s.c_out, c);
-            let at = |p: usize| {
-                if col_major {
-                    tmp[(b * pixels + p) * s.c_out + c]
-                } else {
-                    tmp[c * cols + b * pixels + p]
-                }
-            };
+            let src = &tmp[c * cols + b * pixels..][..pixels];
             match epi.residual {
                 Some(res) => {
-                    for (p, (o, &r)) in o.iter_mut().zip(&res[i * pixels..][..pixels]).enumerate() {
-                        *o = at(p) + v + r;
+                    for ((o, &t), &r) in o.iter_mut().zip(src).zip(&res[i * pixels..][..pixels]) {
+                        *o = t + v + r;
                     }
                 }
                 None => {
-                    for (p, o) in o.iter_mut().enumerate() {
-                        *o = at(p) + v;
+                    for (o, &t) in o.iter_mut().zip(src) {
+                        *o = t + v;
                     }
                 }
             }

@@ -38,6 +38,17 @@ pub(crate) fn linear(
     threads: usize,
 ) -> Vec<f32> {
     let mut out = vec![0f32; rows * out_dim];
+    if transposed_enabled() && rows <= TRANSPOSED_MAX_ROWS && rows * in_dim < out_dim * in_dim {
+        // Few tokens, many weights: compute outᵀ = W · xᵀ so the matrix kernel streams each
+        // weight row contiguously (the other orientation reads 64 weight rows at once, which
+        // the prefetchers cannot follow), then transpose while adding bias and residual.
+        let mut tmp = vec![0f32; out_dim * rows];
+        let d = Mat::rows(0, out_dim, rows, rows);
+        let xt = Mat::rows(0, rows, in_dim, in_dim).t();
+        matmul(&mut tmp, d, false, w, Mat::rows(0, out_dim, in_dim, in_dim), x, xt, 1.0, threads);
+        transpose_add(&tmp, out_dim, rows, &mut out, bias, residual);
+        return out;
+    }
     let accumulate = bias.is_some() || residual.is_some();
     if accumulate {
         prefill_rows(&mut out, out_dim, bias, residual);
@@ -46,6 +57,45 @@ pub(crate) fn linear(
     let wt = Mat::rows(0, out_dim, in_dim, in_dim).t();
     matmul(&mut out, d, accumulate, x, Mat::rows(0, rows, in_dim, in_dim), w, wt, 1.0, threads);
     out
+}
+
+/// Up to this many rows (tokens) a linear layer runs transposed.
+const TRANSPOSED_MAX_ROWS: usize = 256;
+
+fn transposed_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SDHIVE_LIN_T").map_or(true, |v| v != "0"))
+}
+
+/// `out[r][c] = src[c][r] + bias[c] + residual[r][c]` for `src` `(cols × rows)`, in 16×16
+/// blocks so both sides stay in cache lines.
+fn transpose_add(
+    src: &[f32],
+    cols: usize,
+    rows: usize,
+    out: &mut [f32],
+    bias: Option<&[f32]>,
+    residual: Option<&[f32]>,
+) {
+    const B: usize = 16;
+    out.par_chunks_mut(B * cols).enumerate().for_each(|(rb, block)| {
+        let r0 = rb * B;
+        let nr = block.len() / cols;
+        for c0 in (0..cols).step_by(B) {
+            let nc = B.min(cols - c0);
+            for i in 0..nr {
+                let row = &mut block[i * cols + c0..][..nc];
+                for (j, o) in row.iter_mut().enumerate() {
+                    *o = src[(c0 + j) * rows + r0 + i] + bias.map_or(0.0, |b| b[c0 + j]);
+                }
+                if let Some(res) = residual {
+                    for (o, &q) in row.iter_mut().zip(&res[(r0 + i) * cols + c0..][..nc]) {
+                        *o += q;
+                    }
+                }
+            }
+        }
+    });
 }
 
 /// `x` `(B, Cin, P)` → tokens `(B, P, Cout)` = `x[b]ᵀ · wᵀ + bias` (`w` `(Cout, Cin)`).

@@ -57,6 +57,8 @@ const ROUND_MAGIC: f32 = 12_582_912.0;
 /// `eˣ` to about 2 ulp for x in [-87, 88] (clamped outside): 2ⁿ·e^r with r = x − n·ln2 in
 /// [-ln2/2, ln2/2], e^r by its degree-7 Taylor polynomial (truncation < 6e-9).
 #[inline(always)]
+// max/min rather than clamp: a NaN input must not panic or propagate differently from the vector path.
+#[allow(clippy::manual_clamp)]
 pub(crate) fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     // ln2 split in two so n·LN2_HI is exact for the n in range.
@@ -84,6 +86,8 @@ pub(crate) fn silu(x: f32) -> f32 {
 /// `0.5·x·(1 + erf(x/√2))`. erf comes from the complementary function (Numerical Recipes'
 /// `erfcc`, fractional error < 1.2e-7), which also keeps the negative tail free of cancellation.
 #[inline(always)]
+// The erfc coefficients are quoted as published; f32 rounds them.
+#[allow(clippy::excessive_precision)]
 pub(crate) fn gelu_erf(x: f32) -> f32 {
     let z = x.abs() * std::f32::consts::FRAC_1_SQRT_2;
     let t = 1.0 / (1.0 + 0.5 * z);

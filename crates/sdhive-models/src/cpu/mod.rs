@@ -21,17 +21,11 @@ mod winograd;
 use crate::ops::ConvExtras;
 use candle_core::{bail, CpuStorage, DType, Device, Result, Storage, StorageRef, Tensor};
 use std::sync::Mutex;
-struct T(String, std::time::Instant);
-impl Drop for T {
-    fn drop(&mut self) {
-        prof_add(std::mem::take(&mut self.0), self.1.elapsed().as_secs_f64());
-    }
-}
 
 /// A reusable f32 buffer for kernel temporaries (patch matrices, Winograd blocks). Reusing it
-/// avoids page-faulting tens of megabytes in on every convolution; it is dropped when a much
-/// smaller one would do, and by [`release_scratch`] after each network call, so a buffer sized
-/// for one network does not sit in memory while another runs.
+/// avoids page-faulting tens of megabytes in on every convolution; [`release_scratch`] drops it
+/// after each network call, so a buffer sized for one network does not sit in memory while
+/// another runs.
 pub(crate) struct Scratch(Mutex<Vec<f32>>);
 
 static SLOTS: [&Scratch; 4] =
@@ -44,14 +38,13 @@ impl Scratch {
 
     /// A buffer of at least `len` elements (contents unspecified).
     pub fn take(&self, len: usize) -> Vec<f32> {
-        let mut v = self.0.lock().map(|mut g| std::mem::take(&mut *g)).unwrap_or_default();
-        if v.capacity() > 2 * len + (1 << 20) {
-            v = Vec::new();
+        let v = self.0.lock().map(|mut g| std::mem::take(&mut *g)).unwrap_or_default();
+        if v.len() >= len {
+            return v;
         }
-        if v.len() < len {
-            v.resize(len, 0.0);
-        }
-        v
+        // Zeroed allocation (calloc): fresh pages come zeroed from the kernel, with no extra
+        // pass over them as `resize` would make.
+        vec![0f32; len]
     }
 
     pub fn put(&self, v: Vec<f32>) {
@@ -74,35 +67,6 @@ pub(crate) fn release_scratch() {
     for s in SLOTS {
         s.clear();
     }
-}
-
-pub static PROF: Mutex<Vec<(String, f64, u64)>> = Mutex::new(Vec::new());
-pub fn prof_add(name: String, secs: f64) {
-    let mut g = PROF.lock().unwrap();
-    if let Some(e) = g.iter_mut().find(|e| e.0 == name) {
-        e.1 += secs;
-        e.2 += 1;
-    } else {
-        g.push((name, secs, 1));
-    }
-}
-pub fn denorm_stats(name: &str, x: &[f32]) {
-    let d = x.iter().filter(|v| v.abs() < 1.1754944e-38 && **v != 0.0).count();
-    let z = x.iter().filter(|v| **v == 0.0).count();
-    let m = x.iter().fold(0f32, |a, b| a.max(b.abs()));
-    if d > 0 || std::env::var_os("SDHIVE_STATS_ALL").is_some() {
-        eprintln!("STATS {name}: {} elems, {d} denormal, {z} zero, max {m:e}", x.len());
-    }
-}
-pub fn prof_dump() {
-    let mut g = PROF.lock().unwrap();
-    g.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap());
-    let total: f64 = g.iter().map(|e| e.1).sum();
-    eprintln!("PROF total {:.3}s", total);
-    for e in g.iter().take(40) {
-        eprintln!("PROF {:8.1} ms {:4} {}", e.1 * 1e3, e.2, e.0);
-    }
-    g.clear();
 }
 
 /// Whether the fast path can take these tensors: all f32 on the CPU.
@@ -178,9 +142,8 @@ pub(crate) fn group_norm(
     eps: f64,
     silu: bool,
 ) -> Result<Tensor> {
-    let _t = T(format!("group_norm {:?}", x.dims()), std::time::Instant::now());
     let dims = x.dims().to_vec();
-    if dims.len() < 2 || groups == 0 || dims[1] % groups != 0 {
+    if dims.len() < 2 || groups == 0 || !dims[1].is_multiple_of(groups) {
         bail!("group_norm: {groups} groups for a tensor of shape {dims:?}");
     }
     let c = dims[1];
@@ -196,7 +159,6 @@ pub(crate) fn group_norm(
 
 /// LayerNorm over the last dimension.
 pub(crate) fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    let _t = T(format!("layer_norm {:?}", x.dims()), std::time::Instant::now());
     let dims = x.dims().to_vec();
     let Some(&dim) = dims.last() else { bail!("layer_norm: scalar input") };
     check_len("layer_norm weight", weight, dim)?;
@@ -208,7 +170,6 @@ pub(crate) fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -
 }
 
 pub(crate) fn silu(x: &Tensor) -> Result<Tensor> {
-    let _t = T(format!("silu {:?}", x.dims()), std::time::Instant::now());
     let x = x.contiguous()?;
     let mut out = F32::new(&x)?.slice().to_vec();
     math::silu_inplace(&mut out);
@@ -217,7 +178,6 @@ pub(crate) fn silu(x: &Tensor) -> Result<Tensor> {
 
 /// GEGLU over the last dimension (`[hidden, gate]` halves).
 pub(crate) fn geglu(x: &Tensor) -> Result<Tensor> {
-    let _t = T(format!("geglu {:?}", x.dims()), std::time::Instant::now());
     let mut dims = x.dims().to_vec();
     let Some(last) = dims.last_mut() else { bail!("geglu: scalar input") };
     if *last % 2 != 0 {
@@ -229,9 +189,9 @@ pub(crate) fn geglu(x: &Tensor) -> Result<Tensor> {
     let xd = F32::new(&x)?;
     let src = xd.slice();
     let mut out = vec![0f32; src.len() / 2];
-    if inner > 0 {
+    if let Some(rows) = 8192usize.checked_div(inner) {
         use rayon::prelude::*;
-        let rows_per_task = (8192 / inner).max(1);
+        let rows_per_task = rows.max(1);
         out.par_chunks_mut(rows_per_task * inner)
             .zip(src.par_chunks(rows_per_task * 2 * inner))
             .for_each(|(o, s)| math::geglu_rows(s, o, inner));
@@ -248,16 +208,6 @@ pub(crate) fn conv2d(
     padding: usize,
     extras: ConvExtras,
 ) -> Result<Tensor> {
-    let _t = T(
-        format!(
-            "conv2d {:?} {:?} {} {}",
-            x.dims(),
-            weight.dims(),
-            extras.upsample,
-            extras.pre_norm.is_some()
-        ),
-        std::time::Instant::now(),
-    );
     let (batch, c_in, sh, sw) = x.dims4()?;
     let (c_out, wc_in, kh, kw) = weight.dims4()?;
     if wc_in != c_in {
@@ -309,7 +259,6 @@ pub(crate) fn conv2d(
         }
         None => None,
     };
-    denorm_stats("conv in", xd.slice());
     let out = with_opt(bias, |bias| {
         with_opt(extras.per_sample, |per_sample| {
             with_opt(extras.residual, |residual| {
@@ -328,7 +277,6 @@ pub(crate) fn linear(
     bias: Option<&Tensor>,
     residual: Option<&Tensor>,
 ) -> Result<Tensor> {
-    let _t = T(format!("linear {:?} {:?}", x.dims(), w.dims()), std::time::Instant::now());
     let (out_dim, in_dim) = w.dims2()?;
     let mut dims = x.dims().to_vec();
     match dims.last_mut() {
@@ -347,7 +295,6 @@ pub(crate) fn linear(
     let x = x.contiguous()?;
     let w = w.contiguous()?;
     let (xd, wd) = (F32::new(&x)?, F32::new(&w)?);
-    denorm_stats("linear in", xd.slice());
     let out = with_opt(bias, |bias| {
         with_opt(residual, |residual| {
             Ok(dense::linear(xd.slice(), rows, in_dim, wd.slice(), out_dim, bias, residual, threads()))
@@ -358,7 +305,6 @@ pub(crate) fn linear(
 
 /// Multi-head attention on `(B, S, H·D)` projections; returns `(B, Sq, H·Dv)`.
 pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, scale: f64) -> Result<Tensor> {
-    let _t = T(format!("attention {:?}", q.dims()), std::time::Instant::now());
     let (batch, q_len, qd) = q.dims3()?;
     let (kb, kv_len, kd) = k.dims3()?;
     let (vb, vl, vd) = v.dims3()?;
@@ -388,7 +334,6 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, scale:
 /// NCHW `x` → tokens `(B, H·W, Cout)` through a 1×1 projection `w` (`(Cout, Cin)` or
 /// `(Cout, Cin, 1, 1)`).
 pub(crate) fn image_to_tokens(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let _t = T(format!("image_to_tokens {:?}", x.dims()), std::time::Instant::now());
     let (batch, c_in, h, wd) = x.dims4()?;
     let c_out = w.dim(0)?;
     check_len("projection weight", w, c_out * c_in)?;
@@ -411,7 +356,6 @@ pub(crate) fn tokens_to_image(
     (h, wd): (usize, usize),
     residual: Option<&Tensor>,
 ) -> Result<Tensor> {
-    let _t = T(format!("tokens_to_image {:?}", tokens.dims()), std::time::Instant::now());
     let (batch, pixels, c_in) = tokens.dims3()?;
     if pixels != h * wd {
         bail!("tokens_to_image: {pixels} tokens for a {h}×{wd} image");

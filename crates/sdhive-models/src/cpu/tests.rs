@@ -63,6 +63,7 @@ fn silu_and_geglu_match_reference() {
     assert!(rel_diff(&got, &want) < 1e-6, "{}", rel_diff(&got, &want));
 }
 
+#[allow(clippy::too_many_arguments)]
 fn conv_case(
     batch: usize,
     c_in: usize,
@@ -84,7 +85,7 @@ fn conv_case(
     let plain = ops::conv2d_reference(&conv, &x, ConvExtras { upsample, ..Default::default() }).unwrap();
     let per_sample = randn(&[batch, c_out], 11);
     let residual = randn(plain.dims(), 12);
-    let groups = if c_in % 2 == 0 { 2 } else { 1 };
+    let groups = if c_in.is_multiple_of(2) { 2 } else { 1 };
     let (nw, nb) = (randn(&[c_in], 13), randn(&[c_in], 14));
     let pre_norm = PreNorm { weight: &nw, bias: &nb, groups, eps: 1e-5 };
     let extras =
@@ -117,9 +118,11 @@ fn conv_case(
         conv::Epilogue { bias: Some(bd.slice()), per_sample: Some(pd.slice()), residual: Some(rd.slice()) };
     for (pre, want) in [(None, &want), (Some(&coef[..]), &want_pre)] {
         if k == 3 && stride == 1 {
-            let out = winograd::conv3x3(xd.slice(), pre, wd.slice(), &s, &epi);
-            let got = Tensor::from_vec(out, want.dims(), &Device::Cpu).unwrap();
-            assert!(rel_diff(&got, want) < 1e-5, "winograd {label}: {}", rel_diff(&got, want));
+            for tile in [winograd::Tile::F2, winograd::Tile::F4] {
+                let out = winograd::conv3x3(xd.slice(), pre, wd.slice(), &s, &epi, tile);
+                let got = Tensor::from_vec(out, want.dims(), &Device::Cpu).unwrap();
+                assert!(rel_diff(&got, want) < 1e-5, "winograd {tile:?} {label}: {}", rel_diff(&got, want));
+            }
         }
         for budget in [1, c_in * k * k * s.w_out() * 2 + 1, usize::MAX / 2] {
             for threads in [1, 2] {
