@@ -27,11 +27,18 @@ pub enum Which {
         #[arg(long, default_value_t = 5)]
         iters: usize,
     },
+    /// Per-job overhead of the HTTP path over direct engine calls, and SSE progress latency.
+    Serve {
+        /// Jobs per path after one warm-up each.
+        #[arg(long, default_value_t = 20)]
+        iters: usize,
+    },
 }
 
 pub fn run(which: Which) -> Result<()> {
     match which {
         Which::Cpu { python, iters } => cpu(python, iters),
+        Which::Serve { iters } => crate::bench_serve::run(iters),
     }
 }
 
