@@ -154,7 +154,8 @@ impl Engine for CandleEngine {
             };
             let model = &self.model;
             let mut on_step = |r: StepReport<'_>| {
-                let wants_preview = req.preview_every > 0 && r.step % req.preview_every as usize == 0;
+                let wants_preview =
+                    req.preview_every > 0 && r.step.is_multiple_of(req.preview_every as usize);
                 let preview = if wants_preview { latent_preview(model, r.estimate) } else { None };
                 let p = Progress {
                     image: index,

@@ -341,7 +341,7 @@ pub(crate) struct StartedJob {
 
 /// What the engine thread should do next.
 pub(crate) enum Next {
-    Job(StartedJob),
+    Job(Box<StartedJob>),
     /// Nothing queued yet; ask again.
     Idle,
     Stop,
@@ -689,7 +689,7 @@ impl JobManager {
                     inner.running = Some(id);
                     inner.announce_positions();
                     self.shared.metrics.job_entered(JobState::Running);
-                    return Next::Job(started);
+                    return Next::Job(Box::new(started));
                 }
                 continue;
             }

@@ -119,6 +119,8 @@ pub fn build_request(args: &GenerateArgs) -> Result<GenerateRequest, ArgsError> 
         init_image,
         strength: args.strength,
         mask,
+        // The CLI shows a progress bar, not pictures.
+        preview_every: 0,
     };
     req.validate(&Limits::default())?;
     Ok(req)
