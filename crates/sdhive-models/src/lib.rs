@@ -5,7 +5,7 @@
 
 pub mod clip;
 pub mod config;
-pub mod cpu;
+mod cpu;
 pub mod error;
 mod layers;
 pub mod loading;

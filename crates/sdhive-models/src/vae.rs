@@ -269,7 +269,7 @@ impl Encoder {
         let mut x = ops::conv2d(&self.conv_in, x, ConvExtras::default())?;
         for block in &self.blocks {
             for r in &block.resnets {
-                x = r.forward(&x, None)?;
+                x = r.forward_owned(x, None)?;
             }
             if let Some(d) = &block.downsampler {
                 x = d.forward(&x)?;
@@ -333,7 +333,7 @@ impl Decoder {
         x = self.mid.forward(&x)?;
         for block in &self.blocks {
             for r in &block.resnets {
-                x = r.forward(&x, None)?;
+                x = r.forward_owned(x, None)?;
             }
             if let Some(u) = &block.upsampler {
                 x = u.forward(&x, None)?;

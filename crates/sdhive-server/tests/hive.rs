@@ -115,7 +115,7 @@ async fn registers_heartbeats_reregisters_and_deregisters() {
         assert!(body["model"].is_string() && body["model_family"].is_string());
         assert!(body["device"]["name"].is_string());
         assert!(body["capabilities"]["samplers"].as_array().is_some_and(|s| !s.is_empty()));
-        assert_eq!(body["capabilities"]["preview"], false);
+        assert_eq!(body["capabilities"]["preview"], true);
         assert!(body["version"].is_string() && body["started_at"].is_number());
     }
 

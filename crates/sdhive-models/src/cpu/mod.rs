@@ -39,7 +39,10 @@ impl Scratch {
     /// A buffer of at least `len` elements (contents unspecified).
     pub fn take(&self, len: usize) -> Vec<f32> {
         let v = self.0.lock().map(|mut g| std::mem::take(&mut *g)).unwrap_or_default();
-        if v.len() >= len {
+        // Keep the buffer unless it is far larger than needed: a decoder that moves from 512
+        // channels at 64² to 128 channels at 256² should not carry the big one into its
+        // memory peak.
+        if v.len() >= len && v.len() <= 4 * len + (1 << 20) {
             return v;
         }
         // Zeroed allocation (calloc): fresh pages come zeroed from the kernel, with no extra

@@ -86,7 +86,7 @@ impl DownBlock {
         let mut x = x.clone();
         let mut skips = Vec::with_capacity(self.resnets.len() + 1);
         for (i, resnet) in self.resnets.iter().enumerate() {
-            x = resnet.forward(&x, Some(temb))?;
+            x = resnet.forward_owned(x, Some(temb))?;
             if let Some(attn) = self.attentions.get(i) {
                 x = attn.forward(&x, context)?;
             }
@@ -134,7 +134,7 @@ impl MidBlock {
         let mut x = self.first.forward(x, Some(temb))?;
         for (attn, resnet) in &self.layers {
             x = attn.forward(&x, context)?;
-            x = resnet.forward(&x, Some(temb))?;
+            x = resnet.forward_owned(x, Some(temb))?;
         }
         Ok(x)
     }
@@ -201,7 +201,7 @@ impl UpBlock {
         for (i, resnet) in self.resnets.iter().enumerate() {
             let skip = &skips[skips.len() - 1 - i];
             x = Tensor::cat(&[&x, skip], 1)?;
-            x = resnet.forward(&x, Some(temb))?;
+            x = resnet.forward_owned(x, Some(temb))?;
             if let Some(attn) = self.attentions.get(i) {
                 x = attn.forward(&x, context)?;
             }
