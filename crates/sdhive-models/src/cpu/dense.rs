@@ -38,7 +38,7 @@ pub(crate) fn linear(
     threads: usize,
 ) -> Vec<f32> {
     let mut out = vec![0f32; rows * out_dim];
-    if transposed_enabled() && rows <= TRANSPOSED_MAX_ROWS && rows * in_dim < out_dim * in_dim {
+    if rows <= TRANSPOSED_MAX_ROWS && rows * in_dim < out_dim * in_dim {
         // Few tokens, many weights: compute outᵀ = W · xᵀ so the matrix kernel streams each
         // weight row contiguously (the other orientation reads 64 weight rows at once, which
         // the prefetchers cannot follow), then transpose while adding bias and residual.
@@ -61,11 +61,6 @@ pub(crate) fn linear(
 
 /// Up to this many rows (tokens) a linear layer runs transposed.
 const TRANSPOSED_MAX_ROWS: usize = 256;
-
-fn transposed_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SDHIVE_LIN_T").map_or(true, |v| v != "0"))
-}
 
 /// `out[r][c] = src[c][r] + bias[c] + residual[r][c]` for `src` `(cols × rows)`, in 16×16
 /// blocks so both sides stay in cache lines.

@@ -44,11 +44,6 @@ impl Mat {
     }
 }
 
-fn split_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SDHIVE_GEMM_SPLIT").map_or(true, |v| v != "0"))
-}
-
 /// The destination pointer shared by the parts of one split product.
 struct SharedDst(*mut f32);
 // SAFETY: the parts write disjoint elements and the destination outlives the parallel loop.
@@ -118,7 +113,7 @@ pub(crate) unsafe fn matmul_raw(
     if d.rows == 0 || d.cols == 0 {
         return;
     }
-    if threads > 1 && split_enabled() {
+    if threads > 1 {
         let flops = 2 * d.rows * d.cols * l.cols;
         // Split the destination along the dimension that also splits the larger operand, so
         // each thread streams its own part of it (the weights, for most layers).

@@ -97,16 +97,66 @@ pub(crate) fn gelu_erf(x: f32) -> f32 {
                 + t * (0.096_784_18
                     + t * (-0.186_288_06
                         + t * (0.278_868_07
-                            + t * (-1.135_203_98
-                                + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
+                            + t * (-1.135_204
+                                + t * (1.488_515_9 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
     let erfc = t * exp(poly - z * z);
     let one_plus_erf = if x >= 0.0 { 2.0 - erfc } else { erfc };
     0.5 * x * one_plus_erf
 }
 
+/// `x ← silu(x)`.
+pub(crate) fn silu_inplace(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU has AVX-512F.
+        return unsafe { super::avx512::silu_inplace(x) };
+    }
+    silu_inplace_portable(x)
+}
+
+/// diffusers' GEGLU over rows of `2·inner`: `out = a · gelu(g)` with `[a, g]` the two halves.
+pub(crate) fn geglu_rows(src: &[f32], dst: &mut [f32], inner: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU has AVX-512F.
+        return unsafe { super::avx512::geglu_rows(src, dst, inner) };
+    }
+    geglu_rows_portable(src, dst, inner)
+}
+
+/// Softmax of each row of `x` (rows of `row_len`) in place.
+pub(crate) fn softmax_rows(x: &mut [f32], row_len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU has AVX-512F.
+        return unsafe { super::avx512::softmax_rows(x, row_len) };
+    }
+    softmax_rows_portable(x, row_len)
+}
+
+/// `dst = src · a + b`, then SiLU when `silu_after`.
+pub(crate) fn scale_shift(src: &[f32], dst: &mut [f32], a: f32, b: f32, silu_after: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU has AVX-512F.
+        return unsafe { super::avx512::scale_shift(src, dst, a, b, silu_after) };
+    }
+    scale_shift_portable(src, dst, a, b, silu_after)
+}
+
+/// `x ← silu(x · a + b)`: a group-normed, activated convolution input, in place.
+pub(crate) fn affine_silu_inplace(x: &mut [f32], a: f32, b: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU has AVX-512F.
+        return unsafe { super::avx512::affine_silu_inplace(x, a, b) };
+    }
+    affine_silu_inplace_portable(x, a, b)
+}
+
 multiversion! {
     /// `x ← silu(x)`.
-    fn silu_inplace(x: &mut [f32]) {
+    fn silu_inplace_portable(x: &mut [f32]) {
         for v in x.iter_mut() {
             *v = silu(*v);
         }
@@ -115,7 +165,7 @@ multiversion! {
 
 multiversion! {
     /// diffusers' GEGLU over rows of `2·inner`: `out = a · gelu(g)` with `[a, g]` the two halves.
-    fn geglu_rows(src: &[f32], dst: &mut [f32], inner: usize) {
+    fn geglu_rows_portable(src: &[f32], dst: &mut [f32], inner: usize) {
         for (s, d) in src.chunks_exact(2 * inner).zip(dst.chunks_exact_mut(inner)) {
             let (a, g) = s.split_at(inner);
             for ((o, &a), &g) in d.iter_mut().zip(a).zip(g) {
@@ -127,7 +177,7 @@ multiversion! {
 
 multiversion! {
     /// Softmax of each row of `x` (rows of `row_len`) in place.
-    fn softmax_rows(x: &mut [f32], row_len: usize) {
+    fn softmax_rows_portable(x: &mut [f32], row_len: usize) {
         for row in x.chunks_exact_mut(row_len) {
             let mut m = [f32::NEG_INFINITY; LANES];
             let mut chunks = row.chunks_exact(LANES);
@@ -204,7 +254,7 @@ multiversion! {
 
 multiversion! {
     /// `dst = src · a + b`, then SiLU when `silu` is set.
-    fn scale_shift(src: &[f32], dst: &mut [f32], a: f32, b: f32, silu_after: bool) {
+    fn scale_shift_portable(src: &[f32], dst: &mut [f32], a: f32, b: f32, silu_after: bool) {
         if silu_after {
             for (o, &v) in dst.iter_mut().zip(src) {
                 *o = silu(v * a + b);
@@ -219,7 +269,7 @@ multiversion! {
 
 multiversion! {
     /// `x ← silu(x · a + b)`: a group-normed, activated convolution input, in place.
-    fn affine_silu_inplace(x: &mut [f32], a: f32, b: f32) {
+    fn affine_silu_inplace_portable(x: &mut [f32], a: f32, b: f32) {
         for v in x.iter_mut() {
             *v = silu(*v * a + b);
         }
@@ -322,5 +372,47 @@ mod tests {
         let mean = (want / x.len() as f64) as f32;
         let want_sq: f64 = x.iter().map(|&v| (v as f64 - mean as f64).powi(2)).sum();
         assert!((centered_sq_sum(&x, mean) - want_sq).abs() / want_sq < 1e-5);
+    }
+
+    /// The AVX-512 kernels against the portable ones, on lengths with ragged tails and on
+    /// values out to the clamping range.
+    #[test]
+    fn dispatched_kernels_match_portable() {
+        let data: Vec<f32> = (0..1000).map(|i| ((i * 7919) % 2003) as f32 * 0.05 - 50.0).collect();
+        let close = |a: &[f32], b: &[f32], what: &str| {
+            for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+                assert!((x - y).abs() <= 2e-6 * (1.0 + y.abs()), "{what}[{i}]: {x} vs {y}");
+            }
+        };
+        for n in [1, 15, 16, 17, 250, 1000] {
+            let src = &data[..n];
+            let (mut a, mut b) = (src.to_vec(), src.to_vec());
+            silu_inplace(&mut a);
+            silu_inplace_portable(&mut b);
+            close(&a, &b, "silu");
+            let (mut a, mut b) = (src.to_vec(), src.to_vec());
+            affine_silu_inplace(&mut a, 0.3, -0.7);
+            affine_silu_inplace_portable(&mut b, 0.3, -0.7);
+            close(&a, &b, "affine_silu");
+            for act in [false, true] {
+                let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+                scale_shift(src, &mut a, 1.5, 0.25, act);
+                scale_shift_portable(src, &mut b, 1.5, 0.25, act);
+                close(&a, &b, "scale_shift");
+            }
+        }
+        for inner in [1, 16, 37] {
+            let src = &data[..4 * inner];
+            let (mut a, mut b) = (vec![0f32; 2 * inner], vec![0f32; 2 * inner]);
+            geglu_rows(src, &mut a, inner);
+            geglu_rows_portable(src, &mut b, inner);
+            close(&a, &b, "geglu");
+        }
+        for row in [1, 7, 16, 33, 250] {
+            let (mut a, mut b) = (data[..4 * row].to_vec(), data[..4 * row].to_vec());
+            softmax_rows(&mut a, row);
+            softmax_rows_portable(&mut b, row);
+            close(&a, &b, "softmax");
+        }
     }
 }

@@ -11,6 +11,8 @@
 //! enabled (`x86-v4` in this crate's manifest).
 
 mod attention;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod conv;
 mod dense;
 mod gemm;
