@@ -1,6 +1,10 @@
-//! Device selection shared by every `sd-worker-*` binary: which compute backend a binary was built for, opening
-//! device `index` on it, and describing that device (name, memory, driver) for logs and registration. A binary
-//! only ever runs on the backend it was built for — asking for another is an error, never a silent CPU fallback.
+//! Device selection shared by every `sd-worker-*` binary: which compute backend a binary was built for, which
+//! engine drives it, opening device `index` on it (with a start-up check that it computes), and describing that
+//! device (name, memory, driver) for logs and registration. A binary only ever runs on the backend it was built
+//! for — asking for another is an error, never a silent CPU fallback.
+
+#[cfg(any(feature = "vulkan", feature = "rocm"))]
+mod ggml;
 
 use candle_core::{DType, Device};
 use serde::Serialize;
@@ -38,6 +42,14 @@ impl Backend {
         format!("sd-worker-{}", self.name())
     }
 
+    /// Which engine runs on this backend: candle where it has kernels, stable-diffusion.cpp (ggml) elsewhere.
+    pub fn engine(self) -> EngineKind {
+        match self {
+            Backend::Cpu | Backend::Cuda | Backend::Metal => EngineKind::Candle,
+            Backend::Rocm | Backend::Vulkan => EngineKind::SdCpp,
+        }
+    }
+
     /// f32 on CPU, where half precision has no fast kernels; f16 on GPUs, where it halves memory and time.
     pub fn default_dtype(self) -> DType {
         match self {
@@ -63,6 +75,30 @@ impl FromStr for Backend {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let wanted = s.trim().to_ascii_lowercase();
         Backend::ALL.into_iter().find(|b| b.name() == wanted).ok_or_else(|| ParseBackendError(s.to_string()))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineKind {
+    Candle,
+    SdCpp,
+}
+
+/// An opened device, as the engine for its backend needs it.
+#[derive(Debug, Clone)]
+pub enum DeviceHandle {
+    Candle(Device),
+    /// ggml's device name (`Vulkan0`, `ROCm1`) for the stable-diffusion.cpp engine.
+    Ggml(String),
+}
+
+impl DeviceHandle {
+    /// The candle device, for the candle engine; `None` for a ggml device.
+    pub fn candle(&self) -> Option<&Device> {
+        match self {
+            DeviceHandle::Candle(d) => Some(d),
+            DeviceHandle::Ggml(_) => None,
+        }
     }
 }
 
@@ -92,13 +128,15 @@ pub enum DeviceError {
 }
 
 /// Opens device `index` of `backend` and describes it.
-pub fn init(backend: Backend, index: usize) -> Result<(Device, DeviceInfo), DeviceError> {
+pub fn init(backend: Backend, index: usize) -> Result<(DeviceHandle, DeviceInfo), DeviceError> {
     match backend {
-        Backend::Cpu => init_cpu(index),
-        // GPU backends are compiled into their own binaries; until then this build cannot drive them.
-        Backend::Cuda | Backend::Metal | Backend::Rocm | Backend::Vulkan => {
-            Err(DeviceError::NotCompiled { backend })
-        }
+        Backend::Cpu => init_cpu(index).map(|(d, i)| (DeviceHandle::Candle(d), i)),
+        #[cfg(feature = "vulkan")]
+        Backend::Vulkan => ggml::init(backend, "Vulkan", index),
+        #[cfg(feature = "rocm")]
+        Backend::Rocm => ggml::init(backend, "ROCm", index),
+        // Other GPU backends are compiled into their own binaries; this build cannot drive them.
+        _ => Err(DeviceError::NotCompiled { backend }),
     }
 }
 
@@ -166,7 +204,7 @@ mod tests {
     #[test]
     fn cpu_init_describes_this_machine() {
         let (device, info) = init(Backend::Cpu, 0).unwrap();
-        assert!(device.is_cpu());
+        assert!(device.candle().unwrap().is_cpu());
         assert_eq!(info.backend, Backend::Cpu);
         assert!(!info.name.is_empty());
         assert!(info.threads.unwrap() >= 1);
@@ -180,7 +218,10 @@ mod tests {
 
     #[test]
     fn gpu_backends_are_not_compiled_in_and_never_fall_back() {
-        for b in [Backend::Cuda, Backend::Metal, Backend::Rocm, Backend::Vulkan] {
+        let compiled_in = |b: Backend| {
+            (b == Backend::Vulkan && cfg!(feature = "vulkan")) || (b == Backend::Rocm && cfg!(feature = "rocm"))
+        };
+        for b in [Backend::Cuda, Backend::Metal, Backend::Rocm, Backend::Vulkan].into_iter().filter(|b| !compiled_in(*b)) {
             let err = init(b, 0).unwrap_err();
             assert!(matches!(err, DeviceError::NotCompiled { backend } if backend == b));
             assert_eq!(

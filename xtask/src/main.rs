@@ -5,7 +5,9 @@ mod bench;
 mod bench_serve;
 mod ci;
 mod fixtures;
+mod random_model;
 mod util;
+mod vulkan;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -27,6 +29,18 @@ enum Task {
         #[arg(long, env = "SDHIVE_PYTHON", default_value = "python3")]
         python: String,
     },
+    /// Write the full-size SD1.5 with deterministic random weights (tests/fixtures/sd15-random/manifest.json)
+    /// that the stable-diffusion.cpp parity check runs; see xtask/fixtures/gen_sd15_random.py.
+    RandomModel {
+        /// Default: tests/fixtures/sd15-random/manifest.json.
+        #[arg(long)]
+        manifest: Option<std::path::PathBuf>,
+        /// Default: ~/.cache/sdhive/sd15-random.
+        #[arg(long)]
+        out: Option<std::path::PathBuf>,
+    },
+    /// Build and lint sd-worker-vulkan, then check it on lavapipe against diffusers' image for the random SD1.5.
+    Vulkan,
     /// Benchmarks against diffusers, run in the same invocation.
     Bench {
         #[command(subcommand)]
@@ -39,5 +53,10 @@ fn main() -> Result<()> {
         Task::Ci => ci::run(),
         Task::Fixtures { python } => fixtures::run(&python),
         Task::Bench { which } => bench::run(which),
+        Task::Vulkan => vulkan::run(),
+        Task::RandomModel { manifest, out } => random_model::write(
+            &manifest.unwrap_or_else(|| util::workspace_root().join("tests/fixtures/sd15-random/manifest.json")),
+            &out.unwrap_or_else(random_model::default_out),
+        ),
     }
 }

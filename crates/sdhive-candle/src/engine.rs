@@ -8,7 +8,7 @@ use crate::pipeline::{
 };
 use candle_core::{DType, Device};
 use sdhive_engine::{
-    infotext, Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest, GeneratedImage,
+    infotext, random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest, GeneratedImage,
     InfotextContext, Limits, Progress, Sampler, ValidationError,
 };
 use sdhive_modelsource::ResolvedModel;
@@ -85,17 +85,6 @@ impl CandleEngine {
     }
 }
 
-/// Without `--seed`, a random seed below 2^32 keeps the value usable in A1111 and ComfyUI too.
-fn random_seed() -> u64 {
-    use std::collections::hash_map::RandomState;
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0),
-    );
-    h.finish() & 0xffff_ffff
-}
-
 impl Engine for CandleEngine {
     fn info(&self) -> EngineInfo {
         EngineInfo {
@@ -110,6 +99,7 @@ impl Engine for CandleEngine {
             samplers: Sampler::ALL.iter().map(|s| s.name().to_string()).collect(),
             supports_img2img: true,
             supports_inpaint: true,
+            memory: None,
         }
     }
 

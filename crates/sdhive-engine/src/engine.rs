@@ -2,6 +2,7 @@
 //! cancellation answer, finished images, a description of itself, and typed failures.
 
 use crate::image_io::RgbImage;
+use crate::memory::{InsufficientMemory, MemoryReport};
 use crate::request::{GenerateRequest, ValidationError};
 use serde::Serialize;
 use thiserror::Error;
@@ -55,6 +56,8 @@ pub struct EngineInfo {
     pub samplers: Vec<String>,
     pub supports_img2img: bool,
     pub supports_inpaint: bool,
+    /// The memory plan (`/v1/info`), where the engine plans memory.
+    pub memory: Option<MemoryReport>,
 }
 
 #[derive(Debug, Error)]
@@ -65,6 +68,9 @@ pub enum EngineError {
     Cancelled,
     #[error("out of device memory: {0}")]
     OutOfMemory(String),
+    /// The memory plan refused the job before it started: it cannot fit on this device.
+    #[error(transparent)]
+    InsufficientMemory(#[from] InsufficientMemory),
     #[error("generation failed: {0}")]
     Failed(String),
 }

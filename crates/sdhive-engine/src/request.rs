@@ -165,6 +165,17 @@ impl GenerateRequest {
     }
 }
 
+/// A seed for requests that name none: below 2^32, so the value also works in A1111 and ComfyUI.
+pub fn random_seed() -> u64 {
+    use std::collections::hash_map::RandomState;
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0),
+    );
+    h.finish() & 0xffff_ffff
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -227,3 +238,4 @@ mod tests {
         assert_eq!(r.output_size((512, 512)), (96, 64));
     }
 }
+

@@ -75,6 +75,12 @@ fn run_one(jobs: &JobManager, engine: &mut dyn Engine, job: &StartedJob) -> Outc
             message: v.to_string(),
             param: Some(v.field.to_string()),
         }),
+        // The plan refused the job: the request (its size) is what does not fit, so it is the client's to change.
+        Ok(Err(EngineError::InsufficientMemory(m))) => Outcome::Failed(JobError {
+            kind: JobErrorKind::InvalidRequest,
+            message: m.to_string(),
+            param: Some("width".into()),
+        }),
         Ok(Err(EngineError::OutOfMemory(m))) => {
             Outcome::Failed(JobError { kind: JobErrorKind::OutOfMemory, message: m, param: None })
         }

@@ -146,6 +146,7 @@ impl Engine for NullEngine {
             samplers: vec![],
             supports_img2img: true,
             supports_inpaint: true,
+            memory: None,
         }
     }
 

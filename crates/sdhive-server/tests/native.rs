@@ -359,6 +359,7 @@ impl Engine for FlakyEngine {
             samplers: vec!["Euler a".into()],
             supports_img2img: false,
             supports_inpaint: false,
+            memory: None,
         }
     }
 

@@ -98,6 +98,14 @@ pub struct GenerateArgs {
     #[arg(long, value_enum)]
     pub dtype: Option<DTypeArg>,
 
+    /// Per-module devices, e.g. `te=cpu,unet=vulkan0,vae=vulkan0` (stable-diffusion.cpp engine).
+    #[arg(long, default_value = "")]
+    pub placement: String,
+
+    /// Modules whose weights stay in host memory until used, e.g. `te,vae` (stable-diffusion.cpp engine).
+    #[arg(long, default_value = "")]
+    pub offload: String,
+
     /// Output PNG; with -n > 1, `stem-0.png`, `stem-1.png`, … next to it.
     #[arg(long, short = 'o', value_name = "FILE")]
     pub output: PathBuf,

@@ -6,8 +6,8 @@ use crate::output::{check_output_path, output_paths};
 use crate::request::{build_request, flag_for_field};
 use anyhow::{anyhow, bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
-use sdhive_candle::{CandleEngine, LoadOptions};
-use sdhive_engine::{encode_png, Control, Engine, EngineError, Progress};
+use crate::engine::EngineOptions;
+use sdhive_engine::{encode_png, Control, EngineError, Placement, Progress};
 use sdhive_modelsource::ResolveOptions;
 use shared_worker::Backend;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 pub fn run(backend: Backend, args: &GenerateArgs) -> anyhow::Result<()> {
     let mut req = build_request(args)?;
+    let placement = Placement::parse(&args.placement, &args.offload)?;
     check_output_path(&args.output)?;
     let seed = match req.seed {
         Some(seed) => seed,
@@ -29,17 +30,9 @@ pub fn run(backend: Backend, args: &GenerateArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot use --model {}", args.model))?;
     let (device, info) = shared_worker::init(backend, args.device)
         .with_context(|| format!("cannot open --device {} on backend {backend}", args.device))?;
-    let dtype = args.dtype.map(Into::into).unwrap_or_else(|| backend.default_dtype());
-    tracing::info!(model = %model.name, path = %model.location.path().display(), device = %info.name, ?dtype, "loading");
-    let load_opts = LoadOptions {
-        device,
-        dtype,
-        backend_name: backend.name().to_string(),
-        device_name: info.name.clone(),
-    };
-    let mut engine = CandleEngine::load(&model, load_opts).with_context(|| {
-        format!("cannot load model {} from {}", model.name, model.location.path().display())
-    })?;
+    tracing::info!(model = %model.name, path = %model.location.path().display(), device = %info.name, %placement, "loading");
+    let opts = EngineOptions { dtype: args.dtype.map(Into::into), placement, ..EngineOptions::default() };
+    let mut engine = crate::engine::load(backend, device, &info, &model, opts)?;
 
     let cancel = install_ctrlc();
     // Printed once Ctrl-C is wired, so a wrapper that waits for this line can rely on clean cancellation.

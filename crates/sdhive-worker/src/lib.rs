@@ -2,6 +2,7 @@
 //! binary's `main` only names its backend; everything else lives here so the binaries cannot drift apart.
 
 pub mod cli;
+pub mod engine;
 mod generate;
 pub mod output;
 pub mod request;

@@ -5,8 +5,8 @@
 use crate::cli::DTypeArg;
 use anyhow::Context;
 use clap::Args;
-use sdhive_candle::{CandleEngine, LoadOptions};
-use sdhive_engine::{Engine, Limits};
+use crate::engine::EngineOptions;
+use sdhive_engine::{Limits, Placement};
 use sdhive_modelsource::ResolveOptions;
 use sdhive_protocol::DeviceDescription;
 use sdhive_server::{EngineLoader, MemoryProbe, RegistrationConfig, ServerConfig};
@@ -56,6 +56,14 @@ pub struct ServeArgs {
     /// Weight and activation precision; default: f32 on CPU, f16 on GPUs.
     #[arg(long, env = "DTYPE", value_enum)]
     pub dtype: Option<DTypeArg>,
+
+    /// Per-module devices, e.g. `te=cpu,unet=vulkan0,vae=vulkan0` (stable-diffusion.cpp engine).
+    #[arg(long, env = "PLACEMENT", default_value = "")]
+    pub placement: String,
+
+    /// Modules whose weights stay in host memory until used, e.g. `te,vae` (stable-diffusion.cpp engine).
+    #[arg(long, env = "OFFLOAD", default_value = "")]
+    pub offload: String,
 
     /// Jobs that may wait behind the running one; more are refused with 429.
     #[arg(long, env = "MAX_QUEUE", default_value_t = 64)]
@@ -130,9 +138,10 @@ fn default_worker_id(backend: Backend, device: usize) -> String {
 }
 
 pub fn run(backend: Backend, args: &ServeArgs) -> anyhow::Result<()> {
+    let placement = Placement::parse(&args.placement, &args.offload)?;
     let (device, info) = shared_worker::init(backend, args.device)
         .with_context(|| format!("cannot open --device {} on backend {backend}", args.device))?;
-    let dtype = args.dtype.map(Into::into).unwrap_or_else(|| backend.default_dtype());
+    let dtype = args.dtype.map(Into::into);
     let limits = Limits {
         max_width: args.max_width,
         max_height: args.max_height,
@@ -179,17 +188,12 @@ pub fn run(backend: Backend, args: &ServeArgs) -> anyhow::Result<()> {
     let env = ResolveOptions::from_env();
     let resolve_opts =
         ResolveOptions { model_roots: args.model_roots.clone(), offline: args.offline || env.offline, ..env };
-    let device_name = info.name.clone();
     let loader: EngineLoader = Box::new(move || {
         let model = sdhive_modelsource::resolve(&model_arg, &resolve_opts)
             .with_context(|| format!("cannot use --model {model_arg}"))?;
-        tracing::info!(model = %model.name, path = %model.location.path().display(), device = %device_name, ?dtype, "loading");
-        let opts = LoadOptions { device, dtype, backend_name: backend.name().to_string(), device_name };
-        let engine = CandleEngine::load(&model, opts).with_context(|| {
-            format!("cannot load model {} from {}", model.name, model.location.path().display())
-        })?;
-        let engine: Box<dyn Engine> = Box::new(engine.with_limits(limits));
-        Ok(engine)
+        tracing::info!(model = %model.name, path = %model.location.path().display(), device = %info.name, %placement, "loading");
+        let opts = EngineOptions { dtype, placement, limits };
+        crate::engine::load(backend, device, &info, &model, opts)
     });
 
     sdhive_server::run(&args.host, args.port, config, loader, registration, |addr| {

@@ -775,10 +775,12 @@ async fn sd_models(State(state): State<AppState>) -> Json<Value> {
     }]))
 }
 
-async fn samplers() -> Json<Value> {
+/// The samplers the loaded engine runs (the stable-diffusion.cpp engine lacks PNDM).
+async fn samplers(State(state): State<AppState>) -> Json<Value> {
     Json(Value::Array(
         Sampler::ALL
             .iter()
+            .filter(|s| state.info.samplers.iter().any(|name| name == s.name()))
             .map(|s| json!({"name": s.name(), "aliases": s.aliases(), "options": {}}))
             .collect(),
     ))

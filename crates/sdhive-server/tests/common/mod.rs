@@ -58,6 +58,7 @@ impl Engine for SlowEngine {
             samplers: vec!["Euler a".into()],
             supports_img2img: false,
             supports_inpaint: false,
+            memory: None,
         }
     }
 

@@ -1,0 +1,200 @@
+//! Memory planning for a job, shared by both engines: an estimate of what a request needs on the device beyond
+//! the resident weights (UNet activations and attention scores for the CFG batch, the VAE decode), checked
+//! against the device's free memory. The plan turns on VAE tiling or attention slicing when the plain run would
+//! not fit, and refuses the job — with the amount it needs — when even those would not. The estimates are upper
+//! bounds from the architectures' shapes (live feature maps per latent pixel, the largest attention-score matrix
+//! and the VAE's full-resolution block and mid-block attention), not measurements.
+
+use serde::Serialize;
+use thiserror::Error;
+
+/// What the planner needs to know about a loaded model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ModelShape {
+    /// Bytes of weights resident on the device.
+    pub weights_bytes: u64,
+    /// Bytes per activation value (2 for f16/bf16, 4 for f32).
+    pub activation_bytes: u64,
+    /// The VAE's downsampling factor (8 for every SD family).
+    pub vae_factor: u32,
+    /// Number of the first UNet level with attention (0: SD1/SD2; 1: SDXL) and its head count.
+    pub first_attention_level: u32,
+    pub heads_at_first_attention: u32,
+    /// Whether the engine computes attention without materialising the score matrix.
+    pub fused_attention: bool,
+}
+
+/// Live UNet feature maps, in channel-equivalents per latent pixel per image: the skip connections kept for the
+/// up path (≈1,700 for SD1.5's 320/640/1280 levels) plus the widest working tensors of the full-resolution up
+/// block (concatenations, norms, conv outputs).
+const UNET_CHANNELS_PER_LATENT_PIXEL: u64 = 3_000;
+/// The VAE decoder's full-resolution block: a 256-channel upsampled input, its normed copy and the 128-channel
+/// conv output alive together (per output pixel).
+const VAE_CHANNELS_PER_PIXEL: u64 = 640;
+/// The VAE decodes tiles of this many latent pixels a side when tiling.
+pub const VAE_TILE_LATENT: u64 = 32;
+/// Attention slicing computes the score matrix in this many query chunks at most.
+const ATTENTION_SLICES: u64 = 16;
+/// Headroom kept free for allocator fragmentation and driver buffers.
+const MARGIN_BYTES: u64 = 512 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct JobPlan {
+    /// Decode the VAE in tiles (bounded memory, slight seams possible).
+    pub vae_tiling: bool,
+    /// Compute attention scores in query chunks.
+    pub attention_slicing: bool,
+    /// Estimated device memory the job needs beyond the weights.
+    pub activation_bytes: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+#[error(
+    "a {width}×{height} job needs about {} MiB of device memory beyond the model's weights, but {} MiB are free; \
+     use a smaller size or fewer images per request",
+    needed_bytes >> 20,
+    available_bytes >> 20
+)]
+pub struct InsufficientMemory {
+    pub width: u32,
+    pub height: u32,
+    pub needed_bytes: u64,
+    pub available_bytes: u64,
+}
+
+impl ModelShape {
+    fn unet_bytes(&self, width: u32, height: u32, batch: u64, slicing: bool) -> u64 {
+        let f = u64::from(self.vae_factor.max(1));
+        let latent_pixels = (u64::from(width) / f) * (u64::from(height) / f);
+        let maps = UNET_CHANNELS_PER_LATENT_PIXEL * latent_pixels * batch * self.activation_bytes;
+        if self.fused_attention {
+            return maps;
+        }
+        let tokens = latent_pixels >> (2 * self.first_attention_level);
+        // Scores are kept in f32 for the softmax by both engines' unfused paths.
+        let scores = batch * u64::from(self.heads_at_first_attention) * tokens * tokens * 4;
+        maps + if slicing { scores.div_ceil(ATTENTION_SLICES) } else { scores }
+    }
+
+    fn vae_bytes(&self, width: u32, height: u32, tiled: bool) -> u64 {
+        let f = u64::from(self.vae_factor.max(1));
+        let (w, h) = if tiled {
+            let side = VAE_TILE_LATENT * f;
+            (side.min(u64::from(width)), side.min(u64::from(height)))
+        } else {
+            (u64::from(width), u64::from(height))
+        };
+        let maps = VAE_CHANNELS_PER_PIXEL * w * h * self.activation_bytes;
+        let mid_tokens = (w / f) * (h / f);
+        maps + mid_tokens * mid_tokens * 4
+    }
+
+    /// Plans a job of `images_per_call` images (2 with classifier-free guidance) at `width`×`height`, given the
+    /// device's free memory now (weights already resident). Unknown free memory plans the plain run.
+    pub fn plan(
+        &self,
+        width: u32,
+        height: u32,
+        images_per_call: u64,
+        free_bytes: Option<u64>,
+        can_slice_attention: bool,
+        can_tile_vae: bool,
+    ) -> Result<JobPlan, InsufficientMemory> {
+        let plain = JobPlan {
+            vae_tiling: false,
+            attention_slicing: false,
+            activation_bytes: self.unet_bytes(width, height, images_per_call, false).max(self.vae_bytes(
+                width, height, false,
+            )),
+        };
+        let Some(free) = free_bytes else { return Ok(plain) };
+        let available = free.saturating_sub(MARGIN_BYTES);
+        if plain.activation_bytes <= available {
+            return Ok(plain);
+        }
+        // The UNet and the VAE run one after the other, so the job needs the larger of the two.
+        let mut best = plain;
+        for (slicing, tiling) in [(false, true), (true, false), (true, true)] {
+            if (slicing && !can_slice_attention) || (tiling && !can_tile_vae) {
+                continue;
+            }
+            let need = self
+                .unet_bytes(width, height, images_per_call, slicing)
+                .max(self.vae_bytes(width, height, tiling));
+            let candidate = JobPlan { vae_tiling: tiling, attention_slicing: slicing, activation_bytes: need };
+            if need <= available {
+                return Ok(candidate);
+            }
+            best = if need < best.activation_bytes { candidate } else { best };
+        }
+        Err(InsufficientMemory { width, height, needed_bytes: best.activation_bytes + MARGIN_BYTES, available_bytes: free })
+    }
+}
+
+/// What `/v1/info` shows about memory: the resident weights, the device's memory at load, and the plan for a
+/// job at the model's native size.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MemoryReport {
+    pub weights_bytes: u64,
+    pub device_total_bytes: Option<u64>,
+    pub device_free_bytes: Option<u64>,
+    pub native_job: Option<JobPlan>,
+    /// What the engine may do when a job does not fit as is.
+    pub vae_tiling_available: bool,
+    pub attention_slicing_available: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    fn sd15_f16() -> ModelShape {
+        ModelShape {
+            weights_bytes: 2 * GIB,
+            activation_bytes: 2,
+            vae_factor: 8,
+            first_attention_level: 0,
+            heads_at_first_attention: 8,
+            fused_attention: false,
+        }
+    }
+
+    #[test]
+    fn estimates_follow_the_shapes() {
+        let m = sd15_f16();
+        // 512², CFG batch 2: scores 2·8·4096²·4 B = 1 GiB dominate the UNet; maps 3000·4096·2·2 B.
+        assert_eq!(m.unet_bytes(512, 512, 2, false), 3000 * 4096 * 2 * 2 + GIB);
+        assert_eq!(m.unet_bytes(512, 512, 2, true), 3000 * 4096 * 2 * 2 + GIB / 16);
+        // VAE 512²: 640·512²·2 B + (64²)²·4 B.
+        assert_eq!(m.vae_bytes(512, 512, false), 640 * 512 * 512 * 2 + 4096 * 4096 * 4);
+        // Tiles are 256² pixels whatever the image size.
+        assert_eq!(m.vae_bytes(2048, 2048, true), m.vae_bytes(256, 256, false));
+        let xl = ModelShape { first_attention_level: 1, heads_at_first_attention: 10, ..m };
+        assert_eq!(xl.unet_bytes(1024, 1024, 2, false), 3000 * 16384 * 2 * 2 + 2 * 10 * 4096 * 4096 * 4);
+        let fused = ModelShape { fused_attention: true, ..m };
+        assert_eq!(fused.unet_bytes(512, 512, 2, false), 3000 * 4096 * 2 * 2);
+    }
+
+    #[test]
+    fn plans_escalate_then_refuse() {
+        let m = sd15_f16();
+        let plain = m.plan(512, 512, 2, Some(80 * GIB), true, true).unwrap();
+        assert!(!plain.vae_tiling && !plain.attention_slicing);
+        assert_eq!(m.plan(512, 512, 2, None, true, true).unwrap(), plain);
+        // 2048²: the VAE's mid-block attention alone is (256²)²·4 B = 16 GiB; scores 2·8·65536²·4 B = 256 GiB.
+        // With 40 GiB free, sliced attention (16 GiB of scores) and the plain VAE (~21 GiB) fit; with 20 GiB
+        // the VAE must be tiled too.
+        let roomy = m.plan(2048, 2048, 2, Some(40 * GIB), true, true).unwrap();
+        assert!(!roomy.vae_tiling && roomy.attention_slicing, "{roomy:?}");
+        let big = m.plan(2048, 2048, 2, Some(20 * GIB), true, true).unwrap();
+        assert!(big.vae_tiling && big.attention_slicing, "{big:?}");
+        let refused = m.plan(2048, 2048, 2, Some(4 * GIB), true, true).unwrap_err();
+        assert!(refused.needed_bytes > 4 * GIB && refused.available_bytes == 4 * GIB);
+        assert!(refused.to_string().contains("2048×2048 job needs about"), "{refused}");
+        // Without the remedies the same job is refused, naming what the plain run needs.
+        let err = m.plan(2048, 2048, 2, Some(40 * GIB), false, false).unwrap_err();
+        assert!(err.needed_bytes > 256 * GIB);
+    }
+}

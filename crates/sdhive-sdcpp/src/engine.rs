@@ -1,0 +1,356 @@
+//! `SdCppEngine`: a stable-diffusion.cpp context behind the [`Engine`] trait. Loading builds the context on the
+//! named ggml device (never ggml's "best available", which may quietly be the CPU); each request is validated,
+//! mapped onto `sd_img_gen_params_t` and run one image at a time (seed, seed+1, …) so progress and cancellation
+//! have per-image boundaries, and seeds use sd.cpp's torch-compatible CPU generator so they match diffusers'.
+
+use crate::callbacks::{self, ProgressSink};
+use crate::device;
+use crate::model_info::ModelInfo;
+use crate::params::{self, SAMPLERS};
+use diffusion_rs_sys as sys;
+use sdhive_engine::{
+    infotext, random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest,
+    GeneratedImage, GrayImage, InfotextContext, Limits, MemoryReport, ModelShape, Placement, PlacementError,
+    Progress, RgbImage, ValidationError,
+};
+use sdhive_modelsource::{ModelLocation, ResolvedModel};
+use std::ffi::CString;
+use std::path::PathBuf;
+use std::ptr::NonNull;
+use thiserror::Error;
+
+/// Where and how to load the model.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// ggml's name of the worker's device (`Vulkan0`, `ROCm1`), as `device::open` returned it.
+    pub ggml_device: String,
+    /// Shown in `info()`: the backend compiled into the binary and the device's own name.
+    pub backend_name: String,
+    pub device_name: String,
+    /// Weight precision: `f16` (default, what GPUs run fastest) or `f32`; `None` keeps the file's.
+    pub weight_type: Option<WeightType>,
+    pub placement: Placement,
+    /// CPU threads for the parts ggml runs on the CPU.
+    pub threads: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightType {
+    F32,
+    F16,
+}
+
+#[derive(Debug, Error)]
+pub enum LoadError {
+    #[error("{path}: {message}")]
+    Model { path: PathBuf, message: String },
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
+    #[error("{0} contains a NUL byte")]
+    Nul(&'static str),
+    #[error(
+        "stable-diffusion.cpp could not load {path} on {device} (its log, at RUST_LOG=sdcpp=info, says why: \
+         unsupported architecture, missing tensors, or not enough device memory)"
+    )]
+    Context { path: PathBuf, device: String },
+}
+
+/// Owns an `sd_ctx_t`.
+struct Context(NonNull<sys::sd_ctx_t>);
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from new_sd_ctx and is freed once, here.
+        unsafe { sys::free_sd_ctx(self.0.as_ptr()) }
+    }
+}
+
+pub struct SdCppEngine {
+    ctx: Context,
+    info: EngineInfo,
+    model: ModelInfo,
+    shape: ModelShape,
+    /// ggml's name of the device the denoiser runs on, whose free memory plans each job.
+    plan_device: String,
+    limits: Limits,
+}
+
+/// Free memory of ggml device `name` now.
+fn free_memory(name: &str) -> Option<u64> {
+    device::list().into_iter().find(|d| d.name.eq_ignore_ascii_case(name)).map(|d| d.memory_free_bytes)
+}
+
+/// sd.cpp runs the conditional and unconditional passes as separate batch-1 calls.
+const IMAGES_PER_UNET_CALL: u64 = 1;
+
+// SAFETY: an sd.cpp context has no thread affinity; it is only ever used through `&mut self` (one call at a
+// time), and the process-wide callback state is serialised by `callbacks::with_progress`.
+unsafe impl Send for SdCppEngine {}
+
+impl SdCppEngine {
+    pub fn load(model: &ResolvedModel, opts: LoadOptions) -> Result<Self, LoadError> {
+        callbacks::install();
+        let path = model.location.path().to_path_buf();
+        let info = ModelInfo::read(model).map_err(|message| LoadError::Model { path: path.clone(), message })?;
+        let (runtime, params_backend) = params::backend_specs(&opts.ggml_device, &opts.placement)?;
+        let c_path = CString::new(path.to_string_lossy().into_owned()).map_err(|_| LoadError::Nul("model path"))?;
+        let c_runtime = CString::new(runtime).map_err(|_| LoadError::Nul("placement"))?;
+        let c_params = CString::new(params_backend).map_err(|_| LoadError::Nul("offload"))?;
+
+        // SAFETY: sd_ctx_params_init fills every field; the strings outlive new_sd_ctx, which copies what it
+        // keeps.
+        let ctx = unsafe {
+            let mut p: sys::sd_ctx_params_t = std::mem::zeroed();
+            sys::sd_ctx_params_init(&mut p);
+            match model.location {
+                // A diffusers folder and an original single file both go in `model_path`: sd.cpp tells them
+                // apart itself (folder → unet/, vae/, text_encoder/ in diffusers naming).
+                ModelLocation::DiffusersDir(_) | ModelLocation::SingleFile(_) => p.model_path = c_path.as_ptr(),
+            }
+            if let Some(threads) = opts.threads {
+                p.n_threads = threads.min(i32::MAX as usize) as i32;
+            }
+            p.wtype = match opts.weight_type {
+                Some(WeightType::F32) => sys::sd_type_t::SD_TYPE_F32,
+                Some(WeightType::F16) => sys::sd_type_t::SD_TYPE_F16,
+                None => sys::sd_type_t::SD_TYPE_COUNT,
+            };
+            // torch.Generator("cpu")-compatible noise, for the initial latents and the ancestral samplers.
+            p.rng_type = sys::rng_type_t::CPU_RNG;
+            p.sampler_rng_type = sys::rng_type_t::CPU_RNG;
+            p.backend = c_runtime.as_ptr();
+            p.params_backend = if c_params.as_bytes().is_empty() { std::ptr::null() } else { c_params.as_ptr() };
+            sys::new_sd_ctx(&p)
+        };
+        let ctx = NonNull::new(ctx)
+            .map(Context)
+            .ok_or_else(|| LoadError::Context { path: path.clone(), device: opts.ggml_device.clone() })?;
+        let (dtype, bytes_per_weight) = match opts.weight_type {
+            Some(WeightType::F32) => ("f32", 4),
+            Some(WeightType::F16) => ("f16", 2),
+            None => ("file", 2),
+        };
+        let shape = info.shape(bytes_per_weight);
+        let plan_device = match opts.placement.device_of(sdhive_engine::Module::Diffusion) {
+            Some(d) => params::ggml_device_name(d).unwrap_or_else(|| opts.ggml_device.clone()),
+            None => opts.ggml_device.clone(),
+        };
+        let device_now = device::list().into_iter().find(|d| d.name.eq_ignore_ascii_case(&plan_device));
+        let memory = MemoryReport {
+            weights_bytes: shape.weights_bytes,
+            device_total_bytes: device_now.as_ref().map(|d| d.memory_total_bytes),
+            device_free_bytes: device_now.as_ref().map(|d| d.memory_free_bytes),
+            native_job: shape
+                .plan(
+                    info.native_width,
+                    info.native_height,
+                    IMAGES_PER_UNET_CALL,
+                    device_now.as_ref().map(|d| d.memory_free_bytes),
+                    false,
+                    true,
+                )
+                .ok(),
+            vae_tiling_available: true,
+            attention_slicing_available: false,
+        };
+        let engine_info = EngineInfo {
+            engine: "stable-diffusion.cpp".into(),
+            backend: opts.backend_name,
+            device: opts.device_name,
+            dtype: dtype.into(),
+            model: model.name.clone(),
+            family: info.family.clone(),
+            native_width: info.native_width,
+            native_height: info.native_height,
+            samplers: SAMPLERS.iter().map(|s| s.name().to_string()).collect(),
+            supports_img2img: true,
+            supports_inpaint: true,
+            memory: Some(memory),
+        };
+        Ok(SdCppEngine { ctx, info: engine_info, model: info, shape, plan_device, limits: Limits::default() })
+    }
+
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Model-specific checks; returns sd.cpp's sample method for the request.
+    fn check(
+        &self,
+        req: &GenerateRequest,
+        width: u32,
+        height: u32,
+    ) -> Result<sys::sample_method_t, ValidationError> {
+        let Some(method) = params::sample_method(req.sampler) else {
+            let offered: Vec<&str> = SAMPLERS.iter().map(|s| s.name()).collect();
+            return Err(ValidationError {
+                field: "sampler",
+                message: format!(
+                    "{} is not available on the stable-diffusion.cpp engine; use one of: {}",
+                    req.sampler.name(),
+                    offered.join(", ")
+                ),
+            });
+        };
+        for (field, v) in [("width", width), ("height", height)] {
+            if v % 8 != 0 {
+                return Err(ValidationError { field, message: format!("must be a multiple of 8, got {v}") });
+            }
+        }
+        if self.model.inpainting && req.mask.is_none() {
+            return Err(ValidationError {
+                field: "mask",
+                message: "this is an inpainting model: send an init image and a mask".into(),
+            });
+        }
+        Ok(method)
+    }
+}
+
+fn c_text(field: &'static str, s: &str) -> Result<CString, EngineError> {
+    CString::new(s).map_err(|_| {
+        EngineError::Invalid(ValidationError { field, message: "must not contain NUL characters".into() })
+    })
+}
+
+/// An image as sd.cpp reads it; borrows `data`, which must outlive the call.
+fn sd_image(width: u32, height: u32, channels: u32, data: &[u8]) -> sys::sd_image_t {
+    sys::sd_image_t { width, height, channel: channels, data: data.as_ptr().cast_mut() }
+}
+
+const EMPTY_IMAGE: sys::sd_image_t =
+    sys::sd_image_t { width: 0, height: 0, channel: 0, data: std::ptr::null_mut() };
+
+impl Engine for SdCppEngine {
+    fn info(&self) -> EngineInfo {
+        self.info.clone()
+    }
+
+    fn generate(
+        &mut self,
+        req: &GenerateRequest,
+        progress: &mut dyn FnMut(&Progress) -> Control,
+    ) -> Result<GenerateOutput, EngineError> {
+        req.validate(&self.limits)?;
+        let (width, height) = req.output_size((self.model.native_width, self.model.native_height));
+        let method = self.check(req, width, height)?;
+        let base_seed = req.seed.unwrap_or_else(random_seed);
+        let last_seed = base_seed.checked_add(u64::from(req.n.saturating_sub(1)));
+        // sd.cpp takes a signed seed and treats negative values as "pick one at random".
+        if last_seed.is_none_or(|s| s > i64::MAX as u64) {
+            return Err(EngineError::Invalid(ValidationError {
+                field: "seed",
+                message: format!("must be below 2^63 on the stable-diffusion.cpp engine, got {base_seed}"),
+            }));
+        }
+        let plan = self.shape.plan(
+            width,
+            height,
+            IMAGES_PER_UNET_CALL,
+            free_memory(&self.plan_device),
+            false,
+            true,
+        )?;
+        let prompt = c_text("prompt", &req.prompt)?;
+        let negative = c_text("negative_prompt", &req.negative_prompt)?;
+        // sd.cpp reads init image and mask at the output size; A1111's "just resize" makes them fit.
+        let init: Option<RgbImage> = req.init_image.as_ref().map(|i| fit_rgb(i, width, height));
+        let mask: Option<GrayImage> = req.mask.as_ref().map(|m| fit_gray(m, width, height));
+
+        let mut images = Vec::with_capacity(req.n as usize);
+        for index in 0..req.n {
+            let seed = base_seed + u64::from(index);
+            let mut report = |step: u32, steps: u32| {
+                let p = Progress { image: index, images: req.n, step, steps, preview: None };
+                progress(&p) == Control::Continue
+            };
+            let mut sink = ProgressSink { report: &mut report, cancelled: false };
+            let ctx = self.ctx.0.as_ptr();
+            let image = callbacks::with_progress(&mut sink, || {
+                // SAFETY: every pointer in `p` (prompts, images) borrows data alive for this whole call;
+                // sd_img_gen_params_init fills the fields we leave alone; the returned array is copied and
+                // freed with the library's own free.
+                unsafe {
+                    let mut p: sys::sd_img_gen_params_t = std::mem::zeroed();
+                    sys::sd_img_gen_params_init(&mut p);
+                    p.prompt = prompt.as_ptr();
+                    p.negative_prompt = negative.as_ptr();
+                    p.clip_skip = req.clip_skip as i32;
+                    p.width = width as i32;
+                    p.height = height as i32;
+                    p.seed = seed as i64;
+                    p.batch_count = 1;
+                    p.strength = req.strength;
+                    p.init_image = init.as_ref().map_or(EMPTY_IMAGE, |i| sd_image(i.width, i.height, 3, &i.data));
+                    p.mask_image = mask.as_ref().map_or(EMPTY_IMAGE, |m| sd_image(m.width, m.height, 1, &m.data));
+                    p.sample_params.sample_method = method;
+                    p.sample_params.scheduler =
+                        params::scheduler(req.schedule, sys::sd_get_default_scheduler(ctx, method));
+                    p.sample_params.sample_steps = req.steps as i32;
+                    p.sample_params.guidance.txt_cfg = req.cfg_scale;
+                    p.vae_tiling_params.enabled = plan.vae_tiling;
+                    let out = sys::generate_image(ctx, &p);
+                    take_image(out)
+                }
+            });
+            if sink.cancelled {
+                return Err(EngineError::Cancelled);
+            }
+            let image = image.ok_or_else(|| {
+                EngineError::Failed(
+                    "stable-diffusion.cpp returned no image (its log at RUST_LOG=sdcpp=info says why)".into(),
+                )
+            })?;
+            let ctx = InfotextContext {
+                seed,
+                width,
+                height,
+                model: &self.info.model,
+                version: concat!("sdhive ", env!("CARGO_PKG_VERSION"), " (stable-diffusion.cpp)"),
+            };
+            images.push(GeneratedImage { image, seed, infotext: infotext(req, &ctx) });
+        }
+        Ok(GenerateOutput { images })
+    }
+}
+
+fn fit_rgb(img: &RgbImage, width: u32, height: u32) -> RgbImage {
+    if (img.width, img.height) == (width, height) {
+        img.clone()
+    } else {
+        img.resized(width, height)
+    }
+}
+
+fn fit_gray(img: &GrayImage, width: u32, height: u32) -> GrayImage {
+    if (img.width, img.height) == (width, height) {
+        img.clone()
+    } else {
+        img.resized(width, height)
+    }
+}
+
+/// Copies the one RGB image of a batch of 1 and frees the array.
+///
+/// # Safety
+/// `out` is null or what generate_image returned for batch_count 1.
+unsafe fn take_image(out: *mut sys::sd_image_t) -> Option<RgbImage> {
+    if out.is_null() {
+        return None;
+    }
+    // SAFETY: per the contract, `out` points at one sd_image_t whose data holds width·height·channel bytes.
+    let image = unsafe {
+        let img = &*out;
+        let n = img.width as usize * img.height as usize * img.channel as usize;
+        let result = if img.data.is_null() || img.channel != 3 || n == 0 {
+            None
+        } else {
+            let data = std::slice::from_raw_parts(img.data, n).to_vec();
+            Some(RgbImage { width: img.width, height: img.height, data })
+        };
+        sys::free_sd_images(out, 1);
+        result
+    };
+    image
+}

@@ -1,0 +1,84 @@
+//! Building the engine for a backend: the candle engine on the devices candle drives (CPU, CUDA, Metal), the
+//! stable-diffusion.cpp engine on the ggml ones (Vulkan, ROCm). Both subcommands load through here, so which
+//! engine a binary runs is decided in one place.
+
+use anyhow::{bail, Context};
+use candle_core::DType;
+use sdhive_engine::{Engine, Limits, Placement};
+use sdhive_modelsource::ResolvedModel;
+use shared_worker::{Backend, DeviceHandle, DeviceInfo};
+
+/// What the command line says about loading, beyond the model and device.
+#[derive(Debug, Clone, Default)]
+pub struct EngineOptions {
+    /// `None`: the backend's default (f32 on CPU, f16 on GPUs).
+    pub dtype: Option<DType>,
+    pub placement: Placement,
+    pub limits: Limits,
+}
+
+pub fn load(
+    backend: Backend,
+    device: DeviceHandle,
+    info: &DeviceInfo,
+    model: &ResolvedModel,
+    opts: EngineOptions,
+) -> anyhow::Result<Box<dyn Engine>> {
+    let context = || format!("cannot load model {} from {}", model.name, model.location.path().display());
+    match device {
+        DeviceHandle::Candle(device) => {
+            if !opts.placement.is_default() {
+                bail!(
+                    "--placement/--offload ({}) are handled by the stable-diffusion.cpp engine \
+                     (sd-worker-vulkan, sd-worker-rocm); the candle engine runs every module on its device",
+                    opts.placement
+                );
+            }
+            let load_opts = sdhive_candle::LoadOptions {
+                device,
+                dtype: opts.dtype.unwrap_or_else(|| backend.default_dtype()),
+                backend_name: backend.name().to_string(),
+                device_name: info.name.clone(),
+            };
+            let engine = sdhive_candle::CandleEngine::load(model, load_opts).with_context(context)?;
+            Ok(Box::new(engine.with_limits(opts.limits)))
+        }
+        DeviceHandle::Ggml(name) => load_sdcpp(backend, name, info, model, opts).with_context(context),
+    }
+}
+
+#[cfg(feature = "sdcpp")]
+fn load_sdcpp(
+    backend: Backend,
+    ggml_device: String,
+    info: &DeviceInfo,
+    model: &ResolvedModel,
+    opts: EngineOptions,
+) -> anyhow::Result<Box<dyn Engine>> {
+    use sdhive_sdcpp::{LoadOptions, SdCppEngine, WeightType};
+    let weight_type = match opts.dtype {
+        None | Some(DType::F16) => WeightType::F16,
+        Some(DType::F32) => WeightType::F32,
+        Some(other) => bail!("the stable-diffusion.cpp engine runs f16 or f32 weights, not {other:?}"),
+    };
+    let load_opts = LoadOptions {
+        ggml_device,
+        backend_name: backend.name().to_string(),
+        device_name: info.name.clone(),
+        weight_type: Some(weight_type),
+        placement: opts.placement,
+        threads: None,
+    };
+    Ok(Box::new(SdCppEngine::load(model, load_opts)?.with_limits(opts.limits)))
+}
+
+#[cfg(not(feature = "sdcpp"))]
+fn load_sdcpp(
+    backend: Backend,
+    _ggml_device: String,
+    _info: &DeviceInfo,
+    _model: &ResolvedModel,
+    _opts: EngineOptions,
+) -> anyhow::Result<Box<dyn Engine>> {
+    bail!("this binary was built without the stable-diffusion.cpp engine that {backend} needs")
+}

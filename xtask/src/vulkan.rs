@@ -1,0 +1,179 @@
+//! `cargo xtask vulkan`: builds `sd-worker-vulkan` (stable-diffusion.cpp on ggml's Vulkan backend), lints it with
+//! its feature on, and checks it against diffusers: the full-size SD1.5 with deterministic random weights
+//! (`cargo xtask random-model`) generates at 64² on Mesa's lavapipe (a CPU Vulkan driver, so any machine can run
+//! it) and the image is compared with diffusers' committed one for the same weights, prompt and seed.
+//!
+//! lavapipe reports itself as a CPU device, which ggml hides unless `GGML_VK_VISIBLE_DEVICES` names it: the
+//! worker never picks a CPU "GPU" on its own, and this check opts in explicitly.
+
+use crate::random_model;
+use crate::util::{cargo, workspace_root};
+use anyhow::{bail, ensure, Context, Result};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Mesa's lavapipe ICD as Debian installs it (package mesa-vulkan-drivers).
+const LAVAPIPE_ICD: &str = "/usr/share/vulkan/icd.d/lvp_icd.x86_64.json";
+
+/// Agreement required with diffusers' image, in 8-bit levels. stable-diffusion.cpp computes in f16 on the GPU
+/// and diffusers in f32, so exact equality is not expected; these bounds fail on any real divergence (a wrong
+/// schedule, seed stream or prompt encoding moves the mean by tens of levels) while allowing rounding noise.
+const MAX_MEAN_ABS_DIFF: f64 = 3.0;
+const MIN_PSNR_DB: f64 = 30.0;
+
+pub fn run() -> Result<()> {
+    let root = workspace_root();
+    ensure_vulkan_sdk(&root)?;
+    let features = ["--features", "sd-worker-vulkan/vulkan"];
+    cargo(&root, &["clippy", "-p", "sd-worker-vulkan", features[0], features[1], "--", "-D", "warnings"])?;
+    cargo(&root, &["build", "-p", "sd-worker-vulkan", features[0], features[1]])?;
+    let exe = target_dir(&root).join("debug/sd-worker-vulkan");
+
+    let no_gpu = Command::new(&exe)
+        .args(["generate", "--model", "tests/fixtures/models/sd1", "--prompt", "x", "-o"])
+        .arg(std::env::temp_dir().join("sdhive-no-gpu.png"))
+        .env("VK_ICD_FILENAMES", "/nonexistent.json")
+        .env("VK_DRIVER_FILES", "/nonexistent.json")
+        .current_dir(&root)
+        .output()
+        .context("cannot run sd-worker-vulkan")?;
+    let stderr = String::from_utf8_lossy(&no_gpu.stderr);
+    ensure!(
+        !no_gpu.status.success() && stderr.contains("vulkan"),
+        "sd-worker-vulkan without a Vulkan driver must fail naming the backend; it said:\n{stderr}"
+    );
+    eprintln!("xtask: without a Vulkan device sd-worker-vulkan refuses: {}", last_line(&stderr));
+
+    if !Path::new(LAVAPIPE_ICD).exists() {
+        bail!("{LAVAPIPE_ICD} is missing: install Debian's mesa-vulkan-drivers (.ci/run does)");
+    }
+    let model = random_model::default_out();
+    random_model::write(&root.join("tests/fixtures/sd15-random/manifest.json"), &model)?;
+    let golden_dir = root.join("tests/fixtures/golden");
+    let case: Value = serde_json::from_str(&std::fs::read_to_string(golden_dir.join("sd15_random_euler.json"))?)?;
+    let out = std::env::temp_dir().join("sdhive-vulkan-sd15-random.png");
+    let text = |k: &str| case[k].as_str().map(str::to_string).with_context(|| format!("golden case lacks {k}"));
+    let num = |k: &str| case[k].as_f64().map(|v| v.to_string()).with_context(|| format!("golden case lacks {k}"));
+    let started = std::time::Instant::now();
+    let run = Command::new(&exe)
+        .arg("generate")
+        .arg("--model")
+        .arg(&model)
+        .args(["--prompt", &text("prompt")?, "--negative-prompt", &text("negative_prompt")?])
+        .args(["--steps", &num("steps")?, "--cfg-scale", &num("cfg_scale")?])
+        .args(["--width", &num("width")?, "--height", &num("height")?, "--seed", &num("seed")?])
+        .args(["--sampler", &text("sampler")?, "-o"])
+        .arg(&out)
+        .env("VK_ICD_FILENAMES", LAVAPIPE_ICD)
+        .env("GGML_VK_VISIBLE_DEVICES", "0")
+        .current_dir(&root)
+        .status()
+        .context("cannot run sd-worker-vulkan")?;
+    ensure!(run.success(), "sd-worker-vulkan generate on lavapipe failed ({run})");
+    let seconds = started.elapsed().as_secs_f64();
+
+    let (ours, theirs) = (read_rgb(&out)?, read_rgb(&golden_dir.join("sd15_random_euler.png"))?);
+    let cmp = compare(&ours, &theirs)?;
+    eprintln!(
+        "xtask: sd-worker-vulkan (lavapipe) vs diffusers, SD1.5 random weights 64², {} steps Euler, seed {}: \
+         mean |diff| {:.3} levels, max {} levels, {:.2}% of values off by > 8, PSNR {:.2} dB ({seconds:.1} s)",
+        num("steps")?,
+        num("seed")?,
+        cmp.mean_abs,
+        cmp.max_abs,
+        100.0 * cmp.over_8,
+        cmp.psnr_db
+    );
+    ensure!(
+        cmp.mean_abs <= MAX_MEAN_ABS_DIFF && cmp.psnr_db >= MIN_PSNR_DB,
+        "sd-worker-vulkan's image is too far from diffusers' (bounds: mean |diff| ≤ {MAX_MEAN_ABS_DIFF}, \
+         PSNR ≥ {MIN_PSNR_DB} dB); ours is at {}",
+        out.display()
+    );
+    Ok(())
+}
+
+/// Debian 12's Vulkan headers are too old for ggml; unless `VULKAN_SDK` points elsewhere, use the header prefix
+/// `xtask/scripts/vulkan-sdk.sh` prepares (Debian 13's headers, unpacked privately).
+fn ensure_vulkan_sdk(root: &Path) -> Result<()> {
+    if std::env::var_os("VULKAN_SDK").is_some_and(|v| !v.is_empty()) {
+        return Ok(());
+    }
+    let script = root.join("xtask/scripts/vulkan-sdk.sh");
+    let out = Command::new(&script).output().with_context(|| format!("cannot run {}", script.display()))?;
+    ensure!(
+        out.status.success(),
+        "{} failed:\n{}",
+        script.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let prefix = String::from_utf8(out.stdout).context("VULKAN_SDK path is not UTF-8")?.trim().to_string();
+    eprintln!("xtask: VULKAN_SDK={prefix}");
+    std::env::set_var("VULKAN_SDK", prefix);
+    Ok(())
+}
+
+fn last_line(s: &str) -> &str {
+    s.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("")
+}
+
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target"))
+}
+
+struct Rgb {
+    width: u32,
+    height: u32,
+    data: Vec<u8>,
+}
+
+fn read_rgb(path: &Path) -> Result<Rgb> {
+    let file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut decoder = png::Decoder::new(std::io::BufReader::new(file));
+    decoder.set_transformations(png::Transformations::EXPAND | png::Transformations::STRIP_16);
+    let mut reader = decoder.read_info().with_context(|| format!("{} is not a PNG", path.display()))?;
+    let mut buf = vec![0; reader.output_buffer_size().context("PNG too large")?];
+    let frame = reader.next_frame(&mut buf).with_context(|| format!("cannot decode {}", path.display()))?;
+    ensure!(frame.color_type == png::ColorType::Rgb, "{}: expected RGB, got {:?}", path.display(), frame.color_type);
+    buf.truncate(frame.buffer_size());
+    Ok(Rgb { width: frame.width, height: frame.height, data: buf })
+}
+
+struct Comparison {
+    mean_abs: f64,
+    max_abs: u8,
+    over_8: f64,
+    psnr_db: f64,
+}
+
+fn compare(a: &Rgb, b: &Rgb) -> Result<Comparison> {
+    ensure!((a.width, a.height) == (b.width, b.height), "sizes differ: {}×{} vs {}×{}", a.width, a.height, b.width, b.height);
+    let n = a.data.len() as f64;
+    let diffs: Vec<u8> = a.data.iter().zip(&b.data).map(|(x, y)| x.abs_diff(*y)).collect();
+    let mse = diffs.iter().map(|d| f64::from(*d).powi(2)).sum::<f64>() / n;
+    Ok(Comparison {
+        mean_abs: diffs.iter().map(|d| f64::from(*d)).sum::<f64>() / n,
+        max_abs: diffs.iter().copied().max().unwrap_or(0),
+        over_8: diffs.iter().filter(|d| **d > 8).count() as f64 / n,
+        psnr_db: if mse == 0.0 { f64::INFINITY } else { 10.0 * (255.0f64.powi(2) / mse).log10() },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn comparison_measures_what_it_says() {
+        let a = Rgb { width: 2, height: 1, data: vec![0, 10, 20, 30, 40, 50] };
+        let b = Rgb { width: 2, height: 1, data: vec![0, 10, 20, 30, 40, 62] };
+        let c = compare(&a, &b).unwrap();
+        assert_eq!(c.max_abs, 12);
+        assert!((c.mean_abs - 2.0).abs() < 1e-12);
+        assert!((c.over_8 - 1.0 / 6.0).abs() < 1e-12);
+        assert!((c.psnr_db - 10.0 * (255f64.powi(2) / 24.0).log10()).abs() < 1e-9);
+        assert!(compare(&a, &a).unwrap().psnr_db.is_infinite());
+        assert!(compare(&a, &Rgb { width: 1, height: 2, data: a.data.clone() }).is_err());
+    }
+}
