@@ -1,0 +1,421 @@
+//! The hive as an operator runs it: real `hive` and `sd-worker-cpu` processes on loopback with the tiny SD 1.x
+//! fixture. Spawned workers register and serve images identical to a direct worker call; a worker killed
+//! mid-job is restarted, its queued jobs still complete and its running job fails `worker_lost`; an external
+//! worker finds a restarted hive again; killing the hive with SIGKILL leaves no worker behind; registration
+//! needs the token and a live worker id cannot be taken over. Every wait has a deadline.
+
+use sdhive_tests::{fixtures, hive, worker_cpu};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+// ---- a minimal HTTP/1.1 client (no client library among the test dependencies) ----
+
+struct Reply {
+    status: u16,
+    head: String,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+fn dechunk(mut body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(eol) = body.windows(2).position(|w| w == b"\r\n") else { return out };
+        let size =
+            std::str::from_utf8(&body[..eol]).ok().and_then(|s| usize::from_str_radix(s.trim(), 16).ok());
+        let Some(size) = size.filter(|&s| s > 0) else { return out };
+        let start = eol + 2;
+        let end = (start + size).min(body.len());
+        out.extend_from_slice(&body[start..end]);
+        body = body.get(end + 2..).unwrap_or(&[]);
+    }
+}
+
+fn request(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&Value>) -> Reply {
+    try_request(addr, method, path, headers, body, Duration::from_secs(120))
+        .unwrap_or_else(|e| panic!("{method} {addr}{path}: {e}"))
+}
+
+fn try_request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&Value>,
+    timeout: Duration,
+) -> std::io::Result<Reply> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(timeout))?;
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if !body.is_empty() || method == "POST" {
+        req.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n", body.len()));
+    }
+    req.push_str("\r\n");
+    req.push_str(&body);
+    s.write_all(req.as_bytes())?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or(std::io::ErrorKind::UnexpectedEof)?;
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let mut body = raw[split + 4..].to_vec();
+    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        body = dechunk(&body);
+    }
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    Ok(Reply { status, head, body })
+}
+
+fn get(addr: &str, path: &str) -> Reply {
+    request(addr, "GET", path, &[], None)
+}
+
+fn post(addr: &str, path: &str, body: &Value) -> Reply {
+    request(addr, "POST", path, &[], Some(body))
+}
+
+/// Polls `f` until it returns `Some`, or fails naming `what`.
+fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+// ---- processes ----
+
+/// A child process killed (SIGKILL) when the test ends, whatever happens; its stderr is collected.
+struct Proc {
+    child: Child,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Proc {
+    fn spawn(mut cmd: Command) -> Proc {
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+        // Stray SDHIVE_* settings of the developer's shell must not change what the test runs.
+        for (k, _) in std::env::vars() {
+            if k.starts_with("SDHIVE_") {
+                cmd.env_remove(k);
+            }
+        }
+        let mut child = cmd.spawn().expect("cannot spawn");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let stderr = child.stderr.take().expect("stderr is piped");
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        Proc { child, log }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().join("\n")
+    }
+
+    /// The address from the `… listening on http://ADDR` line.
+    fn wait_listening(&self, marker: &str) -> String {
+        wait_for(&format!("`{marker}` in the log"), Duration::from_secs(60), || {
+            self.log.lock().unwrap().iter().find_map(|l| l.split(marker).nth(1).map(|a| a.trim().to_string()))
+        })
+    }
+
+    fn signal(&self, sig: &str) {
+        let ok = Command::new("kill").args([sig, &self.pid().to_string()]).status().map(|s| s.success());
+        assert!(matches!(ok, Ok(true)), "kill {sig} {} failed", self.pid());
+    }
+
+    /// Waits for exit; `None` on timeout.
+    fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn sd1() -> String {
+    fixtures().join("models/sd1").display().to_string()
+}
+
+const TOKEN: &str = "test-token-123";
+
+/// `hive serve` on a free loopback port with the fixture model (or none), 1 s heartbeats, and `extra` flags.
+fn start_hive(bind: &str, with_model: bool, extra: &[&str]) -> (Proc, String) {
+    let mut cmd = Command::new(hive());
+    cmd.args(["serve", "--bind", bind, "--token", TOKEN, "--heartbeat-interval", "1", "--cpu", "always"]);
+    if with_model {
+        cmd.args(["--model", &sd1(), "--model-root", &fixtures().join("models").display().to_string()]);
+    }
+    cmd.args(extra);
+    cmd.env("SDHIVE_RESTART_INITIAL_SECS", "0.5")
+        .env("SDHIVE_DRAIN_GRACE_SECS", "5")
+        .env("SDHIVE_STOP_GRACE_SECS", "5");
+    let p = Proc::spawn(cmd);
+    let addr = p.wait_listening("hive listening on http://");
+    (p, addr)
+}
+
+fn workers(addr: &str) -> Vec<Value> {
+    get(addr, "/v1/workers").json()["workers"].as_array().cloned().unwrap_or_default()
+}
+
+/// The first worker in `state`, once there is one.
+fn wait_worker(addr: &str, state: &str, timeout: Duration) -> Value {
+    wait_for(&format!("a {state} worker"), timeout, || {
+        workers(addr).into_iter().find(|w| w["state"] == state)
+    })
+}
+
+fn wait_job(addr: &str, id: &str, timeout: Duration) -> Value {
+    wait_for(&format!("job {id} to finish"), timeout, || {
+        let job = get(addr, &format!("/v1/jobs/{id}")).json();
+        matches!(job["state"].as_str(), Some("succeeded" | "failed" | "cancelled")).then_some(job)
+    })
+}
+
+fn submit(addr: &str, body: &Value) -> String {
+    let r = post(addr, "/v1/jobs", body);
+    assert_eq!(r.status, 202, "{}", r.text());
+    r.json()["id"].as_str().unwrap().to_string()
+}
+
+fn pixels(b64: &str) -> (u32, u32, Vec<u8>) {
+    use base64::Engine;
+    let bytes = base64::engine::general_purpose::STANDARD.decode(b64).expect("base64");
+    let mut reader = png::Decoder::new(std::io::Cursor::new(bytes)).read_info().expect("png");
+    let mut buf = vec![0; reader.output_buffer_size().expect("size")];
+    let info = reader.next_frame(&mut buf).expect("frame");
+    buf.truncate(info.buffer_size());
+    (info.width, info.height, buf)
+}
+
+fn quick_job() -> Value {
+    json!({"prompt": "a cat", "steps": 4, "width": 64, "height": 64, "seed": 42, "sampler": "Euler"})
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn is_dead(pid: u64) -> bool {
+    // A zombie is dead too; it only waits for its new parent to reap it.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()) == Some("Z"),
+    }
+}
+
+// ---- tests ----
+
+#[test]
+fn hive_spawns_a_worker_and_serves_identical_images() {
+    let (hive_proc, addr) = start_hive("127.0.0.1:0", true, &[]);
+    let w = wait_worker(&addr, "ready", Duration::from_secs(120));
+    assert_eq!(w["managed"], true);
+    assert_eq!(w["backend"], "cpu");
+    assert_eq!(get(&addr, "/ready").status, 200);
+    let worker_url = w["base_url"].as_str().unwrap().trim_start_matches("http://").to_string();
+
+    let id = submit(&addr, &quick_job());
+    let job = wait_job(&addr, &id, Duration::from_secs(120));
+    assert_eq!(job["state"], "succeeded", "{job}");
+    assert_eq!(job["id"], id.as_str(), "the hive shows its own job id");
+    let via_hive = pixels(job["images"][0]["png_base64"].as_str().unwrap());
+
+    let direct_id = submit(&worker_url, &quick_job());
+    let direct = wait_job(&worker_url, &direct_id, Duration::from_secs(120));
+    let direct = pixels(direct["images"][0]["png_base64"].as_str().unwrap());
+    assert_eq!((via_hive.0, via_hive.1), (64, 64));
+    assert!(via_hive == direct, "the image through the hive differs from the worker's own");
+
+    // The OpenAI route, forwarded synchronously, gives the same picture.
+    let r = post(
+        &addr,
+        "/v1/images/generations",
+        &json!({"prompt": "a cat", "size": "64x64", "steps": 4, "seed": 42, "sampler": "Euler", "model": "dall-e-2"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(pixels(r.json()["data"][0]["b64_json"].as_str().unwrap()) == direct);
+
+    // Events replay through the hive under the hive's id.
+    let events = get(&addr, &format!("/v1/jobs/{id}/events")).text();
+    assert!(events.contains("event: completed"), "{events}");
+    assert!(events.contains(&format!("\"id\":\"{id}\"")), "{events}");
+
+    let metrics = get(&addr, "/metrics").text();
+    assert!(metrics.contains("sdhive_hive_jobs_succeeded_total 1"), "{metrics}");
+    let devices = get(&addr, "/v1/devices").json();
+    assert!(devices["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|d| d["backend"] == "cpu" && d["status"] == "selected"));
+    drop(hive_proc);
+}
+
+#[test]
+fn killed_worker_is_restarted_queued_jobs_complete_running_job_is_lost() {
+    let (hive_proc, addr) = start_hive("127.0.0.1:0", true, &["--worker-slots", "2", "--queue-size", "1"]);
+    let w = wait_worker(&addr, "ready", Duration::from_secs(120));
+    let pid = w["pid"].as_u64().unwrap();
+
+    // A runs long enough to be killed mid-way; B waits on the worker; C waits in the hive; D is refused.
+    let slow = json!({"prompt": "a slow cat", "steps": 60, "width": 256, "height": 256, "seed": 1, "sampler": "Euler"});
+    let a = submit(&addr, &slow);
+    let b = submit(&addr, &quick_job());
+    let c = submit(&addr, &quick_job());
+    let d = post(&addr, "/v1/jobs", &quick_job());
+    assert_eq!(d.status, 429, "{}", d.text());
+    assert_eq!(d.json()["error"]["code"], "queue_full");
+
+    wait_for("job A to be running", Duration::from_secs(60), || {
+        let job = get(&addr, &format!("/v1/jobs/{a}")).json();
+        (job["state"] == "running" && job["step"].as_u64() >= Some(1)).then_some(())
+    });
+    let killed = Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
+    assert!(killed.success());
+
+    let a_job = wait_job(&addr, &a, Duration::from_secs(60));
+    assert_eq!(a_job["state"], "failed", "{a_job}");
+    assert_eq!(a_job["error"]["kind"], "worker_lost", "{a_job}");
+    for id in [&b, &c] {
+        let job = wait_job(&addr, id, Duration::from_secs(180));
+        assert_eq!(job["state"], "succeeded", "job {id}: {job}\nhive log:\n{}", hive_proc.log());
+    }
+    let w = wait_worker(&addr, "ready", Duration::from_secs(30));
+    assert!(w["restarts"].as_u64() >= Some(1), "{w}");
+    assert_ne!(w["pid"].as_u64(), Some(pid), "a new process serves");
+    assert!(!w["last_exit"].is_null(), "{w}");
+}
+
+#[test]
+fn external_worker_reregisters_with_a_restarted_hive() {
+    let port = free_port();
+    let bind = format!("127.0.0.1:{port}");
+    let (mut first, addr) = start_hive(&bind, false, &[]);
+    let callback = format!("http://{addr}/v1/workers/register");
+    let mut cmd = Command::new(worker_cpu());
+    cmd.args([
+        "serve",
+        "--model",
+        &sd1(),
+        "--port",
+        "0",
+        "--worker-id",
+        "ext-1",
+        "--callback-url",
+        &callback,
+    ]);
+    cmd.env("WORKER_TOKEN", TOKEN).env("RUST_LOG", "info");
+    let worker = Proc::spawn(cmd);
+    let w = wait_worker(&addr, "ready", Duration::from_secs(120));
+    assert_eq!((w["id"].as_str(), w["managed"].as_bool()), (Some("ext-1"), Some(false)));
+
+    first.signal("-TERM");
+    assert!(first.wait_exit(Duration::from_secs(20)).is_some(), "the hive did not stop:\n{}", first.log());
+    assert!(!is_dead(u64::from(worker.pid())), "stopping the hive must not stop an external worker");
+
+    let (_second, addr2) = start_hive(&bind, false, &[]);
+    assert_eq!(addr, addr2);
+    let w = wait_worker(&addr2, "ready", Duration::from_secs(20));
+    assert_eq!(w["id"], "ext-1", "worker log:\n{}", worker.log());
+    let id = submit(&addr2, &quick_job());
+    let job = wait_job(&addr2, &id, Duration::from_secs(120));
+    assert_eq!(job["state"], "succeeded", "{job}");
+}
+
+#[test]
+fn killing_the_hive_leaves_no_worker_behind() {
+    let (hive_proc, addr) = start_hive("127.0.0.1:0", true, &[]);
+    let w = wait_worker(&addr, "ready", Duration::from_secs(120));
+    let pid = w["pid"].as_u64().unwrap();
+    assert!(!is_dead(pid));
+    hive_proc.signal("-KILL");
+    wait_for("the worker to die with the hive", Duration::from_secs(5), || is_dead(pid).then_some(()));
+}
+
+#[test]
+fn registration_needs_the_token_and_a_unique_live_id() {
+    let (_hive_proc, addr) = start_hive("127.0.0.1:0", false, &[]);
+    let registration = |id: &str, url: &str| {
+        json!({
+            "protocol_version": 1, "worker_id": id, "base_url": url, "api_key_required": false, "backend": "cpu",
+            "device": {"backend": "cpu", "index": 0, "name": "x", "memory_total_bytes": null,
+                       "memory_free_bytes": null, "driver": null},
+            "model": "m", "model_family": "sd1",
+            "capabilities": {"engine": "candle", "dtype": "f32", "samplers": [], "schedulers": [],
+                "native_width": 64, "native_height": 64, "max_width": 64, "max_height": 64, "max_steps": 4,
+                "max_n": 1, "max_prompt_chars": 10, "max_queue": 1, "max_body_bytes": 100,
+                "img2img": false, "inpaint": false, "preview": false},
+            "version": "0", "pid": 4242, "started_at": 0.0
+        })
+    };
+    let auth = format!("Bearer {TOKEN}");
+    let with_token = [("Authorization", auth.as_str())];
+    let reg = |id: &str, url: &str, headers: &[(&str, &str)]| {
+        request(&addr, "POST", "/v1/workers/register", headers, Some(&registration(id, url)))
+    };
+
+    let forged = reg("w1", "http://127.0.0.1:9", &[]);
+    assert_eq!(forged.status, 401, "{}", forged.text());
+    assert_eq!(forged.json()["error"]["type"], "authentication_error");
+    assert_eq!(reg("w1", "http://127.0.0.1:9", &[("Authorization", "Bearer wrong")]).status, 401);
+    assert!(workers(&addr).is_empty(), "a refused registration leaves no trace");
+
+    let ok = reg("w1", "http://127.0.0.1:9", &with_token);
+    assert_eq!(ok.status, 201, "{}", ok.text());
+    assert_eq!(ok.json()["heartbeat_interval_secs"], 1);
+    let dup = reg("w1", "http://127.0.0.1:10", &with_token);
+    assert_eq!(dup.status, 409, "{}", dup.text());
+    assert_eq!(reg("w1", "http://127.0.0.1:9", &with_token).status, 201, "same id + same URL re-registers");
+    assert_eq!(reg("w2", "file:///etc/passwd", &with_token).status, 400);
+    assert_eq!(reg("bad id;rm", "http://127.0.0.1:9", &with_token).status, 400);
+
+    let hb = json!({"worker_id": "ghost", "state": "idle", "queue_depth": 0, "running_job": null,
+        "memory_total_bytes": null, "memory_free_bytes": null, "jobs_succeeded": 0, "jobs_failed": 0,
+        "jobs_cancelled": 0, "uptime_secs": 1.0});
+    let r = request(&addr, "POST", "/v1/workers/ghost/heartbeat", &with_token, Some(&hb));
+    assert_eq!(r.status, 404, "unknown workers are told to register again");
+    let r = request(&addr, "POST", "/v1/workers/ghost/heartbeat", &[], Some(&hb));
+    assert_eq!(r.status, 401, "heartbeats need the token too");
+}
