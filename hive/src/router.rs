@@ -6,7 +6,7 @@
 use crate::registry::WorkerStatus;
 use crate::{random_hex, unix_now, Hive, State};
 use futures::StreamExt;
-use sdhive_protocol::{JobAccepted, JobLinks};
+use sdhive_protocol::{JobAccepted, JobErrorKind, JobLinks};
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -353,10 +353,10 @@ fn finish_cancelled(job: &mut HiveJob) {
     });
 }
 
-fn fail(job: &mut HiveJob, kind: &str, message: String, param: Option<String>) {
+fn fail(job: &mut HiveJob, kind: JobErrorKind, message: String, param: Option<String>) {
     job.phase = Phase::Done;
     job.finished = Some(Instant::now());
-    let mut error = json!({"kind": kind, "message": message});
+    let mut error = json!({"kind": kind.as_str(), "message": message});
     if let Some(p) = param {
         error["param"] = json!(p);
     }
@@ -493,7 +493,7 @@ async fn dispatch(hive: Arc<Hive>, job_id: String, slot: Slot, attempt: u32) {
                 release(&mut state, &slot.worker, slot.epoch);
                 if current {
                     if let Some(job) = state.jobs.get_mut(&job_id) {
-                        fail(job, "invalid_request", message, param);
+                        fail(job, JobErrorKind::InvalidRequest, message, param);
                     }
                     state.metrics.jobs_failed += 1;
                 }
@@ -639,6 +639,19 @@ async fn on_event(
             return true;
         }
         let name = event.name.clone();
+        let never_started = matches!(job.phase, Phase::OnWorker { started: false, .. });
+        let shutting_down = name == "failed"
+            && serde_json::from_str::<Value>(&event.data)
+                .is_ok_and(|v| v["error"]["kind"] == JobErrorKind::ShuttingDown.as_str());
+        if shutting_down && never_started {
+            // The worker is stopping and dropped its queue; the job never ran, so it can run elsewhere.
+            release(&mut state, &slot.worker, slot.epoch);
+            requeue(&mut state, job_id);
+            let starts = pump(hive, &mut state);
+            drop(state);
+            start_dispatches(hive, starts);
+            return true;
+        }
         job.publish(event);
         job.phase = Phase::Done;
         job.finished = Some(Instant::now());
@@ -680,7 +693,12 @@ fn lose_job(state: &mut State, job_id: &str, attempt: u32, why: &str) {
     }
     match job.phase.clone() {
         Phase::OnWorker { started: true, worker, .. } => {
-            fail(job, "worker_lost", format!("worker {worker} was lost while running this job: {why}"), None);
+            fail(
+                job,
+                JobErrorKind::WorkerLost,
+                format!("worker {worker} was lost while running this job: {why}"),
+                None,
+            );
             state.metrics.jobs_failed += 1;
             state.metrics.jobs_worker_lost += 1;
         }

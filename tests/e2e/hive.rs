@@ -216,6 +216,7 @@ fn wait_job(addr: &str, id: &str, timeout: Duration) -> Value {
 fn submit(addr: &str, body: &Value) -> String {
     let r = post(addr, "/v1/jobs", body);
     assert_eq!(r.status, 202, "{}", r.text());
+    assert!(r.head.to_ascii_lowercase().contains("location: /v1/jobs/job_"), "{}", r.head);
     r.json()["id"].as_str().unwrap().to_string()
 }
 
