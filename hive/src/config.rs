@@ -268,7 +268,7 @@ impl HiveConfig {
             ("stop_grace_secs", self.stop_grace_secs),
         ];
         for (name, v) in secs {
-            if !(v.is_finite() && v >= 0.0 && v < 1e9) {
+            if !(0.0..1e9).contains(&v) {
                 return Err(ConfigError::Invalid(format!("{name} must be a non-negative number of seconds")));
             }
         }

@@ -420,3 +420,74 @@ fn registration_needs_the_token_and_a_unique_live_id() {
     let r = request(&addr, "POST", "/v1/workers/ghost/heartbeat", &[], Some(&hb));
     assert_eq!(r.status, 401, "heartbeats need the token too");
 }
+
+#[test]
+fn crash_loop_fails_the_worker_with_its_stderr_and_admin_spawns_and_stops() {
+    let roots = fixtures().join("models").display().to_string();
+    let mut cmd = Command::new(hive());
+    cmd.args(["serve", "--bind", "127.0.0.1:0", "--token", TOKEN, "--heartbeat-interval", "1"]);
+    cmd.args(["--model-root", &roots]);
+    cmd.env("SDHIVE_RESTART_INITIAL_SECS", "0.2").env("SDHIVE_CRASH_LOOP_FAILURES", "3");
+    let hive_proc = Proc::spawn(cmd);
+    let addr = hive_proc.wait_listening("hive listening on http://");
+
+    let missing = fixtures().join("models/no-such-model").display().to_string();
+    let r = post(&addr, "/v1/workers", &json!({"backend": "cpu", "model": missing, "worker_id": "broken"}));
+    assert_eq!(r.status, 201, "{}", r.text());
+    let broken = wait_for("the broken worker to be failed", Duration::from_secs(60), || {
+        let w = get(&addr, "/v1/workers/broken").json();
+        (w["state"] == "failed").then_some(w)
+    });
+    let stderr: Vec<&str> =
+        broken["stderr_tail"].as_array().unwrap().iter().filter_map(|l| l.as_str()).collect();
+    assert!(stderr.iter().any(|l| l.contains("no-such-model")), "{broken}");
+    assert!(broken["last_exit"].as_str().is_some_and(|e| e.contains("exited")), "{broken}");
+    assert_eq!(broken["restarts"], 2, "3 failures = 2 restarts, then no more: {broken}");
+
+    let r = post(&addr, "/v1/workers", &json!({"backend": "cuda", "model": sd1()}));
+    assert_eq!(r.status, 400);
+    assert!(r.text().contains("sd-worker-cuda"), "a missing binary is named: {}", r.text());
+    let r = post(&addr, "/v1/workers", &json!({"backend": "cpu", "model": sd1(), "worker_id": "x;rm -rf"}));
+    assert_eq!(r.status, 400);
+
+    let r = post(&addr, "/v1/workers", &json!({"backend": "cpu", "model": sd1(), "worker_id": "extra"}));
+    assert_eq!(r.status, 201, "{}", r.text());
+    let extra = wait_worker(&addr, "ready", Duration::from_secs(120));
+    assert_eq!(extra["id"], "extra");
+    let pid = extra["pid"].as_u64().unwrap();
+    let r = request(&addr, "DELETE", "/v1/workers/extra", &[], None);
+    assert_eq!(r.status, 202, "{}", r.text());
+    wait_for("the stopped worker", Duration::from_secs(30), || {
+        (get(&addr, "/v1/workers/extra").json()["state"] == "stopped").then_some(())
+    });
+    wait_for("the stopped worker's process to exit", Duration::from_secs(10), || is_dead(pid).then_some(()));
+    assert_eq!(get(&addr, "/ready").status, 503, "no worker is left to route to");
+}
+
+#[test]
+fn sigterm_drains_the_running_job_then_stops_the_workers() {
+    let (mut hive_proc, addr) = start_hive("127.0.0.1:0", true, &[]);
+    let w = wait_worker(&addr, "ready", Duration::from_secs(120));
+    let pid = w["pid"].as_u64().unwrap();
+    let slow = json!({"prompt": "a slow cat", "steps": 30, "width": 192, "height": 192, "seed": 3, "sampler": "Euler"});
+    let id = submit(&addr, &slow);
+    wait_for("the job to run", Duration::from_secs(60), || {
+        (get(&addr, &format!("/v1/jobs/{id}")).json()["state"] == "running").then_some(())
+    });
+    // Follow the job's events from before the signal to their end.
+    let events = {
+        let (addr, id) = (addr.clone(), id.clone());
+        std::thread::spawn(move || get(&addr, &format!("/v1/jobs/{id}/events")).text())
+    };
+    hive_proc.signal("-TERM");
+    wait_for("the hive to refuse new jobs", Duration::from_secs(10), || {
+        let r =
+            try_request(&addr, "POST", "/v1/jobs", &[], Some(&quick_job()), Duration::from_secs(10)).ok()?;
+        (r.status == 503).then(|| assert_eq!(r.json()["error"]["code"], "shutting_down"))
+    });
+    let events = events.join().unwrap();
+    assert!(events.contains("event: completed"), "the running job finished during the drain:\n{events}");
+    let status = hive_proc.wait_exit(Duration::from_secs(30));
+    assert!(status.is_some_and(|s| s.success()), "hive exit: {status:?}\n{}", hive_proc.log());
+    assert!(is_dead(pid), "the worker was stopped with the hive");
+}
