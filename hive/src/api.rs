@@ -552,6 +552,12 @@ async fn submit_job(State(hive): H, Query(q): Query<ModelQuery>, body: Bytes) ->
             "shutting_down",
             "the hive is shutting down",
         ),
+        Err(SubmitError::NoWorkers) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "no_workers",
+            "no worker is running or starting (see GET /v1/workers)",
+        ),
         Err(SubmitError::UnknownModel(m)) => error(
             StatusCode::NOT_FOUND,
             "not_found_error",
@@ -752,6 +758,14 @@ async fn forward_sync(
         // Clients send model names the hive has never heard of (OpenAI SDKs default to `dall-e-2`): only a
         // name some worker serves narrows the choice.
         let model = model.filter(|m| router::model_known(&state, m));
+        if !router::any_worker(&state) {
+            return err(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "no_workers",
+                "no worker is running or starting".into(),
+            );
+        }
         if state.queue.len() >= hive.config.queue_size {
             state.metrics.rejected_queue_full += 1;
             return err(

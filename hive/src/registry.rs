@@ -297,7 +297,7 @@ impl State {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use sdhive_protocol::{Capabilities, DeviceDescription};
 

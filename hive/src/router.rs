@@ -179,11 +179,17 @@ fn take_slot(hive: &Hive, state: &mut State, worker: &str) -> Option<Slot> {
 
 /// Whether anything could ever serve `model`: a worker that is up or coming up.
 pub fn model_known(state: &State, model: &str) -> bool {
-    state.workers.values().any(|w| {
-        w.serves(model)
-            && !matches!(w.status, WorkerStatus::Failed | WorkerStatus::Stopped)
-            && !w.stop_requested
-    })
+    state.workers.values().any(|w| w.serves(model) && may_serve(w))
+}
+
+/// Up, or on its way up (starting, restarting, silent for now): worth waiting for.
+fn may_serve(w: &crate::registry::WorkerEntry) -> bool {
+    !matches!(w.status, WorkerStatus::Failed | WorkerStatus::Stopped) && !w.stop_requested
+}
+
+/// Whether any worker could take work; without one, waiting in the queue would be waiting forever.
+pub fn any_worker(state: &State) -> bool {
+    state.workers.values().any(may_serve)
 }
 
 /// Hands free slots to waiting tickets, oldest first (a ticket for a model whose workers are all busy does
@@ -276,6 +282,7 @@ pub enum SubmitError {
     QueueFull,
     Draining,
     UnknownModel(String),
+    NoWorkers,
 }
 
 /// Creates a hive job and queues it; dispatch happens when a slot frees (possibly at once).
@@ -292,6 +299,9 @@ pub fn submit(hive: &Arc<Hive>, body: Value, model: Option<String>) -> Result<Jo
             if !model_known(&state, m) {
                 return Err(SubmitError::UnknownModel(m.clone()));
             }
+        }
+        if !any_worker(&state) {
+            return Err(SubmitError::NoWorkers);
         }
         if state.queue.len() >= hive.config.queue_size {
             state.metrics.rejected_queue_full += 1;
@@ -765,6 +775,81 @@ pub fn active_jobs(state: &State) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::HiveConfig;
+    use crate::registry::tests::request;
+
+    fn job(id: &str, phase: Phase, created_at: f64) -> HiveJob {
+        HiveJob {
+            id: id.into(),
+            body: json!({"prompt": "x"}),
+            model: None,
+            phase,
+            attempt: 1,
+            created_at,
+            finished: None,
+            snapshot: None,
+            events: broadcast::channel(4).0,
+            replay: Vec::new(),
+            cancel_requested: false,
+        }
+    }
+
+    #[test]
+    fn a_lost_worker_fails_its_running_job_and_redispatches_the_queued_ones() {
+        let hive = Hive::new(HiveConfig::default(), "t".into(), "http://hive".into()).unwrap();
+        let mut state = hive.lock();
+        let now = Instant::now();
+        state.register(request("w1", "http://h:1", 1), now).unwrap();
+        state.register(request("w2", "http://h:2", 2), now).unwrap();
+        let on_w1 =
+            |started| Phase::OnWorker { worker: "w1".into(), epoch: 0, worker_job: "j".into(), started };
+        state.jobs.insert("running".into(), job("running", on_w1(true), 1.0));
+        state.jobs.insert("waiting".into(), job("waiting", on_w1(false), 2.0));
+        state.jobs.insert("in_hive".into(), job("in_hive", Phase::Queued, 3.0));
+        state.queue.push_back(Ticket::Job("in_hive".into()));
+        state.workers.get_mut("w1").unwrap().inflight = 2;
+        // w2 is full: the jobs w1 leaves behind must wait.
+        state.workers.get_mut("w2").unwrap().inflight = 2;
+
+        // As the supervisor does when the process exits: unroutable first, then the jobs are settled.
+        state.workers.get_mut("w1").unwrap().registration = None;
+        let starts = worker_lost(&hive, &mut state, "w1", 0, "killed");
+        assert!(starts.is_empty(), "no free slot anywhere yet");
+        let running = &state.jobs["running"];
+        assert_eq!(running.phase, Phase::Done);
+        assert_eq!(running.snapshot.as_ref().unwrap()["error"]["kind"], "worker_lost");
+        assert!(running.replay.iter().any(|e| e.name == "failed"));
+        assert_eq!(state.jobs["waiting"].phase, Phase::Queued);
+        let order: Vec<String> = state
+            .queue
+            .iter()
+            .filter_map(|t| match t {
+                Ticket::Job(id) => Some(id.clone()),
+                Ticket::Sync { .. } => None,
+            })
+            .collect();
+        assert_eq!(order, ["waiting", "in_hive"], "the re-queued job goes first");
+        let w1 = &state.workers["w1"];
+        assert_eq!((w1.epoch, w1.inflight), (1, 0));
+
+        // A late answer for the old epoch does not touch the new life's count.
+        release(&mut state, "w1", 0);
+        assert_eq!(state.workers["w1"].inflight, 0);
+
+        // When w2 frees a slot, the oldest waiting job takes it.
+        release(&mut state, "w2", 0);
+        let starts = pump(&hive, &mut state);
+        assert_eq!(starts.len(), 1);
+        assert_eq!((starts[0].0.as_str(), starts[0].1.worker.as_str()), ("waiting", "w2"));
+        assert_eq!(state.queue.len(), 1, "in_hive still waits");
+        // The restarted w1 registers again and takes it.
+        state.register(request("w1", "http://h:1", 3), now).unwrap();
+        let starts = pump(&hive, &mut state);
+        assert_eq!(
+            (starts[0].0.as_str(), starts[0].1.worker.as_str(), starts[0].1.epoch),
+            ("in_hive", "w1", 1)
+        );
+    }
 
     #[test]
     fn sse_blocks_are_rewritten_to_the_hive_id() {

@@ -238,15 +238,16 @@ async fn supervise(hive: Arc<Hive>, spec: Spec, mut stop: watch::Receiver<bool>)
         };
         let starts = {
             let mut state = hive.lock();
-            let epoch = state.workers.get(&id).map(|w| w.epoch).unwrap_or(0);
-            let starts = router::worker_lost(&hive, &mut state, &id, epoch, &why);
+            let mut epoch = 0;
+            // Unroutable first, so the re-queued jobs are not handed straight back to the dead process.
             if let Some(w) = state.workers.get_mut(&id) {
+                epoch = w.epoch;
                 w.registration = None;
                 w.pid = None;
                 w.last_exit = Some(why.clone());
                 w.status = if stopping { WorkerStatus::Stopped } else { WorkerStatus::Starting };
             }
-            starts
+            router::worker_lost(&hive, &mut state, &id, epoch, &why)
         };
         router::start_dispatches(&hive, starts);
         if stopping {

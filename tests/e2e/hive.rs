@@ -397,6 +397,11 @@ fn registration_needs_the_token_and_a_unique_live_id() {
         request(&addr, "POST", "/v1/workers/register", headers, Some(&registration(id, url)))
     };
 
+    // Nothing to route to: refused at once rather than queued forever.
+    let r = post(&addr, "/v1/jobs", &quick_job());
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "no_workers");
+
     let forged = reg("w1", "http://127.0.0.1:9", &[]);
     assert_eq!(forged.status, 401, "{}", forged.text());
     assert_eq!(forged.json()["error"]["type"], "authentication_error");
@@ -406,6 +411,11 @@ fn registration_needs_the_token_and_a_unique_live_id() {
     let ok = reg("w1", "http://127.0.0.1:9", &with_token);
     assert_eq!(ok.status, 201, "{}", ok.text());
     assert_eq!(ok.json()["heartbeat_interval_secs"], 1);
+    let listed = workers(&addr);
+    assert_eq!(
+        (listed.len(), listed[0]["id"].as_str(), listed[0]["managed"].as_bool()),
+        (1, Some("w1"), Some(false))
+    );
     let dup = reg("w1", "http://127.0.0.1:10", &with_token);
     assert_eq!(dup.status, 409, "{}", dup.text());
     assert_eq!(reg("w1", "http://127.0.0.1:9", &with_token).status, 201, "same id + same URL re-registers");
