@@ -501,3 +501,61 @@ fn sigterm_drains_the_running_job_then_stops_the_workers() {
     assert!(status.is_some_and(|s| s.success()), "hive exit: {status:?}\n{}", hive_proc.log());
     assert!(is_dead(pid), "the worker was stopped with the hive");
 }
+
+#[test]
+fn api_key_guards_everything_but_health() {
+    let (_hive_proc, addr) = start_hive("127.0.0.1:0", false, &["--api-key", "k3y"]);
+    let key = [("Authorization", "Bearer k3y")];
+    assert_eq!(get(&addr, "/health").status, 200);
+    for (method, path) in
+        [("GET", "/v1/workers"), ("GET", "/v1/devices"), ("GET", "/metrics"), ("POST", "/v1/jobs")]
+    {
+        let body = (method == "POST").then(quick_job);
+        let r = request(&addr, method, path, &[], body.as_ref());
+        assert_eq!(r.status, 401, "{method} {path}: {}", r.text());
+        assert_eq!(r.json()["error"]["code"], "invalid_api_key");
+        let wrong = request(&addr, method, path, &[("Authorization", "Bearer nope")], body.as_ref());
+        assert_eq!(wrong.status, 401, "{method} {path}");
+    }
+    assert_eq!(request(&addr, "GET", "/v1/workers", &key, None).status, 200);
+    assert_eq!(request(&addr, "GET", "/metrics", &key, None).status, 200);
+    // The API key is not the registration token.
+    let r = request(&addr, "POST", "/v1/workers/register", &key, Some(&json!({})));
+    assert_eq!(r.status, 401);
+}
+
+#[test]
+fn devices_and_config_commands() {
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        let mut cmd = Command::new(hive());
+        cmd.args(args);
+        for (k, _) in std::env::vars() {
+            if k.starts_with("SDHIVE_") {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.envs(env.iter().copied());
+        let out = cmd.output().expect("cannot run hive");
+        assert!(out.status.success(), "hive {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let table = run(&["devices", "--model", "m", "--workers-dir", "/nonexistent"], &[]);
+    assert!(table.contains("cpu"), "{table}");
+    assert!(
+        table.contains("MISSING worker binary /nonexistent/sd-worker-cpu"),
+        "reported, not skipped:\n{table}"
+    );
+    let rows: Value = serde_json::from_str(&run(&["devices", "--json"], &[])).unwrap();
+    assert!(
+        rows.as_array().unwrap().iter().any(|r| r["backend"] == "cpu" && r["binary_present"] == true),
+        "{rows}"
+    );
+
+    let config = run(
+        &["config", "--token", "s3cret", "--queue-size", "5"],
+        &[("SDHIVE_QUEUE_SIZE", "9"), ("SDHIVE_WORKER_SLOTS", "3")],
+    );
+    assert!(!config.contains("s3cret") && config.contains("<redacted>"), "{config}");
+    assert!(config.contains("queue_size = 5"), "the flag beats the environment:\n{config}");
+    assert!(config.contains("worker_slots = 3"), "the environment beats the default:\n{config}");
+}
