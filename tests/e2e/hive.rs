@@ -559,3 +559,32 @@ fn devices_and_config_commands() {
     assert!(config.contains("queue_size = 5"), "the flag beats the environment:\n{config}");
     assert!(config.contains("worker_slots = 3"), "the environment beats the default:\n{config}");
 }
+
+#[test]
+fn synchronous_requests_hold_a_slot_and_fail_worker_lost_when_the_worker_dies() {
+    let (_hive_proc, addr) = start_hive("127.0.0.1:0", true, &["--worker-slots", "1"]);
+    let w = wait_worker(&addr, "ready", Duration::from_secs(120));
+    let pid = w["pid"].as_u64().unwrap();
+    let sync = {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            let body = json!({"prompt": "a slow cat", "size": "256x256", "steps": 60, "seed": 5, "sampler": "Euler"});
+            post(&addr, "/v1/images/generations", &body)
+        })
+    };
+    wait_for("the synchronous job to run on the worker", Duration::from_secs(60), || {
+        let w = workers(&addr).into_iter().next()?;
+        (w["inflight"] == 1 && w["running_job"]["step"].as_u64() >= Some(1)).then_some(())
+    });
+    // The worker's only slot is taken by the synchronous request: a native job waits in the hive.
+    let queued = submit(&addr, &quick_job());
+    let job = get(&addr, &format!("/v1/jobs/{queued}")).json();
+    assert_eq!((job["state"].as_str(), job["queue_position"].as_u64()), (Some("queued"), Some(0)), "{job}");
+
+    assert!(Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap().success());
+    let r = sync.join().unwrap();
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "worker_lost");
+    let job = wait_job(&addr, &queued, Duration::from_secs(180));
+    assert_eq!(job["state"], "succeeded", "the waiting job ran on the restarted worker: {job}");
+}
