@@ -532,7 +532,16 @@ async fn submit_job(State(hive): H, Query(q): Query<ModelQuery>, body: Bytes) ->
         }
     };
     match router::submit(&hive, value, q.model) {
-        Ok(accepted) => {
+        Ok((accepted, first)) => {
+            // Dispatched at once: a worker's own validation error reaches the client as it would directly.
+            if let Some(first) = first {
+                if let Ok(Ok(Some((status, body)))) =
+                    tokio::time::timeout(Duration::from_secs(30), first).await
+                {
+                    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+                    return (status, Json(body)).into_response();
+                }
+            }
             let location = accepted.links.self_.clone();
             let mut r = (StatusCode::ACCEPTED, Json(accepted)).into_response();
             if let Ok(v) = HeaderValue::from_str(&location) {

@@ -59,6 +59,9 @@ pub struct HiveJob {
     /// Latest event of each kind for late subscribers, in stream order.
     pub replay: Vec<SseEvent>,
     pub cancel_requested: bool,
+    /// Told the outcome of the first submission to a worker: the worker's refusal (status and body) when it
+    /// refused the request itself, so the client gets the worker's 400 instead of a job that fails later.
+    pub first_dispatch: Option<oneshot::Sender<Option<(u16, Value)>>>,
 }
 
 impl HiveJob {
@@ -285,11 +288,21 @@ pub enum SubmitError {
     NoWorkers,
 }
 
-/// Creates a hive job and queues it; dispatch happens when a slot frees (possibly at once).
-pub fn submit(hive: &Arc<Hive>, body: Value, model: Option<String>) -> Result<JobAccepted, SubmitError> {
+/// What a worker's refusal of a submission looks like: its status and error body.
+pub type Refusal = Option<(u16, Value)>;
+
+/// Creates a hive job and queues it; dispatch happens when a slot frees (possibly at once). When it was
+/// dispatched at once, the receiver tells whether the worker refused the request itself.
+pub fn submit(
+    hive: &Arc<Hive>,
+    body: Value,
+    model: Option<String>,
+) -> Result<(JobAccepted, Option<oneshot::Receiver<Refusal>>), SubmitError> {
     let id = format!("job_{}", random_hex(12));
     let starts;
     let position;
+    let (first_tx, first_rx) = oneshot::channel();
+    let dispatched_now;
     {
         let mut state = hive.lock();
         if state.draining {
@@ -322,19 +335,22 @@ pub fn submit(hive: &Arc<Hive>, body: Value, model: Option<String>) -> Result<Jo
                 events: broadcast::channel(64).0,
                 replay: Vec::new(),
                 cancel_requested: false,
+                first_dispatch: Some(first_tx),
             },
         );
         state.queue.push_back(Ticket::Job(id.clone()));
         starts = pump(hive, &mut state);
         position = queue_position(&state, &id).unwrap_or(0);
+        dispatched_now = state.jobs.get(&id).is_some_and(|j| matches!(j.phase, Phase::Dispatching { .. }));
     }
     start_dispatches(hive, starts);
-    Ok(JobAccepted {
+    let accepted = JobAccepted {
         id: id.as_str().into(),
         state: sdhive_protocol::JobState::Queued,
         queue_position: Some(position),
         links: JobLinks::for_job(&id.as_str().into()),
-    })
+    };
+    Ok((accepted, dispatched_now.then_some(first_rx)))
 }
 
 /// Puts a job back at the front of the hive queue (its worker refused it or died before running it).
@@ -437,7 +453,7 @@ async fn dispatch(hive: Arc<Hive>, job_id: String, slot: Slot, attempt: u32) {
     enum Next {
         Accepted(String),
         Retry(Option<Duration>),
-        Refused(String, Option<String>),
+        Refused(u16, Value),
     }
     let next = match result {
         Ok(r) if r.status().is_success() => match r.json::<JobAccepted>().await {
@@ -454,12 +470,7 @@ async fn dispatch(hive: Arc<Hive>, job_id: String, slot: Slot, attempt: u32) {
         Ok(r) => {
             let status = r.status();
             let err: Value = r.json().await.unwrap_or(Value::Null);
-            let message = err["error"]["message"]
-                .as_str()
-                .map(String::from)
-                .unwrap_or_else(|| format!("the worker answered {status}"));
-            let param = err["error"]["param"].as_str().map(String::from);
-            Next::Refused(message, param)
+            Next::Refused(status.as_u16(), err)
         }
         Err(e) => {
             tracing::warn!(worker = %slot.worker, "cannot submit to the worker: {e}");
@@ -469,6 +480,15 @@ async fn dispatch(hive: Arc<Hive>, job_id: String, slot: Slot, attempt: u32) {
     let mut forward_cancel = None;
     let starts = {
         let mut state = hive.lock();
+        let refusal = match &next {
+            Next::Refused(status, body) => Some((*status, body.clone())),
+            _ => None,
+        };
+        let told_client = state
+            .jobs
+            .get_mut(&job_id)
+            .and_then(|j| j.first_dispatch.take())
+            .is_some_and(|tx| tx.send(refusal).is_ok());
         let current = state.jobs.get(&job_id).is_some_and(|j| {
             j.attempt == attempt
                 && matches!(&j.phase, Phase::Dispatching { worker, .. } if *worker == slot.worker)
@@ -499,9 +519,18 @@ async fn dispatch(hive: Arc<Hive>, job_id: String, slot: Slot, attempt: u32) {
                     requeue(&mut state, &job_id);
                 }
             }
-            Next::Refused(message, param) => {
+            Next::Refused(status, err) => {
                 release(&mut state, &slot.worker, slot.epoch);
-                if current {
+                if current && told_client {
+                    // The client got the worker's answer instead of a job id: there is no job.
+                    state.jobs.remove(&job_id);
+                    state.metrics.jobs_submitted = state.metrics.jobs_submitted.saturating_sub(1);
+                } else if current {
+                    let message = err["error"]["message"]
+                        .as_str()
+                        .map(String::from)
+                        .unwrap_or_else(|| format!("the worker answered {status}"));
+                    let param = err["error"]["param"].as_str().map(String::from);
                     if let Some(job) = state.jobs.get_mut(&job_id) {
                         fail(job, JobErrorKind::InvalidRequest, message, param);
                     }
@@ -791,6 +820,7 @@ mod tests {
             events: broadcast::channel(4).0,
             replay: Vec::new(),
             cancel_requested: false,
+            first_dispatch: None,
         }
     }
 

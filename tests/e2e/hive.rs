@@ -263,6 +263,15 @@ fn hive_spawns_a_worker_and_serves_identical_images() {
     assert_eq!(job["id"], id.as_str(), "the hive shows its own job id");
     let via_hive = pixels(job["images"][0]["png_base64"].as_str().unwrap());
 
+    // The worker's own validation answer comes back as it would from the worker.
+    let bad = json!({"prompt": "a cat", "steps": 0});
+    let (via, direct) = (post(&addr, "/v1/jobs", &bad), post(&worker_url, "/v1/jobs", &bad));
+    assert_eq!((via.status, direct.status), (400, 400), "{}", via.text());
+    assert_eq!(via.json(), direct.json());
+    let typo = post(&addr, "/v1/jobs", &json!({"prompt": "a cat", "step": 3}));
+    assert_eq!(typo.status, 400);
+    assert!(typo.text().contains("step"), "{}", typo.text());
+
     let direct_id = submit(&worker_url, &quick_job());
     let direct = wait_job(&worker_url, &direct_id, Duration::from_secs(120));
     let direct = pixels(direct["images"][0]["png_base64"].as_str().unwrap());
