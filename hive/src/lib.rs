@@ -240,11 +240,8 @@ async fn drain(hive: &Arc<Hive>) {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    {
-        let mut state = hive.lock();
-        // Waiting synchronous requests see their reply sender dropped and answer 503.
-        state.queue.clear();
-    }
+    // Waiting synchronous requests see their reply sender dropped and answer 503.
+    router::fail_waiting(&mut hive.lock());
     let handles: Vec<supervisor::Handle> =
         hive.supervisors.lock().unwrap_or_else(|p| p.into_inner()).drain().map(|(_, h)| h).collect();
     for h in &handles {

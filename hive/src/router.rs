@@ -791,6 +791,17 @@ pub fn worker_lost(
     pump(hive, state)
 }
 
+/// Shutdown: jobs still waiting in the hive will not run here; they fail `shutting_down` (resubmit elsewhere).
+pub fn fail_waiting(state: &mut State) {
+    state.queue.clear();
+    let mut failed = 0;
+    for job in state.jobs.values_mut().filter(|j| j.phase == Phase::Queued) {
+        fail(job, JobErrorKind::ShuttingDown, "the hive shut down before a worker was free".into(), None);
+        failed += 1;
+    }
+    state.metrics.jobs_failed += failed;
+}
+
 /// Drops finished jobs older than the TTL.
 pub fn expire_jobs(state: &mut State, ttl: Duration, now: Instant) {
     state.jobs.retain(|_, j| j.finished.is_none_or(|t| now.saturating_duration_since(t) < ttl));
