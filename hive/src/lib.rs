@@ -207,18 +207,34 @@ async fn housekeeping(hive: Arc<Hive>) {
             _ = tokio::time::sleep(tick) => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        let starts = {
+        let (starts, hung) = {
             let mut state = hive.lock();
             let now = std::time::Instant::now();
             let mut starts = Vec::new();
             for (id, epoch) in state.sweep(now, interval) {
                 starts.extend(router::worker_lost(&hive, &mut state, &id, epoch, "stopped heartbeating"));
             }
+            // A managed worker silent this long is hung (or stopped): restarting it is the only cure.
+            let hung: Vec<String> = state
+                .workers
+                .values()
+                .filter(|w| w.managed && w.status == registry::WorkerStatus::Unhealthy && w.pid.is_some())
+                .filter(|w| w.last_seen.is_some_and(|t| now.saturating_duration_since(t) > interval * 6))
+                .map(|w| w.id.clone())
+                .collect();
             router::expire_jobs(&mut state, ttl, now);
             starts.extend(router::pump(&hive, &mut state));
-            starts
+            (starts, hung)
         };
         router::start_dispatches(&hive, starts);
+        if !hung.is_empty() {
+            let supervisors = hive.supervisors.lock().unwrap_or_else(|p| p.into_inner());
+            for id in hung {
+                if let Some(h) = supervisors.get(&id) {
+                    h.kill.notify_waiters();
+                }
+            }
+        }
     }
 }
 

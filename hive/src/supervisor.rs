@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{oneshot, watch, Notify};
 
 /// Delay before restart number `n` (1-based consecutive failures): `min(initial · 2^(n−1), max)`.
 pub fn backoff(n: u32, initial: Duration, max: Duration) -> Duration {
@@ -98,6 +98,9 @@ fn harden(cmd: &mut Command) {
 /// Handle kept by the hive to stop a supervised worker.
 pub struct Handle {
     pub stop: watch::Sender<bool>,
+    /// Kills the running child (SIGKILL) so that it is restarted: for a worker that stopped heartbeating.
+    /// `notify_waiters` only reaches a child being waited on, so a stale kill never hits its successor.
+    pub kill: Arc<Notify>,
     pub task: tokio::task::JoinHandle<()>,
 }
 
@@ -188,8 +191,9 @@ pub fn start(hive: &Arc<Hive>, spec: Spec) -> Handle {
         WorkerEntry::managed(&w.worker_id, w.backend.name(), w.device_index, &w.model),
     );
     let (stop, stop_rx) = watch::channel(false);
-    let task = tokio::spawn(supervise(hive.clone(), spec, stop_rx));
-    Handle { stop, task }
+    let kill = Arc::new(Notify::new());
+    let task = tokio::spawn(supervise(hive.clone(), spec, stop_rx, kill.clone()));
+    Handle { stop, kill, task }
 }
 
 fn set_status(hive: &Hive, id: &str, f: impl FnOnce(&mut WorkerEntry)) {
@@ -198,7 +202,7 @@ fn set_status(hive: &Hive, id: &str, f: impl FnOnce(&mut WorkerEntry)) {
     }
 }
 
-async fn supervise(hive: Arc<Hive>, spec: Spec, mut stop: watch::Receiver<bool>) {
+async fn supervise(hive: Arc<Hive>, spec: Spec, mut stop: watch::Receiver<bool>, kill: Arc<Notify>) {
     let id = spec.worker.worker_id.clone();
     let c = &hive.config;
     let initial = Duration::from_secs_f64(c.restart_initial_secs);
@@ -227,7 +231,7 @@ async fn supervise(hive: Arc<Hive>, spec: Spec, mut stop: watch::Receiver<bool>)
                 if let Some(err) = child.stderr.take() {
                     pipe_lines(hive.clone(), id.clone(), err, true);
                 }
-                run_child(&hive, &id, child, &mut stop).await
+                run_child(&hive, &id, child, &mut stop, &kill).await
             }
             Err(e) => Err(format!("cannot start {}: {e}", spec.worker.binary.display())),
         };
@@ -285,6 +289,7 @@ async fn run_child(
     id: &str,
     child: Child,
     stop: &mut watch::Receiver<bool>,
+    kill: &Notify,
 ) -> Result<std::process::ExitStatus, String> {
     let pid = child.id();
     let child = Arc::new(Mutex::new(child));
@@ -303,9 +308,18 @@ async fn run_child(
         })
     };
     let mut waiter = std::pin::pin!(waiter);
-    tokio::select! {
+    let killed = tokio::select! {
         r = &mut waiter => return r.unwrap_or_else(|e| Err(e.to_string())),
-        _ = stop.wait_for(|s| *s) => {}
+        _ = stop.wait_for(|s| *s) => false,
+        _ = kill.notified() => true,
+    };
+    if killed {
+        tracing::warn!(worker = %id, pid, "no heartbeat for too long: killing the worker to restart it");
+        if let Err(e) = child.lock().unwrap_or_else(|p| p.into_inner()).kill() {
+            tracing::warn!(worker = %id, "cannot kill: {e}");
+        }
+        let status = waiter.await.unwrap_or_else(|e| Err(e.to_string()))?;
+        return Err(format!("killed after missing heartbeats ({status})"));
     }
     tracing::info!(worker = %id, pid, "stopping worker (SIGTERM)");
     set_status(hive, id, |w| w.status = WorkerStatus::Draining);

@@ -597,3 +597,19 @@ fn synchronous_requests_hold_a_slot_and_fail_worker_lost_when_the_worker_dies() 
     let job = wait_job(&addr, &queued, Duration::from_secs(180));
     assert_eq!(job["state"], "succeeded", "the waiting job ran on the restarted worker: {job}");
 }
+
+#[test]
+fn a_silent_worker_is_unhealthy_then_restarted() {
+    let (_hive_proc, addr) = start_hive("127.0.0.1:0", true, &[]);
+    let w = wait_worker(&addr, "ready", Duration::from_secs(120));
+    let pid = w["pid"].as_u64().unwrap();
+    // A stopped process keeps its socket open but answers nothing: only the missing heartbeats tell.
+    assert!(Command::new("kill").args(["-STOP", &pid.to_string()]).status().unwrap().success());
+    wait_worker(&addr, "unhealthy", Duration::from_secs(10));
+    assert_eq!(get(&addr, "/ready").status, 503, "an unhealthy worker is not routed to");
+    let w = wait_for("a restarted worker", Duration::from_secs(60), || {
+        workers(&addr).into_iter().find(|w| w["state"] == "ready" && w["pid"].as_u64() != Some(pid))
+    });
+    assert!(w["last_exit"].as_str().is_some_and(|e| e.contains("missing heartbeats")), "{w}");
+    wait_for("the hung process to be gone", Duration::from_secs(10), || is_dead(pid).then_some(()));
+}
