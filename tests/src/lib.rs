@@ -19,11 +19,24 @@ pub fn worker_cpu() -> &'static Path {
         if let Some(bin) = std::env::var_os("SD_WORKER_CPU_BIN") {
             return PathBuf::from(bin);
         }
-        build_bin("sd-worker-cpu")
+        build_bin("sd-worker-cpu", "sd-worker-cpu")
     })
 }
 
-fn build_bin(package: &str) -> PathBuf {
+/// The `hive` binary (package `sdhive-hive`): `SDHIVE_HIVE_BIN` if set, else built like [`worker_cpu`], into
+/// the same folder, which is where the hive looks for worker binaries. Builds the CPU worker too.
+pub fn hive() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(bin) = std::env::var_os("SDHIVE_HIVE_BIN") {
+            return PathBuf::from(bin);
+        }
+        worker_cpu();
+        build_bin("sdhive-hive", "hive")
+    })
+}
+
+fn build_bin(package: &str, bin_name: &str) -> PathBuf {
     // The test executable is <target>/<profile>/deps/<name>-<hash>.
     let exe = std::env::current_exe().expect("cannot locate the test executable");
     let profile_dir =
@@ -43,7 +56,7 @@ fn build_bin(package: &str) -> PathBuf {
         .status()
         .expect("cannot run cargo");
     assert!(status.success(), "cargo build -p {package} failed");
-    let bin = profile_dir.join(format!("{package}{}", std::env::consts::EXE_SUFFIX));
+    let bin = profile_dir.join(format!("{bin_name}{}", std::env::consts::EXE_SUFFIX));
     assert!(bin.is_file(), "{} was not built", bin.display());
     bin
 }

@@ -242,6 +242,8 @@ pub enum JobErrorKind {
     EnginePanic,
     /// The worker shut down before the job could run or finish; submitting it again elsewhere is the remedy.
     ShuttingDown,
+    /// Set by the hive: the worker running the job died (or stopped answering) before it finished.
+    WorkerLost,
 }
 
 impl JobErrorKind {
@@ -252,6 +254,7 @@ impl JobErrorKind {
             JobErrorKind::EngineError => "engine_error",
             JobErrorKind::EnginePanic => "engine_panic",
             JobErrorKind::ShuttingDown => "shutting_down",
+            JobErrorKind::WorkerLost => "worker_lost",
         }
     }
 }

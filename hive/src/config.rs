@@ -1,0 +1,366 @@
+//! The hive's effective configuration and how it is assembled: built-in defaults, then `hive.toml`, then
+//! `SDHIVE_*` environment variables, then command-line flags — each layer overriding only what it sets.
+//! `docs/operations.md` lists every key.
+
+use serde::{Deserialize, Serialize};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("environment variable {var}: {message}")]
+    Env { var: String, message: String },
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// When the CPU gets a worker of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CpuPolicy {
+    /// Only when no GPU worker is planned: a CPU worker beside GPU workers would mostly steal the cores that
+    /// feed them.
+    Auto,
+    Always,
+    Never,
+}
+
+impl std::str::FromStr for CpuPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(CpuPolicy::Auto),
+            "always" => Ok(CpuPolicy::Always),
+            "never" => Ok(CpuPolicy::Never),
+            other => Err(format!("`{other}` is not one of auto, always, never")),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HiveConfig {
+    /// Where the hive's HTTP API listens.
+    pub bind: SocketAddr,
+    /// Models to serve; devices are given models round robin.
+    pub models: Vec<String>,
+    /// Passed to every worker as `--model-root`: local model paths must lie inside one of these.
+    pub model_roots: Vec<PathBuf>,
+    /// Where `sd-worker-<backend>` binaries live; default: beside the hive executable.
+    pub workers_dir: Option<PathBuf>,
+    /// Registration/heartbeat bearer token; a random one is generated when unset.
+    pub token: Option<String>,
+    /// Bearer key for the hive's API (admin routes always, job routes when set).
+    pub api_key: Option<String>,
+    /// Key the workers require (`--api-key` of spawned workers, and what the hive sends to any worker that
+    /// registers with `api_key_required`).
+    pub worker_api_key: Option<String>,
+    /// Use only this backend (`cuda`, `rocm`, `vulkan`, `metal`, `cpu`).
+    pub backend: Option<String>,
+    /// `backend:index` entries: serve that physical device with that backend.
+    pub pin: Vec<String>,
+    /// `backend:index` (that physical device) or `backend` (never use that backend).
+    pub exclude: Vec<String>,
+    pub cpu: CpuPolicy,
+    /// Sent to workers in the registration answer; a worker silent for 3 intervals is unhealthy.
+    pub heartbeat_interval_secs: u64,
+    /// Jobs the hive holds while every worker is full; beyond it submissions get 429.
+    pub queue_size: usize,
+    /// Jobs in flight per worker (running + queued on the worker); more wait in the hive's queue, where they
+    /// can still go to whichever worker frees up first.
+    pub worker_slots: usize,
+    /// First port for spawned workers (`base + n`); 0 lets each worker pick a free port.
+    pub worker_port_base: u16,
+    /// Restart delay after the n-th consecutive failure: `min(initial · 2^(n−1), max)`.
+    pub restart_initial_secs: f64,
+    pub restart_max_secs: f64,
+    /// A child that stayed up this long counts as healthy again: the next failure starts the backoff over.
+    pub restart_reset_secs: f64,
+    /// This many failures within `crash_loop_window_secs` mark the worker `failed` (no more restarts).
+    pub crash_loop_failures: u32,
+    pub crash_loop_window_secs: f64,
+    /// On SIGTERM: how long running jobs may finish before the workers are stopped.
+    pub drain_grace_secs: f64,
+    /// After SIGTERM to a worker: how long before SIGKILL.
+    pub stop_grace_secs: f64,
+    /// How long finished job results stay readable through the hive.
+    pub job_ttl_secs: u64,
+}
+
+impl Default for HiveConfig {
+    fn default() -> Self {
+        HiveConfig {
+            bind: SocketAddr::from(([127, 0, 0, 1], 7833)),
+            models: Vec::new(),
+            model_roots: Vec::new(),
+            workers_dir: None,
+            token: None,
+            api_key: None,
+            worker_api_key: None,
+            backend: None,
+            pin: Vec::new(),
+            exclude: Vec::new(),
+            cpu: CpuPolicy::Auto,
+            heartbeat_interval_secs: 5,
+            queue_size: 64,
+            worker_slots: 2,
+            worker_port_base: 0,
+            restart_initial_secs: 1.0,
+            restart_max_secs: 60.0,
+            restart_reset_secs: 60.0,
+            crash_loop_failures: 5,
+            crash_loop_window_secs: 300.0,
+            drain_grace_secs: 30.0,
+            stop_grace_secs: 15.0,
+            job_ttl_secs: 600,
+        }
+    }
+}
+
+/// Command-line values; `None`/empty leaves the lower layers alone.
+#[derive(Debug, Clone, Default)]
+pub struct CliOverrides {
+    pub bind: Option<SocketAddr>,
+    pub models: Vec<String>,
+    pub model_roots: Vec<PathBuf>,
+    pub workers_dir: Option<PathBuf>,
+    pub token: Option<String>,
+    pub api_key: Option<String>,
+    pub backend: Option<String>,
+    pub pin: Vec<String>,
+    pub exclude: Vec<String>,
+    pub cpu: Option<CpuPolicy>,
+    pub heartbeat_interval_secs: Option<u64>,
+    pub queue_size: Option<usize>,
+    pub worker_slots: Option<usize>,
+}
+
+fn list(value: &str) -> Vec<String> {
+    value.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect()
+}
+
+fn parse<T: std::str::FromStr>(var: &str, value: &str) -> Result<T, ConfigError>
+where
+    T::Err: std::fmt::Display,
+{
+    value.trim().parse().map_err(|e: T::Err| ConfigError::Env { var: var.into(), message: e.to_string() })
+}
+
+impl HiveConfig {
+    /// Defaults → `file` (if any) → `env` → `cli`.
+    pub fn load(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+        cli: &CliOverrides,
+    ) -> Result<HiveConfig, ConfigError> {
+        let mut config = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|source| ConfigError::Read { path: path.into(), source })?;
+                Self::from_toml(&text).map_err(|message| ConfigError::Parse { path: path.into(), message })?
+            }
+            None => HiveConfig::default(),
+        };
+        config.apply_env(env)?;
+        config.apply_cli(cli);
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn from_toml(text: &str) -> Result<HiveConfig, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+
+    /// Applies the `SDHIVE_*` variables; others are ignored (the environment is shared with everything else).
+    pub fn apply_env(&mut self, env: impl IntoIterator<Item = (String, String)>) -> Result<(), ConfigError> {
+        for (var, value) in env {
+            let Some(key) = var.strip_prefix("SDHIVE_") else { continue };
+            match key {
+                "BIND" => self.bind = parse(&var, &value)?,
+                "MODELS" => self.models = list(&value),
+                "MODEL_ROOTS" => self.model_roots = list(&value).into_iter().map(PathBuf::from).collect(),
+                "WORKERS_DIR" => self.workers_dir = Some(PathBuf::from(value)),
+                "TOKEN" => self.token = Some(value),
+                "API_KEY" => self.api_key = Some(value),
+                "WORKER_API_KEY" => self.worker_api_key = Some(value),
+                "BACKEND" => self.backend = Some(value),
+                "PIN" => self.pin = list(&value),
+                "EXCLUDE" => self.exclude = list(&value),
+                "CPU" => self.cpu = parse(&var, &value)?,
+                "HEARTBEAT_INTERVAL_SECS" => self.heartbeat_interval_secs = parse(&var, &value)?,
+                "QUEUE_SIZE" => self.queue_size = parse(&var, &value)?,
+                "WORKER_SLOTS" => self.worker_slots = parse(&var, &value)?,
+                "WORKER_PORT_BASE" => self.worker_port_base = parse(&var, &value)?,
+                "RESTART_INITIAL_SECS" => self.restart_initial_secs = parse(&var, &value)?,
+                "RESTART_MAX_SECS" => self.restart_max_secs = parse(&var, &value)?,
+                "RESTART_RESET_SECS" => self.restart_reset_secs = parse(&var, &value)?,
+                "CRASH_LOOP_FAILURES" => self.crash_loop_failures = parse(&var, &value)?,
+                "CRASH_LOOP_WINDOW_SECS" => self.crash_loop_window_secs = parse(&var, &value)?,
+                "DRAIN_GRACE_SECS" => self.drain_grace_secs = parse(&var, &value)?,
+                "STOP_GRACE_SECS" => self.stop_grace_secs = parse(&var, &value)?,
+                "JOB_TTL_SECS" => self.job_ttl_secs = parse(&var, &value)?,
+                // Test harness knobs and future keys share the prefix; they are not ours to refuse.
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    pub fn apply_cli(&mut self, cli: &CliOverrides) {
+        fn set<T: Clone>(slot: &mut T, v: &Option<T>) {
+            if let Some(v) = v {
+                *slot = v.clone();
+            }
+        }
+        fn set_list<T: Clone>(slot: &mut Vec<T>, v: &[T]) {
+            if !v.is_empty() {
+                *slot = v.to_vec();
+            }
+        }
+        set(&mut self.bind, &cli.bind);
+        set_list(&mut self.models, &cli.models);
+        set_list(&mut self.model_roots, &cli.model_roots);
+        if cli.workers_dir.is_some() {
+            self.workers_dir = cli.workers_dir.clone();
+        }
+        if cli.token.is_some() {
+            self.token = cli.token.clone();
+        }
+        if cli.api_key.is_some() {
+            self.api_key = cli.api_key.clone();
+        }
+        if cli.backend.is_some() {
+            self.backend = cli.backend.clone();
+        }
+        set_list(&mut self.pin, &cli.pin);
+        set_list(&mut self.exclude, &cli.exclude);
+        set(&mut self.cpu, &cli.cpu);
+        set(&mut self.heartbeat_interval_secs, &cli.heartbeat_interval_secs);
+        set(&mut self.queue_size, &cli.queue_size);
+        set(&mut self.worker_slots, &cli.worker_slots);
+    }
+
+    pub fn validate(&mut self) -> Result<(), ConfigError> {
+        // Empty strings from an env file mean "unset", not "the empty token".
+        for secret in [&mut self.token, &mut self.api_key, &mut self.worker_api_key] {
+            if secret.as_deref().is_some_and(|s| s.is_empty()) {
+                *secret = None;
+            }
+        }
+        if self.heartbeat_interval_secs == 0 {
+            return Err(ConfigError::Invalid("heartbeat_interval_secs must be at least 1".into()));
+        }
+        if self.worker_slots == 0 {
+            return Err(ConfigError::Invalid("worker_slots must be at least 1".into()));
+        }
+        let secs = [
+            ("restart_initial_secs", self.restart_initial_secs),
+            ("restart_max_secs", self.restart_max_secs),
+            ("restart_reset_secs", self.restart_reset_secs),
+            ("crash_loop_window_secs", self.crash_loop_window_secs),
+            ("drain_grace_secs", self.drain_grace_secs),
+            ("stop_grace_secs", self.stop_grace_secs),
+        ];
+        for (name, v) in secs {
+            if !(0.0..1e9).contains(&v) {
+                return Err(ConfigError::Invalid(format!("{name} must be a non-negative number of seconds")));
+            }
+        }
+        if let Some(b) = &self.backend {
+            b.parse::<shared_worker::Backend>().map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        }
+        for spec in self.pin.iter().chain(&self.exclude) {
+            crate::plan::DeviceSpec::parse(spec).map_err(ConfigError::Invalid)?;
+        }
+        Ok(())
+    }
+
+    pub fn heartbeat_interval(&self) -> Duration {
+        Duration::from_secs(self.heartbeat_interval_secs)
+    }
+
+    /// Whether the hive listens only on loopback (admin routes may then go without an API key).
+    pub fn is_loopback(&self) -> bool {
+        self.bind.ip().is_loopback()
+    }
+
+    /// The effective configuration as TOML with secrets replaced, for `hive config`.
+    pub fn redacted_toml(&self) -> String {
+        let mut shown = self.clone();
+        for secret in [&mut shown.token, &mut shown.api_key, &mut shown.worker_api_key] {
+            if secret.is_some() {
+                *secret = Some("<redacted>".into());
+            }
+        }
+        toml::to_string(&shown).unwrap_or_else(|e| format!("# cannot render the configuration: {e}\n"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn layers_apply_in_order_defaults_file_env_cli() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("hive.toml");
+        std::fs::write(
+            &file,
+            "bind = \"0.0.0.0:9000\"\nmodels = [\"from-file\"]\nqueue_size = 7\nworker_slots = 3\n\
+             heartbeat_interval_secs = 2\n",
+        )
+        .unwrap();
+        let cli =
+            CliOverrides { models: vec!["from-cli".into()], worker_slots: Some(4), ..Default::default() };
+        let c = HiveConfig::load(
+            Some(&file),
+            env(&[("SDHIVE_QUEUE_SIZE", "11"), ("SDHIVE_MODELS", "a,b"), ("PATH", "/bin")]),
+            &cli,
+        )
+        .unwrap();
+        assert_eq!(c.bind, "0.0.0.0:9000".parse().unwrap(), "file beats default");
+        assert_eq!(c.queue_size, 11, "env beats file");
+        assert_eq!(c.models, vec!["from-cli"], "cli beats env");
+        assert_eq!(c.worker_slots, 4, "cli beats file");
+        assert_eq!(c.heartbeat_interval_secs, 2, "file value survives when nothing overrides it");
+        assert_eq!(c.stop_grace_secs, HiveConfig::default().stop_grace_secs);
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        let err = HiveConfig::load(None, env(&[("SDHIVE_QUEUE_SIZE", "lots")]), &CliOverrides::default())
+            .unwrap_err();
+        assert!(err.to_string().contains("SDHIVE_QUEUE_SIZE"), "{err}");
+        let err = HiveConfig::from_toml("queue_sise = 3").unwrap_err();
+        assert!(err.contains("queue_sise"), "{err}");
+        let cli = CliOverrides { backend: Some("opengl".into()), ..Default::default() };
+        assert!(HiveConfig::load(None, Vec::new(), &cli).is_err());
+        let cli = CliOverrides { exclude: vec!["cuda:x".into()], ..Default::default() };
+        assert!(HiveConfig::load(None, Vec::new(), &cli).is_err());
+    }
+
+    #[test]
+    fn secrets_are_redacted_and_empty_ones_unset() {
+        let cli = CliOverrides {
+            token: Some("s3cret-token".into()),
+            api_key: Some(String::new()),
+            ..Default::default()
+        };
+        let c = HiveConfig::load(None, Vec::new(), &cli).unwrap();
+        assert_eq!(c.api_key, None);
+        let shown = c.redacted_toml();
+        assert!(!shown.contains("s3cret-token") && shown.contains("<redacted>"), "{shown}");
+        // What `hive config` prints must load back as a config file.
+        assert!(HiveConfig::from_toml(&shown).is_ok(), "{shown}");
+    }
+}

@@ -1,0 +1,157 @@
+//! `hive serve | devices | config`: parses flags, layers the configuration, and runs the hive.
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use sdhive_hive::config::{CliOverrides, CpuPolicy, HiveConfig};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "hive",
+    version,
+    about = "Runs one sdhive worker per device and serves them behind one endpoint"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Detect devices, spawn workers, serve the API.
+    Serve(Flags),
+    /// Print the detected devices and what the hive would run on each.
+    Devices {
+        #[command(flatten)]
+        flags: Flags,
+        /// JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the effective configuration (secrets redacted).
+    Config(Flags),
+}
+
+#[derive(Debug, Args)]
+struct Flags {
+    /// TOML configuration file.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    #[arg(long, value_name = "ADDR")]
+    bind: Option<SocketAddr>,
+    /// Model to serve (repeatable).
+    #[arg(long = "model", value_name = "MODEL")]
+    models: Vec<String>,
+    /// Confine local model paths to this folder (repeatable; passed to every worker).
+    #[arg(long = "model-root", value_name = "DIR")]
+    model_roots: Vec<PathBuf>,
+    /// Where the sd-worker-<backend> binaries are (default: beside this executable).
+    #[arg(long, value_name = "DIR")]
+    workers_dir: Option<PathBuf>,
+    /// Token workers must present to register and heartbeat.
+    #[arg(long)]
+    token: Option<String>,
+    /// Bearer key for the hive's API.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Use only this backend.
+    #[arg(long)]
+    backend: Option<String>,
+    /// Serve the physical device known as BACKEND:INDEX with that backend (repeatable).
+    #[arg(long, value_name = "BACKEND:INDEX")]
+    pin: Vec<String>,
+    /// Leave out a device (BACKEND:INDEX) or a whole backend (repeatable).
+    #[arg(long, value_name = "BACKEND[:INDEX]")]
+    exclude: Vec<String>,
+    /// Whether the CPU gets a worker: auto (only without GPU workers), always, never.
+    #[arg(long)]
+    cpu: Option<CpuPolicy>,
+    /// Heartbeat interval asked of workers, in seconds.
+    #[arg(long, value_name = "SECS")]
+    heartbeat_interval: Option<u64>,
+    /// Jobs held by the hive while every worker is full.
+    #[arg(long)]
+    queue_size: Option<usize>,
+    /// Jobs in flight per worker.
+    #[arg(long)]
+    worker_slots: Option<usize>,
+}
+
+impl Flags {
+    fn load(&self) -> anyhow::Result<HiveConfig> {
+        let cli = CliOverrides {
+            bind: self.bind,
+            models: self.models.clone(),
+            model_roots: self.model_roots.clone(),
+            workers_dir: self.workers_dir.clone(),
+            token: self.token.clone(),
+            api_key: self.api_key.clone(),
+            backend: self.backend.clone(),
+            pin: self.pin.clone(),
+            exclude: self.exclude.clone(),
+            cpu: self.cpu,
+            heartbeat_interval_secs: self.heartbeat_interval,
+            queue_size: self.queue_size,
+            worker_slots: self.worker_slots,
+        };
+        Ok(HiveConfig::load(self.config.as_deref(), std::env::vars(), &cli)?)
+    }
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = term => tracing::info!("SIGTERM"),
+        r = tokio::signal::ctrl_c() => {
+            if let Err(e) = r {
+                tracing::warn!("cannot listen for Ctrl-C: {e}");
+                std::future::pending::<()>().await;
+            }
+            tracing::info!("interrupted");
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter).init();
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    match cli.command {
+        Command::Config(flags) => {
+            print!("{}", flags.load()?.redacted_toml());
+            Ok(())
+        }
+        Command::Devices { flags, json } => {
+            let config = flags.load()?;
+            let devices = runtime.block_on(sdhive_hive::detect::detect());
+            let plan = sdhive_hive::plan::plan(&devices, &config, |p| p.is_file());
+            if json {
+                println!("{}", serde_json::to_string_pretty(&plan.rows)?);
+            } else {
+                print!("{}", sdhive_hive::plan::render_table(&plan));
+            }
+            Ok(())
+        }
+        Command::Serve(flags) => {
+            let config = flags.load()?;
+            runtime.block_on(sdhive_hive::serve(config, shutdown_signal(), |addr| {
+                // Scripts and tests wait for this line to learn the port.
+                eprintln!("hive listening on http://{addr}");
+            }))?;
+            Ok(())
+        }
+    }
+}

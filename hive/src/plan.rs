@@ -1,0 +1,411 @@
+//! Which worker runs where: pairs the views of one physical GPU across backends, picks a backend per device
+//! (CUDA → ROCm → Vulkan → Metal → CPU, unless the operator pins, excludes or forces one), checks that the
+//! worker binary exists (a missing one is reported, never silently skipped), and hands out the models.
+
+use crate::config::{CpuPolicy, HiveConfig};
+use crate::detect::{Device, Vendor};
+use serde::Serialize;
+use shared_worker::Backend;
+use std::path::{Path, PathBuf};
+
+/// `backend` or `backend:index`, as `pin` and `exclude` take them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceSpec {
+    pub backend: Backend,
+    pub index: Option<usize>,
+}
+
+impl DeviceSpec {
+    pub fn parse(s: &str) -> Result<DeviceSpec, String> {
+        let (backend, index) = match s.split_once(':') {
+            Some((b, i)) => {
+                let i = i.trim().parse().map_err(|_| format!("`{s}`: the device index must be a number"))?;
+                (b, Some(i))
+            }
+            None => (s, None),
+        };
+        let backend = backend.parse::<Backend>().map_err(|e| format!("`{s}`: {e}"))?;
+        Ok(DeviceSpec { backend, index })
+    }
+
+    fn matches(&self, d: &Device) -> bool {
+        self.backend == d.backend && self.index.is_none_or(|i| i == d.index)
+    }
+}
+
+/// Preference when one device is reachable through several backends.
+pub fn priority(b: Backend) -> u8 {
+    match b {
+        Backend::Cuda => 0,
+        Backend::Rocm => 1,
+        Backend::Vulkan => 2,
+        Backend::Metal => 3,
+        Backend::Cpu => 4,
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum Status {
+    /// A worker is planned here.
+    Selected {
+        model: String,
+        worker_id: String,
+    },
+    /// Usable, but no model was configured.
+    Idle,
+    /// The worker binary for this backend is not installed; another backend (or none) serves the device.
+    MissingBinary {
+        binary: PathBuf,
+    },
+    /// The same physical device is served through a preferred backend.
+    Shadowed {
+        by: String,
+    },
+    Excluded,
+    /// Not the backend forced by `backend`, or not the pinned one.
+    NotChosen,
+    /// A software rasteriser; the CPU backend covers the CPU.
+    Software,
+    /// The CPU is left alone because GPUs are serving (`cpu = "auto"`).
+    CpuNotNeeded,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Row {
+    /// Physical device number on this node (views of one GPU share it).
+    pub physical: usize,
+    #[serde(flatten)]
+    pub device: Device,
+    pub binary_present: bool,
+    #[serde(flatten)]
+    pub status: Status,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedWorker {
+    pub worker_id: String,
+    pub backend: Backend,
+    pub device_index: usize,
+    pub model: String,
+    pub binary: PathBuf,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Plan {
+    pub rows: Vec<Row>,
+    pub workers: Vec<PlannedWorker>,
+}
+
+/// Where a backend's worker binary is expected.
+pub fn binary_path(workers_dir: &Path, backend: Backend) -> PathBuf {
+    workers_dir.join(format!("{}{}", backend.binary_name(), std::env::consts::EXE_SUFFIX))
+}
+
+/// `--workers-dir`, else the folder holding the hive executable.
+pub fn workers_dir(config: &HiveConfig) -> PathBuf {
+    config.workers_dir.clone().unwrap_or_else(|| {
+        std::env::current_exe()
+            .ok()
+            .and_then(|p| p.parent().map(Path::to_path_buf))
+            .unwrap_or_else(|| PathBuf::from("."))
+    })
+}
+
+/// Only `[A-Za-z0-9._-]{1,64}`: ids end up in URLs, logs and argv.
+pub fn valid_worker_id(id: &str) -> bool {
+    (1..=64).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+/// The node's name reduced to worker-id characters.
+pub fn host_prefix() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default();
+    let clean: String = host
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '-' })
+        .take(40)
+        .collect();
+    if clean.is_empty() {
+        "hive".into()
+    } else {
+        clean
+    }
+}
+
+/// Groups device views into physical devices: the k-th NVIDIA (AMD) Vulkan device is taken to be CUDA (ROCm)
+/// device k, which holds when both enumerate in PCI order (set `CUDA_DEVICE_ORDER=PCI_BUS_ID`); pin or
+/// exclude by `backend:index` where that assumption fails.
+fn physical_groups(devices: &[Device]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut by_vendor: Vec<(Vendor, Vec<usize>)> = Vec::new();
+    for (i, d) in devices.iter().enumerate() {
+        if matches!(d.backend, Backend::Cuda | Backend::Rocm) {
+            groups.push(vec![i]);
+            match by_vendor.iter_mut().find(|(v, _)| *v == d.vendor) {
+                Some((_, list)) => list.push(groups.len() - 1),
+                None => by_vendor.push((d.vendor, vec![groups.len() - 1])),
+            }
+        }
+    }
+    let mut seen: Vec<(Vendor, usize)> = Vec::new();
+    for (i, d) in devices.iter().enumerate() {
+        match d.backend {
+            Backend::Cuda | Backend::Rocm => {}
+            Backend::Vulkan if !d.software => {
+                let k = match seen.iter_mut().find(|(v, _)| *v == d.vendor) {
+                    Some((_, n)) => {
+                        *n += 1;
+                        *n - 1
+                    }
+                    None => {
+                        seen.push((d.vendor, 1));
+                        0
+                    }
+                };
+                let native = by_vendor.iter().find(|(v, _)| *v == d.vendor).and_then(|(_, g)| g.get(k));
+                match native {
+                    Some(&g) => groups[g].push(i),
+                    None => groups.push(vec![i]),
+                }
+            }
+            _ => groups.push(vec![i]),
+        }
+    }
+    groups
+}
+
+/// Decides every device's fate. `binary_exists` is injected so tests need no files.
+pub fn plan(devices: &[Device], config: &HiveConfig, binary_exists: impl Fn(&Path) -> bool) -> Plan {
+    let dir = workers_dir(config);
+    let forced: Option<Backend> = config.backend.as_deref().and_then(|b| b.parse().ok());
+    let pins: Vec<DeviceSpec> = config.pin.iter().filter_map(|s| DeviceSpec::parse(s).ok()).collect();
+    let excludes: Vec<DeviceSpec> = config.exclude.iter().filter_map(|s| DeviceSpec::parse(s).ok()).collect();
+    let host = host_prefix();
+
+    let mut rows: Vec<Row> = Vec::new();
+    // (row index, physical) of the view chosen for each served device.
+    let mut chosen: Vec<usize> = Vec::new();
+    let mut cpu_rows: Vec<usize> = Vec::new();
+    for (physical, mut members) in physical_groups(devices).into_iter().enumerate() {
+        members.sort_by_key(|&i| priority(devices[i].backend));
+        let device_excluded =
+            members.iter().any(|&i| excludes.iter().any(|e| e.index.is_some() && e.matches(&devices[i])));
+        let pinned: Option<Backend> =
+            members.iter().find_map(|&i| pins.iter().find(|p| p.matches(&devices[i])).map(|p| p.backend));
+        let mut served_by: Option<String> = None;
+        for &i in &members {
+            let d = &devices[i];
+            let binary = binary_path(&dir, d.backend);
+            let present = binary_exists(&binary);
+            let status = if d.software {
+                Status::Software
+            } else if device_excluded || excludes.iter().any(|e| e.index.is_none() && e.backend == d.backend)
+            {
+                Status::Excluded
+            } else if forced.is_some_and(|f| f != d.backend) || pinned.is_some_and(|p| p != d.backend) {
+                Status::NotChosen
+            } else if let Some(by) = &served_by {
+                Status::Shadowed { by: by.clone() }
+            } else if !present {
+                Status::MissingBinary { binary }
+            } else {
+                served_by = Some(format!("{}:{}", d.backend, d.index));
+                if d.backend == Backend::Cpu {
+                    cpu_rows.push(rows.len());
+                } else {
+                    chosen.push(rows.len());
+                }
+                Status::Idle
+            };
+            rows.push(Row { physical, device: d.clone(), binary_present: present, status });
+        }
+    }
+    match config.cpu {
+        CpuPolicy::Always => chosen.extend(cpu_rows),
+        CpuPolicy::Auto if chosen.is_empty() => chosen.extend(cpu_rows),
+        CpuPolicy::Auto | CpuPolicy::Never => {
+            for r in cpu_rows {
+                rows[r].status = Status::CpuNotNeeded;
+            }
+        }
+    }
+    chosen.sort();
+    let mut workers = Vec::new();
+    if !config.models.is_empty() {
+        for (n, &r) in chosen.iter().enumerate() {
+            let d = rows[r].device.clone();
+            let model = config.models[n % config.models.len()].clone();
+            let worker_id = format!("{host}-{}{}", d.backend, d.index);
+            rows[r].status = Status::Selected { model: model.clone(), worker_id: worker_id.clone() };
+            workers.push(PlannedWorker {
+                worker_id,
+                backend: d.backend,
+                device_index: d.index,
+                model,
+                binary: binary_path(&dir, d.backend),
+            });
+        }
+    }
+    Plan { rows, workers }
+}
+
+/// The `hive devices` table.
+pub fn render_table(plan: &Plan) -> String {
+    let mut out = format!(
+        "{:<4} {:<8} {:<5} {:<7} {:<36} {:>10} {:>10} {:<14} STATUS\n",
+        "DEV", "BACKEND", "INDEX", "VENDOR", "NAME", "MEM TOTAL", "MEM FREE", "DRIVER"
+    );
+    let gib = |b: Option<u64>| {
+        b.map(|b| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)).unwrap_or("-".into())
+    };
+    for r in &plan.rows {
+        let d = &r.device;
+        let status = match &r.status {
+            Status::Selected { model, worker_id } => format!("worker {worker_id} ({model})"),
+            Status::Idle => "usable (no model configured)".into(),
+            Status::MissingBinary { binary } => format!("MISSING worker binary {}", binary.display()),
+            Status::Shadowed { by } => format!("served as {by}"),
+            Status::Excluded => "excluded".into(),
+            Status::NotChosen => "not the chosen backend".into(),
+            Status::Software => "software renderer, skipped".into(),
+            Status::CpuNotNeeded => "not used (GPUs serve; cpu = \"auto\")".into(),
+        };
+        let vendor = serde_json::to_value(d.vendor).ok().and_then(|v| v.as_str().map(String::from));
+        let name: String = d.name.chars().take(36).collect();
+        out.push_str(&format!(
+            "{:<4} {:<8} {:<5} {:<7} {:<36} {:>10} {:>10} {:<14} {status}\n",
+            r.physical,
+            d.backend.name(),
+            d.index,
+            vendor.unwrap_or_default(),
+            name,
+            gib(d.memory_total_bytes),
+            gib(d.memory_free_bytes),
+            d.driver.as_deref().unwrap_or("-"),
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dev(backend: Backend, index: usize, vendor: Vendor, software: bool) -> Device {
+        Device {
+            backend,
+            index,
+            vendor,
+            name: format!("{backend}{index}"),
+            memory_total_bytes: None,
+            memory_free_bytes: None,
+            driver: None,
+            software,
+        }
+    }
+
+    /// Two NVIDIA GPUs seen by CUDA and Vulkan, llvmpipe, and the CPU.
+    fn node() -> Vec<Device> {
+        vec![
+            dev(Backend::Cuda, 0, Vendor::Nvidia, false),
+            dev(Backend::Cuda, 1, Vendor::Nvidia, false),
+            dev(Backend::Vulkan, 0, Vendor::Nvidia, false),
+            dev(Backend::Vulkan, 1, Vendor::Nvidia, false),
+            dev(Backend::Vulkan, 2, Vendor::Other, true),
+            dev(Backend::Cpu, 0, Vendor::Other, false),
+        ]
+    }
+
+    fn config(f: impl FnOnce(&mut HiveConfig)) -> HiveConfig {
+        let mut c =
+            HiveConfig { models: vec!["m".into()], workers_dir: Some("/w".into()), ..Default::default() };
+        f(&mut c);
+        c
+    }
+
+    fn all_present(_: &Path) -> bool {
+        true
+    }
+
+    fn served(p: &Plan) -> Vec<String> {
+        p.workers.iter().map(|w| format!("{}:{}", w.backend, w.device_index)).collect()
+    }
+
+    fn status_of(p: &Plan, backend: Backend, index: usize) -> Status {
+        p.rows.iter().find(|r| r.device.backend == backend && r.device.index == index).unwrap().status.clone()
+    }
+
+    #[test]
+    fn cuda_beats_vulkan_and_cpu_stays_out_when_gpus_serve() {
+        let p = plan(&node(), &config(|_| {}), all_present);
+        assert_eq!(served(&p), ["cuda:0", "cuda:1"]);
+        assert_eq!(status_of(&p, Backend::Vulkan, 1), Status::Shadowed { by: "cuda:1".into() });
+        assert_eq!(status_of(&p, Backend::Vulkan, 2), Status::Software);
+        assert_eq!(status_of(&p, Backend::Cpu, 0), Status::CpuNotNeeded);
+        let p = plan(&node(), &config(|c| c.cpu = CpuPolicy::Always), all_present);
+        assert_eq!(served(&p), ["cuda:0", "cuda:1", "cpu:0"]);
+    }
+
+    #[test]
+    fn missing_binary_is_reported_and_the_next_backend_serves() {
+        let no_cuda = |p: &Path| !p.ends_with("sd-worker-cuda");
+        let p = plan(&node(), &config(|_| {}), no_cuda);
+        assert_eq!(served(&p), ["vulkan:0", "vulkan:1"]);
+        assert_eq!(
+            status_of(&p, Backend::Cuda, 0),
+            Status::MissingBinary { binary: "/w/sd-worker-cuda".into() }
+        );
+        // With only the CPU binary installed, the GPUs are reported and the CPU serves.
+        let only_cpu = |p: &Path| p.ends_with("sd-worker-cpu");
+        let p = plan(&node(), &config(|_| {}), only_cpu);
+        assert_eq!(served(&p), ["cpu:0"]);
+        assert!(matches!(status_of(&p, Backend::Vulkan, 0), Status::MissingBinary { .. }));
+        assert!(render_table(&p).contains("MISSING worker binary /w/sd-worker-vulkan"));
+    }
+
+    #[test]
+    fn overrides_force_pin_and_exclude() {
+        let p = plan(&node(), &config(|c| c.backend = Some("vulkan".into())), all_present);
+        assert_eq!(served(&p), ["vulkan:0", "vulkan:1"]);
+        assert_eq!(status_of(&p, Backend::Cuda, 0), Status::NotChosen);
+
+        let p = plan(&node(), &config(|c| c.pin = vec!["vulkan:1".into()]), all_present);
+        assert_eq!(served(&p), ["cuda:0", "vulkan:1"]);
+
+        let p = plan(&node(), &config(|c| c.exclude = vec!["cuda:0".into()]), all_present);
+        assert_eq!(served(&p), ["cuda:1"], "excluding cuda:0 excludes that GPU, not just the view");
+        assert_eq!(status_of(&p, Backend::Vulkan, 0), Status::Excluded);
+
+        let p = plan(&node(), &config(|c| c.exclude = vec!["cuda".into()]), all_present);
+        assert_eq!(served(&p), ["vulkan:0", "vulkan:1"], "excluding a backend falls through to the next");
+
+        let p = plan(&node(), &config(|c| c.backend = Some("cpu".into())), all_present);
+        assert_eq!(served(&p), ["cpu:0"]);
+    }
+
+    #[test]
+    fn models_go_round_robin_and_ids_are_valid() {
+        let p = plan(&node(), &config(|c| c.models = vec!["a".into(), "b".into()]), all_present);
+        let models: Vec<&str> = p.workers.iter().map(|w| w.model.as_str()).collect();
+        assert_eq!(models, ["a", "b"]);
+        assert!(p.workers.iter().all(|w| valid_worker_id(&w.worker_id)), "{:?}", p.workers);
+        let p = plan(&node(), &config(|c| c.models.clear()), all_present);
+        assert!(p.workers.is_empty());
+        assert_eq!(status_of(&p, Backend::Cuda, 0), Status::Idle);
+    }
+
+    #[test]
+    fn worker_ids_and_specs_are_validated() {
+        assert!(valid_worker_id("node1-cpu0-4242"));
+        assert!(!valid_worker_id(""));
+        assert!(!valid_worker_id("a b"));
+        assert!(!valid_worker_id("x;rm -rf"));
+        assert!(!valid_worker_id(&"a".repeat(65)));
+        assert_eq!(DeviceSpec::parse("cuda:1"), Ok(DeviceSpec { backend: Backend::Cuda, index: Some(1) }));
+        assert!(DeviceSpec::parse("gpu:1").is_err());
+    }
+}
