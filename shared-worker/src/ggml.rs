@@ -6,15 +6,22 @@ use sdhive_sdcpp::device;
 
 pub fn init(backend: Backend, prefix: &str, index: usize) -> Result<(DeviceHandle, DeviceInfo), DeviceError> {
     // A missing device's message lists what ggml did find (a CPU-only driver, another vendor's GPU).
-    let opened = device::open(prefix, index)
-        .map_err(|e| DeviceError::Init { backend, index, message: e.to_string() })?;
+    let opened = device::open(prefix, index).map_err(|e| DeviceError::Init {
+        backend,
+        index,
+        message: e.to_string(),
+    })?;
     let info = DeviceInfo {
         backend,
         index,
         name: opened.description.clone(),
         memory_total_bytes: Some(opened.memory_total_bytes),
         memory_free_bytes: Some(opened.memory_free_bytes),
-        driver: Some(format!("ggml {} / stable-diffusion.cpp {}", opened.name, sdhive_sdcpp::sdcpp_version())),
+        driver: Some(format!(
+            "ggml {} / stable-diffusion.cpp {}",
+            opened.name,
+            sdhive_sdcpp::sdcpp_version()
+        )),
         threads: None,
     };
     Ok((DeviceHandle::Ggml(opened.name), info))

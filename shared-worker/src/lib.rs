@@ -219,9 +219,13 @@ mod tests {
     #[test]
     fn gpu_backends_are_not_compiled_in_and_never_fall_back() {
         let compiled_in = |b: Backend| {
-            (b == Backend::Vulkan && cfg!(feature = "vulkan")) || (b == Backend::Rocm && cfg!(feature = "rocm"))
+            (b == Backend::Vulkan && cfg!(feature = "vulkan"))
+                || (b == Backend::Rocm && cfg!(feature = "rocm"))
         };
-        for b in [Backend::Cuda, Backend::Metal, Backend::Rocm, Backend::Vulkan].into_iter().filter(|b| !compiled_in(*b)) {
+        for b in [Backend::Cuda, Backend::Metal, Backend::Rocm, Backend::Vulkan]
+            .into_iter()
+            .filter(|b| !compiled_in(*b))
+        {
             let err = init(b, 0).unwrap_err();
             assert!(matches!(err, DeviceError::NotCompiled { backend } if backend == b));
             assert_eq!(

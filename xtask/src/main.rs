@@ -55,7 +55,8 @@ fn main() -> Result<()> {
         Task::Bench { which } => bench::run(which),
         Task::Vulkan => vulkan::run(),
         Task::RandomModel { manifest, out } => random_model::write(
-            &manifest.unwrap_or_else(|| util::workspace_root().join("tests/fixtures/sd15-random/manifest.json")),
+            &manifest
+                .unwrap_or_else(|| util::workspace_root().join("tests/fixtures/sd15-random/manifest.json")),
             &out.unwrap_or_else(random_model::default_out),
         ),
     }

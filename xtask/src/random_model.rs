@@ -25,7 +25,8 @@ struct Entry {
 
 /// Writes the model into `out` (unless it already holds a complete copy made from the same manifest).
 pub fn write(manifest: &Path, out: &Path) -> Result<()> {
-    let text = std::fs::read_to_string(manifest).with_context(|| format!("cannot read {}", manifest.display()))?;
+    let text =
+        std::fs::read_to_string(manifest).with_context(|| format!("cannot read {}", manifest.display()))?;
     let stamp = out.join("manifest.json");
     if std::fs::read_to_string(&stamp).ok().as_deref() == Some(text.as_str()) {
         eprintln!("xtask: {} is up to date", out.display());
@@ -43,7 +44,9 @@ pub fn write(manifest: &Path, out: &Path) -> Result<()> {
         ensure!(!data.is_empty(), "manifest has no tensors for {component}");
         let views = data
             .iter()
-            .map(|(name, (shape, bytes))| Ok((name.clone(), TensorView::new(Dtype::F16, shape.clone(), bytes)?)))
+            .map(|(name, (shape, bytes))| {
+                Ok((name.clone(), TensorView::new(Dtype::F16, shape.clone(), bytes)?))
+            })
             .collect::<Result<Vec<_>>>()?;
         safetensors::serialize_to_file(views, None, &path)
             .with_context(|| format!("cannot write {}", path.display()))?;
@@ -67,7 +70,8 @@ fn copy_small_files(from: &Path, to: &Path) -> Result<()> {
         if let Some(parent) = dst.parent() {
             std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
         }
-        std::fs::copy(&src, &dst).with_context(|| format!("cannot copy {} to {}", src.display(), dst.display()))?;
+        std::fs::copy(&src, &dst)
+            .with_context(|| format!("cannot copy {} to {}", src.display(), dst.display()))?;
     }
     Ok(())
 }
@@ -88,7 +92,8 @@ fn parse(text: &str) -> Result<Vec<Entry>> {
     tensors
         .iter()
         .map(|t| {
-            let field = |k: &str| t[k].as_str().map(str::to_string).with_context(|| format!("tensor without {k}"));
+            let field =
+                |k: &str| t[k].as_str().map(str::to_string).with_context(|| format!("tensor without {k}"));
             let shape = t["shape"]
                 .as_array()
                 .context("tensor without shape")?

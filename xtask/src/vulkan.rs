@@ -25,9 +25,26 @@ const MIN_PSNR_DB: f64 = 30.0;
 pub fn run() -> Result<()> {
     let root = workspace_root();
     ensure_vulkan_sdk(&root)?;
-    let features = ["--features", "sd-worker-vulkan/vulkan"];
-    cargo(&root, &["clippy", "-p", "sd-worker-vulkan", features[0], features[1], "--", "-D", "warnings"])?;
-    cargo(&root, &["build", "-p", "sd-worker-vulkan", features[0], features[1]])?;
+    // The same packages and features in every command, so stable-diffusion.cpp (the slowest compile of all) is
+    // built once: a different package set can unify build-dependency features differently and rebuild it.
+    let scope = [
+        "-p",
+        "sd-worker-vulkan",
+        "-p",
+        "sdhive-sdcpp",
+        "--features",
+        "sd-worker-vulkan/vulkan,sdhive-sdcpp/vulkan",
+    ];
+    let with = |cmd: &[&str], extra: &[&str]| -> Vec<String> {
+        cmd.iter().chain(scope.iter()).chain(extra.iter()).map(|s| s.to_string()).collect()
+    };
+    let run_cargo = |args: Vec<String>| {
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        cargo(&root, &refs)
+    };
+    run_cargo(with(&["clippy", "--all-targets"], &["--", "-D", "warnings"]))?;
+    run_cargo(with(&["test"], &[]))?;
+    run_cargo(with(&["build"], &[]))?;
     let exe = target_dir(&root).join("debug/sd-worker-vulkan");
 
     let no_gpu = Command::new(&exe)
@@ -51,10 +68,13 @@ pub fn run() -> Result<()> {
     let model = random_model::default_out();
     random_model::write(&root.join("tests/fixtures/sd15-random/manifest.json"), &model)?;
     let golden_dir = root.join("tests/fixtures/golden");
-    let case: Value = serde_json::from_str(&std::fs::read_to_string(golden_dir.join("sd15_random_euler.json"))?)?;
+    let case: Value =
+        serde_json::from_str(&std::fs::read_to_string(golden_dir.join("sd15_random_euler.json"))?)?;
     let out = std::env::temp_dir().join("sdhive-vulkan-sd15-random.png");
-    let text = |k: &str| case[k].as_str().map(str::to_string).with_context(|| format!("golden case lacks {k}"));
-    let num = |k: &str| case[k].as_f64().map(|v| v.to_string()).with_context(|| format!("golden case lacks {k}"));
+    let text =
+        |k: &str| case[k].as_str().map(str::to_string).with_context(|| format!("golden case lacks {k}"));
+    let num =
+        |k: &str| case[k].as_f64().map(|v| v.to_string()).with_context(|| format!("golden case lacks {k}"));
     let started = std::time::Instant::now();
     let run = Command::new(&exe)
         .arg("generate")
@@ -102,12 +122,7 @@ fn ensure_vulkan_sdk(root: &Path) -> Result<()> {
     }
     let script = root.join("xtask/scripts/vulkan-sdk.sh");
     let out = Command::new(&script).output().with_context(|| format!("cannot run {}", script.display()))?;
-    ensure!(
-        out.status.success(),
-        "{} failed:\n{}",
-        script.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ensure!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
     let prefix = String::from_utf8(out.stdout).context("VULKAN_SDK path is not UTF-8")?.trim().to_string();
     eprintln!("xtask: VULKAN_SDK={prefix}");
     std::env::set_var("VULKAN_SDK", prefix);
@@ -135,7 +150,12 @@ fn read_rgb(path: &Path) -> Result<Rgb> {
     let mut reader = decoder.read_info().with_context(|| format!("{} is not a PNG", path.display()))?;
     let mut buf = vec![0; reader.output_buffer_size().context("PNG too large")?];
     let frame = reader.next_frame(&mut buf).with_context(|| format!("cannot decode {}", path.display()))?;
-    ensure!(frame.color_type == png::ColorType::Rgb, "{}: expected RGB, got {:?}", path.display(), frame.color_type);
+    ensure!(
+        frame.color_type == png::ColorType::Rgb,
+        "{}: expected RGB, got {:?}",
+        path.display(),
+        frame.color_type
+    );
     buf.truncate(frame.buffer_size());
     Ok(Rgb { width: frame.width, height: frame.height, data: buf })
 }
@@ -148,7 +168,14 @@ struct Comparison {
 }
 
 fn compare(a: &Rgb, b: &Rgb) -> Result<Comparison> {
-    ensure!((a.width, a.height) == (b.width, b.height), "sizes differ: {}×{} vs {}×{}", a.width, a.height, b.width, b.height);
+    ensure!(
+        (a.width, a.height) == (b.width, b.height),
+        "sizes differ: {}×{} vs {}×{}",
+        a.width,
+        a.height,
+        b.width,
+        b.height
+    );
     let n = a.data.len() as f64;
     let diffs: Vec<u8> = a.data.iter().zip(&b.data).map(|(x, y)| x.abs_diff(*y)).collect();
     let mse = diffs.iter().map(|d| f64::from(*d).powi(2)).sum::<f64>() / n;

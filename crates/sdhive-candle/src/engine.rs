@@ -8,8 +8,8 @@ use crate::pipeline::{
 };
 use candle_core::{DType, Device};
 use sdhive_engine::{
-    infotext, random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest, GeneratedImage,
-    InfotextContext, Limits, Progress, Sampler, ValidationError,
+    infotext, random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest,
+    GeneratedImage, InfotextContext, Limits, Progress, Sampler, ValidationError,
 };
 use sdhive_modelsource::ResolvedModel;
 

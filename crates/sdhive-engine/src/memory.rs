@@ -103,9 +103,9 @@ impl ModelShape {
         let plain = JobPlan {
             vae_tiling: false,
             attention_slicing: false,
-            activation_bytes: self.unet_bytes(width, height, images_per_call, false).max(self.vae_bytes(
-                width, height, false,
-            )),
+            activation_bytes: self
+                .unet_bytes(width, height, images_per_call, false)
+                .max(self.vae_bytes(width, height, false)),
         };
         let Some(free) = free_bytes else { return Ok(plain) };
         let available = free.saturating_sub(MARGIN_BYTES);
@@ -121,13 +121,19 @@ impl ModelShape {
             let need = self
                 .unet_bytes(width, height, images_per_call, slicing)
                 .max(self.vae_bytes(width, height, tiling));
-            let candidate = JobPlan { vae_tiling: tiling, attention_slicing: slicing, activation_bytes: need };
+            let candidate =
+                JobPlan { vae_tiling: tiling, attention_slicing: slicing, activation_bytes: need };
             if need <= available {
                 return Ok(candidate);
             }
             best = if need < best.activation_bytes { candidate } else { best };
         }
-        Err(InsufficientMemory { width, height, needed_bytes: best.activation_bytes + MARGIN_BYTES, available_bytes: free })
+        Err(InsufficientMemory {
+            width,
+            height,
+            needed_bytes: best.activation_bytes + MARGIN_BYTES,
+            available_bytes: free,
+        })
     }
 }
 

@@ -100,8 +100,10 @@ impl Placement {
         let mut out = Placement::default();
         for part in placement.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (module, device) = part.split_once('=').ok_or_else(|| PlacementError::Syntax(part.into()))?;
-            let m = Module::parse(module).ok_or_else(|| PlacementError::UnknownModule(module.trim().into()))?;
-            let d = DeviceRef::parse(device).ok_or_else(|| PlacementError::UnknownDevice(device.trim().into()))?;
+            let m =
+                Module::parse(module).ok_or_else(|| PlacementError::UnknownModule(module.trim().into()))?;
+            let d = DeviceRef::parse(device)
+                .ok_or_else(|| PlacementError::UnknownDevice(device.trim().into()))?;
             if out.devices.iter().any(|(seen, _)| *seen == m) {
                 return Err(PlacementError::Duplicate(m.name()));
             }

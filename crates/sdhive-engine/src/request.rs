@@ -238,4 +238,3 @@ mod tests {
         assert_eq!(r.output_size((512, 512)), (96, 64));
     }
 }
-

@@ -91,9 +91,11 @@ impl SdCppEngine {
     pub fn load(model: &ResolvedModel, opts: LoadOptions) -> Result<Self, LoadError> {
         callbacks::install();
         let path = model.location.path().to_path_buf();
-        let info = ModelInfo::read(model).map_err(|message| LoadError::Model { path: path.clone(), message })?;
+        let info =
+            ModelInfo::read(model).map_err(|message| LoadError::Model { path: path.clone(), message })?;
         let (runtime, params_backend) = params::backend_specs(&opts.ggml_device, &opts.placement)?;
-        let c_path = CString::new(path.to_string_lossy().into_owned()).map_err(|_| LoadError::Nul("model path"))?;
+        let c_path =
+            CString::new(path.to_string_lossy().into_owned()).map_err(|_| LoadError::Nul("model path"))?;
         let c_runtime = CString::new(runtime).map_err(|_| LoadError::Nul("placement"))?;
         let c_params = CString::new(params_backend).map_err(|_| LoadError::Nul("offload"))?;
 
@@ -105,7 +107,9 @@ impl SdCppEngine {
             match model.location {
                 // A diffusers folder and an original single file both go in `model_path`: sd.cpp tells them
                 // apart itself (folder → unet/, vae/, text_encoder/ in diffusers naming).
-                ModelLocation::DiffusersDir(_) | ModelLocation::SingleFile(_) => p.model_path = c_path.as_ptr(),
+                ModelLocation::DiffusersDir(_) | ModelLocation::SingleFile(_) => {
+                    p.model_path = c_path.as_ptr()
+                }
             }
             if let Some(threads) = opts.threads {
                 p.n_threads = threads.min(i32::MAX as usize) as i32;
@@ -119,7 +123,8 @@ impl SdCppEngine {
             p.rng_type = sys::rng_type_t::CPU_RNG;
             p.sampler_rng_type = sys::rng_type_t::CPU_RNG;
             p.backend = c_runtime.as_ptr();
-            p.params_backend = if c_params.as_bytes().is_empty() { std::ptr::null() } else { c_params.as_ptr() };
+            p.params_backend =
+                if c_params.as_bytes().is_empty() { std::ptr::null() } else { c_params.as_ptr() };
             sys::new_sd_ctx(&p)
         };
         let ctx = NonNull::new(ctx)
@@ -282,8 +287,10 @@ impl Engine for SdCppEngine {
                     p.seed = seed as i64;
                     p.batch_count = 1;
                     p.strength = req.strength;
-                    p.init_image = init.as_ref().map_or(EMPTY_IMAGE, |i| sd_image(i.width, i.height, 3, &i.data));
-                    p.mask_image = mask.as_ref().map_or(EMPTY_IMAGE, |m| sd_image(m.width, m.height, 1, &m.data));
+                    p.init_image =
+                        init.as_ref().map_or(EMPTY_IMAGE, |i| sd_image(i.width, i.height, 3, &i.data));
+                    p.mask_image =
+                        mask.as_ref().map_or(EMPTY_IMAGE, |m| sd_image(m.width, m.height, 1, &m.data));
                     p.sample_params.sample_method = method;
                     p.sample_params.scheduler =
                         params::scheduler(req.schedule, sys::sd_get_default_scheduler(ctx, method));

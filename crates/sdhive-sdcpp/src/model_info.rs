@@ -48,7 +48,8 @@ impl ModelInfo {
 
 fn from_unet_config(path: &Path) -> Result<ModelInfo, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let cfg: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(from_unet_value(&cfg))
 }
 

@@ -3,12 +3,13 @@
 //! and where its weights are kept).
 
 use diffusion_rs_sys as sys;
-pub use sdhive_engine::{Placement, PlacementError};
 use sdhive_engine::{DeviceRef, Module, Sampler, Schedule};
+pub use sdhive_engine::{Placement, PlacementError};
 
 /// The samplers this engine runs, in A1111 names. PNDM has no counterpart in sd.cpp (its iPNDM is another
 /// algorithm), so it is not offered rather than approximated.
-pub const SAMPLERS: [Sampler; 5] = [Sampler::Euler, Sampler::EulerA, Sampler::Ddim, Sampler::DpmPp2M, Sampler::Lcm];
+pub const SAMPLERS: [Sampler; 5] =
+    [Sampler::Euler, Sampler::EulerA, Sampler::Ddim, Sampler::DpmPp2M, Sampler::Lcm];
 
 /// sd.cpp's sample method for `sampler`, or `None` where it has none.
 pub fn sample_method(sampler: Sampler) -> Option<sys::sample_method_t> {
@@ -54,11 +55,11 @@ pub fn ggml_device_name(device: &DeviceRef) -> Option<String> {
 pub fn backend_specs(own_device: &str, placement: &Placement) -> Result<(String, String), PlacementError> {
     let mut runtime = vec![own_device.to_string()];
     for (module, device) in &placement.devices {
-        let name = ggml_device_name(device).ok_or_else(|| PlacementError::UnknownDevice(device.to_string()))?;
+        let name =
+            ggml_device_name(device).ok_or_else(|| PlacementError::UnknownDevice(device.to_string()))?;
         runtime.push(format!("{}={name}", sdcpp_module(*module)));
     }
-    let params: Vec<String> =
-        placement.offload.iter().map(|m| format!("{}=CPU", sdcpp_module(*m))).collect();
+    let params: Vec<String> = placement.offload.iter().map(|m| format!("{}=CPU", sdcpp_module(*m))).collect();
     Ok((runtime.join(","), params.join(",")))
 }
 

@@ -2,11 +2,11 @@
 //! engine load and the denoising run with a progress bar and Ctrl-C cancellation, then PNGs with infotext.
 
 use crate::cli::GenerateArgs;
+use crate::engine::EngineOptions;
 use crate::output::{check_output_path, output_paths};
 use crate::request::{build_request, flag_for_field};
 use anyhow::{anyhow, bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
-use crate::engine::EngineOptions;
 use sdhive_engine::{encode_png, Control, EngineError, Placement, Progress};
 use sdhive_modelsource::ResolveOptions;
 use shared_worker::Backend;

@@ -3,9 +3,9 @@
 //! and handing model resolution and loading to the server, which runs them while `/health` already answers.
 
 use crate::cli::DTypeArg;
+use crate::engine::EngineOptions;
 use anyhow::Context;
 use clap::Args;
-use crate::engine::EngineOptions;
 use sdhive_engine::{Limits, Placement};
 use sdhive_modelsource::ResolveOptions;
 use sdhive_protocol::DeviceDescription;
@@ -193,7 +193,7 @@ pub fn run(backend: Backend, args: &ServeArgs) -> anyhow::Result<()> {
             .with_context(|| format!("cannot use --model {model_arg}"))?;
         tracing::info!(model = %model.name, path = %model.location.path().display(), device = %info.name, %placement, "loading");
         let opts = EngineOptions { dtype, placement, limits };
-        crate::engine::load(backend, device, &info, &model, opts)
+        Ok(crate::engine::load(backend, device, &info, &model, opts)?)
     });
 
     sdhive_server::run(&args.host, args.port, config, loader, registration, |addr| {
