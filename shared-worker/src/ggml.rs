@@ -26,3 +26,11 @@ pub fn init(backend: Backend, prefix: &str, index: usize) -> Result<(DeviceHandl
     };
     Ok((DeviceHandle::Ggml(opened.name), info))
 }
+
+/// `(total, free)` of ggml device `name` now.
+pub fn memory(name: &str) -> (Option<u64>, Option<u64>) {
+    match device::list().into_iter().find(|d| d.name.eq_ignore_ascii_case(name)) {
+        Some(d) => (Some(d.memory_total_bytes), Some(d.memory_free_bytes)),
+        None => (None, None),
+    }
+}

@@ -6,6 +6,9 @@
 #[cfg(any(feature = "vulkan", feature = "rocm"))]
 mod ggml;
 
+#[cfg(feature = "cuda")]
+mod cuda;
+
 use candle_core::{DType, Device};
 use serde::Serialize;
 use std::fmt;
@@ -127,16 +130,49 @@ pub enum DeviceError {
     Init { backend: Backend, index: usize, message: String },
 }
 
-/// Opens device `index` of `backend` and describes it.
+/// Opens device `index` of `backend` and describes it. GPU devices are checked by computing on them before they
+/// are returned.
 pub fn init(backend: Backend, index: usize) -> Result<(DeviceHandle, DeviceInfo), DeviceError> {
     match backend {
         Backend::Cpu => init_cpu(index).map(|(d, i)| (DeviceHandle::Candle(d), i)),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => cuda::init(index).map(|(d, i)| (DeviceHandle::Candle(d), i)),
         #[cfg(feature = "vulkan")]
         Backend::Vulkan => ggml::init(backend, "Vulkan", index),
         #[cfg(feature = "rocm")]
         Backend::Rocm => ggml::init(backend, "ROCm", index),
-        // Other GPU backends are compiled into their own binaries; this build cannot drive them.
+        // Each GPU backend is compiled into its own binary (its crate feature); others cannot drive it.
         _ => Err(DeviceError::NotCompiled { backend }),
+    }
+}
+
+/// The backends this build can drive.
+pub fn compiled_backends() -> Vec<Backend> {
+    let mut out = vec![Backend::Cpu];
+    for (compiled, backend) in [
+        (cfg!(feature = "cuda"), Backend::Cuda),
+        (cfg!(feature = "vulkan"), Backend::Vulkan),
+        (cfg!(feature = "rocm"), Backend::Rocm),
+    ] {
+        if compiled {
+            out.push(backend);
+        }
+    }
+    out
+}
+
+/// `(total, free)` memory of an opened device now, cheap enough for every health check; `None`s where the
+/// backend cannot say.
+pub fn memory(device: &DeviceHandle) -> (Option<u64>, Option<u64>) {
+    match device {
+        DeviceHandle::Candle(Device::Cpu) => {
+            parse_meminfo(&std::fs::read_to_string("/proc/meminfo").unwrap_or_default())
+        }
+        #[cfg(feature = "cuda")]
+        DeviceHandle::Candle(d @ Device::Cuda(_)) => cuda::memory(d),
+        #[cfg(any(feature = "vulkan", feature = "rocm"))]
+        DeviceHandle::Ggml(name) => ggml::memory(name),
+        _ => (None, None),
     }
 }
 
@@ -218,14 +254,8 @@ mod tests {
 
     #[test]
     fn gpu_backends_are_not_compiled_in_and_never_fall_back() {
-        let compiled_in = |b: Backend| {
-            (b == Backend::Vulkan && cfg!(feature = "vulkan"))
-                || (b == Backend::Rocm && cfg!(feature = "rocm"))
-        };
-        for b in [Backend::Cuda, Backend::Metal, Backend::Rocm, Backend::Vulkan]
-            .into_iter()
-            .filter(|b| !compiled_in(*b))
-        {
+        let missing = Backend::ALL.into_iter().filter(|b| !compiled_backends().contains(b));
+        for b in missing {
             let err = init(b, 0).unwrap_err();
             assert!(matches!(err, DeviceError::NotCompiled { backend } if backend == b));
             assert_eq!(
@@ -234,6 +264,39 @@ mod tests {
             );
         }
         assert!(matches!(init(Backend::Cpu, 1), Err(DeviceError::NoSuchDevice { index: 1, .. })));
+        if !cfg!(feature = "cuda") {
+            assert!(!compiled_backends().contains(&Backend::Cuda));
+        }
+    }
+
+    #[test]
+    fn cpu_memory_is_reported() {
+        if cfg!(target_os = "linux") {
+            let (total, free) = memory(&DeviceHandle::Candle(Device::Cpu));
+            assert!(total.unwrap() >= free.unwrap());
+        }
+    }
+
+    /// With the `cuda` feature: a real device passes the start-up check and reports itself; a machine without
+    /// driver or device fails with an error naming cuda, never a CPU device.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda_init_either_verifies_a_gpu_or_names_the_cause() {
+        match init(Backend::Cuda, 0) {
+            Ok((device, info)) => {
+                assert!(device.candle().is_some_and(|d| d.is_cuda()));
+                assert!(info.memory_total_bytes.unwrap() > 0);
+                assert!(matches!(memory(&device), (Some(_), Some(_))));
+                let count = cuda::device_count().unwrap();
+                let err = init(Backend::Cuda, count).unwrap_err();
+                assert!(matches!(err, DeviceError::NoSuchDevice { available, .. } if available == count));
+            }
+            Err(e) => {
+                let msg = e.to_string();
+                assert!(msg.contains("cuda"), "{msg}");
+                assert!(matches!(e, DeviceError::Init { .. } | DeviceError::NoSuchDevice { .. }), "{msg}");
+            }
+        }
     }
 
     #[test]

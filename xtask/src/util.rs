@@ -12,6 +12,14 @@ pub fn workspace_root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("."))
 }
 
+/// Where cargo puts build outputs: `$CARGO_TARGET_DIR` (relative to the workspace root) or `<root>/target`.
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR").filter(|d| !d.is_empty()) {
+        Some(d) => workspace_root().join(d),
+        None => workspace_root().join("target"),
+    }
+}
+
 pub fn cargo(root: &Path, args: &[&str]) -> Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     eprintln!("xtask: cargo {}", args.join(" "));

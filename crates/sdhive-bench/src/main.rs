@@ -1,6 +1,8 @@
 //! `sdhive-bench`: times the full-size SD1.5 UNet (one CFG step, batch 2, latent 32² = 256²
 //! pixels) and VAE decode (one 256² image) on the CPU in f32 with random weights, and reports the
-//! process's peak RSS with both networks built.
+//! process's peak RSS with both networks built. With the `cuda` feature, `--device cuda --dtype f16`
+//! times the same work on an NVIDIA GPU (`--model sdxl` for the SDXL UNet), and `--write-model`
+//! writes a full-size random-weight diffusers folder for end-to-end runs of the workers.
 //!
 //! Two modes. By default it warms up, times `--iters` calls of each network and prints one JSON
 //! report on stdout (progress on stderr). With `--serve` it builds the networks, prints a `ready`
@@ -8,19 +10,40 @@
 //! answering each with one JSON line: `cargo xtask bench cpu` drives this and diffusers' script
 //! in alternation, so both see the same background load.
 
+mod write_model;
+
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use sdhive_models::{
-    random_var_builder, sd15_unet_config, sd15_vae_config, AutoencoderKL, UNet2DConditionModel,
+    random_var_builder, sd15_unet_config, sd15_vae_config, sdxl_unet_config, sdxl_vae_config, AutoencoderKL,
+    SdxlConditioning, UNet2DConditionModel,
 };
 use serde::Serialize;
+use shared_worker::Backend;
 use std::io::{BufRead, Write};
+use std::path::PathBuf;
 use std::time::Instant;
 
 #[derive(Parser)]
-#[command(name = "sdhive-bench", about = "SD1.5 UNet step and VAE decode on the CPU, f32, random weights")]
+#[command(name = "sdhive-bench", about = "SD UNet step and VAE decode with random weights")]
 struct Args {
+    /// `cpu`, or `cuda` / `cuda:N` (needs the `cuda` feature).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Weight and activation precision: f32, f16 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Architecture: sd15 or sdxl.
+    #[arg(long, value_enum, default_value_t = Family::Sd15)]
+    model: Family,
+    /// Instead of timing, write a full-size random-weight diffusers folder of `--model` here (f16 weights).
+    #[arg(long, value_name = "DIR")]
+    write_model: Option<PathBuf>,
+    /// With --write-model: a diffusers folder whose tokenizers, scheduler and model_index.json are copied
+    /// (e.g. tests/fixtures/models/sd1 or …/sdxl); the networks themselves are full size.
+    #[arg(long, value_name = "DIR")]
+    template: Option<PathBuf>,
     /// Timed UNet steps and VAE decodes (each).
     #[arg(long, default_value_t = 3)]
     iters: usize,
@@ -36,6 +59,12 @@ struct Args {
     /// Run calls on request from stdin instead (see the module docs).
     #[arg(long)]
     serve: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Family {
+    Sd15,
+    Sdxl,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -83,6 +112,9 @@ impl Timing {
 
 #[derive(Serialize)]
 struct Report {
+    device: String,
+    dtype: String,
+    model: &'static str,
     threads: usize,
     latent: usize,
     unet_build_ms: f64,
@@ -98,10 +130,12 @@ struct Report {
 /// Both networks and their inputs. They stay alive together for the whole run, as in the
 /// diffusers reference, so the peak RSS covers the UNet and the VAE built together.
 struct Bench {
-    unet: UNet2DConditionModel,
-    vae: AutoencoderKL,
+    device: Device,
+    unet: Option<UNet2DConditionModel>,
+    vae: Option<AutoencoderKL>,
     sample: Tensor,
     context: Tensor,
+    added: Option<SdxlConditioning>,
     latent: Tensor,
     unet_calls: usize,
     unet_build_ms: f64,
@@ -110,23 +144,51 @@ struct Bench {
 }
 
 impl Bench {
-    fn new(latent: usize) -> Result<Self> {
-        let dev = Device::Cpu;
+    /// Builds only the networks `only` asks for, so a GPU run of the SDXL UNet does not also hold a VAE.
+    fn new(dev: &Device, dtype: DType, family: Family, latent: usize, only: Only) -> Result<Self> {
+        let (unet_cfg, vae_cfg, ctx_dim) = match family {
+            Family::Sd15 => (sd15_unet_config(), sd15_vae_config(), 768),
+            Family::Sdxl => (sdxl_unet_config(), sdxl_vae_config(), 2048),
+        };
         let t = Instant::now();
-        let unet = UNet2DConditionModel::new(random_var_builder(DType::F32, &dev), &sd15_unet_config())
-            .context("building the SD1.5 UNet with random weights")?;
+        let unet = match only {
+            Only::Vae => None,
+            _ => Some(
+                UNet2DConditionModel::new(random_var_builder(dtype, dev), &unet_cfg)
+                    .context("building the UNet with random weights")?,
+            ),
+        };
+        sync(dev)?;
         let unet_build_ms = ms_since(t);
         let t = Instant::now();
-        let vae = AutoencoderKL::new(random_var_builder(DType::F32, &dev), &sd15_vae_config())
-            .context("building the SD1.5 VAE with random weights")?;
+        let vae = match only {
+            Only::Unet => None,
+            _ => Some(
+                AutoencoderKL::new(random_var_builder(dtype, dev), &vae_cfg)
+                    .context("building the VAE with random weights")?,
+            ),
+        };
+        sync(dev)?;
         let vae_build_ms = ms_since(t);
         let rss_after_build_bytes = status_kb("VmRSS:")?;
+        let randn = |shape: &[usize]| -> Result<Tensor> {
+            Ok(Tensor::randn(0f32, 1., shape, &Device::Cpu)?.to_dtype(dtype)?.to_device(dev)?)
+        };
+        // SDXL's pooled text embedding and micro-conditioning, as diffusers' benchmark feeds them.
+        let added = match family {
+            Family::Sd15 => None,
+            Family::Sdxl => {
+                Some(SdxlConditioning { text_embeds: randn(&[2, 1280])?, time_ids: randn(&[2, 6])? })
+            }
+        };
         Ok(Self {
+            device: dev.clone(),
             unet,
             vae,
-            sample: Tensor::randn(0f32, 1., (2, 4, latent, latent), &dev)?,
-            context: Tensor::randn(0f32, 1., (2, 77, 768), &dev)?,
-            latent: Tensor::randn(0f32, 1., (1, 4, latent, latent), &dev)?,
+            sample: randn(&[2, 4, latent, latent])?,
+            context: randn(&[2, 77, ctx_dim])?,
+            added,
+            latent: randn(&[1, 4, latent, latent])?,
             unet_calls: 0,
             unet_build_ms,
             vae_build_ms,
@@ -138,29 +200,61 @@ impl Bench {
     fn unet_step(&mut self) -> Result<Call> {
         let timestep = 999.0 - 50.0 * (self.unet_calls % 20) as f64;
         self.unet_calls += 1;
-        timed(|| {
-            self.unet.forward(&self.sample, timestep, &self.context, None).context("UNet step")?;
+        let unet = self.unet.as_ref().context("the UNet was not built (--only vae)")?;
+        timed(&self.device, || {
+            unet.forward(&self.sample, timestep, &self.context, self.added.as_ref()).context("UNet step")?;
             Ok(())
         })
     }
 
     fn vae_decode(&self) -> Result<Call> {
-        timed(|| {
-            self.vae.decode(&self.latent).context("VAE decode")?;
+        let vae = self.vae.as_ref().context("the VAE was not built (--only unet)")?;
+        timed(&self.device, || {
+            vae.decode(&self.latent).context("VAE decode")?;
             Ok(())
         })
     }
 }
 
+fn parse_dtype(s: &str) -> Result<DType> {
+    match s {
+        "f32" => Ok(DType::F32),
+        "f16" => Ok(DType::F16),
+        "bf16" => Ok(DType::BF16),
+        other => bail!("--dtype {other}: expected f32, f16 or bf16"),
+    }
+}
+
+/// `cpu`, `cuda` or `cuda:N`, opened (and, for GPUs, verified) the way the workers open devices.
+fn open_device(spec: &str) -> Result<(Device, String)> {
+    let (backend, index) = match spec.split_once(':') {
+        Some((b, i)) => (b, i.parse::<usize>().with_context(|| format!("--device {spec}: bad index"))?),
+        None => (spec, 0),
+    };
+    let backend: Backend = backend.parse()?;
+    let (device, info) = shared_worker::init(backend, index).with_context(|| format!("--device {spec}"))?;
+    let device = device.candle().cloned().with_context(|| format!("--device {spec}: not a candle device"))?;
+    let driver = info.driver.map(|d| format!(", driver {d}")).unwrap_or_default();
+    let memory = info.memory_total_bytes.map(|m| format!(", {:.1} GB", m as f64 / 1e9)).unwrap_or_default();
+    Ok((device, format!("{backend}:{index} {}{memory}{driver}", info.name)))
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
+    let dtype = parse_dtype(&args.dtype)?;
+    if let Some(dir) = &args.write_model {
+        let template = args.template.as_deref().context("--write-model needs --template DIR")?;
+        return write_model::write(args.model, template, dir);
+    }
+    let (dev, device_name) = open_device(&args.device)?;
     let threads = candle_core::utils::get_num_threads();
     eprintln!(
-        "sdhive-bench: f32, {threads} threads, latent {0}² ({1}² pixels)",
+        "sdhive-bench: {device_name}, {dtype:?}, {threads} threads, {} latent {1}² ({2}² pixels)",
+        args.model.name(),
         args.latent,
         args.latent * 8
     );
-    let mut bench = Bench::new(args.latent)?;
+    let mut bench = Bench::new(&dev, dtype, args.model, args.latent, args.only)?;
     eprintln!(
         "built UNet in {:.0} ms, VAE in {:.0} ms; RSS {:.2} GB",
         bench.unet_build_ms,
@@ -202,7 +296,12 @@ fn main() -> Result<()> {
             .collect::<Result<Vec<_>>>()?;
         vae_decode = Some(Timing::new(&calls));
     }
-    let report = report(&bench, threads, args.latent, unet_step_b2, vae_decode)?;
+    let report = Report {
+        device: device_name,
+        dtype: args.dtype.clone(),
+        model: args.model.name(),
+        ..report(&bench, threads, args.latent, unet_step_b2, vae_decode)?
+    };
     eprintln!("peak RSS {:.2} GB", report.peak_rss_bytes as f64 / 1e9);
     println!("{}", serde_json::to_string(&report).context("serialising the report")?);
     Ok(())
@@ -216,6 +315,9 @@ fn report(
     vae_decode: Option<Timing>,
 ) -> Result<Report> {
     Ok(Report {
+        device: String::new(),
+        dtype: String::new(),
+        model: "",
         threads,
         latent,
         unet_build_ms: bench.unet_build_ms,
@@ -249,10 +351,27 @@ fn serve(bench: &mut Bench, threads: usize) -> Result<()> {
     Ok(())
 }
 
-fn timed(f: impl FnOnce() -> Result<()>) -> Result<Call> {
+/// Times `f` to completion: on a GPU the work is queued asynchronously, so the clock stops only after the device
+/// has drained its queue.
+fn timed(dev: &Device, f: impl FnOnce() -> Result<()>) -> Result<Call> {
+    sync(dev)?;
     let (t, c) = (Instant::now(), cpu_time_ms()?);
     f()?;
+    sync(dev)?;
     Ok(Call { ms: ms_since(t), cpu_ms: cpu_time_ms()? - c })
+}
+
+fn sync(dev: &Device) -> Result<()> {
+    dev.synchronize().context("waiting for the device")
+}
+
+impl Family {
+    fn name(self) -> &'static str {
+        match self {
+            Family::Sd15 => "sd15",
+            Family::Sdxl => "sdxl",
+        }
+    }
 }
 
 /// utime + stime of the whole process from `/proc/self/stat`, in ms (clock-tick resolution).

@@ -13,3 +13,5 @@ pub use model::{Family, LoadError, SdModel};
 
 #[cfg(test)]
 mod parity_tests;
+#[cfg(test)]
+mod test_device;

@@ -135,7 +135,7 @@ impl SdModel {
         };
         let unet = UNet2DConditionModel::from_dir(&dir.join("unet"), dtype, device)?;
         let vae_dtype =
-            vae_dtype(dtype, &AutoencoderKLConfig::from_file(&dir.join("vae").join("config.json"))?);
+            vae_dtype(family, dtype, &AutoencoderKLConfig::from_file(&dir.join("vae").join("config.json"))?);
         let vae = AutoencoderKL::from_dir(&dir.join("vae"), vae_dtype, device)?;
         let mut encoders = vec![TextEncoder {
             tokenizer: ClipTokenizer::from_dir(&dir.join("tokenizer"))?,
@@ -176,7 +176,7 @@ impl SdModel {
             from_json_value(&file.join("text_encoder/config.json"), &configs.text_encoder)?;
         let vb = |weights, dt| VarBuilder::from_tensors(weights, dt, device);
         let unet_model = UNet2DConditionModel::new(vb(unet, dtype), &unet_cfg)?;
-        let vae_model = AutoencoderKL::new(vb(vae, vae_dtype(dtype, &vae_cfg)), &vae_cfg)?;
+        let vae_model = AutoencoderKL::new(vb(vae, vae_dtype(family, dtype, &vae_cfg)), &vae_cfg)?;
         // Single files carry no tokenizer. A config folder's tokenizer wins (as in diffusers' `config=`); otherwise
         // the bundled CLIP vocabulary serves, padded as each encoder was trained (CLIP-L with its end token,
         // OpenCLIP with "!").
@@ -245,11 +245,29 @@ fn sample_size(unet_config: &Value) -> usize {
     unet_config.get("sample_size").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(64)
 }
 
-/// diffusers keeps a `force_upcast` VAE in f32 when the rest runs in half precision: SD VAEs overflow in f16.
-fn vae_dtype(dtype: DType, cfg: &AutoencoderKLConfig) -> DType {
-    if cfg.force_upcast && matches!(dtype, DType::F16 | DType::BF16) {
+/// The VAE runs in the pipeline's dtype, as in diffusers, except where diffusers upcasts it: the SDXL pipelines
+/// decode (and encode) in f32 when the VAE is f16 and its config sets `force_upcast`, because the SDXL VAE
+/// overflows in f16. The SD 1.x/2.x pipelines never upcast, and bf16 has the range to need no upcast.
+fn vae_dtype(family: Family, dtype: DType, cfg: &AutoencoderKLConfig) -> DType {
+    if family == Family::Sdxl && cfg.force_upcast && dtype == DType::F16 {
         DType::F32
     } else {
         dtype
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vae_precision_follows_the_diffusers_pipelines() {
+        let upcast = AutoencoderKLConfig { force_upcast: true, ..sdhive_models::sdxl_vae_config() };
+        let plain = AutoencoderKLConfig { force_upcast: false, ..upcast.clone() };
+        assert_eq!(vae_dtype(Family::Sdxl, DType::F16, &upcast), DType::F32);
+        assert_eq!(vae_dtype(Family::Sdxl, DType::F16, &plain), DType::F16);
+        assert_eq!(vae_dtype(Family::Sdxl, DType::BF16, &upcast), DType::BF16);
+        assert_eq!(vae_dtype(Family::Sd, DType::F16, &upcast), DType::F16);
+        assert_eq!(vae_dtype(Family::Sd, DType::F32, &upcast), DType::F32);
     }
 }

@@ -16,7 +16,10 @@ pub mod vae;
 pub use clip::{ClipActivation, ClipTextConfig, ClipTextModel, ClipTextOutput};
 pub use config::IntOrList;
 pub use error::{ModelError, Result};
-pub use loading::{find_weight_files, load_component, open_safetensors, random_var_builder};
+pub use loading::{
+    find_weight_files, load_component, open_safetensors, random_var_builder, recording_random_var_builder,
+    RecordedWeights,
+};
 pub use unet::{
     sd15_inpaint_unet_config, sd15_unet_config, sd21_unet_config, sdxl_unet_config, SdxlConditioning,
     UNet2DConditionConfig, UNet2DConditionModel,

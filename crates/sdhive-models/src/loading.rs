@@ -1,11 +1,14 @@
 //! Finding and opening a diffusers component's weights (`unet/`, `vae/`, `text_encoder/`…),
-//! plus a random-weight `VarBuilder` so full-size networks can be benchmarked without files.
+//! plus a random-weight `VarBuilder` so full-size networks can be benchmarked without files (and, recorded,
+//! written out as a full-size diffusers folder for end-to-end runs).
 
 use crate::error::{strip_backtrace, ModelError, Result};
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// Single-file names in preference order: full precision first, then the fp16 variants.
 const SINGLE_FILES: [&str; 4] = [
@@ -184,4 +187,51 @@ impl SimpleBackend for RandomWeights {
 /// full-size networks, e.g. `UNet2DConditionModel::new(random_var_builder(..), &sd15_unet_config())`.
 pub fn random_var_builder(dtype: DType, device: &Device) -> VarBuilder<'static> {
     VarBuilder::from_backend(Box::new(RandomWeights::new(0.02, 0x5D_4E_1F)), dtype, device.clone())
+}
+
+/// Every tensor a recording random `VarBuilder` handed out, by its diffusers name.
+#[derive(Clone, Default)]
+pub struct RecordedWeights(Arc<Mutex<HashMap<String, Tensor>>>);
+
+impl RecordedWeights {
+    /// Takes the tensors recorded so far, leaving the record empty.
+    pub fn take(&self) -> HashMap<String, Tensor> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+struct Recording {
+    inner: RandomWeights,
+    seen: RecordedWeights,
+}
+
+impl SimpleBackend for Recording {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        hint: Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = self.inner.get(s, name, hint, dtype, dev)?;
+        self.seen.0.lock().unwrap_or_else(PoisonError::into_inner).insert(name.to_string(), t.clone());
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.inner.get_unchecked(name, dtype, dev)
+    }
+
+    fn contains_tensor(&self, _name: &str) -> bool {
+        true
+    }
+}
+
+/// [`random_var_builder`]'s weights, each also kept in the returned record so a network built from it can be
+/// saved (`candle_core::safetensors::save`) and loaded back like a downloaded model.
+pub fn recording_random_var_builder(dtype: DType, device: &Device) -> (VarBuilder<'static>, RecordedWeights) {
+    let seen = RecordedWeights::default();
+    let backend = Recording { inner: RandomWeights::new(0.02, 0x5D_4E_1F), seen: seen.clone() };
+    (VarBuilder::from_backend(Box::new(backend), dtype, device.clone()), seen)
 }

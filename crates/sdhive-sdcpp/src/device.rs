@@ -130,7 +130,8 @@ fn reference(a: &[f32], b: &[f32]) -> Vec<f32> {
     for n in 0..N {
         for m in 0..M {
             let (ra, rb) = (&a[m * K..(m + 1) * K], &b[n * K..(n + 1) * K]);
-            out[n * M + m] = ra.iter().zip(rb).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum::<f64>() as f32;
+            out[n * M + m] =
+                ra.iter().zip(rb).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum::<f64>() as f32;
         }
     }
     out

@@ -149,14 +149,8 @@ pub fn run(backend: Backend, args: &ServeArgs) -> anyhow::Result<()> {
         max_n: args.max_n,
         max_prompt_chars: args.max_prompt_chars,
     };
-    let memory_probe = (backend == Backend::Cpu).then(|| {
-        let index = args.device;
-        // Re-reading /proc/meminfo is cheap; GPU backends would need a driver query, which shared-worker lacks.
-        MemoryProbe(Arc::new(move || match shared_worker::init(backend, index) {
-            Ok((_, i)) => (i.memory_total_bytes, i.memory_free_bytes),
-            Err(_) => (None, None),
-        }))
-    });
+    let probe_device = device.clone();
+    let memory_probe = Some(MemoryProbe(Arc::new(move || shared_worker::memory(&probe_device))));
     let config = ServerConfig {
         limits: limits.clone(),
         max_queue: args.max_queue,
