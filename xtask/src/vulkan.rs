@@ -64,7 +64,7 @@ pub fn run() -> Result<()> {
         !no_gpu.status.success() && stderr.contains("vulkan"),
         "sd-worker-vulkan without a Vulkan driver must fail naming the backend; it said:\n{stderr}"
     );
-    eprintln!("xtask: without a Vulkan device sd-worker-vulkan refuses: {}", last_line(&stderr));
+    eprintln!("xtask: without a Vulkan device sd-worker-vulkan refuses: {}", error_line(&stderr));
 
     if !Path::new(LAVAPIPE_ICD).exists() {
         bail!("{LAVAPIPE_ICD} is missing: install Debian's mesa-vulkan-drivers (.ci/run does)");
@@ -133,8 +133,9 @@ fn ensure_vulkan_sdk(root: &Path) -> Result<()> {
     Ok(())
 }
 
-fn last_line(s: &str) -> &str {
-    s.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("")
+/// anyhow's `Error: …` line (a backtrace may follow it when RUST_BACKTRACE is set).
+fn error_line(s: &str) -> &str {
+    s.lines().find(|l| l.starts_with("Error:")).unwrap_or("")
 }
 
 fn target_dir(root: &Path) -> PathBuf {

@@ -147,7 +147,8 @@ fn verify(dev: sys::ggml_backend_dev_t, name: &str) -> Result<(), GgmlDeviceErro
     let want = reference(&a, &b);
     let rms = (want.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / want.len() as f64).sqrt() as f32;
     let worst = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0f32, f32::max);
-    if !(worst <= TOLERANCE * rms) {
+    // A NaN anywhere (fold's max skips it) must fail too.
+    if got.iter().any(|v| !v.is_finite()) || worst > TOLERANCE * rms {
         return Err(GgmlDeviceError::Verification {
             device: name.to_string(),
             message: format!("largest error {worst} against a result RMS of {rms} (allowed {TOLERANCE}×RMS)"),

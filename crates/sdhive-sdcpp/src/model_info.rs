@@ -54,11 +54,13 @@ fn from_unet_config(path: &Path) -> Result<ModelInfo, String> {
 }
 
 fn from_unet_value(cfg: &serde_json::Value) -> ModelInfo {
-    let cross = cfg["cross_attention_dim"].as_u64().unwrap_or(768);
-    let family = match cross {
-        2048 => "sdxl",
-        1024 => "sd2",
-        _ => "sd1",
+    // SDXL is the UNet with the `text_time` add-embedding; SD2's text encoder is 1024 wide, SD1's 768.
+    let family = if cfg["addition_embed_type"].as_str() == Some("text_time") {
+        "sdxl"
+    } else if cfg["cross_attention_dim"].as_u64() == Some(1024) {
+        "sd2"
+    } else {
+        "sd1"
     };
     // diffusers' sample_size is in latent pixels; the VAE scales by 8 for every family here.
     let side = cfg["sample_size"].as_u64().map(|s| s as u32 * 8).unwrap_or(default_side(family));
