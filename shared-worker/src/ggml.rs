@@ -29,7 +29,7 @@ pub fn init(backend: Backend, prefix: &str, index: usize) -> Result<(DeviceHandl
 
 /// `(total, free)` of ggml device `name` now.
 pub fn memory(name: &str) -> (Option<u64>, Option<u64>) {
-    match device::list().into_iter().find(|d| d.name.eq_ignore_ascii_case(name)) {
+    match device::find(name) {
         Some(d) => (Some(d.memory_total_bytes), Some(d.memory_free_bytes)),
         None => (None, None),
     }

@@ -86,6 +86,11 @@ pub fn list() -> Vec<GgmlDevice> {
     registry().into_iter().map(|(_, d)| d).collect()
 }
 
+/// The device ggml calls `name` (`Vulkan0`), as it is now (free memory changes).
+pub fn find(name: &str) -> Option<GgmlDevice> {
+    list().into_iter().find(|d| d.name.eq_ignore_ascii_case(name))
+}
+
 /// Device `index` of the backend whose ggml names start with `prefix` (`Vulkan`, `ROCm`), checked with a
 /// matrix product. Never returns a CPU device.
 pub fn open(prefix: &str, index: usize) -> Result<GgmlDevice, GgmlDeviceError> {

@@ -75,11 +75,6 @@ pub struct SdCppEngine {
     limits: Limits,
 }
 
-/// Free memory of ggml device `name` now.
-fn free_memory(name: &str) -> Option<u64> {
-    device::list().into_iter().find(|d| d.name.eq_ignore_ascii_case(name)).map(|d| d.memory_free_bytes)
-}
-
 /// sd.cpp runs the conditional and unconditional passes as separate batch-1 calls.
 const IMAGES_PER_UNET_CALL: u64 = 1;
 
@@ -140,7 +135,7 @@ impl SdCppEngine {
             Some(d) => params::ggml_device_name(d).unwrap_or_else(|| opts.ggml_device.clone()),
             None => opts.ggml_device.clone(),
         };
-        let device_now = device::list().into_iter().find(|d| d.name.eq_ignore_ascii_case(&plan_device));
+        let device_now = device::find(&plan_device);
         let memory = MemoryReport {
             weights_bytes: shape.weights_bytes,
             device_total_bytes: device_now.as_ref().map(|d| d.memory_total_bytes),
@@ -253,7 +248,7 @@ impl Engine for SdCppEngine {
             width,
             height,
             IMAGES_PER_UNET_CALL,
-            free_memory(&self.plan_device),
+            device::find(&self.plan_device).map(|d| d.memory_free_bytes),
             false,
             true,
         )?;
