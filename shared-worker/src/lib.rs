@@ -128,6 +128,8 @@ pub enum DeviceError {
     NoSuchDevice { backend: Backend, index: usize, available: usize },
     #[error("cannot open {backend} device {index}: {message}")]
     Init { backend: Backend, index: usize, message: String },
+    #[error("--placement names `{device}`, but {} runs modules only on the cpu and {backend} devices", backend.binary_name())]
+    ForeignDevice { backend: Backend, device: String },
 }
 
 /// Opens device `index` of `backend` and describes it. GPU devices are checked by computing on them before they
@@ -143,6 +145,33 @@ pub fn init(backend: Backend, index: usize) -> Result<(DeviceHandle, DeviceInfo)
         Backend::Rocm => ggml::init(backend, "ROCm", index),
         // Each GPU backend is compiled into its own binary (its crate feature); others cannot drive it.
         _ => Err(DeviceError::NotCompiled { backend }),
+    }
+}
+
+/// The candle device a `--placement` entry (`named`, `index`, as the operator wrote them) names, for a worker of
+/// `backend` that opened `main` as its device `main_index`: the CPU, the worker's own device (the same handle,
+/// so its tensors need no copy), or another device of the same backend, opened and checked like the first.
+pub fn placement_device(
+    backend: Backend,
+    main: &Device,
+    main_index: usize,
+    named: &str,
+    index: usize,
+) -> Result<Device, DeviceError> {
+    if named == Backend::Cpu.name() {
+        return Ok(Device::Cpu);
+    }
+    if named != backend.name() || backend.engine() != EngineKind::Candle {
+        return Err(DeviceError::ForeignDevice { backend, device: format!("{named}{index}") });
+    }
+    if index == main_index {
+        return Ok(main.clone());
+    }
+    match init(backend, index)? {
+        (DeviceHandle::Candle(d), _) => Ok(d),
+        (DeviceHandle::Ggml(_), _) => {
+            Err(DeviceError::ForeignDevice { backend, device: format!("{named}{index}") })
+        }
     }
 }
 
@@ -225,6 +254,20 @@ fn parse_meminfo(meminfo: &str) -> (Option<u64>, Option<u64>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn placement_names_the_cpu_the_worker_device_or_refuses() {
+        let cpu = placement_device(Backend::Cpu, &Device::Cpu, 0, "cpu", 0).expect("cpu");
+        assert!(cpu.is_cpu());
+        let err = placement_device(Backend::Cpu, &Device::Cpu, 0, "vulkan", 1).unwrap_err();
+        assert!(matches!(err, DeviceError::ForeignDevice { .. }));
+        assert!(err.to_string().contains("`vulkan1`") && err.to_string().contains("sd-worker-cpu"), "{err}");
+        // A CUDA worker's other devices are opened (and checked) like its own; without the feature, refused.
+        if !cfg!(feature = "cuda") {
+            let err = placement_device(Backend::Cuda, &Device::Cpu, 0, "cuda", 1).unwrap_err();
+            assert!(matches!(err, DeviceError::NotCompiled { .. }), "{err}");
+        }
+    }
 
     #[test]
     fn backend_names_round_trip() {

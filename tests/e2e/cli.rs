@@ -241,3 +241,52 @@ fn ctrl_c_cancels_and_exits_non_zero() {
     assert!(rest.contains("cancelled"), "{rest}");
     assert!(!tmp.path().join("never-0.png").exists());
 }
+
+fn png_pixels(path: &Path) -> Vec<u8> {
+    let mut reader =
+        png::Decoder::new(std::io::BufReader::new(std::fs::File::open(path).unwrap())).read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+    let frame = reader.next_frame(&mut buf).unwrap();
+    buf.truncate(frame.buffer_size());
+    buf
+}
+
+#[test]
+fn offloaded_and_placed_modules_give_the_same_image() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (plain, moved) = (tmp.path().join("plain.png"), tmp.path().join("moved.png"));
+    let o = generate(&plain, &[]);
+    assert!(o.status.success(), "generate failed:\n{}", stderr(&o));
+    let o = generate(&moved, &["--placement", "te=cpu,vae=cpu", "--offload", "te,vae"]);
+    assert!(o.status.success(), "generate with --placement/--offload failed:\n{}", stderr(&o));
+    assert_eq!(png_pixels(&plain), png_pixels(&moved), "offloading must not change the image");
+}
+
+#[test]
+fn placement_on_another_backend_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = generate(&tmp.path().join("x.png"), &["--placement", "unet=cuda0"]);
+    assert_fails_with(&o, &["cuda0", "sd-worker-cpu"]);
+    let o = generate(&tmp.path().join("x.png"), &["--placement", "unet=tpu0"]);
+    assert_fails_with(&o, &["--placement", "tpu0"]);
+}
+
+/// `--memory-budget` caps what the planner may use: just above the tiny model's weights plus the planner's
+/// margin, a 128² job decodes in tiles (different seams, same size); below it, the job is refused with the
+/// amount it needs.
+#[test]
+fn memory_budget_tiles_the_vae_or_refuses_the_job() {
+    let tmp = tempfile::tempdir().unwrap();
+    let size = ["--width", "128", "--height", "128", "--steps", "2"];
+    let plain = tmp.path().join("plain.png");
+    let o = generate(&plain, &size);
+    assert!(o.status.success(), "generate failed:\n{}", stderr(&o));
+    let tiled = tmp.path().join("tiled.png");
+    let o = generate(&tiled, &[&size[..], &["--memory-budget", "540M"]].concat());
+    assert!(o.status.success(), "generate under a budget failed:\n{}", stderr(&o));
+    let (a, b) = (png_pixels(&plain), png_pixels(&tiled));
+    assert_eq!(a.len(), b.len());
+    assert_ne!(a, b, "a tiled decode blends its seams: the budget did not change the plan");
+    let o = generate(&tmp.path().join("refused.png"), &[&size[..], &["--memory-budget", "100M"]].concat());
+    assert_fails_with(&o, &["128×128 job needs about", "MiB"]);
+}

@@ -4,6 +4,7 @@
 
 use crate::model::{Family, SdModel, TextEncoder};
 use candle_core::{DType, Device, Result, Tensor, D};
+use sdhive_models::ClipTextModel;
 use sdhive_tokenizer::prompt::{weighted_chunks, Chunk};
 
 /// The text conditioning for one prompt.
@@ -39,23 +40,42 @@ fn pad_chunks(model: &SdModel, chunks: &mut [Vec<Chunk>], target: usize) {
 /// The hidden state a family reads for A1111's clip skip `skip` (1 = last layer).
 fn pick_hidden(
     family: Family,
-    encoder: &TextEncoder,
+    model: &ClipTextModel,
     ids: &Tensor,
     skip: usize,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let out = encoder.model.forward(ids).map_err(candle_core::Error::wrap)?;
+    let out = model.forward(ids).map_err(candle_core::Error::wrap)?;
     let n = out.hidden_states.len();
     let hidden = match family {
         // diffusers' SD pipelines: last_hidden_state, or hidden_states[-(k+1)] through the final layer norm.
         Family::Sd if skip <= 1 => out.last_hidden_state.clone(),
         Family::Sd => {
             let idx = n.saturating_sub(skip);
-            encoder.model.final_layer_norm(&out.hidden_states[idx]).map_err(candle_core::Error::wrap)?
+            model.final_layer_norm(&out.hidden_states[idx]).map_err(candle_core::Error::wrap)?
         }
         // SDXL reads the penultimate layer (or earlier with clip skip) without the final layer norm.
         Family::Sdxl => out.hidden_states[n.saturating_sub(1 + skip)].clone(),
     };
     Ok((hidden, out.text_embeds))
+}
+
+/// Every chunk through one encoder (built once, on its own device, when it is offloaded).
+fn encode_with(
+    family: Family,
+    encoder: &TextEncoder,
+    chunks: &[Chunk],
+    skip: usize,
+) -> Result<Vec<(Tensor, Option<Tensor>)>> {
+    let device = encoder.model.device().clone();
+    encoder
+        .model
+        .with(|m| {
+            chunks
+                .iter()
+                .map(|c| pick_hidden(family, m, &ids_tensor(&c.ids, &device)?, skip))
+                .collect::<Result<Vec<_>>>()
+        })
+        .map_err(candle_core::Error::wrap)?
 }
 
 /// A1111's emphasis: scale each token's embedding by its weight, then restore the chunk's original mean.
@@ -74,30 +94,20 @@ fn ids_tensor(ids: &[u32], device: &Device) -> Result<Tensor> {
     Tensor::from_slice(ids, (1, ids.len()), device)
 }
 
-fn encode_chunks(
-    model: &SdModel,
-    chunks: &[Vec<Chunk>],
-    skip: usize,
-    device: &Device,
-) -> Result<Conditioning> {
+fn encode_chunks(model: &SdModel, chunks: &[Vec<Chunk>], skip: usize) -> Result<Conditioning> {
     let count = chunks.first().map(Vec::len).unwrap_or(0);
+    let mut per_encoder = model
+        .encoders
+        .iter()
+        .zip(chunks)
+        .map(|(encoder, list)| encode_with(model.family, encoder, list, skip))
+        .collect::<Result<Vec<_>>>()?;
+    // SDXL's pooled embedding: the projected output of the last encoder that has one, first chunk.
+    let pooled = per_encoder.iter_mut().rev().find_map(|outs| outs.first_mut().and_then(|o| o.1.take()));
     let mut parts = Vec::with_capacity(count);
-    let mut pooled = None;
     for c in 0..count {
-        let mut per_encoder = Vec::with_capacity(model.encoders.len());
-        for (encoder, list) in model.encoders.iter().zip(chunks) {
-            let (hidden, text_embeds) =
-                pick_hidden(model.family, encoder, &ids_tensor(&list[c].ids, device)?, skip)?;
-            if c == 0 && text_embeds.is_some() {
-                pooled = text_embeds;
-            }
-            per_encoder.push(hidden);
-        }
-        let z = if per_encoder.len() == 1 {
-            per_encoder.remove(0)
-        } else {
-            Tensor::cat(&per_encoder, D::Minus1)?
-        };
+        let hidden: Vec<Tensor> = per_encoder.iter().map(|outs| outs[c].0.clone()).collect();
+        let z = if hidden.len() == 1 { hidden[0].clone() } else { Tensor::cat(&hidden, D::Minus1)? };
         let chunk = &chunks[0][c];
         parts.push(if chunk.is_unweighted() { z } else { apply_weights(&z, &chunk.weights)? });
     }
@@ -107,18 +117,12 @@ fn encode_chunks(
 
 /// Encodes the positive and negative prompts with matching chunk counts. An empty SDXL negative prompt becomes
 /// zeros when the model asks for it (diffusers' `force_zeros_for_empty_prompt`, also A1111's behaviour).
-pub fn encode_pair(
-    model: &SdModel,
-    prompt: &str,
-    negative: &str,
-    clip_skip: u32,
-    device: &Device,
-) -> Result<PromptPair> {
+pub fn encode_pair(model: &SdModel, prompt: &str, negative: &str, clip_skip: u32) -> Result<PromptPair> {
     let skip = clip_skip.max(1) as usize;
     let mut pos = chunks_per_encoder(model, prompt);
     let zero_negative = model.force_zeros_for_empty_prompt && negative.is_empty();
     if zero_negative {
-        let positive = encode_chunks(model, &pos, skip, device)?;
+        let positive = encode_chunks(model, &pos, skip)?;
         let negative = Conditioning {
             context: positive.context.zeros_like()?,
             pooled: positive.pooled.as_ref().map(Tensor::zeros_like).transpose()?,
@@ -131,18 +135,10 @@ pub fn encode_pair(
     pad_chunks(model, &mut neg, target);
     // diffusers' pipelines apply clip skip to the positive prompt only; the negative prompt always reads the
     // default layer. We follow the oracle (A1111 would skip on both sides).
-    Ok(PromptPair {
-        positive: encode_chunks(model, &pos, skip, device)?,
-        negative: encode_chunks(model, &neg, 1, device)?,
-    })
+    Ok(PromptPair { positive: encode_chunks(model, &pos, skip)?, negative: encode_chunks(model, &neg, 1)? })
 }
 
 /// Only the positive prompt: for runs without classifier-free guidance.
-pub fn encode_positive(
-    model: &SdModel,
-    prompt: &str,
-    clip_skip: u32,
-    device: &Device,
-) -> Result<Conditioning> {
-    encode_chunks(model, &chunks_per_encoder(model, prompt), clip_skip.max(1) as usize, device)
+pub fn encode_positive(model: &SdModel, prompt: &str, clip_skip: u32) -> Result<Conditioning> {
+    encode_chunks(model, &chunks_per_encoder(model, prompt), clip_skip.max(1) as usize)
 }

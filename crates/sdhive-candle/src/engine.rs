@@ -1,34 +1,83 @@
 //! `CandleEngine`: the [`Engine`] implementation over candle. It validates a request against the loaded model,
-//! encodes the prompts once per request and runs one denoising loop per image (seed, seed+1, …).
+//! plans the job's memory against the device's free memory (attention slicing, VAE tiling, or a refusal that
+//! says how much it needs), encodes the prompts once per request and runs one denoising loop per image
+//! (seed, seed+1, …).
 
 use crate::conditioning::{encode_pair, encode_positive};
 use crate::model::{LoadError, SdModel};
 use crate::pipeline::{
     generate_image, latent_preview, ImageJob, PipelineError, StepReport, UnetConditioning,
 };
-use candle_core::{DType, Device};
+use crate::residency::Targets;
+use candle_core::DType;
+use sdhive_engine::memory::ATTENTION_SLICES;
 use sdhive_engine::{
     infotext, random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest,
-    GeneratedImage, InfotextContext, Limits, Progress, Sampler, ValidationError,
+    GeneratedImage, InfotextContext, JobPlan, Limits, MemoryReport, ModelShape, Progress, Sampler,
+    ValidationError,
 };
+use sdhive_models::ops::{limit_attention_scores, MAX_SCORE_ELEMENTS};
 use sdhive_modelsource::ResolvedModel;
+use std::sync::Arc;
+
+/// `(total, free)` bytes of the worker's device now; `None`s where it cannot say.
+pub type MemoryQuery = Arc<dyn Fn() -> (Option<u64>, Option<u64>) + Send + Sync>;
 
 /// Where and how to load the model.
 pub struct LoadOptions {
-    pub device: Device,
-    pub dtype: DType,
+    /// Each network's device, dtype and residency; the UNet's device is the worker's device, whose memory
+    /// plans every job.
+    pub targets: Targets,
     /// Shown in `info()`: the backend compiled into the binary and the device's name.
     pub backend_name: String,
     pub device_name: String,
+    /// The worker device's memory, asked before every job.
+    pub memory: Option<MemoryQuery>,
+    /// The most device memory the worker may use, weights included (a share of a GPU used by others too).
+    pub memory_budget: Option<u64>,
+}
+
+impl LoadOptions {
+    /// Every network resident on `device` in `dtype`, planned without a memory query.
+    pub fn single_device(
+        device: &candle_core::Device,
+        dtype: DType,
+        backend_name: &str,
+        device_name: &str,
+    ) -> Self {
+        LoadOptions {
+            targets: Targets::all(device, dtype),
+            backend_name: backend_name.into(),
+            device_name: device_name.into(),
+            memory: None,
+            memory_budget: None,
+        }
+    }
 }
 
 pub struct CandleEngine {
     model: SdModel,
-    device: Device,
     dtype: DType,
     backend_name: String,
     device_name: String,
     limits: Limits,
+    shape: ModelShape,
+    memory: Option<MemoryQuery>,
+    memory_budget: Option<u64>,
+    report: MemoryReport,
+}
+
+/// Images per UNet call with classifier-free guidance (the negative and positive halves of one batch).
+const CFG_BATCH: u64 = 2;
+
+/// Free memory as the planner sees it: the device's, capped by what the operator's budget leaves beside the
+/// resident weights.
+fn budgeted(free: Option<u64>, budget: Option<u64>, weights: u64) -> Option<u64> {
+    let left = budget.map(|b| b.saturating_sub(weights));
+    match (free, left) {
+        (Some(f), Some(l)) => Some(f.min(l)),
+        (f, l) => f.or(l),
+    }
 }
 
 fn dtype_name(dtype: DType) -> &'static str {
@@ -41,19 +90,52 @@ fn dtype_name(dtype: DType) -> &'static str {
 
 impl CandleEngine {
     pub fn load(model: &ResolvedModel, opts: LoadOptions) -> Result<Self, LoadError> {
-        let loaded = SdModel::load(model, &opts.device, opts.dtype)?;
+        let loaded = SdModel::load(model, &opts.targets)?;
         Ok(Self::from_model(loaded, opts))
     }
 
     pub fn from_model(model: SdModel, opts: LoadOptions) -> Self {
+        let dtype = model.unet.dtype();
+        let (first_attention_level, heads) = model.unet_config.first_attention().unwrap_or((0, 0));
+        let shape = ModelShape {
+            weights_bytes: model.resident_bytes_on(model.unet.device()),
+            activation_bytes: dtype.size_in_bytes() as u64,
+            vae_factor: model.vae_scale_factor as u32,
+            first_attention_level: first_attention_level as u32,
+            heads_at_first_attention: heads as u32,
+            fused_attention: false,
+            score_chunk_elements: Some(MAX_SCORE_ELEMENTS as u64),
+            vae_tile_latent: model.vae_config.tile_latent_size() as u64,
+        };
+        let (total, free) = opts.memory.as_ref().map_or((None, None), |m| m());
+        let free = budgeted(free, opts.memory_budget, shape.weights_bytes);
+        let (w, h) = model.native_size;
+        let report = MemoryReport {
+            weights_bytes: shape.weights_bytes,
+            device_total_bytes: total,
+            device_free_bytes: free,
+            native_job: shape.plan(w, h, CFG_BATCH, free, true, true).ok(),
+            vae_tiling_available: true,
+            attention_slicing_available: true,
+        };
         CandleEngine {
             model,
-            device: opts.device,
-            dtype: opts.dtype,
+            dtype,
             backend_name: opts.backend_name,
             device_name: opts.device_name,
             limits: Limits::default(),
+            shape,
+            memory: opts.memory,
+            memory_budget: opts.memory_budget,
+            report,
         }
+    }
+
+    /// The memory plan for a job at `width`×`height` (CFG batch), against the device's free memory now.
+    fn plan(&self, width: u32, height: u32) -> Result<JobPlan, EngineError> {
+        let free =
+            budgeted(self.memory.as_ref().and_then(|m| m().1), self.memory_budget, self.shape.weights_bytes);
+        Ok(self.shape.plan(width, height, CFG_BATCH, free, true, true)?)
     }
 
     pub fn with_limits(mut self, limits: Limits) -> Self {
@@ -99,7 +181,7 @@ impl Engine for CandleEngine {
             samplers: Sampler::ALL.iter().map(|s| s.name().to_string()).collect(),
             supports_img2img: true,
             supports_inpaint: true,
-            memory: None,
+            memory: Some(self.report.clone()),
         }
     }
 
@@ -111,18 +193,30 @@ impl Engine for CandleEngine {
         req.validate(&self.limits)?;
         let (width, height) = req.output_size(self.model.native_size);
         self.check_model_fit(req, width, height)?;
+        let plan = self.plan(width, height)?;
+        if plan.attention_slicing || plan.vae_tiling {
+            tracing::info!(
+                width,
+                height,
+                attention_slicing = plan.attention_slicing,
+                vae_tiling = plan.vae_tiling,
+                "memory plan for this job"
+            );
+        }
+        // Dropped at the end of the job, restoring the engine thread's default.
+        let _slicing = plan
+            .attention_slicing
+            .then(|| limit_attention_scores(MAX_SCORE_ELEMENTS / ATTENTION_SLICES as usize));
         let base_seed = req.seed.unwrap_or_else(random_seed);
         let size = (width as usize, height as usize);
         let text_failed = |e: candle_core::Error| EngineError::Failed(format!("text encoder: {e}"));
         let guided = f64::from(req.cfg_scale) > 1.0;
         let cond = if guided {
-            let pair =
-                encode_pair(&self.model, &req.prompt, &req.negative_prompt, req.clip_skip, &self.device)
-                    .map_err(text_failed)?;
+            let pair = encode_pair(&self.model, &req.prompt, &req.negative_prompt, req.clip_skip)
+                .map_err(text_failed)?;
             UnetConditioning::new(&self.model, &pair.positive, Some(&pair.negative), size)
         } else {
-            let positive = encode_positive(&self.model, &req.prompt, req.clip_skip, &self.device)
-                .map_err(text_failed)?;
+            let positive = encode_positive(&self.model, &req.prompt, req.clip_skip).map_err(text_failed)?;
             UnetConditioning::new(&self.model, &positive, None, size)
         }
         .map_err(text_failed)?;
@@ -141,6 +235,7 @@ impl Engine for CandleEngine {
                 init_image: req.init_image.as_ref(),
                 mask: req.mask.as_ref(),
                 strength: f64::from(req.strength),
+                vae_tiling: plan.vae_tiling,
             };
             let model = &self.model;
             let mut on_step = |r: StepReport<'_>| {
@@ -156,15 +251,13 @@ impl Engine for CandleEngine {
                 };
                 progress(&p) == Control::Continue
             };
-            let image = generate_image(&self.model, &cond, &job, &self.device, &mut on_step).map_err(
-                |e| match e {
-                    PipelineError::Cancelled => EngineError::Cancelled,
-                    PipelineError::Invalid { field, message } => {
-                        EngineError::Invalid(ValidationError { field, message })
-                    }
-                    other => EngineError::Failed(other.to_string()),
-                },
-            )?;
+            let image = generate_image(&self.model, &cond, &job, &mut on_step).map_err(|e| match e {
+                PipelineError::Cancelled => EngineError::Cancelled,
+                PipelineError::Invalid { field, message } => {
+                    EngineError::Invalid(ValidationError { field, message })
+                }
+                other => EngineError::Failed(other.to_string()),
+            })?;
             let ctx = InfotextContext {
                 seed,
                 width,

@@ -2,14 +2,20 @@
 //! device and runs txt2img / img2img / inpaint requests with diffusers' arithmetic and RNG order, so a seed gives
 //! the image diffusers gives.
 
+// The networks' errors (sdhive_models::ModelError) carry paths and candle's error by value and pass through
+// closures here unchanged; they are made at most once per load or job, so their size costs nothing.
+#![allow(clippy::result_large_err)]
+
 mod conditioning;
 mod engine;
 mod model;
 mod pipeline;
+mod residency;
 mod tensor_image;
 
-pub use engine::{CandleEngine, LoadOptions};
+pub use engine::{CandleEngine, LoadOptions, MemoryQuery};
 pub use model::{Family, LoadError, SdModel};
+pub use residency::{ModuleTarget, Resident, Targets};
 
 #[cfg(test)]
 mod parity_tests;

@@ -1,12 +1,14 @@
 //! A loaded Stable Diffusion model: its family, networks, tokenizers and scheduler config, read either from a
 //! diffusers folder (honouring every component's config as diffusers does) or from a single-file checkpoint
-//! converted at load time.
+//! converted at load time, each network on the device and in the dtype its [`Targets`] entry says.
 
+use crate::residency::{ModuleTarget, Resident, Targets};
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use sdhive_checkpoint::{ConfigDir, Converted};
+use sdhive_models::loading::{count_component_values, describe_weights, read_component};
 use sdhive_models::{
-    AutoencoderKL, AutoencoderKLConfig, ClipTextConfig, ClipTextModel, UNet2DConditionConfig,
+    load_component, AutoencoderKL, AutoencoderKLConfig, ClipTextConfig, ClipTextModel, UNet2DConditionConfig,
     UNet2DConditionModel,
 };
 use sdhive_modelsource::{ModelLocation, ResolvedModel};
@@ -68,14 +70,16 @@ impl From<sdhive_checkpoint::CheckpointError> for LoadError {
 /// One text encoder with the tokenizer that feeds it.
 pub struct TextEncoder {
     pub tokenizer: ClipTokenizer,
-    pub model: ClipTextModel,
+    pub model: Resident<ClipTextModel>,
 }
 
 pub struct SdModel {
     pub name: String,
     pub family: Family,
-    pub unet: UNet2DConditionModel,
-    pub vae: AutoencoderKL,
+    pub unet: Resident<UNet2DConditionModel>,
+    pub unet_config: UNet2DConditionConfig,
+    pub vae: Resident<AutoencoderKL>,
+    pub vae_config: AutoencoderKLConfig,
     /// SD: one encoder. SDXL: `[text_encoder, text_encoder_2]`.
     pub encoders: Vec<TextEncoder>,
     pub scheduler_config: SchedulerConfig,
@@ -100,20 +104,25 @@ fn layout_err(path: &Path, message: impl Into<String>) -> LoadError {
 }
 
 impl SdModel {
-    pub fn load(model: &ResolvedModel, device: &Device, dtype: DType) -> Result<Self, LoadError> {
+    pub fn load(model: &ResolvedModel, targets: &Targets) -> Result<Self, LoadError> {
         match &model.location {
-            ModelLocation::DiffusersDir(dir) => Self::from_diffusers_dir(&model.name, dir, device, dtype),
-            ModelLocation::SingleFile(file) => Self::from_single_file(&model.name, file, None, device, dtype),
+            ModelLocation::DiffusersDir(dir) => Self::from_diffusers_dir_on(&model.name, dir, targets),
+            ModelLocation::SingleFile(file) => Self::from_single_file_on(&model.name, file, None, targets),
         }
     }
 
-    /// A diffusers pipeline folder: `model_index.json` names the components, each with its own config.
+    /// A diffusers pipeline folder with every network on `device` in `dtype`.
     pub fn from_diffusers_dir(
         name: &str,
         dir: &Path,
         device: &Device,
         dtype: DType,
     ) -> Result<Self, LoadError> {
+        Self::from_diffusers_dir_on(name, dir, &Targets::all(device, dtype))
+    }
+
+    /// A diffusers pipeline folder: `model_index.json` names the components, each with its own config.
+    pub fn from_diffusers_dir_on(name: &str, dir: &Path, targets: &Targets) -> Result<Self, LoadError> {
         let index_path = dir.join("model_index.json");
         let index = read_json(&index_path)?;
         let has = |component: &str| index.get(component).map(|v| !v.is_null()).unwrap_or(false);
@@ -133,19 +142,28 @@ impl SdModel {
             }
             (false, false) => return Err(layout_err(&index_path, "no `text_encoder` component")),
         };
-        let unet = UNet2DConditionModel::from_dir(&dir.join("unet"), dtype, device)?;
-        let vae_dtype =
-            vae_dtype(family, dtype, &AutoencoderKLConfig::from_file(&dir.join("vae").join("config.json"))?);
-        let vae = AutoencoderKL::from_dir(&dir.join("vae"), vae_dtype, device)?;
-        let mut encoders = vec![TextEncoder {
-            tokenizer: ClipTokenizer::from_dir(&dir.join("tokenizer"))?,
-            model: ClipTextModel::from_dir(&dir.join("text_encoder"), false, dtype, device)?,
-        }];
+        let unet_config = UNet2DConditionConfig::from_file(&dir.join("unet").join("config.json"))?;
+        let cfg = unet_config.clone();
+        let unet = component(&dir.join("unet"), targets.unet.clone(), move |vb| {
+            UNet2DConditionModel::new(vb, &cfg)
+        })?;
+        let vae_config = AutoencoderKLConfig::from_file(&dir.join("vae").join("config.json"))?;
+        let vae_target =
+            ModuleTarget { dtype: vae_dtype(family, targets.vae.dtype, &vae_config), ..targets.vae.clone() };
+        let cfg = vae_config.clone();
+        let vae = component(&dir.join("vae"), vae_target, move |vb| AutoencoderKL::new(vb, &cfg))?;
+        let encoder = |sub: &str, tok: &str, projection: bool| -> Result<TextEncoder, LoadError> {
+            let cfg = ClipTextConfig::from_file(&dir.join(sub).join("config.json"))?;
+            Ok(TextEncoder {
+                tokenizer: ClipTokenizer::from_dir(&dir.join(tok))?,
+                model: component(&dir.join(sub), targets.text.clone(), move |vb| {
+                    ClipTextModel::new(vb, &cfg, projection)
+                })?,
+            })
+        };
+        let mut encoders = vec![encoder("text_encoder", "tokenizer", false)?];
         if family == Family::Sdxl {
-            encoders.push(TextEncoder {
-                tokenizer: ClipTokenizer::from_dir(&dir.join("tokenizer_2"))?,
-                model: ClipTextModel::from_dir(&dir.join("text_encoder_2"), true, dtype, device)?,
-            });
+            encoders.push(encoder("text_encoder_2", "tokenizer_2", true)?);
         }
         let scheduler_config =
             SchedulerConfig::from_file(dir.join("scheduler").join("scheduler_config.json"))?;
@@ -154,11 +172,12 @@ impl SdModel {
             .and_then(Value::as_bool)
             .unwrap_or(family == Family::Sdxl);
         let sample_size = sample_size(&read_json(&dir.join("unet").join("config.json"))?);
-        let parts = Parts { unet, vae, encoders, scheduler_config, sample_size };
+        let parts = Parts { unet, unet_config, vae, vae_config, encoders, scheduler_config, sample_size };
         Ok(Self::assemble(name, family, parts, force_zeros_for_empty_prompt))
     }
 
-    /// A single-file checkpoint in the original layout. `config_dir` plays diffusers' `from_single_file(config=)`.
+    /// A single-file checkpoint in the original layout with every network on `device` in `dtype`.
+    /// `config_dir` plays diffusers' `from_single_file(config=)`.
     pub fn from_single_file(
         name: &str,
         file: &Path,
@@ -166,17 +185,37 @@ impl SdModel {
         device: &Device,
         dtype: DType,
     ) -> Result<Self, LoadError> {
+        Self::from_single_file_on(name, file, config_dir, &Targets::all(device, dtype))
+    }
+
+    /// A single-file checkpoint in the original layout, each network where `targets` says.
+    pub fn from_single_file_on(
+        name: &str,
+        file: &Path,
+        config_dir: Option<&Path>,
+        targets: &Targets,
+    ) -> Result<Self, LoadError> {
         let overrides = config_dir.map(ConfigDir::open).transpose()?;
-        let converted = sdhive_checkpoint::load_single_file_on(file, overrides.as_ref(), device)?;
+        // Converted straight onto the device when everything lives there; through host memory otherwise.
+        let same_device =
+            [&targets.text, &targets.vae].iter().all(|t| t.device.same_device(&targets.unet.device));
+        let read_on =
+            if same_device && !targets.any_offloaded() { targets.unet.device.clone() } else { Device::Cpu };
+        let converted = sdhive_checkpoint::load_single_file_on(file, overrides.as_ref(), &read_on)?;
         let Converted { unet, vae, text_encoder, text_encoder_2, configs, .. } = converted;
         let family = if text_encoder_2.is_some() { Family::Sdxl } else { Family::Sd };
-        let unet_cfg: UNet2DConditionConfig = from_json_value(&file.join("unet/config.json"), &configs.unet)?;
-        let vae_cfg: AutoencoderKLConfig = from_json_value(&file.join("vae/config.json"), &configs.vae)?;
+        let unet_config: UNet2DConditionConfig =
+            from_json_value(&file.join("unet/config.json"), &configs.unet)?;
+        let vae_config: AutoencoderKLConfig = from_json_value(&file.join("vae/config.json"), &configs.vae)?;
         let te_cfg: ClipTextConfig =
             from_json_value(&file.join("text_encoder/config.json"), &configs.text_encoder)?;
-        let vb = |weights, dt| VarBuilder::from_tensors(weights, dt, device);
-        let unet_model = UNet2DConditionModel::new(vb(unet, dtype), &unet_cfg)?;
-        let vae_model = AutoencoderKL::new(vb(vae, vae_dtype(family, dtype, &vae_cfg)), &vae_cfg)?;
+        let cfg = unet_config.clone();
+        let unet_model =
+            Resident::from_host(unet, targets.unet.clone(), move |vb| UNet2DConditionModel::new(vb, &cfg))?;
+        let vae_target =
+            ModuleTarget { dtype: vae_dtype(family, targets.vae.dtype, &vae_config), ..targets.vae.clone() };
+        let cfg = vae_config.clone();
+        let vae_model = Resident::from_host(vae, vae_target, move |vb| AutoencoderKL::new(vb, &cfg))?;
         // Single files carry no tokenizer. A config folder's tokenizer wins (as in diffusers' `config=`); otherwise
         // the bundled CLIP vocabulary serves, padded as each encoder was trained (CLIP-L with its end token,
         // OpenCLIP with "!").
@@ -193,30 +232,44 @@ impl SdModel {
         };
         let mut encoders = vec![TextEncoder {
             tokenizer: tokenizer("tokenizer", first_pad)?,
-            model: ClipTextModel::new(vb(text_encoder, dtype), &te_cfg, false)?,
+            model: Resident::from_host(text_encoder, targets.text.clone(), move |vb| {
+                ClipTextModel::new(vb, &te_cfg, false)
+            })?,
         }];
         if let (Some(weights), Some(cfg)) = (text_encoder_2, configs.text_encoder_2.as_ref()) {
             let cfg2: ClipTextConfig = from_json_value(&file.join("text_encoder_2/config.json"), cfg)?;
             encoders.push(TextEncoder {
                 tokenizer: tokenizer("tokenizer_2", PadToken::Exclamation)?,
-                model: ClipTextModel::new(vb(weights, dtype), &cfg2, true)?,
+                model: Resident::from_host(weights, targets.text.clone(), move |vb| {
+                    ClipTextModel::new(vb, &cfg2, true)
+                })?,
             });
         }
         let scheduler_config = SchedulerConfig::from_json_value(configs.scheduler.clone())?;
         let sample_size = sample_size(&configs.unet);
-        let parts = Parts { unet: unet_model, vae: vae_model, encoders, scheduler_config, sample_size };
+        let parts = Parts {
+            unet: unet_model,
+            unet_config,
+            vae: vae_model,
+            vae_config,
+            encoders,
+            scheduler_config,
+            sample_size,
+        };
         Ok(Self::assemble(name, family, parts, family == Family::Sdxl))
     }
 
     fn assemble(name: &str, family: Family, parts: Parts, force_zeros_for_empty_prompt: bool) -> Self {
-        let Parts { unet, vae, encoders, scheduler_config, sample_size } = parts;
-        let vae_scale_factor = 1usize << (vae.config().block_out_channels.len().saturating_sub(1));
+        let Parts { unet, unet_config, vae, vae_config, encoders, scheduler_config, sample_size } = parts;
+        let vae_scale_factor = 1usize << (vae_config.block_out_channels.len().saturating_sub(1));
         let side = (sample_size * vae_scale_factor) as u32;
         SdModel {
             name: name.to_string(),
             family,
             unet,
+            unet_config,
             vae,
+            vae_config,
             encoders,
             scheduler_config,
             force_zeros_for_empty_prompt,
@@ -227,14 +280,51 @@ impl SdModel {
 
     /// In-channels of the UNet: 4 for ordinary models, 9 for inpainting models (latents + mask + masked image).
     pub fn unet_in_channels(&self) -> usize {
-        self.unet.config().in_channels
+        self.unet_config.in_channels
     }
+
+    /// Device bytes held by the weights of the networks on `device` between jobs (offloaded ones hold none).
+    pub fn resident_bytes_on(&self, device: &Device) -> u64 {
+        let on = |d: &Device| d.same_device(device);
+        let mut n = 0;
+        if on(self.unet.device()) {
+            n += self.unet.resident_bytes();
+        }
+        if on(self.vae.device()) {
+            n += self.vae.resident_bytes();
+        }
+        n + self
+            .encoders
+            .iter()
+            .filter(|e| on(e.model.device()))
+            .map(|e| e.model.resident_bytes())
+            .sum::<u64>()
+    }
+}
+
+/// A diffusers component folder as a network on `target`: memory-mapped straight onto the device, or read into
+/// host memory when it is offloaded.
+fn component<T>(
+    dir: &Path,
+    target: ModuleTarget,
+    build: impl Fn(VarBuilder<'static>) -> sdhive_models::Result<T> + Send + Sync + 'static,
+) -> Result<Resident<T>, LoadError> {
+    let origin = |e: sdhive_models::ModelError| e.with_weight_origin(&describe_weights(dir));
+    if target.offload {
+        let weights = read_component(dir)?;
+        return Ok(Resident::from_host(weights, target, build).map_err(origin)?);
+    }
+    let bytes = count_component_values(dir)? * target.dtype.size_in_bytes() as u64;
+    let model = build(load_component(dir, target.dtype, &target.device)?).map_err(origin)?;
+    Ok(Resident::loaded(model, target, bytes))
 }
 
 /// The loaded networks before the model-wide facts are derived from them.
 struct Parts {
-    unet: UNet2DConditionModel,
-    vae: AutoencoderKL,
+    unet: Resident<UNet2DConditionModel>,
+    unet_config: UNet2DConditionConfig,
+    vae: Resident<AutoencoderKL>,
+    vae_config: AutoencoderKLConfig,
     encoders: Vec<TextEncoder>,
     scheduler_config: SchedulerConfig,
     sample_size: usize,

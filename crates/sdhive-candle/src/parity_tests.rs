@@ -8,6 +8,7 @@
 use crate::conditioning::{encode_pair, encode_positive};
 use crate::model::SdModel;
 use crate::pipeline::{denoise, ImageJob, UnetConditioning};
+use crate::residency::{ModuleTarget, Targets};
 use crate::tensor_image::tensor_to_image;
 use crate::test_device::test_device;
 use candle_core::{DType, Device, Tensor};
@@ -59,10 +60,10 @@ fn run_case(models: &mut HashMap<String, SdModel>, case: &Value) -> CaseResult {
     let init = read("init_image").map(|b| decode_image(&b, 1 << 24).unwrap());
     let mask = read("mask").map(|b| decode_mask(&b, 1 << 24).unwrap());
     let cond = if cfg > 1.0 {
-        let pair = encode_pair(model, &s("prompt"), &s("negative_prompt"), clip_skip, dev).unwrap();
+        let pair = encode_pair(model, &s("prompt"), &s("negative_prompt"), clip_skip).unwrap();
         UnetConditioning::new(model, &pair.positive, Some(&pair.negative), (width, height)).unwrap()
     } else {
-        let pos = encode_positive(model, &s("prompt"), clip_skip, dev).unwrap();
+        let pos = encode_positive(model, &s("prompt"), clip_skip).unwrap();
         UnetConditioning::new(model, &pos, None, (width, height)).unwrap()
     };
     let job = ImageJob {
@@ -76,16 +77,17 @@ fn run_case(models: &mut HashMap<String, SdModel>, case: &Value) -> CaseResult {
         init_image: init.as_ref(),
         mask: mask.as_ref(),
         strength: case["strength"].as_f64().unwrap_or(1.0),
+        vae_tiling: false,
     };
-    let latents = denoise(model, &cond, &job, dev, &mut |_| true).unwrap();
+    let latents = denoise(model, &cond, &job, &mut |_| true).unwrap();
     let golden = candle_core::safetensors::load(fixtures().join("golden").join(s("file")), dev).unwrap();
     let want_latents = &golden["latents"];
     let diff =
         (&latents - want_latents).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
     let scale = want_latents.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1.0);
 
-    let z = latents.affine(1.0 / model.vae.config().scaling_factor, 0.0).unwrap();
-    let ours = tensor_to_image(&model.vae.decode(&z).unwrap()).unwrap();
+    let z = latents.affine(1.0 / model.vae_config.scaling_factor, 0.0).unwrap();
+    let ours = tensor_to_image(&model.vae.with(|v| v.decode(&z)).unwrap().unwrap()).unwrap();
     let want: Vec<u8> = golden["image"]
         .flatten_all()
         .unwrap()
@@ -161,7 +163,7 @@ fn prompt_conditioning_matches_diffusers_encode_prompt() {
         let golden =
             candle_core::safetensors::load(fixtures().join(format!("golden/text_{name}.safetensors")), dev)
                 .unwrap();
-        let pair = encode_pair(&model, prompt, "", 1, dev).unwrap();
+        let pair = encode_pair(&model, prompt, "", 1).unwrap();
         let mut checks = vec![("prompt_embeds", max_diff(&pair.positive.context, &golden["prompt_embeds"]))];
         if name == "sdxl" {
             // The golden encodes the literal "" negative; an empty SDXL negative means zeros here, as in diffusers'
@@ -183,7 +185,7 @@ fn prompt_conditioning_matches_diffusers_encode_prompt() {
         }
         if let Some(want) = golden.get("prompt_embeds_clipskip1") {
             // diffusers' clip_skip=1 is A1111's "Clip skip: 2".
-            let skipped = encode_positive(&model, prompt, 2, dev).unwrap();
+            let skipped = encode_positive(&model, prompt, 2).unwrap();
             checks.push(("prompt_embeds_clipskip1", max_diff(&skipped.context, want)));
         }
         for (what, d) in checks {
@@ -226,4 +228,61 @@ fn single_file_checkpoint_generates_the_diffusers_images() {
         ran += 1;
     }
     assert_eq!(ran, 3);
+}
+
+/// `--placement te=cpu --offload te,vae`: the text encoders run on the CPU in f32 and, like the VAE, are built
+/// from host memory at each use; images still match diffusers (txt2img on both families, img2img and inpaint
+/// through the offloaded VAE encoder), from a folder and from a single file.
+#[test]
+fn placed_and_offloaded_networks_generate_the_diffusers_images() {
+    let (dev, dtype) = (&test_device().device, test_device().dtype);
+    let tol = test_device().tolerance;
+    let targets = Targets {
+        unet: ModuleTarget { device: dev.clone(), dtype, offload: false },
+        text: ModuleTarget { device: Device::Cpu, dtype: DType::F32, offload: true },
+        vae: ModuleTarget { device: dev.clone(), dtype, offload: true },
+    };
+    let load = |name: &str| {
+        let model = SdModel::from_diffusers_dir_on(name, &fixtures().join("models").join(name), &targets)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(model.vae.offloaded() && model.encoders.iter().all(|e| e.model.offloaded()));
+        assert!(!model.unet.offloaded() && model.encoders[0].model.device().is_cpu());
+        model
+    };
+    let mut models: HashMap<String, SdModel> =
+        ["sd1", "sdxl"].iter().map(|n| (n.to_string(), load(n))).collect();
+    // Offloaded networks hold no device memory between jobs.
+    assert_eq!(models["sd1"].resident_bytes_on(dev), models["sd1"].unet.resident_bytes());
+    let picked = ["sd1_euler", "sd1_img2img_ddim", "sd1_inpaint_s075", "sdxl_euler"];
+    let mut ran = 0;
+    for case in cases().iter().filter(|c| picked.contains(&c["case"].as_str().unwrap_or(""))) {
+        let r = run_case(&mut models, case);
+        eprintln!(
+            "placed/offloaded {}: latent rel diff {:.2e}, pixels off {}",
+            case["case"], r.latent_rel, r.pixels_off
+        );
+        assert!(
+            r.latent_rel <= tol.latent_rel && r.pixels_off as f32 <= tol.pixels_off * (64 * 64 * 3) as f32,
+            "placed/offloaded {} off diffusers",
+            case["case"]
+        );
+        ran += 1;
+    }
+    assert_eq!(ran, picked.len());
+    let single = SdModel::from_single_file_on(
+        "sd1",
+        &fixtures().join("models/sd1.safetensors"),
+        Some(&fixtures().join("models/sd1")),
+        &targets,
+    )
+    .expect("loading tests/fixtures/models/sd1.safetensors");
+    assert!(single.vae.offloaded());
+    let mut models = HashMap::from([("sd1".to_string(), single)]);
+    let case = cases().into_iter().find(|c| c["case"] == "sd1_euler").expect("sd1_euler case");
+    let r = run_case(&mut models, &case);
+    assert!(
+        r.latent_rel <= tol.latent_rel,
+        "single file, placed/offloaded: latent rel diff {}",
+        r.latent_rel
+    );
 }

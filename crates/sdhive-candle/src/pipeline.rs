@@ -85,6 +85,8 @@ pub struct ImageJob<'a> {
     pub init_image: Option<&'a RgbImage>,
     pub mask: Option<&'a GrayImage>,
     pub strength: f64,
+    /// Decode in tiles (the memory plan's choice for this job).
+    pub vae_tiling: bool,
 }
 
 /// The conditioning tensors fed to every UNet call, already stacked `[negative, positive]` when guiding.
@@ -102,11 +104,12 @@ impl UnetConditioning {
         negative: Option<&Conditioning>,
         size: (usize, usize),
     ) -> candle_core::Result<Self> {
-        let dtype = model.unet.dtype();
+        // The text encoders may run elsewhere (`--placement te=cpu`): the UNet gets its inputs on its device.
+        let (dtype, device) = (model.unet.dtype(), model.unet.device());
         let stack = |neg: Option<&Tensor>, pos: &Tensor| -> candle_core::Result<Tensor> {
             match neg {
-                Some(n) => Tensor::cat(&[n, pos], 0)?.to_dtype(dtype),
-                None => pos.to_dtype(dtype),
+                Some(n) => Tensor::cat(&[n, pos], 0)?.to_device(device)?.to_dtype(dtype),
+                None => pos.to_device(device)?.to_dtype(dtype),
             }
         };
         let context = stack(negative.map(|n| &n.context), &positive.context)?;
@@ -114,7 +117,7 @@ impl UnetConditioning {
             Some(pooled) => {
                 let (h, w) = (size.1 as f32, size.0 as f32);
                 // SDXL micro-conditioning: original size, crop top-left (0, 0), target size — all the output size.
-                let ids = Tensor::new(&[[h, w, 0.0, 0.0, h, w]], pooled.device())?;
+                let ids = Tensor::new(&[[h, w, 0.0, 0.0, h, w]], device)?;
                 let neg_pooled = negative.and_then(|n| n.pooled.as_ref());
                 let time_ids = match negative {
                     Some(_) => Tensor::cat(&[&ids, &ids], 0)?,
@@ -154,12 +157,12 @@ fn randn(rng: &mut TorchGenerator, shape: &[usize], device: &Device) -> candle_c
     Tensor::from_vec(rng.randn(numel), shape, device)
 }
 
-/// `vae.encode(x).latent_dist.sample(generator) * scaling_factor`, drawing the sample noise from `rng`.
+/// `vae.encode(x).latent_dist.sample(generator) * scaling_factor`, drawing the sample noise from `rng`; on the
+/// UNet's device.
 fn encode_sample(model: &SdModel, image: &Tensor, rng: &mut TorchGenerator) -> Result<Tensor, PipelineError> {
-    let dist = model
-        .vae
-        .encode(&image.to_dtype(model.vae.dtype()).map_err(failed("vae input"))?)
-        .map_err(failed("vae encode"))?;
+    let image = image.to_dtype(model.vae.dtype()).map_err(failed("vae input"))?;
+    let dist =
+        model.vae.with(|vae| vae.encode(&image)).map_err(failed("vae"))?.map_err(failed("vae encode"))?;
     let mean = dist.mean.to_dtype(DType::F32).map_err(failed("vae encode"))?;
     let noise = randn(rng, mean.dims(), mean.device()).map_err(failed("noise"))?;
     let sample = dist
@@ -167,18 +170,23 @@ fn encode_sample(model: &SdModel, image: &Tensor, rng: &mut TorchGenerator) -> R
         .map_err(failed("vae sample"))?;
     sample
         .to_dtype(DType::F32)
-        .and_then(|s| s.affine(model.vae.config().scaling_factor, 0.0))
+        .and_then(|s| s.affine(model.vae_config.scaling_factor, 0.0))
+        .and_then(|s| s.to_device(model.unet.device()))
         .map_err(failed("vae sample"))
 }
 
-fn decode(model: &SdModel, latents: &Tensor) -> Result<RgbImage, PipelineError> {
-    let cfg = model.vae.config();
+fn decode(model: &SdModel, latents: &Tensor, tiled: bool) -> Result<RgbImage, PipelineError> {
+    let cfg = &model.vae_config;
     let mut z = latents.affine(1.0 / cfg.scaling_factor, 0.0).map_err(failed("vae decode"))?;
     if let Some(shift) = cfg.shift_factor {
         z = z.affine(1.0, shift).map_err(failed("vae decode"))?;
     }
     let z = z.to_dtype(model.vae.dtype()).map_err(failed("vae decode"))?;
-    let decoded = model.vae.decode(&z).map_err(failed("vae decode"))?;
+    let decoded = model
+        .vae
+        .with(|vae| if tiled { vae.decode_tiled(&z) } else { vae.decode(&z) })
+        .map_err(failed("vae"))?
+        .map_err(failed("vae decode"))?;
     tensor_to_image(&decoded).map_err(failed("vae decode"))
 }
 
@@ -196,23 +204,23 @@ pub fn generate_image(
     model: &SdModel,
     cond: &UnetConditioning,
     job: &ImageJob<'_>,
-    device: &Device,
     progress: &mut dyn FnMut(StepReport<'_>) -> bool,
 ) -> Result<RgbImage, PipelineError> {
-    let latents = denoise(model, cond, job, device, progress)?;
-    decode(model, &latents)
+    let latents = denoise(model, cond, job, progress)?;
+    decode(model, &latents, job.vae_tiling)
 }
 
-/// Runs the sampler and returns the final latents (what diffusers returns with `output_type="latent"`).
+/// Runs the sampler and returns the final latents (what diffusers returns with `output_type="latent"`), on the
+/// UNet's device.
 pub fn denoise(
     model: &SdModel,
     cond: &UnetConditioning,
     job: &ImageJob<'_>,
-    device: &Device,
     progress: &mut dyn FnMut(StepReport<'_>) -> bool,
 ) -> Result<Tensor, PipelineError> {
+    let device = model.unet.device();
     let f = model.vae_scale_factor;
-    let latent_channels = model.vae.config().latent_channels;
+    let latent_channels = model.vae_config.latent_channels;
     let shape = [1, latent_channels, job.height / f, job.width / f];
     let mut scheduler = sdhive_schedulers::build(
         sampler_kind(job.sampler),
@@ -302,48 +310,55 @@ pub fn denoise(
         }
         _ => None,
     };
-    for (n, i) in (begin..timesteps.len()).enumerate() {
-        let t = timesteps[i];
-        let doubled = if cond.guided {
-            Tensor::cat(&[&latents, &latents], 0).map_err(failed("cfg"))?
-        } else {
-            latents.clone()
-        };
-        let mut input = scheduler.scale_model_input(&doubled, i).map_err(failed("scale input"))?;
-        if let Some((m, l)) = &extra {
-            input = Tensor::cat(&[&input, m, l], 1).map_err(failed("inpaint input"))?;
-        }
-        let input = input.to_dtype(model.unet.dtype()).map_err(failed("unet input"))?;
-        let out = model
-            .unet
-            .forward(&input, t, &cond.context, cond.added.as_ref())
-            .map_err(failed("unet"))?
-            .to_dtype(DType::F32)
-            .map_err(failed("unet"))?;
-        let noise_pred = if cond.guided {
-            let uncond = out.narrow(0, 0, 1).map_err(failed("cfg"))?;
-            let text = out.narrow(0, 1, 1).map_err(failed("cfg"))?;
-            let diff = (&text - &uncond).map_err(failed("cfg"))?;
-            (&uncond + diff.affine(job.cfg_scale, 0.0).map_err(failed("cfg"))?).map_err(failed("cfg"))?
-        } else {
-            out
-        };
-        latents = scheduler.step(&noise_pred, i, &latents, &mut rng).map_err(failed("scheduler step"))?;
-        if let Some(Inpaint { mask, blend: Some((image_latents, noise)), .. }) = &mut inpaint {
-            let proper = if i + 1 < timesteps.len() {
-                scheduler.add_noise(image_latents, noise, i + 1).map_err(failed("add noise"))?
-            } else {
-                image_latents.clone()
-            };
-            let keep = mask.affine(-1.0, 1.0).map_err(failed("blend"))?;
-            let a = proper.broadcast_mul(&keep).map_err(failed("blend"))?;
-            let b = latents.broadcast_mul(mask).map_err(failed("blend"))?;
-            latents = (a + b).map_err(failed("blend"))?;
-        }
-        let estimate = scheduler.pred_original_sample().unwrap_or(&latents);
-        if !progress(StepReport { step: n + 1, steps: total, estimate }) {
-            return Err(PipelineError::Cancelled);
-        }
-    }
-    Ok(latents)
+    // An offloaded UNet is built once for the whole loop.
+    model
+        .unet
+        .with(|unet| -> Result<Tensor, PipelineError> {
+            for (n, i) in (begin..timesteps.len()).enumerate() {
+                let t = timesteps[i];
+                let doubled = if cond.guided {
+                    Tensor::cat(&[&latents, &latents], 0).map_err(failed("cfg"))?
+                } else {
+                    latents.clone()
+                };
+                let mut input = scheduler.scale_model_input(&doubled, i).map_err(failed("scale input"))?;
+                if let Some((m, l)) = &extra {
+                    input = Tensor::cat(&[&input, m, l], 1).map_err(failed("inpaint input"))?;
+                }
+                let input = input.to_dtype(model.unet.dtype()).map_err(failed("unet input"))?;
+                let out = unet
+                    .forward(&input, t, &cond.context, cond.added.as_ref())
+                    .map_err(failed("unet"))?
+                    .to_dtype(DType::F32)
+                    .map_err(failed("unet"))?;
+                let noise_pred = if cond.guided {
+                    let uncond = out.narrow(0, 0, 1).map_err(failed("cfg"))?;
+                    let text = out.narrow(0, 1, 1).map_err(failed("cfg"))?;
+                    let diff = (&text - &uncond).map_err(failed("cfg"))?;
+                    (&uncond + diff.affine(job.cfg_scale, 0.0).map_err(failed("cfg"))?)
+                        .map_err(failed("cfg"))?
+                } else {
+                    out
+                };
+                latents =
+                    scheduler.step(&noise_pred, i, &latents, &mut rng).map_err(failed("scheduler step"))?;
+                if let Some(Inpaint { mask, blend: Some((image_latents, noise)), .. }) = &mut inpaint {
+                    let proper = if i + 1 < timesteps.len() {
+                        scheduler.add_noise(image_latents, noise, i + 1).map_err(failed("add noise"))?
+                    } else {
+                        image_latents.clone()
+                    };
+                    let keep = mask.affine(-1.0, 1.0).map_err(failed("blend"))?;
+                    let a = proper.broadcast_mul(&keep).map_err(failed("blend"))?;
+                    let b = latents.broadcast_mul(mask).map_err(failed("blend"))?;
+                    latents = (a + b).map_err(failed("blend"))?;
+                }
+                let estimate = scheduler.pred_original_sample().unwrap_or(&latents);
+                if !progress(StepReport { step: n + 1, steps: total, estimate }) {
+                    return Err(PipelineError::Cancelled);
+                }
+            }
+            Ok(latents)
+        })
+        .map_err(failed("unet"))?
 }

@@ -22,6 +22,11 @@ pub struct ModelShape {
     pub heads_at_first_attention: u32,
     /// Whether the engine computes attention without materialising the score matrix.
     pub fused_attention: bool,
+    /// The most attention-score elements the engine materialises at once (it splits the queries beyond that);
+    /// `None` when it builds the whole matrix.
+    pub score_chunk_elements: Option<u64>,
+    /// Latent pixels a side of one VAE tile when the engine decodes in tiles.
+    pub vae_tile_latent: u64,
 }
 
 /// Live UNet feature maps, in channel-equivalents per latent pixel per image: the skip connections kept for the
@@ -31,10 +36,8 @@ const UNET_CHANNELS_PER_LATENT_PIXEL: u64 = 3_000;
 /// The VAE decoder's full-resolution block: a 256-channel upsampled input, its normed copy and the 128-channel
 /// conv output alive together (per output pixel).
 const VAE_CHANNELS_PER_PIXEL: u64 = 640;
-/// The VAE decodes tiles of this many latent pixels a side when tiling.
-pub const VAE_TILE_LATENT: u64 = 32;
 /// Attention slicing computes the score matrix in this many query chunks at most.
-const ATTENTION_SLICES: u64 = 16;
+pub const ATTENTION_SLICES: u64 = 16;
 /// Headroom kept free for allocator fragmentation and driver buffers.
 const MARGIN_BYTES: u64 = 512 << 20;
 
@@ -71,22 +74,27 @@ impl ModelShape {
             return maps;
         }
         let tokens = latent_pixels >> (2 * self.first_attention_level);
-        // Scores are kept in f32 for the softmax by both engines' unfused paths.
-        let scores = batch * u64::from(self.heads_at_first_attention) * tokens * tokens * 4;
+        let scores = self.score_bytes(batch * u64::from(self.heads_at_first_attention) * tokens * tokens);
         maps + if slicing { scores.div_ceil(ATTENTION_SLICES) } else { scores }
+    }
+
+    /// Bytes of the attention scores alive at once for a score matrix of `elements`, counted in f32 (the softmax
+    /// of both engines' unfused paths may upcast).
+    fn score_bytes(&self, elements: u64) -> u64 {
+        self.score_chunk_elements.map_or(elements, |cap| elements.min(cap)) * 4
     }
 
     fn vae_bytes(&self, width: u32, height: u32, tiled: bool) -> u64 {
         let f = u64::from(self.vae_factor.max(1));
         let (w, h) = if tiled {
-            let side = VAE_TILE_LATENT * f;
+            let side = self.vae_tile_latent * f;
             (side.min(u64::from(width)), side.min(u64::from(height)))
         } else {
             (u64::from(width), u64::from(height))
         };
         let maps = VAE_CHANNELS_PER_PIXEL * w * h * self.activation_bytes;
         let mid_tokens = (w / f) * (h / f);
-        maps + mid_tokens * mid_tokens * 4
+        maps + self.score_bytes(mid_tokens * mid_tokens)
     }
 
     /// Plans a job of `images_per_call` images (2 with classifier-free guidance) at `width`×`height`, given the
@@ -164,6 +172,8 @@ mod tests {
             first_attention_level: 0,
             heads_at_first_attention: 8,
             fused_attention: false,
+            score_chunk_elements: None,
+            vae_tile_latent: 32,
         }
     }
 
@@ -181,6 +191,14 @@ mod tests {
         assert_eq!(xl.unet_bytes(1024, 1024, 2, false), 3000 * 16384 * 2 * 2 + 2 * 10 * 4096 * 4096 * 4);
         let fused = ModelShape { fused_attention: true, ..m };
         assert_eq!(fused.unet_bytes(512, 512, 2, false), 3000 * 4096 * 2 * 2);
+        // An engine that splits the queries holds at most one chunk of scores, sliced or not smaller still.
+        let chunked = ModelShape { score_chunk_elements: Some(1 << 27), ..m };
+        assert_eq!(chunked.unet_bytes(512, 512, 2, false), 3000 * 4096 * 2 * 2 + (1 << 29));
+        assert_eq!(chunked.unet_bytes(512, 512, 2, true), 3000 * 4096 * 2 * 2 + (1 << 25));
+        assert_eq!(chunked.vae_bytes(2048, 2048, false), 640 * 2048 * 2048 * 2 + (1 << 29));
+        // The tile size is the engine's: 64-latent tiles hold 4× the pixels of 32-latent ones.
+        let big_tiles = ModelShape { vae_tile_latent: 64, ..m };
+        assert_eq!(big_tiles.vae_bytes(2048, 2048, true), m.vae_bytes(512, 512, false));
     }
 
     #[test]

@@ -83,8 +83,32 @@ pub fn load_component(dir: &Path, dtype: DType, device: &Device) -> Result<VarBu
     open_safetensors(&find_weight_files(dir)?, dtype, device)
 }
 
+/// Reads every tensor of the component folder `dir` into host memory, in the file's dtype (for networks kept
+/// off the device between uses).
+pub fn read_component(dir: &Path) -> Result<HashMap<String, Tensor>> {
+    let mut out = HashMap::new();
+    for f in find_weight_files(dir)? {
+        let tensors = candle_core::safetensors::load(&f, &Device::Cpu)
+            .map_err(|source| ModelError::WeightsOpen { path: f.clone(), source: strip_backtrace(source) })?;
+        out.extend(tensors);
+    }
+    Ok(out)
+}
+
+/// Number of weight values in the component folder `dir`, from the safetensors headers alone.
+pub fn count_component_values(dir: &Path) -> Result<u64> {
+    let mut n = 0u64;
+    for f in find_weight_files(dir)? {
+        // SAFETY: as in `open_safetensors`; only the header is read.
+        let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(&f) }
+            .map_err(|source| ModelError::WeightsOpen { path: f.clone(), source: strip_backtrace(source) })?;
+        n += st.tensors().iter().map(|(_, v)| v.shape().iter().product::<usize>() as u64).sum::<u64>();
+    }
+    Ok(n)
+}
+
 /// For error messages: the weight files of `dir`, or the folder itself when none is found.
-pub(crate) fn describe_weights(dir: &Path) -> String {
+pub fn describe_weights(dir: &Path) -> String {
     match find_weight_files(dir) {
         Ok(files) => files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "),
         Err(_) => dir.display().to_string(),

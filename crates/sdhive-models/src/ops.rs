@@ -9,7 +9,28 @@ use candle_nn::{Conv2d, Linear};
 
 /// Above this many attention-score elements per call we split the queries into chunks, so a
 /// large VAE attention (one head over every pixel) does not need gigabytes of scores at once.
-const MAX_SCORE_ELEMENTS: usize = 1 << 27;
+pub const MAX_SCORE_ELEMENTS: usize = 1 << 27;
+
+thread_local! {
+    /// The chunk limit in force on this thread. A memory plan lowers it for one job (attention slicing); it is
+    /// per thread because a worker runs each job on its engine thread, and tests run side by side.
+    static SCORE_LIMIT: std::cell::Cell<usize> = const { std::cell::Cell::new(MAX_SCORE_ELEMENTS) };
+}
+
+/// Restores the previous attention-score limit when dropped.
+pub struct ScoreLimitGuard(usize);
+
+impl Drop for ScoreLimitGuard {
+    fn drop(&mut self) {
+        SCORE_LIMIT.with(|l| l.set(self.0));
+    }
+}
+
+/// Caps the attention scores materialised at once on this thread at `max_elements` until the guard drops
+/// (attention slicing: more, smaller score matrices; the result is the same).
+pub fn limit_attention_scores(max_elements: usize) -> ScoreLimitGuard {
+    ScoreLimitGuard(SCORE_LIMIT.with(|l| l.replace(max_elements.max(1))))
+}
 
 /// `softmax(q kᵀ · scale + mask) v` over already-split heads.
 ///
@@ -31,10 +52,11 @@ pub fn attention(
     let (n, sq, _) = q.dims3()?;
     let sk = k.dim(1)?;
     let per_query = n * sk;
-    if per_query * sq <= MAX_SCORE_ELEMENTS || sq <= 1 {
+    let limit = SCORE_LIMIT.with(std::cell::Cell::get);
+    if per_query * sq <= limit || sq <= 1 {
         return attention_block(q, k, v, scale, mask, upcast);
     }
-    let chunk = (MAX_SCORE_ELEMENTS / per_query).max(1);
+    let chunk = (limit / per_query).max(1);
     let mut outs = Vec::with_capacity(sq.div_ceil(chunk));
     let mut start = 0;
     while start < sq {
@@ -358,6 +380,28 @@ mod tests {
         let chunked = Tensor::cat(&parts, 1)?;
         let diff = (full - chunked)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff < 1e-6, "diff {diff}");
+        Ok(())
+    }
+
+    #[test]
+    fn score_limit_slices_per_thread_and_restores() -> Result<()> {
+        let dev = Device::Cpu;
+        // f64 takes the generic path (the CPU kernels stream attention without a score matrix).
+        let q = Tensor::randn(0f64, 1., (2, 9, 4), &dev)?;
+        let k = Tensor::randn(0f64, 1., (2, 7, 4), &dev)?;
+        let v = Tensor::randn(0f64, 1., (2, 7, 3), &dev)?;
+        let full = attention(&q, &k, &v, 0.5, None, false)?;
+        let sliced = {
+            // Two query rows of 2·7 scores per chunk.
+            let _guard = limit_attention_scores(28);
+            assert_eq!(SCORE_LIMIT.with(std::cell::Cell::get), 28);
+            let other = std::thread::spawn(|| SCORE_LIMIT.with(std::cell::Cell::get)).join().expect("thread");
+            assert_eq!(other, MAX_SCORE_ELEMENTS, "the limit is this thread's alone");
+            attention(&q, &k, &v, 0.5, None, false)?
+        };
+        assert_eq!(SCORE_LIMIT.with(std::cell::Cell::get), MAX_SCORE_ELEMENTS);
+        let diff = (full - sliced)?.abs()?.max_all()?.to_scalar::<f64>()?;
+        assert!(diff < 1e-12, "diff {diff}");
         Ok(())
     }
 

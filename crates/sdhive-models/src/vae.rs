@@ -1,7 +1,7 @@
 //! The latent autoencoder: diffusers `AutoencoderKL` (encoder to a diagonal Gaussian, decoder
 //! back to pixels) built from `vae/config.json` and diffusers weight names.
 
-use crate::config::{check_act, check_divides, read_json};
+use crate::config::{check_act, check_divides, read_json, IntOrList};
 use crate::error::{input_err, invalid, weights_err, Result, TensorContext};
 use crate::layers::{conv2d, linear, Downsample2D, GroupNorm, ResnetBlock2D, ResnetSpec, Upsample2D};
 use crate::ops::{self, ConvExtras};
@@ -36,6 +36,9 @@ pub struct AutoencoderKLConfig {
     pub use_quant_conv: bool,
     pub use_post_quant_conv: bool,
     pub mid_block_add_attention: bool,
+    /// The image side the VAE was trained at (an int, or a list of which diffusers reads the first); it sets
+    /// the tile size of tiled decoding.
+    pub sample_size: IntOrList,
 }
 
 impl Default for AutoencoderKLConfig {
@@ -58,11 +61,26 @@ impl Default for AutoencoderKLConfig {
             use_quant_conv: true,
             use_post_quant_conv: true,
             mid_block_add_attention: true,
+            sample_size: IntOrList::Int(32),
         }
     }
 }
 
 impl AutoencoderKLConfig {
+    /// diffusers' `tile_latent_min_size`: the latent side of one tile when decoding in tiles.
+    pub fn tile_latent_size(&self) -> usize {
+        let factor = 1usize << self.block_out_channels.len().saturating_sub(1);
+        (self.tile_sample_size() / factor).max(1)
+    }
+
+    /// diffusers' `tile_sample_min_size`: `sample_size`, or its first entry when it is a list.
+    pub fn tile_sample_size(&self) -> usize {
+        match &self.sample_size {
+            IntOrList::Int(v) => *v,
+            IntOrList::List(v) => v.first().copied().unwrap_or(32),
+        }
+    }
+
     /// Reads and validates `vae/config.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
         let cfg: Self = read_json(path)?;
@@ -109,13 +127,14 @@ pub fn sd15_vae_config() -> AutoencoderKLConfig {
         up_block_types: vec!["UpDecoderBlock2D".into(); 4],
         block_out_channels: vec![128, 256, 512, 512],
         layers_per_block: 2,
+        sample_size: IntOrList::Int(512),
         ..AutoencoderKLConfig::default()
     }
 }
 
-/// The public SDXL `vae/config.json` (same network, different scaling factor).
+/// The public SDXL `vae/config.json` (same network, different scaling factor and training size).
 pub fn sdxl_vae_config() -> AutoencoderKLConfig {
-    AutoencoderKLConfig { scaling_factor: 0.13025, ..sd15_vae_config() }
+    AutoencoderKLConfig { scaling_factor: 0.13025, sample_size: IntOrList::Int(1024), ..sd15_vae_config() }
 }
 
 /// The encoder's posterior `N(mean, exp(logvar))`, logvar clamped to [-30, 20] like diffusers.
@@ -429,6 +448,58 @@ impl AutoencoderKL {
         out
     }
 
+    /// [`Self::decode`] in overlapping tiles of [`AutoencoderKLConfig::tile_latent_size`] latents, blended linearly across the
+    /// overlap — diffusers' `tiled_decode` (`enable_tiling()`), which bounds memory by the tile size. Latents
+    /// that fit in one tile decode as usual, as in diffusers.
+    pub fn decode_tiled(&self, z: &Tensor) -> Result<Tensor> {
+        let tile = self.config.tile_latent_size();
+        let (_, _, h, w) =
+            z.dims4().map_err(|e| input_err(MODEL, format!("latent must be (B, C, h, w): {e}")))?;
+        if h <= tile && w <= tile {
+            return self.decode(z);
+        }
+        // diffusers' constants: a quarter of each tile overlaps its neighbours.
+        let stride = (tile * 3 / 4).max(1);
+        let sample_tile = self.config.tile_sample_size();
+        let blend = sample_tile / 4;
+        let keep = sample_tile - blend;
+        let run = || -> candle_core::Result<Tensor> {
+            let mut grid: Vec<Vec<Tensor>> = Vec::new();
+            for i in (0..h).step_by(stride) {
+                let mut row = Vec::new();
+                for j in (0..w).step_by(stride) {
+                    let part = z.narrow(2, i, tile.min(h - i))?.narrow(3, j, tile.min(w - j))?;
+                    let decoded = self.decode(&part).map_err(candle_core::Error::wrap)?;
+                    // Each tile is blended with its (already blended) upper and left neighbours.
+                    let mut t = decoded;
+                    if let Some(above) = grid.last().and_then(|r: &Vec<Tensor>| r.get(row.len())) {
+                        t = blend_edge(above, &t, 2, blend)?;
+                    }
+                    if let Some(left) = row.last() {
+                        t = blend_edge(left, &t, 3, blend)?;
+                    }
+                    row.push(t);
+                }
+                grid.push(row);
+            }
+            let rows = grid
+                .iter()
+                .map(|row| {
+                    let cropped = row
+                        .iter()
+                        .map(|t| {
+                            let (_, _, th, tw) = t.dims4()?;
+                            t.narrow(2, 0, keep.min(th))?.narrow(3, 0, keep.min(tw))
+                        })
+                        .collect::<candle_core::Result<Vec<_>>>()?;
+                    Tensor::cat(&cropped, 3)
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Tensor::cat(&rows, 2)
+        };
+        run().ctx(MODEL)
+    }
+
     /// Latents `(B, latent_channels, h, w)` → images `(B, out_channels, 8h, 8w)`-ish.
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
         let (_, c, _, _) =
@@ -450,4 +521,24 @@ impl AutoencoderKL {
         crate::cpu::release_scratch();
         out
     }
+}
+
+/// Linear cross-fade over the first `extent` rows (`dim` 2) or columns (`dim` 3) of `b` from the last ones of
+/// `a`: row y of the result is `a[-extent + y]·(1 − y/extent) + b[y]·(y/extent)`, the rest is `b`.
+fn blend_edge(a: &Tensor, b: &Tensor, dim: usize, extent: usize) -> candle_core::Result<Tensor> {
+    let extent = extent.min(a.dim(dim)?).min(b.dim(dim)?);
+    if extent == 0 {
+        return Ok(b.clone());
+    }
+    let dev = b.device();
+    let ramp: Vec<f32> = (0..extent).map(|y| y as f32 / extent as f32).collect();
+    let mut shape = vec![1usize; 4];
+    shape[dim] = extent;
+    let wb = Tensor::from_vec(ramp, shape, dev)?.to_dtype(b.dtype())?;
+    let wa = wb.affine(-1.0, 1.0)?;
+    let tail = a.narrow(dim, a.dim(dim)? - extent, extent)?;
+    let head = b.narrow(dim, 0, extent)?;
+    let mixed = (tail.broadcast_mul(&wa)? + head.broadcast_mul(&wb)?)?;
+    let rest = b.narrow(dim, extent, b.dim(dim)? - extent)?;
+    Tensor::cat(&[&mixed, &rest], dim)
 }

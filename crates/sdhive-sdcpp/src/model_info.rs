@@ -42,6 +42,9 @@ impl ModelInfo {
             first_attention_level,
             heads_at_first_attention: heads,
             fused_attention: false,
+            score_chunk_elements: None,
+            // sd.cpp's default VAE tile (32 latent pixels a side).
+            vae_tile_latent: 32,
         }
     }
 }

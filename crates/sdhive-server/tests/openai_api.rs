@@ -28,12 +28,7 @@ fn load_engine() -> CandleEngine {
     let offline = sdhive_modelsource::ResolveOptions { offline: true, ..Default::default() };
     let model = sdhive_modelsource::resolve(&path.to_string_lossy(), &offline)
         .expect("the sd1 fixture model resolves");
-    let opts = LoadOptions {
-        device: Device::Cpu,
-        dtype: DType::F32,
-        backend_name: "cpu".into(),
-        device_name: "cpu".into(),
-    };
+    let opts = LoadOptions::single_device(&Device::Cpu, DType::F32, "cpu", "cpu");
     CandleEngine::load(&model, opts).expect("the sd1 fixture model loads")
 }
 

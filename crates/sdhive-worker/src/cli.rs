@@ -98,13 +98,19 @@ pub struct GenerateArgs {
     #[arg(long, value_enum)]
     pub dtype: Option<DTypeArg>,
 
-    /// Per-module devices, e.g. `te=cpu,unet=vulkan0,vae=vulkan0` (stable-diffusion.cpp engine).
+    /// Per-module devices, e.g. `te=cpu,unet=cuda0,vae=cuda0` (modules: unet, te, vae; devices: cpu or this
+    /// binary's backend with an index).
     #[arg(long, default_value = "")]
     pub placement: String,
 
-    /// Modules whose weights stay in host memory until used, e.g. `te,vae` (stable-diffusion.cpp engine).
+    /// Modules whose weights stay in host memory until used, e.g. `te,vae`.
     #[arg(long, default_value = "")]
     pub offload: String,
+
+    /// The most device memory jobs may be planned for, weights included (e.g. 8G, 512M); bigger jobs use VAE
+    /// tiling and attention slicing, or are refused. Default: whatever the device has free (candle engine).
+    #[arg(long, value_parser = crate::cli::parse_bytes)]
+    pub memory_budget: Option<u64>,
 
     /// Output PNG; with -n > 1, `stem-0.png`, `stem-1.png`, … next to it.
     #[arg(long, short = 'o', value_name = "FILE")]
@@ -125,5 +131,38 @@ impl From<DTypeArg> for DType {
             DTypeArg::F16 => DType::F16,
             DTypeArg::Bf16 => DType::BF16,
         }
+    }
+}
+
+/// `8G`, `512M`, `1.5GiB`, `1000000` (bytes): binary units, as memory sizes are usually meant.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num.parse().map_err(|_| format!("`{s}` is not a size (e.g. 8G, 512M)"))?;
+    let shift = match unit.trim().to_ascii_lowercase().trim_end_matches("ib").trim_end_matches('b') {
+        "" => 0,
+        "k" => 10,
+        "m" => 20,
+        "g" => 30,
+        "t" => 40,
+        other => return Err(format!("unknown unit `{other}` in `{s}` (use K, M, G or T)")),
+    };
+    Ok((value * (1u64 << shift) as f64) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_in_binary_units() {
+        assert_eq!(parse_bytes("8G"), Ok(8 << 30));
+        assert_eq!(parse_bytes("512M"), Ok(512 << 20));
+        assert_eq!(parse_bytes("1.5GiB"), Ok(3 << 29));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("2 gb"), Ok(2 << 30));
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("3X").unwrap_err().contains("unknown unit"));
     }
 }

@@ -4,9 +4,11 @@
 
 use anyhow::{bail, Context};
 use candle_core::DType;
-use sdhive_engine::{Engine, Limits, Placement};
+use sdhive_candle::{ModuleTarget, Targets};
+use sdhive_engine::{Engine, Limits, Module, Placement};
 use sdhive_modelsource::ResolvedModel;
 use shared_worker::{Backend, DeviceHandle, DeviceInfo};
+use std::sync::Arc;
 
 /// What the command line says about loading, beyond the model and device.
 #[derive(Debug, Clone, Default)]
@@ -15,6 +17,8 @@ pub struct EngineOptions {
     pub dtype: Option<DType>,
     pub placement: Placement,
     pub limits: Limits,
+    /// The most device memory the candle engine may plan for, weights included.
+    pub memory_budget: Option<u64>,
 }
 
 pub fn load(
@@ -27,18 +31,31 @@ pub fn load(
     let context = || format!("cannot load model {} from {}", model.name, model.location.path().display());
     match device {
         DeviceHandle::Candle(device) => {
-            if !opts.placement.is_default() {
-                bail!(
-                    "--placement/--offload ({}) are handled by the stable-diffusion.cpp engine \
-                     (sd-worker-vulkan, sd-worker-rocm); the candle engine runs every module on its device",
-                    opts.placement
-                );
-            }
+            let dtype = opts.dtype.unwrap_or_else(|| backend.default_dtype());
+            let target = |module: Module| -> anyhow::Result<ModuleTarget> {
+                let placed = match opts.placement.device_of(module) {
+                    None => device.clone(),
+                    Some(r) => {
+                        shared_worker::placement_device(backend, &device, info.index, &r.backend, r.index)?
+                    }
+                };
+                // Modules moved to the CPU run in f32: candle's CPU kernels have no fast half-precision path.
+                let dtype = if placed.is_cpu() && !device.is_cpu() { DType::F32 } else { dtype };
+                Ok(ModuleTarget { device: placed, dtype, offload: opts.placement.offloaded(module) })
+            };
+            let targets = Targets {
+                unet: target(Module::Diffusion)?,
+                text: target(Module::TextEncoder)?,
+                vae: target(Module::Vae)?,
+            };
+            // Jobs are planned against the memory of the device the UNet runs on.
+            let planned = DeviceHandle::Candle(targets.unet.device.clone());
             let load_opts = sdhive_candle::LoadOptions {
-                device,
-                dtype: opts.dtype.unwrap_or_else(|| backend.default_dtype()),
+                targets,
                 backend_name: backend.name().to_string(),
                 device_name: info.name.clone(),
+                memory: Some(Arc::new(move || shared_worker::memory(&planned))),
+                memory_budget: opts.memory_budget,
             };
             let engine = sdhive_candle::CandleEngine::load(model, load_opts).with_context(context)?;
             Ok(Box::new(engine.with_limits(opts.limits)))

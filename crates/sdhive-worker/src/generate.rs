@@ -31,7 +31,12 @@ pub fn run(backend: Backend, args: &GenerateArgs) -> anyhow::Result<()> {
     let (device, info) = shared_worker::init(backend, args.device)
         .with_context(|| format!("cannot open --device {} on backend {backend}", args.device))?;
     tracing::info!(model = %model.name, path = %model.location.path().display(), device = %info.name, %placement, "loading");
-    let opts = EngineOptions { dtype: args.dtype.map(Into::into), placement, ..EngineOptions::default() };
+    let opts = EngineOptions {
+        dtype: args.dtype.map(Into::into),
+        placement,
+        memory_budget: args.memory_budget,
+        ..EngineOptions::default()
+    };
     let mut engine = crate::engine::load(backend, device, &info, &model, opts)?;
 
     let cancel = install_ctrlc();

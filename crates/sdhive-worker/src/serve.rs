@@ -57,13 +57,19 @@ pub struct ServeArgs {
     #[arg(long, env = "DTYPE", value_enum)]
     pub dtype: Option<DTypeArg>,
 
-    /// Per-module devices, e.g. `te=cpu,unet=vulkan0,vae=vulkan0` (stable-diffusion.cpp engine).
+    /// Per-module devices, e.g. `te=cpu,unet=cuda0,vae=cuda0` (modules: unet, te, vae; devices: cpu or this
+    /// binary's backend with an index).
     #[arg(long, env = "PLACEMENT", default_value = "")]
     pub placement: String,
 
-    /// Modules whose weights stay in host memory until used, e.g. `te,vae` (stable-diffusion.cpp engine).
+    /// Modules whose weights stay in host memory until used, e.g. `te,vae`.
     #[arg(long, env = "OFFLOAD", default_value = "")]
     pub offload: String,
+
+    /// The most device memory jobs may be planned for, weights included (e.g. 8G, 512M); bigger jobs use VAE
+    /// tiling and attention slicing, or are refused. Default: whatever the device has free (candle engine).
+    #[arg(long, env = "MEMORY_BUDGET", value_parser = crate::cli::parse_bytes)]
+    pub memory_budget: Option<u64>,
 
     /// Jobs that may wait behind the running one; more are refused with 429.
     #[arg(long, env = "MAX_QUEUE", default_value_t = 64)]
@@ -142,6 +148,7 @@ pub fn run(backend: Backend, args: &ServeArgs) -> anyhow::Result<()> {
     let (device, info) = shared_worker::init(backend, args.device)
         .with_context(|| format!("cannot open --device {} on backend {backend}", args.device))?;
     let dtype = args.dtype.map(Into::into);
+    let memory_budget = args.memory_budget;
     let limits = Limits {
         max_width: args.max_width,
         max_height: args.max_height,
@@ -186,7 +193,7 @@ pub fn run(backend: Backend, args: &ServeArgs) -> anyhow::Result<()> {
         let model = sdhive_modelsource::resolve(&model_arg, &resolve_opts)
             .with_context(|| format!("cannot use --model {model_arg}"))?;
         tracing::info!(model = %model.name, path = %model.location.path().display(), device = %info.name, %placement, "loading");
-        let opts = EngineOptions { dtype, placement, limits };
+        let opts = EngineOptions { dtype, placement, limits, memory_budget };
         Ok(crate::engine::load(backend, device, &info, &model, opts)?)
     });
 

@@ -175,6 +175,13 @@ impl UNet2DConditionConfig {
         self.addition_embed_type.as_deref() == Some("text_time")
     }
 
+    /// The first resolution level with attention and its head count (`(0, 8)` for SD1.5, `(1, 10)` for SDXL):
+    /// where the largest attention-score matrix is made. `None` for UNets without attention (or invalid ones).
+    pub fn first_attention(&self) -> Option<(usize, usize)> {
+        let plan = self.plan("unet config").ok()?;
+        plan.down.iter().enumerate().find(|(_, b)| b.kind == BlockKind::CrossAttn).map(|(i, b)| (i, b.heads))
+    }
+
     pub(crate) fn plan(&self, origin: &str) -> Result<UNetPlan> {
         self.reject_unsupported(origin)?;
         let n = self.block_out_channels.len();
@@ -489,6 +496,12 @@ mod tests {
         assert_eq!(plan.up[1].prev_output_channels, 1280);
         assert_eq!(plan.up[3].in_channels, 320);
         assert_eq!(plan.up[3].resnets, 3);
+    }
+
+    #[test]
+    fn first_attention_level_and_heads() {
+        assert_eq!(sd15_unet_config().first_attention(), Some((0, 8)));
+        assert_eq!(sdxl_unet_config().first_attention(), Some((1, 10)));
     }
 
     #[test]

@@ -25,12 +25,7 @@ pub fn fixture_engine() -> CandleEngine {
     let opts = ResolveOptions { offline: true, ..ResolveOptions::from_env() };
     let model =
         sdhive_modelsource::resolve(path.to_str().expect("utf-8 path"), &opts).expect("fixture model");
-    let load = LoadOptions {
-        device: Device::Cpu,
-        dtype: DType::F32,
-        backend_name: "cpu".into(),
-        device_name: "test cpu".into(),
-    };
+    let load = LoadOptions::single_device(&Device::Cpu, DType::F32, "cpu", "test cpu");
     CandleEngine::load(&model, load).expect("loading the fixture model")
 }
 
