@@ -4,14 +4,7 @@
 
 use crate::{Backend, DeviceError, DeviceInfo};
 use candle_core::cuda::cudarc::driver::{result, sys, CudaContext, DriverError};
-use candle_core::{Device, Tensor};
-
-/// Shapes of the start-up check: not square and not multiples of 64, so transposed or tiled kernels with wrong
-/// edge handling would be caught, and small enough to cost well under a millisecond.
-const CHECK_SHAPE: (usize, usize, usize) = (192, 256, 160);
-/// Relative to the largest CPU value. Plain f32 cuBLAS differs from the CPU by rounding order only (~1e-6);
-/// TF32 tensor cores, if someone enables them, stay within ~1e-3.
-const CHECK_TOLERANCE: f32 = 2e-3;
+use candle_core::Device;
 
 fn init_err(index: usize, message: String) -> DeviceError {
     DeviceError::Init { backend: Backend::Cuda, index, message }
@@ -65,7 +58,8 @@ pub fn init(index: usize) -> Result<(Device, DeviceInfo), DeviceError> {
         driver: driver_version(),
         threads: None,
     };
-    verify(&device).map_err(|m| init_err(index, format!("start-up check on {name}: {m}")))?;
+    crate::check::matmul_matches_cpu(Backend::Cuda, &device)
+        .map_err(|m| init_err(index, format!("start-up check on {name}: {m}")))?;
     Ok((device, info))
 }
 
@@ -102,28 +96,4 @@ fn driver_version() -> Option<String> {
     // SAFETY: cuDriverGetVersion writes one int through a valid pointer and needs no context.
     let r = unsafe { sys::cuDriverGetVersion(&mut v) };
     (r == sys::CUresult::CUDA_SUCCESS).then(|| format!("CUDA {}.{}", v / 1000, (v % 1000) / 10))
-}
-
-/// A random f32 matmul on the GPU compared with the CPU's result.
-pub fn verify(device: &Device) -> Result<(), String> {
-    let (m, k, n) = CHECK_SHAPE;
-    let run = || -> candle_core::Result<(f32, f32)> {
-        let a = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
-        let b = Tensor::randn(0f32, 1.0, (k, n), &Device::Cpu)?;
-        let want = a.matmul(&b)?;
-        let got = a.to_device(device)?.matmul(&b.to_device(device)?)?.to_device(&Device::Cpu)?;
-        let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
-        Ok((diff, scale))
-    };
-    let (diff, scale) = run().map_err(|e| format!("{m}x{k} · {k}x{n} f32 matmul failed: {e}"))?;
-    let rel = diff / scale.max(f32::MIN_POSITIVE);
-    // NaN compares false, so it has to be rejected explicitly.
-    if !rel.is_finite() || rel > CHECK_TOLERANCE {
-        return Err(format!(
-            "{m}x{k} · {k}x{n} f32 matmul differs from the CPU by {rel:.2e} relative (limit {CHECK_TOLERANCE:.0e})"
-        ));
-    }
-    tracing::info!("cuda: start-up check {m}x{k} · {k}x{n} f32 matmul matches the CPU (rel diff {rel:.1e})");
-    Ok(())
 }

@@ -6,8 +6,12 @@
 #[cfg(any(feature = "vulkan", feature = "rocm"))]
 mod ggml;
 
+#[cfg(any(feature = "cuda", all(feature = "metal", target_os = "macos"), test))]
+mod check;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(all(feature = "metal", target_os = "macos"))]
+mod metal;
 
 use candle_core::{DType, Device};
 use serde::Serialize;
@@ -139,6 +143,8 @@ pub fn init(backend: Backend, index: usize) -> Result<(DeviceHandle, DeviceInfo)
         Backend::Cpu => init_cpu(index).map(|(d, i)| (DeviceHandle::Candle(d), i)),
         #[cfg(feature = "cuda")]
         Backend::Cuda => cuda::init(index).map(|(d, i)| (DeviceHandle::Candle(d), i)),
+        #[cfg(all(feature = "metal", target_os = "macos"))]
+        Backend::Metal => metal::init(index).map(|(d, i)| (DeviceHandle::Candle(d), i)),
         #[cfg(feature = "vulkan")]
         Backend::Vulkan => ggml::init(backend, "Vulkan", index),
         #[cfg(feature = "rocm")]
@@ -180,6 +186,7 @@ pub fn compiled_backends() -> Vec<Backend> {
     let mut out = vec![Backend::Cpu];
     for (compiled, backend) in [
         (cfg!(feature = "cuda"), Backend::Cuda),
+        (cfg!(all(feature = "metal", target_os = "macos")), Backend::Metal),
         (cfg!(feature = "vulkan"), Backend::Vulkan),
         (cfg!(feature = "rocm"), Backend::Rocm),
     ] {

@@ -282,7 +282,7 @@ fn memory_budget_tiles_the_vae_or_refuses_the_job() {
     let o = generate(&plain, &size);
     assert!(o.status.success(), "generate failed:\n{}", stderr(&o));
     let tiled = tmp.path().join("tiled.png");
-    let o = generate(&tiled, &[&size[..], &["--memory-budget", "540M"]].concat());
+    let o = generate(&tiled, &[&size[..], &["--memory-budget", "620M"]].concat());
     assert!(o.status.success(), "generate under a budget failed:\n{}", stderr(&o));
     let (a, b) = (png_pixels(&plain), png_pixels(&tiled));
     assert_eq!(a.len(), b.len());

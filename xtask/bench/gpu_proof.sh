@@ -3,19 +3,28 @@
 # --tests` (stripped, in CARRY/bins.tar.xz as sd-worker-cuda, sdhive-bench and sdhive-candle-tests) sit in CARRY
 # with the diffusers wheels and bench_cuda_diffusers.py; run from
 # the repository root (the committed fixtures are read from tests/fixtures). Logs go to $OUT (default /tmp/out).
-#   bash gpu_proof.sh CARRY [parts…]      parts: version parity generate bench ncu diffusers (default: all)
+#   bash gpu_proof.sh CARRY [parts…]
+# parts: version kernels parity generate placement memory hive levers bench ncu diffusers (default: all).
+# `kernels` runs sdhive-cuda-kernels-tests; `levers` times the SD1.5 UNet step and VAE decode with
+# sdhive-bench-base (a build before the levers, when the tar has it), without the fused kernels
+# (SDHIVE_FUSED_KERNELS=0) and with everything. `placement` and
+# `memory` use the full-size SD1.5 with deterministic random weights (xtask/fixtures/gen_sd15_random.py, numpy);
+# `hive` also wants CARRY/sd-worker-vulkan.xz and the Vulkan loader and vulkaninfo as Debian packages in
+# CARRY/debs.
 set -u -o pipefail
 CARRY=${1:?usage: gpu_proof.sh CARRY [parts…]}
 shift
-PARTS=${*:-version parity generate bench ncu diffusers}
+PARTS=${*:-version kernels parity generate placement memory hive levers bench ncu diffusers}
 OUT=${OUT:-/tmp/out}
 B=/tmp/sdhive-bin
 L=$OUT/proof.log
 mkdir -p "$B" "$OUT"
 # One tar for the three binaries: they share candle's kernels, which xz then stores once.
 tar -xJf "$CARRY/bins.tar.xz" -C "$B"
-# The driver's libcuda plus CUDA 13 cuBLAS/cuRAND/NVRTC/cudart (the toolkit's and torch's wheels).
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib
+# The driver's libcuda plus CUDA 13 cuBLAS/cuRAND/NVRTC/cudart and cuDNN 9: PyTorch's nvidia/* wheels, else a
+# CUDA install.
+libs=$(python3 -c 'import glob, os, site; print(":".join(d for p in site.getsitepackages() for d in sorted(glob.glob(os.path.join(p, "nvidia", "*", "lib")))))')
+export LD_LIBRARY_PATH="$libs:/usr/local/cuda/lib64"
 export SDHIVE_FIXTURES=$PWD/tests/fixtures RUST_LOG=${RUST_LOG:-info} PYTHONUNBUFFERED=1
 TIMEFORMAT='wall %R s'
 step() { echo "=== $(date -u +%T) $*" | tee -a "$L"; }
@@ -37,13 +46,32 @@ if has version; then
     echo "exit status ${PIPESTATUS[0]}" | tee -a "$L"
 fi
 
+if has kernels; then
+    step "fused CUDA kernels against candle's ops"
+    timeout 120 "$B/sdhive-cuda-kernels-tests" --test-threads 1 --nocapture >"$OUT/kernels.log" 2>&1
+    echo "exit status $?" >>"$OUT/kernels.log"
+    grep -E "rel diff|test result|panicked|exit status" "$OUT/kernels.log" | tee -a "$L"
+fi
+
+if has levers; then
+    for v in "base|sdhive-bench-base|1" "cudnn|sdhive-bench|0" "cudnn+kernels|sdhive-bench|1"; do
+        IFS='|' read -r name exe fused <<<"$v"
+        [ -x "$B/$exe" ] || continue
+        step "lever $name: SD1.5 UNet b2 512² + VAE decode 512², f16"
+        SDHIVE_FUSED_KERNELS=$fused timeout 180 "$B/$exe" --device cuda --dtype f16 --latent 64 --iters 20 \
+            --warmup 3 2>"$OUT/lever_$name.err" | tee -a "$L" "$OUT/lever_$name.json" | python3 -c \
+            'import json,sys; r=json.loads(sys.stdin.read()); print("UNet %.1f ms, VAE %.1f ms" % (r["unet_step_b2"]["median_ms"], r["vae_decode"]["median_ms"]))' \
+            | tee -a "$L"
+    done
+fi
+
 if has parity; then
     for dt in f32 f16 bf16; do
         step "parity tests on cuda:0 $dt"
         SDHIVE_TEST_DEVICE=cuda SDHIVE_TEST_DTYPE=$dt timeout 240 "$B/sdhive-candle-tests" --test-threads 1 \
             --nocapture parity_tests >"$OUT/parity_$dt.log" 2>&1
         echo "exit status $?" >>"$OUT/parity_$dt.log"
-        grep -E "parity tests on|latent rel|max diff|single-file|test result|panicked|exit status" \
+        grep -E "parity tests on|latent rel|max diff|single-file|placed|test result|panicked|exit status" \
             "$OUT/parity_$dt.log" | tee -a "$L" >/dev/null
         grep -E "test result|exit status" "$OUT/parity_$dt.log"
     done
@@ -64,6 +92,76 @@ if has generate; then
         --width 1024 --height 1024 --seed 42 -o "$OUT/sdxl_1024_f16.png"; } 2>&1 | tee -a "$L"
     cp /tmp/sd15_512_f16.png "$OUT/" 2>/dev/null
     rm -rf /tmp/sd15 /tmp/sdxl
+fi
+
+sd15_random() {
+    [ -f /tmp/sd15r/model_index.json ] && return
+    step "write the full-size random SD1.5 (numpy)"
+    timeout 300 python3 xtask/fixtures/gen_sd15_random.py --write /tmp/sd15r 2>&1 | tail -1 | tee -a "$L"
+}
+
+if has placement; then
+    sd15_random
+    # The committed diffusers image for these weights: 64², 4 steps Euler, CFG 7, seed 42.
+    G=(--prompt "a red cube on a wooden table" --steps 4 --cfg-scale 7 --width 64 --height 64 --seed 42 --sampler Euler)
+    for v in "plain|" "tecpu|--placement te=cpu" "offload|--placement te=cpu --offload te,vae" "unetoff|--offload unet"; do
+        name=${v%%|*} flags=${v#*|}
+        step "sd-worker-cuda sd15-random 64² f16, $name: $flags"
+        # shellcheck disable=SC2086
+        timeout 120 "$B/sd-worker-cuda" generate --model /tmp/sd15r "${G[@]}" $flags -o "$OUT/p64_$name.png" \
+            >"$OUT/p64_$name.log" 2>&1
+        echo "exit status $?" | tee -a "$L"
+    done
+    for v in "plain|" "offload|--placement te=cpu --offload te,vae"; do
+        name=${v%%|*} flags=${v#*|}
+        step "sd-worker-cuda sd15-random 512² 20 steps f16, $name: $flags"
+        # shellcheck disable=SC2086
+        { time timeout 180 "$B/sd-worker-cuda" generate --model /tmp/sd15r --prompt "a red cube on a wooden table" \
+            --steps 20 --width 512 --height 512 --seed 42 $flags -o "$OUT/p512_$name.png"; } 2>&1 | tail -3 | tee -a "$L"
+    done
+    step "images against diffusers and against the all-GPU run"
+    python3 - "$OUT" <<'PY' 2>&1 | tee -a "$L"
+import os, sys
+import numpy as np
+from PIL import Image
+out = sys.argv[1]
+load = lambda p: np.asarray(Image.open(p).convert("RGB")).astype(np.int64)
+def cmp(a, b):
+    d = np.abs(a - b); mse = (d ** 2).mean()
+    return "mean |d| %.3f, max %d, PSNR %s dB" % (d.mean(), d.max(), "%.2f" % (10 * np.log10(255 ** 2 / mse)) if mse else "inf")
+gold = load("tests/fixtures/golden/sd15_random_euler.png")
+for n in ["plain", "tecpu", "offload", "unetoff"]:
+    p = os.path.join(out, f"p64_{n}.png")
+    if os.path.exists(p):
+        print(f"64² {n:8} vs diffusers: {cmp(load(p), gold)};  vs plain: {cmp(load(p), load(os.path.join(out, 'p64_plain.png')))}")
+a, b = (os.path.join(out, f"p512_{n}.png") for n in ["plain", "offload"])
+if os.path.exists(a) and os.path.exists(b):
+    print("512² te=cpu + offload te,vae vs all-GPU:", cmp(load(b), load(a)))
+PY
+fi
+
+if has memory; then
+    sd15_random
+    step "memory plan: /v1/info, planned jobs under squeezed free memory, an out-of-memory mid-job"
+    RUST_LOG=info timeout 420 python3 xtask/bench/gpu_memory.py "$B/sd-worker-cuda" /tmp/sd15r "$OUT" 2>&1 | tee -a "$L"
+fi
+
+if has hive; then
+    step "hive on this machine: detection, the worker it runs, the Vulkan worker when CUDA is excluded"
+    for d in "$CARRY"/debs/*.deb; do dpkg -x "$d" /; done
+    ldconfig
+    # NVIDIA's container runtime puts its Vulkan ICD outside the loader's default search path.
+    icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+    [ -f "$icd" ] && export VK_DRIVER_FILES=$icd
+    W=/tmp/hive-bin
+    mkdir -p "$W"
+    cp "$B/hive" "$B/sd-worker-cuda" "$W/"
+    [ -f "$CARRY/sd-worker-vulkan.xz" ] && xz -dc "$CARRY/sd-worker-vulkan.xz" >"$W/sd-worker-vulkan" && chmod +x "$W/sd-worker-vulkan"
+    vulkaninfo --summary 2>&1 | grep -E "deviceName|deviceType|driverName|apiVersion" | tee -a "$L"
+    "$W/hive" devices 2>&1 | tee -a "$L"
+    "$W/hive" devices --exclude cuda 2>&1 | tee -a "$L"
+    sd15_random
+    timeout 300 python3 xtask/bench/gpu_hive.py "$W" /tmp/sd15r 2>&1 | tee -a "$L"
 fi
 
 if has bench; then

@@ -27,6 +27,16 @@ pub enum Which {
         #[arg(long, default_value_t = 5)]
         iters: usize,
     },
+    /// Prepares the CUDA benchmark for a GPU machine without Rust (binaries, reference wheels, scripts in one
+    /// folder); there, `bash FOLDER/run.sh OUT` prints sdhive next to diffusers eager and compiled.
+    Cuda {
+        /// Where the folder goes (default: target/bench-cuda).
+        #[arg(long)]
+        out: Option<std::path::PathBuf>,
+        /// The Python whose pip downloads the reference wheels.
+        #[arg(long, env = "SDHIVE_PYTHON", default_value = "python3")]
+        python: String,
+    },
     /// Per-job overhead of the HTTP path over direct engine calls, and SSE progress latency.
     Serve {
         /// Jobs per path after one warm-up each.
@@ -39,6 +49,7 @@ pub fn run(which: Which) -> Result<()> {
     match which {
         Which::Cpu { python, iters } => cpu(python, iters),
         Which::Serve { iters } => crate::bench_serve::run(iters),
+        Which::Cuda { out, python } => crate::bench_cuda::run(out, &python),
     }
 }
 

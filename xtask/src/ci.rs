@@ -1,7 +1,8 @@
 //! The CI sequence. `.ci/run` calls the README's test command, which is `cargo xtask ci`.
 //!
-//! After the CPU checks it builds `sd-worker-cuda` with the CUDA toolchain (`cargo xtask build-cuda`) and runs it
-//! on this GPU-less machine, where it must fail naming cuda and the missing driver. `SDHIVE_CI_SKIP_CUDA=1` skips
+//! After the CPU checks it builds `sd-worker-cuda` with the CUDA toolchain (as `cargo xtask build-cuda` does, in
+//! the dev profile: CI proves it builds, the release build is for GPUs) and runs it on this GPU-less machine,
+//! where it must fail naming cuda and the missing driver. `SDHIVE_CI_SKIP_CUDA=1` skips
 //! that part for quick local iterations only; CI runs it.
 
 use crate::cuda;
@@ -20,7 +21,7 @@ pub fn run() -> Result<()> {
         eprintln!("xtask: SDHIVE_CI_SKIP_CUDA is set: skipping the CUDA build and check");
         return Ok(());
     }
-    let exe = cuda::build(cuda::Extras::default())?;
+    let exe = cuda::build(cuda::Extras { dev: true, ..cuda::Extras::default() })?;
     cuda::check_refuses_without_gpu(&exe)?;
     Ok(())
 }

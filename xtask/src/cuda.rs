@@ -28,6 +28,9 @@ const WHEELS: [&str; 8] = [
 
 /// Libraries linked as `-lNAME` that the wheels ship only with versioned names.
 const UNVERSIONED: [&str; 5] = ["cublas", "cublasLt", "cudart", "curand", "nvrtc"];
+/// cuDNN for `--cudnn` builds: the release PyTorch 2.15 (CUDA 13) ships, so the worker finds the same library
+/// beside a PyTorch install at run time.
+const CUDNN_WHEEL: &str = "nvidia-cudnn-cu13==9.26.0.51";
 
 /// Hopper (H100/H200): candle compiles its kernels for one architecture per build.
 pub const DEFAULT_COMPUTE_CAP: &str = "90";
@@ -53,6 +56,11 @@ impl Toolchain {
 
     pub fn lib(&self) -> PathBuf {
         self.root().join("lib")
+    }
+
+    /// The unpacked cuDNN wheel's libraries (`--cudnn` builds only).
+    pub fn cudnn_lib(&self) -> PathBuf {
+        self.home.join("prefix/nvidia/cudnn/lib")
     }
 
     /// The folder holding the generated `libcuda.so` link stub.
@@ -133,13 +141,40 @@ fn install_wheels(tc: &Toolchain) -> Result<()> {
     Ok(())
 }
 
+/// Downloads and unpacks the cuDNN wheel once and links `libcudnn.so` for the linker.
+fn install_cudnn(tc: &Toolchain) -> Result<()> {
+    let lib = tc.cudnn_lib();
+    if !lib.join("libcudnn.so.9").is_file() {
+        let wheels = tc.home.join("wheels-cudnn");
+        std::fs::create_dir_all(&wheels).with_context(|| format!("creating {}", wheels.display()))?;
+        let python =
+            std::env::var("SDHIVE_PYTHON").ok().filter(|p| !p.is_empty()).unwrap_or_else(|| "python3".into());
+        let mut pip = Command::new(&python);
+        pip.args(["-m", "pip", "download", "--no-deps", "-d"]).arg(&wheels).arg(CUDNN_WHEEL);
+        run(&mut pip, "pip download of the cuDNN wheel")?;
+        for entry in std::fs::read_dir(&wheels).with_context(|| format!("reading {}", wheels.display()))? {
+            let path = entry?.path();
+            if path.extension().is_some_and(|e| e == "whl") {
+                let mut unzip = Command::new("unzip");
+                unzip.arg("-qo").arg(&path).arg("-d").arg(tc.home.join("prefix"));
+                run(&mut unzip, &format!("unzip {}", path.display()))?;
+            }
+        }
+    }
+    link_unversioned_names(&lib, &["cudnn"])
+}
+
 /// `libNAME.so` → `libNAME.so.<major>` for every library linked by name.
 fn link_unversioned(lib: &Path) -> Result<()> {
+    link_unversioned_names(lib, &UNVERSIONED)
+}
+
+fn link_unversioned_names(lib: &Path, libraries: &[&str]) -> Result<()> {
     let names: Vec<String> = std::fs::read_dir(lib)
         .with_context(|| format!("reading {}", lib.display()))?
         .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
         .collect();
-    for name in UNVERSIONED {
+    for name in libraries {
         let plain = format!("lib{name}.so");
         let prefix = format!("{plain}.");
         let versioned = names
@@ -167,27 +202,47 @@ pub struct Extras {
     pub bench: bool,
     /// The sdhive-candle test binary (parity tests; `SDHIVE_TEST_DEVICE=cuda`).
     pub tests: bool,
+    /// Convolutions through cuDNN (the `cudnn` features; the library comes from NVIDIA's PyPI wheel).
+    pub cudnn: bool,
+    /// The dev profile instead of release: what CI builds to prove the worker builds and refuses to run without
+    /// a GPU, sharing most dependencies with the test build and skipping the release optimisation and LTO.
+    pub dev: bool,
 }
 
 /// `cargo xtask build-cuda`: the release `sd-worker-cuda` (plus `extras`), built against the cached toolchain.
 pub fn build(extras: Extras) -> Result<PathBuf> {
+    let (profile, out_dir) = if extras.dev { ("--profile=dev", "debug") } else { ("--release", "release") };
     let tc = toolchain()?;
     let root = workspace_root();
-    let env = tc.build_env();
+    let mut env = tc.build_env();
+    let features = if extras.cudnn {
+        install_cudnn(&tc)?;
+        for (key, value) in env.iter_mut() {
+            if *key == "LIBRARY_PATH" {
+                value.push(":");
+                value.push(tc.cudnn_lib());
+            }
+        }
+        "cuda,cudnn"
+    } else {
+        "cuda"
+    };
     let mut stub = Stub::open(&tc)?;
     if stub.symbols.is_empty() {
-        stub.probe(&root, &env)?;
+        stub.probe(&root, &env, profile, out_dir)?;
     }
-    let worker = ["build", "--release", "-p", "sd-worker-cuda", "--features", "cuda"];
+    let worker = ["build", profile, "-p", "sd-worker-cuda", "--features", features];
     stub.cargo_linking(&root, &env, &worker)?;
     if extras.bench {
-        stub.cargo_linking(&root, &env, &["build", "--release", "-p", "sdhive-bench", "--features", "cuda"])?;
+        stub.cargo_linking(&root, &env, &["build", profile, "-p", "sdhive-bench", "--features", features])?;
     }
     if extras.tests {
-        let tests = ["test", "--release", "-p", "sdhive-candle", "--features", "cuda", "--no-run"];
+        let tests = ["test", profile, "-p", "sdhive-candle", "--features", features, "--no-run"];
         stub.cargo_linking(&root, &env, &tests)?;
+        let kernels = ["test", profile, "-p", "sdhive-cuda-kernels", "--features", "cuda", "--no-run"];
+        stub.cargo_linking(&root, &env, &kernels)?;
     }
-    let exe = target_dir().join("release/sd-worker-cuda");
+    let exe = target_dir().join(out_dir).join("sd-worker-cuda");
     eprintln!("xtask: built {}", exe.display());
     Ok(exe)
 }
@@ -216,10 +271,16 @@ impl Stub {
     }
 
     /// Links the worker once with undefined symbols ignored and reads back what stayed undefined.
-    fn probe(&mut self, root: &Path, env: &[(&'static str, OsString)]) -> Result<()> {
+    fn probe(
+        &mut self,
+        root: &Path,
+        env: &[(&'static str, OsString)],
+        profile: &str,
+        out_dir: &str,
+    ) -> Result<()> {
         let args = [
             "rustc",
-            "--release",
+            profile,
             "-p",
             "sd-worker-cuda",
             "--features",
@@ -231,7 +292,7 @@ impl Stub {
             "link-arg=-Wl,--unresolved-symbols=ignore-all",
         ];
         cargo_env(root, env, &args)?;
-        let exe = target_dir().join("release/sd-worker-cuda");
+        let exe = target_dir().join(out_dir).join("sd-worker-cuda");
         let out = Command::new("nm")
             .args(["-D", "--undefined-only", "--format=just-symbols"])
             .arg(&exe)

@@ -2,6 +2,7 @@
 //! `cargo xtask --help` lists them.
 
 mod bench;
+mod bench_cuda;
 mod bench_serve;
 mod ci;
 mod cuda;
@@ -35,6 +36,9 @@ enum Task {
         /// Also build the sdhive-candle parity-test binary (run it with SDHIVE_TEST_DEVICE=cuda).
         #[arg(long)]
         tests: bool,
+        /// Convolutions through cuDNN (fetches NVIDIA's cuDNN wheel; the binaries then need libcudnn.so.9).
+        #[arg(long)]
+        cudnn: bool,
     },
     /// Regenerate the committed tiny models and diffusers goldens (needs a Python with torch + diffusers).
     Fixtures {
@@ -65,7 +69,9 @@ fn main() -> Result<()> {
     match Cli::parse().task {
         Task::Ci => ci::run(),
         Task::CudaToolchain => cuda::toolchain().map(drop),
-        Task::BuildCuda { bench, tests } => cuda::build(cuda::Extras { bench, tests }).map(drop),
+        Task::BuildCuda { bench, tests, cudnn } => {
+            cuda::build(cuda::Extras { bench, tests, cudnn, dev: false }).map(drop)
+        }
         Task::Fixtures { python } => fixtures::run(&python),
         Task::Bench { which } => bench::run(which),
         Task::Vulkan => vulkan::run(),

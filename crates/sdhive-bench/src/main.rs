@@ -10,6 +10,8 @@
 //! answering each with one JSON line: `cargo xtask bench cpu` drives this and diffusers' script
 //! in alternation, so both see the same background load.
 
+mod e2e;
+mod text;
 mod write_model;
 
 use anyhow::{bail, Context, Result};
@@ -59,6 +61,16 @@ struct Args {
     /// Run calls on request from stdin instead (see the module docs).
     #[arg(long)]
     serve: bool,
+    /// Time whole requests instead: load this diffusers folder into the candle engine and generate
+    /// `--size`² images with `--steps` steps and CFG 7.
+    #[arg(long, value_name = "DIR")]
+    e2e: Option<PathBuf>,
+    /// With --e2e: the image side.
+    #[arg(long, default_value_t = 512)]
+    size: u32,
+    /// With --e2e: denoising steps.
+    #[arg(long, default_value_t = 20)]
+    steps: u32,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -72,6 +84,8 @@ enum Only {
     Both,
     Unet,
     Vae,
+    /// The text encoders (prompt and negative prompt), nothing else.
+    Text,
 }
 
 /// One timed call.
@@ -247,6 +261,28 @@ fn main() -> Result<()> {
         return write_model::write(args.model, template, dir);
     }
     let (dev, device_name) = open_device(&args.device)?;
+    if args.iters == 0 {
+        bail!("--iters must be at least 1");
+    }
+    if let Some(dir) = &args.e2e {
+        let mut run = e2e::EndToEnd::load(dir, &dev, dtype, args.size, args.steps)?;
+        let timing = time_calls(&dev, "image", args.warmup, args.iters, || run.generate())?;
+        let report = serde_json::json!({
+            "device": device_name, "dtype": args.dtype, "model": args.model.name(), "size": args.size,
+            "steps": args.steps, "e2e": timing,
+        });
+        println!("{report}");
+        return Ok(());
+    }
+    if args.only == Only::Text {
+        let encoders = text::TextEncoders::new(&dev, dtype, args.model)?;
+        let timing = time_calls(&dev, "text encode", args.warmup, args.iters, || encoders.encode_pair())?;
+        let report = serde_json::json!({
+            "device": device_name, "dtype": args.dtype, "model": args.model.name(), "text_encode": timing,
+        });
+        println!("{report}");
+        return Ok(());
+    }
     let threads = candle_core::utils::get_num_threads();
     eprintln!(
         "sdhive-bench: {device_name}, {dtype:?}, {threads} threads, {} latent {1}² ({2}² pixels)",
@@ -263,9 +299,6 @@ fn main() -> Result<()> {
     );
     if args.serve {
         return serve(&mut bench, threads);
-    }
-    if args.iters == 0 {
-        bail!("--iters must be at least 1");
     }
 
     let mut unet_step_b2 = None;
@@ -349,6 +382,27 @@ fn serve(bench: &mut Bench, threads: usize) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `warmup` untimed calls of `f`, then `iters` timed ones.
+fn time_calls(
+    dev: &Device,
+    what: &str,
+    warmup: usize,
+    iters: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<Timing> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    let calls = (0..iters)
+        .map(|i| {
+            let c = timed(dev, &mut f)?;
+            eprintln!("{what} {i}: {:.1} ms", c.ms);
+            Ok(c)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Timing::new(&calls))
 }
 
 /// Times `f` to completion: on a GPU the work is queued asynchronously, so the clock stops only after the device

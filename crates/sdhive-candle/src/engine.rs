@@ -12,9 +12,9 @@ use crate::residency::Targets;
 use candle_core::DType;
 use sdhive_engine::memory::ATTENTION_SLICES;
 use sdhive_engine::{
-    infotext, random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest,
-    GeneratedImage, InfotextContext, JobPlan, Limits, MemoryReport, ModelShape, Progress, Sampler,
-    ValidationError,
+    budgeted_free, infotext, random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput,
+    GenerateRequest, GeneratedImage, InfotextContext, JobPlan, Limits, MemoryReport, ModelShape, Progress,
+    Sampler, ValidationError,
 };
 use sdhive_models::ops::{limit_attention_scores, MAX_SCORE_ELEMENTS};
 use sdhive_modelsource::ResolvedModel;
@@ -70,16 +70,6 @@ pub struct CandleEngine {
 /// Images per UNet call with classifier-free guidance (the negative and positive halves of one batch).
 const CFG_BATCH: u64 = 2;
 
-/// Free memory as the planner sees it: the device's, capped by what the operator's budget leaves beside the
-/// resident weights.
-fn budgeted(free: Option<u64>, budget: Option<u64>, weights: u64) -> Option<u64> {
-    let left = budget.map(|b| b.saturating_sub(weights));
-    match (free, left) {
-        (Some(f), Some(l)) => Some(f.min(l)),
-        (f, l) => f.or(l),
-    }
-}
-
 fn dtype_name(dtype: DType) -> &'static str {
     match dtype {
         DType::F16 => "f16",
@@ -108,7 +98,7 @@ impl CandleEngine {
             vae_tile_latent: model.vae_config.tile_latent_size() as u64,
         };
         let (total, free) = opts.memory.as_ref().map_or((None, None), |m| m());
-        let free = budgeted(free, opts.memory_budget, shape.weights_bytes);
+        let free = budgeted_free(free, opts.memory_budget, shape.weights_bytes);
         let (w, h) = model.native_size;
         let report = MemoryReport {
             weights_bytes: shape.weights_bytes,
@@ -133,8 +123,11 @@ impl CandleEngine {
 
     /// The memory plan for a job at `width`×`height` (CFG batch), against the device's free memory now.
     fn plan(&self, width: u32, height: u32) -> Result<JobPlan, EngineError> {
-        let free =
-            budgeted(self.memory.as_ref().and_then(|m| m().1), self.memory_budget, self.shape.weights_bytes);
+        let free = budgeted_free(
+            self.memory.as_ref().and_then(|m| m().1),
+            self.memory_budget,
+            self.shape.weights_bytes,
+        );
         Ok(self.shape.plan(width, height, CFG_BATCH, free, true, true)?)
     }
 

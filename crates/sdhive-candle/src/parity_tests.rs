@@ -82,9 +82,17 @@ fn run_case(models: &mut HashMap<String, SdModel>, case: &Value) -> CaseResult {
     let latents = denoise(model, &cond, &job, &mut |_| true).unwrap();
     let golden = candle_core::safetensors::load(fixtures().join("golden").join(s("file")), dev).unwrap();
     let want_latents = &golden["latents"];
-    let diff =
-        (&latents - want_latents).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-    let scale = want_latents.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1.0);
+    let host = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (ours_l, want_l) = (host(&latents), host(want_latents));
+    // On the host, so a NaN anywhere makes the difference NaN (and the case fail).
+    let diff = ours_l.iter().zip(&want_l).fold(0f32, |m, (x, y)| {
+        if (x - y).is_nan() || m.is_nan() {
+            f32::NAN
+        } else {
+            m.max((x - y).abs())
+        }
+    });
+    let scale = want_l.iter().fold(1f32, |m, v| m.max(v.abs()));
 
     let z = latents.affine(1.0 / model.vae_config.scaling_factor, 0.0).unwrap();
     let ours = tensor_to_image(&model.vae.with(|v| v.decode(&z)).unwrap().unwrap()).unwrap();
@@ -140,14 +148,22 @@ fn the_golden_latents_are_not_trivially_equal() {
 }
 
 /// Max |a − b| in f32; in half precision relative to b's magnitude (at least 1), as rounding error scales with it.
+/// Computed on the host, where a NaN makes the result NaN (a GPU max reduction may skip it).
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let a = a.to_dtype(DType::F32).unwrap();
-    let b = b.to_device(a.device()).unwrap().to_dtype(DType::F32).unwrap();
-    let d = (&a - &b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    let host = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (a, b) = (host(a), host(b));
+    assert_eq!(a.len(), b.len(), "compared tensors differ in size");
+    let d = a.iter().zip(&b).fold(0f32, |m, (x, y)| {
+        if (x - y).is_nan() || m.is_nan() {
+            f32::NAN
+        } else {
+            m.max((x - y).abs())
+        }
+    });
     if test_device().dtype == DType::F32 {
         return d;
     }
-    d / b.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1.0)
+    d / b.iter().fold(1f32, |m, v| m.max(v.abs()))
 }
 
 /// The conditioning tensors equal diffusers' `encode_prompt` for every fixture model (positive, empty negative,

@@ -13,7 +13,7 @@ pub mod sampler;
 pub use engine::{Control, Engine, EngineError, EngineInfo, GenerateOutput, GeneratedImage, Progress};
 pub use image_io::{decode_image, decode_mask, encode_png, GrayImage, ImageError, RgbImage};
 pub use infotext::{infotext, InfotextContext};
-pub use memory::{InsufficientMemory, JobPlan, MemoryReport, ModelShape};
+pub use memory::{budgeted_free, InsufficientMemory, JobPlan, MemoryReport, ModelShape};
 pub use placement::{DeviceRef, Module, Placement, PlacementError};
 pub use request::{random_seed, GenerateRequest, Limits, ValidationError};
 pub use sampler::{Sampler, Schedule};

@@ -30,12 +30,14 @@ pub struct ModelShape {
 }
 
 /// Live UNet feature maps, in channel-equivalents per latent pixel per image: the skip connections kept for the
-/// up path (≈1,700 for SD1.5's 320/640/1280 levels) plus the widest working tensors of the full-resolution up
-/// block (concatenations, norms, conv outputs).
-const UNET_CHANNELS_PER_LATENT_PIXEL: u64 = 3_000;
-/// The VAE decoder's full-resolution block: a 256-channel upsampled input, its normed copy and the 128-channel
-/// conv output alive together (per output pixel).
-const VAE_CHANNELS_PER_PIXEL: u64 = 640;
+/// up path (≈1,700 for SD1.5's 320/640/1280 levels), the widest working tensors of the full-resolution up
+/// block (concatenations, norms, conv outputs), and the im2col buffer both engines' 3×3 convolutions build there
+/// (640 concatenated input channels × 9 = 5,760).
+const UNET_CHANNELS_PER_LATENT_PIXEL: u64 = 3_000 + 5_760;
+/// The VAE decoder's full-resolution block per output pixel: a 256-channel upsampled input, its normed copy and
+/// the 128-channel conv output alive together, plus the im2col buffer of its first 3×3 convolution
+/// (256 input channels × 9 = 2,304).
+const VAE_CHANNELS_PER_PIXEL: u64 = 640 + 2_304;
 /// Attention slicing computes the score matrix in this many query chunks at most.
 pub const ATTENTION_SLICES: u64 = 16;
 /// Headroom kept free for allocator fragmentation and driver buffers.
@@ -145,6 +147,16 @@ impl ModelShape {
     }
 }
 
+/// Free memory as a planner sees it: the device's, capped by what an operator's budget (the most the worker may
+/// use, weights included) leaves beside the resident weights. Either may be unknown.
+pub fn budgeted_free(free: Option<u64>, budget: Option<u64>, weights_bytes: u64) -> Option<u64> {
+    let left = budget.map(|b| b.saturating_sub(weights_bytes));
+    match (free, left) {
+        (Some(f), Some(l)) => Some(f.min(l)),
+        (f, l) => f.or(l),
+    }
+}
+
 /// What `/v1/info` shows about memory: the resident weights, the device's memory at load, and the plan for a
 /// job at the model's native size.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -180,25 +192,36 @@ mod tests {
     #[test]
     fn estimates_follow_the_shapes() {
         let m = sd15_f16();
-        // 512², CFG batch 2: scores 2·8·4096²·4 B = 1 GiB dominate the UNet; maps 3000·4096·2·2 B.
-        assert_eq!(m.unet_bytes(512, 512, 2, false), 3000 * 4096 * 2 * 2 + GIB);
-        assert_eq!(m.unet_bytes(512, 512, 2, true), 3000 * 4096 * 2 * 2 + GIB / 16);
-        // VAE 512²: 640·512²·2 B + (64²)²·4 B.
-        assert_eq!(m.vae_bytes(512, 512, false), 640 * 512 * 512 * 2 + 4096 * 4096 * 4);
+        let (u, v) = (UNET_CHANNELS_PER_LATENT_PIXEL, VAE_CHANNELS_PER_PIXEL);
+        // 512², CFG batch 2: scores 2·8·4096²·4 B = 1 GiB dominate the UNet; maps u·4096·2·2 B.
+        assert_eq!(m.unet_bytes(512, 512, 2, false), u * 4096 * 2 * 2 + GIB);
+        assert_eq!(m.unet_bytes(512, 512, 2, true), u * 4096 * 2 * 2 + GIB / 16);
+        // VAE 512²: v·512²·2 B + (64²)²·4 B.
+        assert_eq!(m.vae_bytes(512, 512, false), v * 512 * 512 * 2 + 4096 * 4096 * 4);
         // Tiles are 256² pixels whatever the image size.
         assert_eq!(m.vae_bytes(2048, 2048, true), m.vae_bytes(256, 256, false));
         let xl = ModelShape { first_attention_level: 1, heads_at_first_attention: 10, ..m };
-        assert_eq!(xl.unet_bytes(1024, 1024, 2, false), 3000 * 16384 * 2 * 2 + 2 * 10 * 4096 * 4096 * 4);
+        assert_eq!(xl.unet_bytes(1024, 1024, 2, false), u * 16384 * 2 * 2 + 2 * 10 * 4096 * 4096 * 4);
         let fused = ModelShape { fused_attention: true, ..m };
-        assert_eq!(fused.unet_bytes(512, 512, 2, false), 3000 * 4096 * 2 * 2);
+        assert_eq!(fused.unet_bytes(512, 512, 2, false), u * 4096 * 2 * 2);
         // An engine that splits the queries holds at most one chunk of scores, sliced or not smaller still.
         let chunked = ModelShape { score_chunk_elements: Some(1 << 27), ..m };
-        assert_eq!(chunked.unet_bytes(512, 512, 2, false), 3000 * 4096 * 2 * 2 + (1 << 29));
-        assert_eq!(chunked.unet_bytes(512, 512, 2, true), 3000 * 4096 * 2 * 2 + (1 << 25));
-        assert_eq!(chunked.vae_bytes(2048, 2048, false), 640 * 2048 * 2048 * 2 + (1 << 29));
+        assert_eq!(chunked.unet_bytes(512, 512, 2, false), u * 4096 * 2 * 2 + (1 << 29));
+        assert_eq!(chunked.unet_bytes(512, 512, 2, true), u * 4096 * 2 * 2 + (1 << 25));
+        assert_eq!(chunked.vae_bytes(2048, 2048, false), v * 2048 * 2048 * 2 + (1 << 29));
         // The tile size is the engine's: 64-latent tiles hold 4× the pixels of 32-latent ones.
         let big_tiles = ModelShape { vae_tile_latent: 64, ..m };
         assert_eq!(big_tiles.vae_bytes(2048, 2048, true), m.vae_bytes(512, 512, false));
+    }
+
+    #[test]
+    fn budgets_cap_free_memory_beside_the_weights() {
+        assert_eq!(budgeted_free(Some(10 * GIB), None, GIB), Some(10 * GIB));
+        assert_eq!(budgeted_free(Some(10 * GIB), Some(4 * GIB), GIB), Some(3 * GIB));
+        assert_eq!(budgeted_free(Some(GIB), Some(4 * GIB), GIB), Some(GIB));
+        assert_eq!(budgeted_free(None, Some(4 * GIB), GIB), Some(3 * GIB));
+        assert_eq!(budgeted_free(None, Some(GIB / 2), GIB), Some(0));
+        assert_eq!(budgeted_free(None, None, GIB), None);
     }
 
     #[test]
@@ -208,9 +231,9 @@ mod tests {
         assert!(!plain.vae_tiling && !plain.attention_slicing);
         assert_eq!(m.plan(512, 512, 2, None, true, true).unwrap(), plain);
         // 2048²: the VAE's mid-block attention alone is (256²)²·4 B = 16 GiB; scores 2·8·65536²·4 B = 256 GiB.
-        // With 40 GiB free, sliced attention (16 GiB of scores) and the plain VAE (~21 GiB) fit; with 20 GiB
+        // With 48 GiB free, sliced attention (16 GiB of scores) and the plain VAE (~39 GiB) fit; with 20 GiB
         // the VAE must be tiled too.
-        let roomy = m.plan(2048, 2048, 2, Some(40 * GIB), true, true).unwrap();
+        let roomy = m.plan(2048, 2048, 2, Some(48 * GIB), true, true).unwrap();
         assert!(!roomy.vae_tiling && roomy.attention_slicing, "{roomy:?}");
         let big = m.plan(2048, 2048, 2, Some(20 * GIB), true, true).unwrap();
         assert!(big.vae_tiling && big.attention_slicing, "{big:?}");

@@ -1,11 +1,13 @@
 //! The hot tensor operations of all three networks (convolution, linears, attention,
 //! normalisation, gated activations), each behind one small function: f32 on the CPU goes to the
-//! fused kernels of `crate::cpu`, everything else (other dtypes, other devices) to candle's generic
-//! ops, kept here as the reference the kernels are tested against.
+//! fused kernels of `crate::cpu`, contiguous tensors on a CUDA GPU to the fused kernels of
+//! `sdhive_cuda_kernels` (built with the `cuda` feature), everything else to candle's generic ops, kept
+//! here as the reference both sets of kernels are tested against.
 
 use crate::cpu;
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Conv2d, Linear};
+use sdhive_cuda_kernels as gpu;
 
 /// Above this many attention-score elements per call we split the queries into chunks, so a
 /// large VAE attention (one head over every pixel) does not need gigabytes of scores at once.
@@ -94,7 +96,12 @@ fn attention_block(
         Some(m) => scores.broadcast_add(&m.to_dtype(work_dtype)?)?,
         None => scores,
     };
-    let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+    let probs = if gpu::applies(&[&scores]) {
+        gpu::softmax_last_dim(&scores)?
+    } else {
+        candle_nn::ops::softmax_last_dim(&scores)?
+    };
+    let probs = probs.to_dtype(v.dtype())?;
     probs.matmul(v)
 }
 
@@ -139,6 +146,9 @@ pub fn group_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, groups: usize, eps
     if cpu::applies(&[x, weight, bias]) {
         return cpu::group_norm(x, weight, bias, groups, eps, false);
     }
+    if gpu::applies(&[x, weight, bias]) {
+        return gpu::group_norm(x, weight, bias, groups, eps, false);
+    }
     group_norm_reference(x, weight, bias, groups, eps)
 }
 
@@ -152,6 +162,9 @@ pub fn group_norm_silu(
 ) -> Result<Tensor> {
     if cpu::applies(&[x, weight, bias]) {
         return cpu::group_norm(x, weight, bias, groups, eps, true);
+    }
+    if gpu::applies(&[x, weight, bias]) {
+        return gpu::group_norm(x, weight, bias, groups, eps, true);
     }
     group_norm_reference(x, weight, bias, groups, eps)?.silu()
 }
@@ -223,6 +236,9 @@ pub fn geglu(x: &Tensor) -> Result<Tensor> {
     if cpu::applies(&[x]) {
         return cpu::geglu(x);
     }
+    if gpu::applies(&[x]) {
+        return gpu::geglu(x);
+    }
     geglu_reference(x)
 }
 
@@ -270,7 +286,45 @@ pub(crate) fn conv2d(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Te
     if cfg.groups == 1 && cfg.dilation == 1 && cpu::applies(&tensors) {
         return cpu::conv2d(x, conv.weight(), conv.bias(), cfg.stride, cfg.padding, extras);
     }
+    if gpu::applies(&tensors) {
+        return conv2d_gpu(conv, x, extras);
+    }
     conv2d_reference(conv, x, extras)
+}
+
+/// The GPU path: the fused GroupNorm+SiLU, candle's convolution without its bias, and one pass adding bias, time
+/// embedding and skip connection together.
+fn conv2d_gpu(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
+    let x = match &extras.pre_norm {
+        Some(p) => gpu::group_norm(x, p.weight, p.bias, p.groups, p.eps, true)?,
+        None => x.clone(),
+    };
+    let x = if extras.upsample {
+        let (_, _, h, w) = x.dims4()?;
+        x.upsample_nearest2d(2 * h, 2 * w)?
+    } else {
+        x
+    };
+    let cfg = conv.config();
+    let y = x.conv2d(conv.weight(), cfg.padding, cfg.stride, cfg.dilation, cfg.groups)?;
+    let c_out = conv.weight().dim(0)?;
+    let add = match (conv.bias(), extras.per_sample) {
+        (Some(b), Some(p)) => Some(p.broadcast_add(&b.reshape((1, c_out))?)?.contiguous()?),
+        (Some(b), None) => Some(b.reshape((1, c_out))?),
+        (None, Some(p)) => Some(p.contiguous()?),
+        (None, None) => None,
+    };
+    match (add, extras.residual) {
+        (Some(a), r) if gpu::applies(&[&y, &a]) && r.is_none_or(|r| gpu::applies(&[&y, r])) => {
+            gpu::add_channel(&y, &a, r)
+        }
+        (Some(a), r) => {
+            let y = y.broadcast_add(&a.reshape((a.dim(0)?, c_out, 1, 1))?)?;
+            r.map_or(Ok(y.clone()), |r| y + r)
+        }
+        (None, Some(r)) => y + r,
+        (None, None) => Ok(y),
+    }
 }
 
 pub(crate) fn conv2d_reference(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
@@ -303,6 +357,13 @@ pub(crate) fn linear(l: &Linear, x: &Tensor, residual: Option<&Tensor>) -> Resul
     if cpu::applies(&tensors) {
         return cpu::linear(x, l.weight(), l.bias(), residual);
     }
+    if let (Some(bias), true) = (l.bias(), gpu::applies(&tensors)) {
+        // The matmul alone, then bias and residual in one pass instead of candle's broadcast add.
+        let y = Linear::new(l.weight().clone(), None).forward(x)?;
+        if y.is_contiguous() {
+            return gpu::add_bias_last(&y, bias, residual);
+        }
+    }
     let y = l.forward(x)?;
     match residual {
         Some(r) => y + r,
@@ -323,6 +384,7 @@ pub(crate) fn image_to_tokens(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>
     let c_out = weight.dim(0)?;
     let y = tokens.broadcast_matmul(&weight.reshape((c_out, c))?.t()?)?;
     match bias {
+        Some(bias) if gpu::applies(&[&y, bias]) => gpu::add_bias_last(&y, bias, None),
         Some(bias) => y.broadcast_add(bias),
         None => Ok(y),
     }
@@ -347,7 +409,11 @@ pub(crate) fn tokens_to_image(
     let c_out = weight.dim(0)?;
     let mut y = tokens.broadcast_matmul(&weight.reshape((c_out, c))?.t()?)?;
     if let Some(bias) = bias {
-        y = y.broadcast_add(bias)?;
+        y = if gpu::applies(&[&y, bias]) {
+            gpu::add_bias_last(&y, bias, None)?
+        } else {
+            y.broadcast_add(bias)?
+        };
     }
     let y = y.transpose(1, 2)?.reshape((b, c_out, h, w))?;
     match residual {

@@ -9,9 +9,9 @@ use crate::model_info::ModelInfo;
 use crate::params::{self, SAMPLERS};
 use diffusion_rs_sys as sys;
 use sdhive_engine::{
-    infotext, random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest,
-    GeneratedImage, GrayImage, InfotextContext, Limits, MemoryReport, ModelShape, Placement, PlacementError,
-    Progress, RgbImage, ValidationError,
+    budgeted_free, infotext, random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput,
+    GenerateRequest, GeneratedImage, GrayImage, InfotextContext, Limits, MemoryReport, ModelShape, Placement,
+    PlacementError, Progress, RgbImage, ValidationError,
 };
 use sdhive_modelsource::{ModelLocation, ResolvedModel};
 use std::ffi::CString;
@@ -32,6 +32,8 @@ pub struct LoadOptions {
     pub placement: Placement,
     /// CPU threads for the parts ggml runs on the CPU.
     pub threads: Option<usize>,
+    /// The most device memory jobs may be planned for, weights included.
+    pub memory_budget: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,6 +74,7 @@ pub struct SdCppEngine {
     shape: ModelShape,
     /// ggml's name of the device the denoiser runs on, whose free memory plans each job.
     plan_device: String,
+    memory_budget: Option<u64>,
     limits: Limits,
 }
 
@@ -136,19 +139,17 @@ impl SdCppEngine {
             None => opts.ggml_device.clone(),
         };
         let device_now = device::find(&plan_device);
+        let free = budgeted_free(
+            device_now.as_ref().map(|d| d.memory_free_bytes),
+            opts.memory_budget,
+            shape.weights_bytes,
+        );
         let memory = MemoryReport {
             weights_bytes: shape.weights_bytes,
             device_total_bytes: device_now.as_ref().map(|d| d.memory_total_bytes),
-            device_free_bytes: device_now.as_ref().map(|d| d.memory_free_bytes),
+            device_free_bytes: free,
             native_job: shape
-                .plan(
-                    info.native_width,
-                    info.native_height,
-                    IMAGES_PER_UNET_CALL,
-                    device_now.as_ref().map(|d| d.memory_free_bytes),
-                    false,
-                    true,
-                )
+                .plan(info.native_width, info.native_height, IMAGES_PER_UNET_CALL, free, false, true)
                 .ok(),
             vae_tiling_available: true,
             attention_slicing_available: false,
@@ -167,7 +168,15 @@ impl SdCppEngine {
             supports_inpaint: true,
             memory: Some(memory),
         };
-        Ok(SdCppEngine { ctx, info: engine_info, model: info, shape, plan_device, limits: Limits::default() })
+        Ok(SdCppEngine {
+            ctx,
+            info: engine_info,
+            model: info,
+            shape,
+            plan_device,
+            memory_budget: opts.memory_budget,
+            limits: Limits::default(),
+        })
     }
 
     pub fn with_limits(mut self, limits: Limits) -> Self {
@@ -248,7 +257,11 @@ impl Engine for SdCppEngine {
             width,
             height,
             IMAGES_PER_UNET_CALL,
-            device::find(&self.plan_device).map(|d| d.memory_free_bytes),
+            budgeted_free(
+                device::find(&self.plan_device).map(|d| d.memory_free_bytes),
+                self.memory_budget,
+                self.shape.weights_bytes,
+            ),
             false,
             true,
         )?;

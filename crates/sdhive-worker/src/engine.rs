@@ -85,6 +85,7 @@ fn load_sdcpp(
         weight_type: Some(weight_type),
         placement: opts.placement,
         threads: None,
+        memory_budget: opts.memory_budget,
     };
     Ok(Box::new(SdCppEngine::load(model, load_opts)?.with_limits(opts.limits)))
 }

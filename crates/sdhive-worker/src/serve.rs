@@ -67,7 +67,7 @@ pub struct ServeArgs {
     pub offload: String,
 
     /// The most device memory jobs may be planned for, weights included (e.g. 8G, 512M); bigger jobs use VAE
-    /// tiling and attention slicing, or are refused. Default: whatever the device has free (candle engine).
+    /// tiling and attention slicing, or are refused. Default: whatever the device has free.
     #[arg(long, env = "MEMORY_BUDGET", value_parser = crate::cli::parse_bytes)]
     pub memory_budget: Option<u64>,
 

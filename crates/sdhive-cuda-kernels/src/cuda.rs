@@ -1,0 +1,390 @@
+//! The kernels as candle custom ops: each checks its layouts, picks the instantiation for the storage dtype and
+//! launches on the tensors' own device and stream.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{
+    bail, builder_arg, CpuStorage, CudaDevice, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout,
+    Result, Shape, Tensor,
+};
+use half::{bf16, f16};
+
+const MODULE: &str = "sdhive_cuda_kernels";
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
+const THREADS: u32 = 256;
+
+fn suffix(dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        other => bail!("sdhive-cuda-kernels: unsupported dtype {other:?}"),
+    })
+}
+
+fn contiguous<'a, T: CudaDType>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    what: &str,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+    match l.contiguous_offsets() {
+        Some((start, end)) => Ok(s.as_cuda_slice::<T>()?.slice(start..end)),
+        None => bail!("sdhive-cuda-kernels: {what} must be contiguous"),
+    }
+}
+
+fn cpu_only(name: &str) -> Result<(CpuStorage, Shape)> {
+    bail!("{name} is a CUDA kernel; the CPU has its own path")
+}
+
+/// Blocks for a grid-stride loop over `n` elements: enough to fill the GPU, no more.
+fn grid_for(n: usize) -> u32 {
+    (n.div_ceil(THREADS as usize)).clamp(1, 65_535) as u32
+}
+
+macro_rules! by_dtype {
+    ($dtype:expr, $f:ident ( $($arg:expr),* )) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F16 => $f::<f16>($($arg),*),
+            DType::BF16 => $f::<bf16>($($arg),*),
+            other => bail!("sdhive-cuda-kernels: unsupported dtype {other:?}"),
+        }
+    };
+}
+
+struct GroupNorm {
+    groups: usize,
+    eps: f32,
+    silu: bool,
+}
+
+fn group_norm_launch<T: CudaDType + DeviceRepr>(
+    op: &GroupNorm,
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    b: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    let dev: &CudaDevice = x.0.device();
+    let dims = x.1.dims();
+    let (batch, channels) = (dims[0], dims[1]);
+    let inner: usize = dims[2..].iter().product();
+    let group_elems = channels / op.groups * inner;
+    let groups_total = batch * op.groups;
+    // Enough blocks per group to fill the GPU, each reading at least a few thousand values.
+    let chunks = group_elems.div_ceil(4096).clamp(1, 256);
+    let sfx = suffix(x.0.dtype())?;
+    let xs = contiguous::<T>(x.0, x.1, "group_norm input")?;
+    let ws = contiguous::<T>(w.0, w.1, "group_norm weight")?;
+    let bs = contiguous::<T>(b.0, b.1, "group_norm bias")?;
+    // SAFETY: every element is written by the stats kernel before the apply kernel reads it.
+    let partial: CudaSlice<f32> = unsafe { dev.alloc::<f32>(groups_total * chunks * 3)? };
+    // SAFETY: written in full by the apply kernel.
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(batch * channels * inner)? };
+    let cfg = LaunchConfig {
+        grid_dim: (chunks as u32, groups_total as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let stats = dev.get_or_load_custom_func(&format!("gn_stats_{sfx}"), MODULE, PTX)?;
+    let mut a = stats.builder();
+    a.arg(&xs);
+    a.arg(&partial);
+    builder_arg!(a, group_elems as u32, chunks as u32);
+    // SAFETY: the arguments match the kernel's signature; the buffers hold the sizes computed above.
+    unsafe { a.launch(cfg) }.w()?;
+    let apply = dev.get_or_load_custom_func(&format!("gn_apply_{sfx}"), MODULE, PTX)?;
+    let mut a = apply.builder();
+    a.arg(&xs);
+    a.arg(&ws);
+    a.arg(&bs);
+    a.arg(&out);
+    a.arg(&partial);
+    builder_arg!(
+        a,
+        group_elems as u32,
+        chunks as u32,
+        (channels / op.groups) as u32,
+        inner as u32,
+        op.groups as u32,
+        op.eps,
+        i32::from(op.silu)
+    );
+    // SAFETY: as above.
+    unsafe { a.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+impl CustomOp3 for GroupNorm {
+    fn name(&self) -> &'static str {
+        "sdhive-group-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        cpu_only(self.name())
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let out = by_dtype!(x.dtype(), group_norm_launch(self, (x, xl), (w, wl), (b, bl)))?;
+        Ok((out, xl.shape().clone()))
+    }
+}
+
+pub fn group_norm(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    groups: usize,
+    eps: f64,
+    silu: bool,
+) -> Result<Tensor> {
+    let dims = x.dims();
+    if dims.len() < 3 || groups == 0 || !dims[1].is_multiple_of(groups) {
+        bail!("group_norm: input {dims:?} cannot be split into {groups} groups");
+    }
+    if weight.elem_count() != dims[1] || bias.elem_count() != dims[1] {
+        bail!("group_norm: weight/bias must have {} values", dims[1]);
+    }
+    let op = GroupNorm { groups, eps: eps as f32, silu };
+    x.apply_op3_no_bwd(&weight.flatten_all()?, &bias.flatten_all()?, &op)
+}
+
+struct AddChannel {
+    channels: usize,
+    inner: usize,
+    /// `channels` for a per-sample `add`, 0 for a bias shared by every sample.
+    add_batch_stride: usize,
+}
+
+fn add_channel_launch<T: CudaDType + DeviceRepr>(
+    op: &AddChannel,
+    y: (&CudaStorage, &Layout),
+    add: (&CudaStorage, &Layout),
+    residual: Option<(&CudaStorage, &Layout)>,
+) -> Result<CudaStorage> {
+    let dev: &CudaDevice = y.0.device();
+    let n = y.1.shape().elem_count();
+    let sfx = suffix(y.0.dtype())?;
+    let ys = contiguous::<T>(y.0, y.1, "input")?;
+    let adds = contiguous::<T>(add.0, add.1, "added term")?;
+    let res = residual.map(|(s, l)| contiguous::<T>(s, l, "residual")).transpose()?;
+    // SAFETY: written in full by the kernel.
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
+    let func = dev.get_or_load_custom_func(&format!("add_channel_{sfx}"), MODULE, PTX)?;
+    let mut a = func.builder();
+    a.arg(&ys);
+    a.arg(&adds);
+    let null: u64 = 0;
+    match &res {
+        Some(r) => a.arg(r),
+        None => a.arg(&null),
+    };
+    a.arg(&out);
+    builder_arg!(a, n, op.channels as u32, op.inner as u32, op.add_batch_stride as u32);
+    let cfg = LaunchConfig { grid_dim: (grid_for(n), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's signature; a missing residual is the null pointer it tests.
+    unsafe { a.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+impl CustomOp2 for AddChannel {
+    fn name(&self) -> &'static str {
+        "sdhive-add-channel"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        cpu_only(CustomOp2::name(self))
+    }
+
+    fn cuda_fwd(
+        &self,
+        y: &CudaStorage,
+        yl: &Layout,
+        a: &CudaStorage,
+        al: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let out = by_dtype!(y.dtype(), add_channel_launch(self, (y, yl), (a, al), None))?;
+        Ok((out, yl.shape().clone()))
+    }
+}
+
+impl CustomOp3 for AddChannel {
+    fn name(&self) -> &'static str {
+        "sdhive-add-channel-residual"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        cpu_only(CustomOp3::name(self))
+    }
+
+    fn cuda_fwd(
+        &self,
+        y: &CudaStorage,
+        yl: &Layout,
+        a: &CudaStorage,
+        al: &Layout,
+        r: &CudaStorage,
+        rl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let out = by_dtype!(y.dtype(), add_channel_launch(self, (y, yl), (a, al), Some((r, rl))))?;
+        Ok((out, yl.shape().clone()))
+    }
+}
+
+pub fn add_channel(y: &Tensor, add: &Tensor, residual: Option<&Tensor>, last_dim: bool) -> Result<Tensor> {
+    let dims = y.dims();
+    let (channels, inner, samples) = if last_dim {
+        let c = *dims.last().unwrap_or(&0);
+        (c, 1, 1)
+    } else {
+        if dims.len() < 2 {
+            bail!("add_channel: input {dims:?} has no channel dimension");
+        }
+        (dims[1], dims[2..].iter().product::<usize>(), dims[0])
+    };
+    let add_rows = add.elem_count() / channels.max(1);
+    let add_batch_stride = match add_rows {
+        _ if !add.elem_count().is_multiple_of(channels.max(1)) => {
+            bail!("add_channel: {:?} does not fit {dims:?}", add.dims())
+        }
+        1 => 0,
+        r if r == samples && !last_dim => channels,
+        _ => bail!("add_channel: {:?} does not fit {dims:?}", add.dims()),
+    };
+    if let Some(r) = residual {
+        if r.dims() != dims {
+            bail!("add_channel: residual {:?} differs from {dims:?}", r.dims());
+        }
+    }
+    let op = AddChannel { channels, inner, add_batch_stride };
+    let add = add.flatten_all()?;
+    match residual {
+        Some(r) => y.apply_op3_no_bwd(&add, r, &op),
+        None => y.apply_op2_no_bwd(&add, &op),
+    }
+}
+
+struct Softmax;
+
+fn softmax_launch<T: CudaDType + DeviceRepr>(x: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
+    let dev: &CudaDevice = x.device();
+    let dims = l.dims();
+    let cols = *dims.last().unwrap_or(&1);
+    let rows = l.shape().elem_count() / cols.max(1);
+    let xs = contiguous::<T>(x, l, "softmax input")?;
+    // SAFETY: written in full by the kernel.
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(rows * cols)? };
+    let func = dev.get_or_load_custom_func(&format!("softmax_{}", suffix(x.dtype())?), MODULE, PTX)?;
+    let mut a = func.builder();
+    a.arg(&xs);
+    a.arg(&out);
+    builder_arg!(a, rows as u32, cols as u32);
+    let warps_per_block = (THREADS / 32) as usize;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(warps_per_block) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature.
+    unsafe { a.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+impl CustomOp1 for Softmax {
+    fn name(&self) -> &'static str {
+        "sdhive-softmax"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        cpu_only(self.name())
+    }
+
+    fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let out = by_dtype!(x.dtype(), softmax_launch(x, l))?;
+        Ok((out, l.shape().clone()))
+    }
+}
+
+pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    if x.dims().iter().product::<usize>() / x.dims().last().copied().unwrap_or(1).max(1) > u32::MAX as usize {
+        bail!("softmax: too many rows");
+    }
+    x.apply_op1_no_bwd(&Softmax)
+}
+
+struct Geglu;
+
+fn geglu_launch<T: CudaDType + DeviceRepr>(x: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
+    let dev: &CudaDevice = x.device();
+    let dims = l.dims();
+    let last = *dims.last().unwrap_or(&0);
+    let half = last / 2;
+    let rows = l.shape().elem_count() / last.max(1);
+    let xs = contiguous::<T>(x, l, "geglu input")?;
+    // SAFETY: written in full by the kernel.
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(rows * half)? };
+    let func = dev.get_or_load_custom_func(&format!("geglu_{}", suffix(x.dtype())?), MODULE, PTX)?;
+    let mut a = func.builder();
+    a.arg(&xs);
+    a.arg(&out);
+    builder_arg!(a, rows, half as u32);
+    let cfg = LaunchConfig {
+        grid_dim: (grid_for(rows * half), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature.
+    unsafe { a.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+impl CustomOp1 for Geglu {
+    fn name(&self) -> &'static str {
+        "sdhive-geglu"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        cpu_only(self.name())
+    }
+
+    fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let out = by_dtype!(x.dtype(), geglu_launch(x, l))?;
+        let mut dims = l.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last /= 2;
+        }
+        Ok((out, Shape::from(dims)))
+    }
+}
+
+pub fn geglu(x: &Tensor) -> Result<Tensor> {
+    if x.dims().last().is_none_or(|d| !d.is_multiple_of(2)) {
+        bail!("geglu: the last dimension of {:?} must be even", x.dims());
+    }
+    x.apply_op1_no_bwd(&Geglu)
+}

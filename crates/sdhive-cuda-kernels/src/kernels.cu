@@ -1,0 +1,189 @@
+// The fused kernels of sdhive-cuda-kernels: each replaces a chain of candle ops that made one pass over the
+// tensor per op (several of them candle's strided broadcast kernels). Arithmetic is in f32 whatever the storage
+// type; every kernel is instantiated for float, __half and __nv_bfloat16 (suffixes f32, f16, bf16).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <math.h>
+#include <stdint.h>
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+
+// Running (count, mean, sum of squared deviations), combined with Chan et al.'s formula: the variance of large,
+// offset groups stays exact where E[x²] − E[x]² would cancel.
+struct Moments {
+    float n, mean, m2;
+};
+
+__device__ __forceinline__ Moments combine(Moments a, Moments b) {
+    float n = a.n + b.n;
+    if (n == 0.f) return a;
+    float d = b.mean - a.mean;
+    float wb = b.n / n;
+    return Moments{n, a.mean + d * wb, a.m2 + b.m2 + d * d * a.n * wb};
+}
+
+__device__ __forceinline__ Moments shfl_xor(Moments m, int offset) {
+    return Moments{__shfl_xor_sync(0xffffffff, m.n, offset), __shfl_xor_sync(0xffffffff, m.mean, offset),
+                   __shfl_xor_sync(0xffffffff, m.m2, offset)};
+}
+
+// Reduces one Moments per thread of the block (blockDim.x a multiple of 32, at most 1024); every thread gets the
+// block's total.
+__device__ Moments block_moments(Moments m) {
+    __shared__ Moments warps[32];
+    __shared__ Moments total;
+    for (int o = 16; o > 0; o >>= 1) m = combine(m, shfl_xor(m, o));
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) warps[warp] = m;
+    __syncthreads();
+    if (warp == 0) {
+        Moments w = lane < (int)(blockDim.x / 32) ? warps[lane] : Moments{0.f, 0.f, 0.f};
+        for (int o = 16; o > 0; o >>= 1) w = combine(w, shfl_xor(w, o));
+        if (lane == 0) total = w;
+    }
+    __syncthreads();
+    return total;
+}
+
+// GroupNorm, pass 1: block (chunk, group-of-sample) writes the moments of its chunk of the group's
+// `group_elems` contiguous values to partial[(group * chunks + chunk) * 3 ..].
+template <typename T>
+__device__ void gn_stats(const T *x, float *partial, uint32_t group_elems, uint32_t chunks) {
+    const size_t bg = blockIdx.y;
+    const uint32_t per = (group_elems + chunks - 1) / chunks;
+    const uint32_t start = blockIdx.x * per;
+    const uint32_t end = min(start + per, group_elems);
+    const T *g = x + bg * group_elems;
+    Moments m{0.f, 0.f, 0.f};
+    for (uint32_t i = start + threadIdx.x; i < end; i += blockDim.x) {
+        float v = to_f(g[i]);
+        m.n += 1.f;
+        float d = v - m.mean;
+        m.mean += d / m.n;
+        m.m2 += d * (v - m.mean);
+    }
+    m = block_moments(m);
+    if (threadIdx.x == 0) {
+        float *p = partial + (bg * chunks + blockIdx.x) * 3;
+        p[0] = m.n;
+        p[1] = m.mean;
+        p[2] = m.m2;
+    }
+}
+
+// GroupNorm, pass 2: the group's moments from the partials, then (x − mean) / sqrt(var + eps) · w[c] + b[c],
+// optionally through SiLU, for the same chunk. Channel c of element i of a group: i / inner, offset by the group.
+template <typename T>
+__device__ void gn_apply(const T *x, const T *w, const T *b, T *out, const float *partial, uint32_t group_elems,
+                         uint32_t chunks, uint32_t channels_per_group, uint32_t inner, uint32_t groups, float eps,
+                         int silu) {
+    const size_t bg = blockIdx.y;
+    Moments m{0.f, 0.f, 0.f};
+    for (uint32_t k = threadIdx.x; k < chunks; k += blockDim.x) {
+        const float *p = partial + (bg * chunks + k) * 3;
+        m = combine(m, Moments{p[0], p[1], p[2]});
+    }
+    m = block_moments(m);
+    const float mean = m.mean;
+    const float rstd = rsqrtf(m.m2 / m.n + eps);
+    const uint32_t first_channel = (uint32_t)(bg % groups) * channels_per_group;
+    const uint32_t per = (group_elems + chunks - 1) / chunks;
+    const uint32_t start = blockIdx.x * per;
+    const uint32_t end = min(start + per, group_elems);
+    const size_t base = bg * group_elems;
+    for (uint32_t i = start + threadIdx.x; i < end; i += blockDim.x) {
+        uint32_t c = first_channel + i / inner;
+        float v = (to_f(x[base + i]) - mean) * rstd * to_f(w[c]) + to_f(b[c]);
+        if (silu) v = v / (1.f + expf(-v));
+        out[base + i] = from_f<T>(v);
+    }
+}
+
+// out = y + add[sample, c] (+ residual): a per-channel bias (add_batch_stride 0) or a per-sample, per-channel
+// term, over NCHW (inner = H·W) or channels-last (inner = 1) layouts.
+template <typename T>
+__device__ void add_channel(const T *y, const T *add, const T *residual, T *out, size_t n, uint32_t channels,
+                            uint32_t inner, uint32_t add_batch_stride) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        size_t ci = i / inner;
+        uint32_t c = (uint32_t)(ci % channels);
+        size_t sample = ci / channels;
+        float v = to_f(y[i]) + to_f(add[sample * add_batch_stride + c]);
+        if (residual) v += to_f(residual[i]);
+        out[i] = from_f<T>(v);
+    }
+}
+
+// Softmax over rows of `cols` values, one warp per row: an online max/sum pass, then the normalised write.
+template <typename T> __device__ void softmax_rows(const T *x, T *out, uint32_t rows, uint32_t cols) {
+    const size_t row = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const T *r = x + row * cols;
+    T *o = out + row * cols;
+    float m = -INFINITY, s = 0.f;
+    for (uint32_t c = lane; c < cols; c += 32) {
+        float v = to_f(r[c]);
+        // Masked scores are −∞: they add nothing (and −∞ − −∞ would be NaN before a finite value is seen).
+        if (v == -INFINITY) continue;
+        if (v > m) {
+            s = s * expf(m - v) + 1.f;
+            m = v;
+        } else {
+            s += expf(v - m);
+        }
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        float m2 = __shfl_xor_sync(0xffffffff, m, off);
+        float s2 = __shfl_xor_sync(0xffffffff, s, off);
+        float mx = fmaxf(m, m2);
+        if (mx == -INFINITY) continue;
+        s = s * expf(m - mx) + s2 * expf(m2 - mx);
+        m = mx;
+    }
+    const float inv = 1.f / s;
+    for (uint32_t c = lane; c < cols; c += 32) o[c] = from_f<T>(expf(to_f(r[c]) - m) * inv);
+}
+
+// diffusers' GEGLU: rows of 2·half values → hidden[j] · gelu_erf(gate[j]), hidden the first half.
+template <typename T> __device__ void geglu(const T *x, T *out, size_t rows, uint32_t half) {
+    const size_t n = rows * half;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / half, j = i % half;
+        float h = to_f(x[r * 2 * half + j]);
+        float g = to_f(x[r * 2 * half + half + j]);
+        out[i] = from_f<T>(h * 0.5f * g * (1.f + erff(g * 0.70710678118654752f)));
+    }
+}
+
+#define INSTANTIATE(T, S)                                                                                       \
+    extern "C" __global__ void gn_stats_##S(const T *x, float *partial, uint32_t group_elems, uint32_t chunks) { \
+        gn_stats<T>(x, partial, group_elems, chunks);                                                           \
+    }                                                                                                           \
+    extern "C" __global__ void gn_apply_##S(const T *x, const T *w, const T *b, T *out, const float *partial,   \
+                                            uint32_t group_elems, uint32_t chunks, uint32_t channels_per_group, \
+                                            uint32_t inner, uint32_t groups, float eps, int silu) {             \
+        gn_apply<T>(x, w, b, out, partial, group_elems, chunks, channels_per_group, inner, groups, eps, silu);  \
+    }                                                                                                           \
+    extern "C" __global__ void add_channel_##S(const T *y, const T *add, const T *residual, T *out, size_t n,  \
+                                               uint32_t channels, uint32_t inner, uint32_t add_batch_stride) {  \
+        add_channel<T>(y, add, residual, out, n, channels, inner, add_batch_stride);                            \
+    }                                                                                                           \
+    extern "C" __global__ void softmax_##S(const T *x, T *out, uint32_t rows, uint32_t cols) {                 \
+        softmax_rows<T>(x, out, rows, cols);                                                                    \
+    }                                                                                                           \
+    extern "C" __global__ void geglu_##S(const T *x, T *out, size_t rows, uint32_t half) {                     \
+        geglu<T>(x, out, rows, half);                                                                           \
+    }
+
+INSTANTIATE(float, f32)
+INSTANTIATE(__half, f16)
+INSTANTIATE(__nv_bfloat16, bf16)

@@ -1,0 +1,109 @@
+//! Fused CUDA kernels for the networks' hot non-matmul operations: GroupNorm (+SiLU), per-channel bias /
+//! time-embedding / residual adds, row softmax and GEGLU. Each replaces a chain of candle ops that made one pass
+//! over the tensor per op (several through candle's strided broadcast kernels). [`applies`] says when a call can
+//! take them: every tensor contiguous on one CUDA device, in f32, f16 or bf16. The callers (sdhive-models' ops)
+//! keep candle's ops as the reference and for every other case; the tests here compare the two on a GPU.
+//!
+//! Without the `cuda` feature nothing applies and the functions return an error.
+
+use candle_core::{Result, Tensor};
+
+#[cfg(feature = "cuda")]
+mod cuda;
+
+/// Whether the kernels can take these tensors. `SDHIVE_FUSED_KERNELS=0` in the environment turns them off (to
+/// measure what they buy; the results are the same within rounding).
+pub fn applies(tensors: &[&Tensor]) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::DType;
+        static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let enabled =
+            *ENABLED.get_or_init(|| std::env::var("SDHIVE_FUSED_KERNELS").map_or(true, |v| v != "0"));
+        let Some(first) = tensors.first() else { return false };
+        enabled
+            && first.device().is_cuda()
+            && tensors.iter().all(|t| {
+                t.device().same_device(first.device())
+                    && t.dtype() == first.dtype()
+                    && matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16)
+                    && t.is_contiguous()
+            })
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = tensors;
+        false
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn unavailable() -> candle_core::Error {
+    candle_core::Error::Msg("sdhive-cuda-kernels was built without its cuda feature".into())
+}
+
+/// GroupNorm over `(B, C, …)` with per-channel affine, statistics in f32; `silu` applies SiLU to the result.
+pub fn group_norm(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    groups: usize,
+    eps: f64,
+    silu: bool,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    return cuda::group_norm(x, weight, bias, groups, eps, silu);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (x, weight, bias, groups, eps, silu);
+        Err(unavailable())
+    }
+}
+
+/// `y + add[n, c] (+ residual)` for NCHW-like `y` `(N, C, …)`; `add` is `(1, C)` (a bias) or `(N, C)` (a
+/// per-sample term such as the ResNet time embedding, already summed with the bias).
+pub fn add_channel(y: &Tensor, add: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    return cuda::add_channel(y, add, residual, false);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (y, add, residual);
+        Err(unavailable())
+    }
+}
+
+/// `y + bias (+ residual)` with `bias` `(C)` along the last dimension of `y` (a linear layer's epilogue).
+pub fn add_bias_last(y: &Tensor, bias: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    return cuda::add_channel(y, bias, residual, true);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (y, bias, residual);
+        Err(unavailable())
+    }
+}
+
+/// Softmax over the last dimension, accumulated in f32.
+pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    return cuda::softmax_last_dim(x);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = x;
+        Err(unavailable())
+    }
+}
+
+/// diffusers' GEGLU: the last dimension's first half times the exact (erf) GELU of its second half.
+pub fn geglu(x: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    return cuda::geglu(x);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = x;
+        Err(unavailable())
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests;

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The CUDA benchmark on a GPU machine (no Rust needed), from the repository root:
+#   bash BUNDLE/run.sh OUT_DIR [--skip-compiled] [--skip-sdxl]
+# BUNDLE is what `cargo xtask bench cuda` wrote. The machine provides the NVIDIA driver, Python with PyTorch
+# (CUDA 13), and through PyTorch's wheels or a CUDA 13 install the cuBLAS, cuRAND, NVRTC and cuDNN 9 libraries.
+set -euo pipefail
+B=$(cd "$(dirname "$0")" && pwd)
+OUT=${1:?usage: run.sh OUT_DIR [--skip-compiled] [--skip-sdxl]}
+shift
+mkdir -p "$OUT" "$B/bin"
+tar -xJf "$B/bins.tar.xz" -C "$B/bin"
+[ -d "$B/site" ] || python3 -m pip install -q --no-index --no-deps --target "$B/site" "$B"/wheels/*.whl
+# The CUDA libraries the binaries link: PyTorch's nvidia/* wheels, else a CUDA install.
+libs=$(python3 -c 'import glob, os, site; print(":".join(d for p in site.getsitepackages() for d in sorted(glob.glob(os.path.join(p, "nvidia", "*", "lib")))))')
+export LD_LIBRARY_PATH="$libs:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
+python3 "$B/cuda_table.py" "$B" "$OUT" "$@"

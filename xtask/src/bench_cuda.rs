@@ -1,0 +1,98 @@
+//! `cargo xtask bench cuda`: everything the CUDA benchmark needs on a GPU machine that has no Rust — the release
+//! `sdhive-bench` and `sd-worker-cuda` (cuDNN convolutions, fused kernels), the diffusers and transformers wheels
+//! for the reference side (the machine provides torch and the CUDA 13 libraries), and the scripts — in one folder.
+//! On the GPU machine, from a checkout of this repository (the fixtures' tokenizers are templates for the random
+//! models): `bash <folder>/run.sh OUT_DIR` prints the side-by-side table (xtask/bench/cuda_table.py).
+
+use crate::cuda;
+use crate::util::{target_dir, workspace_root};
+use anyhow::{ensure, Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The reference side's Python packages (with their dependencies), pinned to what the reference interpreter of
+/// this repository runs. torch comes with the GPU machine, and so do numpy and Pillow (PyTorch images carry
+/// them), which the bundle leaves out to stay small.
+const WHEELS: [&str; 5] = [
+    "diffusers==0.42.1",
+    "transformers==5.23.0",
+    "tokenizers==0.23.3",
+    "safetensors==0.8.0",
+    "huggingface_hub==2.4.0",
+];
+const PROVIDED: [&str; 2] = ["numpy-", "pillow-"];
+
+/// The GPU machine's Python (the PyTorch images ship 3.12).
+const PYTHON_VERSION: &str = "3.12";
+
+pub fn run(out: Option<PathBuf>, python: &str) -> Result<()> {
+    let root = workspace_root();
+    let out = out.unwrap_or_else(|| target_dir().join("bench-cuda"));
+    cuda::build(cuda::Extras { bench: true, tests: false, cudnn: true, dev: false })?;
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let release = target_dir().join("release");
+    let staged = out.join("bin");
+    std::fs::create_dir_all(&staged)?;
+    for exe in ["sdhive-bench", "sd-worker-cuda"] {
+        let dst = staged.join(exe);
+        std::fs::copy(release.join(exe), &dst).with_context(|| format!("copying {exe}"))?;
+        run_cmd(Command::new("strip").arg(&dst), "strip")?;
+    }
+    // One archive: the two binaries share candle's kernels, which xz then stores once.
+    run_cmd(
+        Command::new("tar").arg("-cJf").arg(out.join("bins.tar.xz")).arg("-C").arg(&staged).args(["."]),
+        "tar",
+    )?;
+    std::fs::remove_dir_all(&staged)?;
+    let wheels = out.join("wheels");
+    std::fs::create_dir_all(&wheels)?;
+    run_cmd(
+        Command::new(python)
+            .args(["-m", "pip", "download", "-q", "--only-binary=:all:"])
+            .args(["--python-version", PYTHON_VERSION, "--platform", "manylinux_2_28_x86_64"])
+            .args(["--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64"])
+            .arg("-d")
+            .arg(&wheels)
+            .args(WHEELS),
+        "pip download of the reference wheels",
+    )?;
+    for e in std::fs::read_dir(&wheels)? {
+        let path = e?.path();
+        let name = path.file_name().map(|n| n.to_string_lossy().to_lowercase()).unwrap_or_default();
+        if PROVIDED.iter().any(|p| name.starts_with(p)) {
+            std::fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+        }
+    }
+    for f in ["bench_cuda_diffusers.py", "cuda_table.py", "run.sh"] {
+        copy(&root.join("xtask/bench").join(f), &out.join(f))?;
+    }
+    let size: u64 = walk_size(&out)?;
+    eprintln!(
+        "xtask: {} ({:.0} MiB). On the GPU machine, from the repository root: bash {}/run.sh OUT_DIR",
+        out.display(),
+        size as f64 / (1 << 20) as f64,
+        out.display()
+    );
+    Ok(())
+}
+
+fn copy(from: &Path, to: &Path) -> Result<()> {
+    std::fs::copy(from, to).with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
+    Ok(())
+}
+
+fn walk_size(dir: &Path) -> Result<u64> {
+    let mut n = 0;
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        let m = e.metadata()?;
+        n += if m.is_dir() { walk_size(&e.path())? } else { m.len() };
+    }
+    Ok(n)
+}
+
+fn run_cmd(cmd: &mut Command, what: &str) -> Result<()> {
+    let status = cmd.status().with_context(|| format!("running {what}"))?;
+    ensure!(status.success(), "{what} failed ({status})");
+    Ok(())
+}
