@@ -26,7 +26,7 @@ MIB = 1 << 20
 
 def main() -> None:
     worker, model, out = sys.argv[1:4]
-    log_path = os.path.join(out, "memory_worker.log")
+    log_path = "/tmp/memory_worker.log"
     log = open(log_path, "w")
     srv = subprocess.Popen(
         [worker, "serve", "--model", model, "--host", "127.0.0.1", "--port", "0"],

@@ -48,18 +48,18 @@ fi
 
 if has kernels; then
     step "fused CUDA kernels against candle's ops"
-    timeout 120 "$B/sdhive-cuda-kernels-tests" --test-threads 1 --nocapture >"$OUT/kernels.log" 2>&1
-    echo "exit status $?" >>"$OUT/kernels.log"
-    grep -E "rel diff|test result|panicked|exit status" "$OUT/kernels.log" | tee -a "$L"
+    timeout 120 "$B/sdhive-cuda-kernels-tests" --test-threads 1 --nocapture >/tmp/kernels.log 2>&1
+    echo "exit status $?" >>/tmp/kernels.log
+    grep -E "rel diff|test result|panicked|exit status" /tmp/kernels.log | tee -a "$L"
 fi
 
 if has levers; then
-    for v in "base|sdhive-bench-base|1" "cudnn|sdhive-bench|0" "cudnn+kernels|sdhive-bench|1"; do
+    for v in "base|sdhive-bench-base|1" "kernels-off|sdhive-bench|0" "kernels|sdhive-bench|1"; do
         IFS='|' read -r name exe fused <<<"$v"
         [ -x "$B/$exe" ] || continue
         step "lever $name: SD1.5 UNet b2 512² + VAE decode 512², f16"
         SDHIVE_FUSED_KERNELS=$fused timeout 180 "$B/$exe" --device cuda --dtype f16 --latent 64 --iters 20 \
-            --warmup 3 2>"$OUT/lever_$name.err" | tee -a "$L" "$OUT/lever_$name.json" | python3 -c \
+            --warmup 3 2>>"$L" | tee -a "$L" | python3 -c \
             'import json,sys; r=json.loads(sys.stdin.read()); print("UNet %.1f ms, VAE %.1f ms" % (r["unet_step_b2"]["median_ms"], r["vae_decode"]["median_ms"]))' \
             | tee -a "$L"
     done
@@ -69,11 +69,11 @@ if has parity; then
     for dt in f32 f16 bf16; do
         step "parity tests on cuda:0 $dt"
         SDHIVE_TEST_DEVICE=cuda SDHIVE_TEST_DTYPE=$dt timeout 240 "$B/sdhive-candle-tests" --test-threads 1 \
-            --nocapture parity_tests >"$OUT/parity_$dt.log" 2>&1
-        echo "exit status $?" >>"$OUT/parity_$dt.log"
+            --nocapture parity_tests >/tmp/parity_$dt.log 2>&1
+        echo "exit status $?" >>/tmp/parity_$dt.log
         grep -E "parity tests on|latent rel|max diff|single-file|placed|test result|panicked|exit status" \
-            "$OUT/parity_$dt.log" | tee -a "$L" >/dev/null
-        grep -E "test result|exit status" "$OUT/parity_$dt.log"
+            /tmp/parity_$dt.log | tee -a "$L" >/dev/null
+        grep -E "test result|exit status" /tmp/parity_$dt.log
     done
 fi
 
@@ -108,19 +108,20 @@ if has placement; then
         name=${v%%|*} flags=${v#*|}
         step "sd-worker-cuda sd15-random 64² f16, $name: $flags"
         # shellcheck disable=SC2086
-        timeout 120 "$B/sd-worker-cuda" generate --model /tmp/sd15r "${G[@]}" $flags -o "$OUT/p64_$name.png" \
-            >"$OUT/p64_$name.log" 2>&1
+        timeout 120 "$B/sd-worker-cuda" generate --model /tmp/sd15r "${G[@]}" $flags -o "/tmp/p64_$name.png" \
+            >"/tmp/p64_$name.log" 2>&1
         echo "exit status $?" | tee -a "$L"
+        grep -E "^Error|Caused|^ +[0-9]: [a-z]" "/tmp/p64_$name.log" | head -5 | tee -a "$L"
     done
     for v in "plain|" "offload|--placement te=cpu --offload te,vae"; do
         name=${v%%|*} flags=${v#*|}
         step "sd-worker-cuda sd15-random 512² 20 steps f16, $name: $flags"
         # shellcheck disable=SC2086
         { time timeout 180 "$B/sd-worker-cuda" generate --model /tmp/sd15r --prompt "a red cube on a wooden table" \
-            --steps 20 --width 512 --height 512 --seed 42 $flags -o "$OUT/p512_$name.png"; } 2>&1 | tail -3 | tee -a "$L"
+            --steps 20 --width 512 --height 512 --seed 42 $flags -o "/tmp/p512_$name.png"; } 2>&1 | tail -3 | tee -a "$L"
     done
     step "images against diffusers and against the all-GPU run"
-    python3 - "$OUT" <<'PY' 2>&1 | tee -a "$L"
+    python3 - /tmp <<'PY' 2>&1 | tee -a "$L"
 import os, sys
 import numpy as np
 from PIL import Image

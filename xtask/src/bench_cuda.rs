@@ -1,6 +1,6 @@
 //! `cargo xtask bench cuda`: everything the CUDA benchmark needs on a GPU machine that has no Rust — the release
-//! `sdhive-bench` and `sd-worker-cuda` (cuDNN convolutions, fused kernels), the diffusers and transformers wheels
-//! for the reference side (the machine provides torch and the CUDA 13 libraries), and the scripts — in one folder.
+//! `sdhive-bench` and `sd-worker-cuda`, the diffusers wheel for the reference side (the machine provides PyTorch,
+//! transformers and the CUDA 13 libraries), and the scripts — in one folder.
 //! On the GPU machine, from a checkout of this repository (the fixtures' tokenizers are templates for the random
 //! models): `bash <folder>/run.sh OUT_DIR` prints the side-by-side table (xtask/bench/cuda_table.py).
 
@@ -10,17 +10,9 @@ use anyhow::{ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The reference side's Python packages (with their dependencies), pinned to what the reference interpreter of
-/// this repository runs. torch comes with the GPU machine, and so do numpy and Pillow (PyTorch images carry
-/// them), which the bundle leaves out to stay small.
-const WHEELS: [&str; 5] = [
-    "diffusers==0.42.1",
-    "transformers==5.23.0",
-    "tokenizers==0.23.3",
-    "safetensors==0.8.0",
-    "huggingface_hub==2.4.0",
-];
-const PROVIDED: [&str; 2] = ["numpy-", "pillow-"];
+/// The reference side's Python packages beyond what a PyTorch machine has (torch, transformers, huggingface_hub,
+/// safetensors, numpy, Pillow): diffusers, pinned to what the reference interpreter of this repository runs.
+const WHEELS: [&str; 2] = ["diffusers==0.42.1", "importlib_metadata"];
 
 /// The GPU machine's Python (the PyTorch images ship 3.12).
 const PYTHON_VERSION: &str = "3.12";
@@ -28,7 +20,7 @@ const PYTHON_VERSION: &str = "3.12";
 pub fn run(out: Option<PathBuf>, python: &str) -> Result<()> {
     let root = workspace_root();
     let out = out.unwrap_or_else(|| target_dir().join("bench-cuda"));
-    cuda::build(cuda::Extras { bench: true, tests: false, cudnn: true, dev: false })?;
+    cuda::build(cuda::Extras { bench: true, tests: false, cudnn: false, dev: false })?;
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let release = target_dir().join("release");
     let staged = out.join("bin");
@@ -48,7 +40,7 @@ pub fn run(out: Option<PathBuf>, python: &str) -> Result<()> {
     std::fs::create_dir_all(&wheels)?;
     run_cmd(
         Command::new(python)
-            .args(["-m", "pip", "download", "-q", "--only-binary=:all:"])
+            .args(["-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"])
             .args(["--python-version", PYTHON_VERSION, "--platform", "manylinux_2_28_x86_64"])
             .args(["--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64"])
             .arg("-d")
@@ -56,13 +48,6 @@ pub fn run(out: Option<PathBuf>, python: &str) -> Result<()> {
             .args(WHEELS),
         "pip download of the reference wheels",
     )?;
-    for e in std::fs::read_dir(&wheels)? {
-        let path = e?.path();
-        let name = path.file_name().map(|n| n.to_string_lossy().to_lowercase()).unwrap_or_default();
-        if PROVIDED.iter().any(|p| name.starts_with(p)) {
-            std::fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
-        }
-    }
     for f in ["bench_cuda_diffusers.py", "cuda_table.py", "run.sh"] {
         copy(&root.join("xtask/bench").join(f), &out.join(f))?;
     }
