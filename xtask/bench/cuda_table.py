@@ -2,7 +2,8 @@
 sdhive (sdhive-bench, fp16, random weights) and diffusers eager and torch.compile'd on the same shapes, each in
 its own process, and a Markdown table of medians with the ratios sdhive / diffusers.
 
-    python3 cuda_table.py BUNDLE_DIR OUT_DIR [--skip-compiled] [--skip-sdxl]
+    python3 cuda_table.py BUNDLE_DIR OUT_DIR [--skip-ours] [--skip-eager] [--skip-compiled] [--skip-sdxl]
+    python3 cuda_table.py --table RESULT.json...   (merge the JSON of several partial runs into one table)
 
 Rows: UNet step (CFG batch 2), VAE decode, text encode (prompt + negative), seconds per image end to end
 (20 steps, CFG 7: SD1.5 512², SDXL 1024²) and the end-to-end runs' peak device memory, read for each process
@@ -18,11 +19,12 @@ import sys
 import threading
 import time
 
-BUNDLE, OUT = sys.argv[1], sys.argv[2]
+TABLE_ONLY = len(sys.argv) > 1 and sys.argv[1] == "--table"
+BUNDLE, OUT = ("", "") if TABLE_ONLY else (sys.argv[1], sys.argv[2])
 FLAGS = set(sys.argv[3:])
 BIN = os.path.join(BUNDLE, "bin")
 ENV = {**os.environ, "PYTHONPATH": os.path.join(BUNDLE, "site") + ":" + os.environ.get("PYTHONPATH", "")}
-LOG = open(os.path.join(OUT, "cuda_table.log"), "a")
+LOG = None if TABLE_ONLY else open(os.path.join(OUT, "cuda_table.log"), "a")
 
 
 def peak_memory(pid: int, stop: threading.Event, out: list[int]) -> None:
@@ -60,9 +62,10 @@ def run(label: str, cmd: list[str], timeout: int) -> tuple[list[dict], int]:
     return rows, peak[0]
 
 
-def main() -> None:
+def measure() -> dict:
     ours: dict[str, float] = {}
     mem: dict[str, dict[str, int]] = {"ours": {}, "eager": {}, "compiled": {}}
+    ref: dict[str, dict[str, float]] = {"eager": {}, "compiled": {}}
     bench = os.path.join(BIN, "sdhive-bench")
     xl = "--skip-sdxl" not in FLAGS
     for fam, tmpl, path in [("sd15", "sd1", "/tmp/bench_sd15"), ("sdxl", "sdxl", "/tmp/bench_sdxl")][: 2 if xl else 1]:
@@ -70,6 +73,17 @@ def main() -> None:
             run(f"write {fam}", [bench, "--write-model", path, "--model", fam, "--template",
                                  f"tests/fixtures/models/{tmpl}"], 300)
     common = ["--device", "cuda", "--dtype", "f16"]
+    if "--skip-ours" not in FLAGS:
+        measure_ours(bench, common, xl, ours, mem)
+    script = os.path.join(BUNDLE, "bench_cuda_diffusers.py")
+    if "--skip-eager" not in FLAGS:
+        measure_eager(script, xl, ref, mem)
+    if "--skip-compiled" not in FLAGS:
+        measure_compiled(script, ref, mem)
+    return {"ours": ours, "diffusers": ref, "peak_mib": mem}
+
+
+def measure_ours(bench, common, xl, ours, mem) -> None:
     rows, _ = run("ours sd15 unet+vae", [bench, *common, "--latent", "64", "--iters", "20", "--warmup", "3"], 300)
     for r in rows:
         ours["unet-sd15"] = r["unet_step_b2"]["median_ms"]
@@ -91,8 +105,9 @@ def main() -> None:
             ours[f"e2e-{fam}"] = r["e2e"]["median_ms"]
         mem["ours"][f"e2e-{fam}"] = peak
 
-    script = os.path.join(BUNDLE, "bench_cuda_diffusers.py")
-    ref: dict[str, dict[str, float]] = {"eager": {}, "compiled": {}}
+
+
+def measure_eager(script, xl, ref, mem) -> None:
     parts = "unet-sd15,vae-sd15,text-sd15" + (",unet-sdxl,text-sdxl" if xl else "")
     rows, _ = run("diffusers eager", ["python3", script, parts], 600)
     for r in rows:
@@ -103,15 +118,32 @@ def main() -> None:
         for r in rows:
             ref["eager"][r["part"]] = r["median_ms"]
         mem["eager"][f"e2e-{fam}"] = peak
-    if "--skip-compiled" not in FLAGS:
-        rows, _ = run("diffusers compiled", ["python3", script, "unet-sd15,vae-sd15", "--compile"], 600)
-        for r in rows:
-            ref["compiled"][r["part"].removesuffix("-compiled")] = r["median_ms"]
-        rows, peak = run("diffusers compiled sd15 e2e", ["python3", script, "e2e-sd15", "--compile", "--sd15",
-                                                         "/tmp/bench_sd15"], 600)
-        for r in rows:
-            ref["compiled"]["e2e-sd15"] = r["median_ms"]
-        mem["compiled"]["e2e-sd15"] = peak
+
+
+def measure_compiled(script, ref, mem) -> None:
+    rows, _ = run("diffusers compiled", ["python3", script, "unet-sd15,vae-sd15", "--compile"], 600)
+    for r in rows:
+        ref["compiled"][r["part"].removesuffix("-compiled")] = r["median_ms"]
+    rows, peak = run("diffusers compiled sd15 e2e", ["python3", script, "e2e-sd15", "--compile", "--sd15",
+                                                     "/tmp/bench_sd15"], 600)
+    for r in rows:
+        ref["compiled"]["e2e-sd15"] = r["median_ms"]
+    mem["compiled"]["e2e-sd15"] = peak
+
+
+def merge(results: list[dict]) -> dict:
+    out = {"ours": {}, "diffusers": {"eager": {}, "compiled": {}}, "peak_mib": {"ours": {}, "eager": {}, "compiled": {}}}
+    for r in results:
+        out["ours"].update(r["ours"])
+        for k in ("eager", "compiled"):
+            out["diffusers"][k].update(r["diffusers"][k])
+        for k in ("ours", "eager", "compiled"):
+            out["peak_mib"][k].update(r["peak_mib"][k])
+    return out
+
+
+def table(res: dict) -> str:
+    ours, ref, mem = res["ours"], res["diffusers"], res["peak_mib"]
 
     names = [("unet-sd15", "SD1.5 UNet step 512², CFG batch 2 (ms)"), ("vae-sd15", "SD1.5 VAE decode 512² (ms)"),
              ("text-sd15", "SD1.5 text encode, prompt + negative (ms)"), ("e2e-sd15", "SD1.5 512², 20 steps (s/image)"),
@@ -134,12 +166,17 @@ def main() -> None:
         o, e, c = mem["ours"].get(key), mem["eager"].get(key), mem["compiled"].get(key)
         fmt = lambda v: str(v) if v else "—"
         lines.append(f"| {label} | {fmt(o)} | {fmt(e)} | {ratio(o, e)} | {fmt(c)} | {ratio(o, c)} |")
-    table = "\n".join(lines)
-    print(table)
-    with open(os.path.join(OUT, "cuda_table.md"), "w") as f:
-        f.write(table + "\n")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if TABLE_ONLY:
+        print(table(merge([json.load(open(p)) for p in sys.argv[2:]])))
+        return
+    res = measure()
     with open(os.path.join(OUT, "cuda_table.json"), "w") as f:
-        json.dump({"ours": ours, "diffusers": ref, "peak_mib": mem}, f, indent=1)
+        json.dump(res, f, indent=1)
+    print(table(res))
 
 
 if __name__ == "__main__":

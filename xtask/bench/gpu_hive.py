@@ -78,7 +78,7 @@ def run(workers_dir: str, model: str, extra: list[str], label: str) -> None:
 def main() -> None:
     workers_dir, model = sys.argv[1:3]
     run(workers_dir, model, [], "default")
-    if os.path.exists(f"{workers_dir}/sd-worker-vulkan"):
+    if not os.path.exists(f"{workers_dir}/sd-worker-vulkan.standin"):
         run(workers_dir, model, ["--exclude", "cuda"], "no-cuda")
 
 

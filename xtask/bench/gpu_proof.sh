@@ -157,7 +157,14 @@ if has hive; then
     W=/tmp/hive-bin
     mkdir -p "$W"
     cp "$B/hive" "$B/sd-worker-cuda" "$W/"
-    [ -f "$CARRY/sd-worker-vulkan.xz" ] && xz -dc "$CARRY/sd-worker-vulkan.xz" >"$W/sd-worker-vulkan" && chmod +x "$W/sd-worker-vulkan"
+    if [ -f "$CARRY/sd-worker-vulkan.xz" ]; then
+        xz -dc "$CARRY/sd-worker-vulkan.xz" >"$W/sd-worker-vulkan" && chmod +x "$W/sd-worker-vulkan"
+    else
+        # Without the Vulkan worker (too big to travel beside the repository) the hive's plan is still shown
+        # with a stand-in file; gpu_hive.py then runs only the CUDA worker.
+        printf '#!/bin/sh\necho "stand-in for sd-worker-vulkan" >&2; exit 1\n' >"$W/sd-worker-vulkan.standin"
+        cp "$W/sd-worker-vulkan.standin" "$W/sd-worker-vulkan" && chmod +x "$W/sd-worker-vulkan"
+    fi
     vulkaninfo --summary 2>&1 | grep -E "deviceName|deviceType|driverName|apiVersion" | tee -a "$L"
     "$W/hive" devices 2>&1 | tee -a "$L"
     "$W/hive" devices --exclude cuda 2>&1 | tee -a "$L"
