@@ -388,3 +388,155 @@ pub fn geglu(x: &Tensor) -> Result<Tensor> {
     }
     x.apply_op1_no_bwd(&Geglu)
 }
+
+struct LayerNorm {
+    eps: f32,
+}
+
+fn layer_norm_launch<T: CudaDType + DeviceRepr>(
+    op: &LayerNorm,
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    b: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    let dev: &CudaDevice = x.0.device();
+    let cols = *x.1.dims().last().unwrap_or(&1);
+    let rows = x.1.shape().elem_count() / cols.max(1);
+    let xs = contiguous::<T>(x.0, x.1, "layer_norm input")?;
+    let ws = contiguous::<T>(w.0, w.1, "layer_norm weight")?;
+    let bs = contiguous::<T>(b.0, b.1, "layer_norm bias")?;
+    // SAFETY: written in full by the kernel.
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(rows * cols)? };
+    let func = dev.get_or_load_custom_func(&format!("layer_norm_{}", suffix(x.0.dtype())?), MODULE, PTX)?;
+    let mut a = func.builder();
+    a.arg(&xs);
+    a.arg(&ws);
+    a.arg(&bs);
+    a.arg(&out);
+    builder_arg!(a, rows as u32, cols as u32, op.eps);
+    let warps_per_block = (THREADS / 32) as usize;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(warps_per_block) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature.
+    unsafe { a.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "sdhive-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        cpu_only(self.name())
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let out = by_dtype!(x.dtype(), layer_norm_launch(self, (x, xl), (w, wl), (b, bl)))?;
+        Ok((out, xl.shape().clone()))
+    }
+}
+
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let cols = x.dims().last().copied().unwrap_or(0);
+    if weight.elem_count() != cols || bias.elem_count() != cols {
+        bail!("layer_norm: weight/bias must have {cols} values");
+    }
+    x.apply_op3_no_bwd(weight, bias, &LayerNorm { eps: eps as f32 })
+}
+
+/// The convolution's geometry, for im2col.
+struct Im2Col {
+    kh: usize,
+    kw: usize,
+    stride: usize,
+    pad: usize,
+    out_h: usize,
+    out_w: usize,
+}
+
+fn im2col_launch<T: CudaDType + DeviceRepr>(op: &Im2Col, x: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
+    let dev: &CudaDevice = x.device();
+    let (b, c, h, w) = l.shape().dims4()?;
+    let n = b * c * op.kh * op.kw * op.out_h * op.out_w;
+    let xs = contiguous::<T>(x, l, "convolution input")?;
+    // SAFETY: written in full by the kernel.
+    let col: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
+    let func = dev.get_or_load_custom_func(&format!("im2col_{}", suffix(x.dtype())?), MODULE, PTX)?;
+    let mut a = func.builder();
+    a.arg(&xs);
+    a.arg(&col);
+    builder_arg!(
+        a,
+        c as u32,
+        h as u32,
+        w as u32,
+        op.kh as u32,
+        op.kw as u32,
+        op.stride as u32,
+        op.pad as u32,
+        op.out_h as u32,
+        op.out_w as u32,
+        n
+    );
+    let cfg = LaunchConfig { grid_dim: (grid_for(n), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's signature.
+    unsafe { a.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(col, dev.clone()))
+}
+
+impl CustomOp1 for Im2Col {
+    fn name(&self) -> &'static str {
+        "sdhive-im2col"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        cpu_only(self.name())
+    }
+
+    fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let out = by_dtype!(x.dtype(), im2col_launch(self, x, l))?;
+        let (b, c, _, _) = l.shape().dims4()?;
+        Ok((out, Shape::from((b, c * self.kh * self.kw, self.out_h * self.out_w))))
+    }
+}
+
+/// `conv2d(x, weight)` without bias for NCHW `x` and `weight` `(out, in, kh, kw)`: a 1×1 stride-1 convolution
+/// is one matrix product; others go through im2col in the (in·kh·kw, pixels) layout, so the product with the
+/// weight yields NCHW without a transpose.
+pub fn conv2d(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
+    let (b, c, h, w) = x.dims4()?;
+    let (co, ci, kh, kw) = weight.dims4()?;
+    if ci != c || stride == 0 || h + 2 * padding < kh || w + 2 * padding < kw {
+        bail!("conv2d: input {:?} does not fit weight {:?}", x.dims(), weight.dims());
+    }
+    let out_h = (h + 2 * padding - kh) / stride + 1;
+    let out_w = (w + 2 * padding - kw) / stride + 1;
+    let k = ci * kh * kw;
+    let w2 = weight.reshape((1, co, k))?.broadcast_as((b, co, k))?;
+    let col = if kh == 1 && kw == 1 && stride == 1 && padding == 0 {
+        x.reshape((b, c, h * w))?
+    } else {
+        x.apply_op1_no_bwd(&Im2Col { kh, kw, stride, pad: padding, out_h, out_w })?
+    };
+    w2.matmul(&col)?.reshape((b, co, out_h, out_w))
+}

@@ -164,6 +164,50 @@ template <typename T> __device__ void geglu(const T *x, T *out, size_t rows, uin
     }
 }
 
+// LayerNorm over rows of `cols` values, one warp per row: Welford moments, then (x − mean) / sqrt(var + eps) · w + b.
+template <typename T>
+__device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint32_t rows, uint32_t cols, float eps) {
+    const size_t row = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const T *r = x + row * cols;
+    Moments m{0.f, 0.f, 0.f};
+    for (uint32_t c = lane; c < cols; c += 32) {
+        float v = to_f(r[c]);
+        m.n += 1.f;
+        float d = v - m.mean;
+        m.mean += d / m.n;
+        m.m2 += d * (v - m.mean);
+    }
+    for (int o = 16; o > 0; o >>= 1) m = combine(m, shfl_xor(m, o));
+    const float rstd = rsqrtf(m.m2 / m.n + eps);
+    T *o = out + row * cols;
+    for (uint32_t c = lane; c < cols; c += 32) o[c] = from_f<T>((to_f(r[c]) - m.mean) * rstd * to_f(w[c]) + to_f(b[c]));
+}
+
+// im2col in the (batch, channel·kh·kw, out_h·out_w) layout: a weight (out_channels, channel·kh·kw) times this
+// gives the convolution in NCHW directly. Consecutive threads take consecutive output pixels, so reads and writes
+// are coalesced. Padding reads as zero.
+template <typename T>
+__device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, uint32_t w, uint32_t kh, uint32_t kw,
+                           uint32_t stride, uint32_t pad, uint32_t out_h, uint32_t out_w, size_t n) {
+    const uint32_t l_count = out_h * out_w;
+    const uint32_t k_count = channels * kh * kw;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t l = (uint32_t)(i % l_count);
+        size_t t = i / l_count;
+        uint32_t k = (uint32_t)(t % k_count);
+        size_t b = t / k_count;
+        uint32_t ox = l % out_w, oy = l / out_w;
+        uint32_t kx = k % kw, ky = (k / kw) % kh, c = k / (kw * kh);
+        int iy = (int)(oy * stride + ky) - (int)pad;
+        int ix = (int)(ox * stride + kx) - (int)pad;
+        T v = from_f<T>(0.f);
+        if (iy >= 0 && iy < (int)h && ix >= 0 && ix < (int)w) v = x[((b * channels + c) * h + iy) * w + ix];
+        col[i] = v;
+    }
+}
+
 #define INSTANTIATE(T, S)                                                                                       \
     extern "C" __global__ void gn_stats_##S(const T *x, float *partial, uint32_t group_elems, uint32_t chunks) { \
         gn_stats<T>(x, partial, group_elems, chunks);                                                           \
@@ -182,6 +226,15 @@ template <typename T> __device__ void geglu(const T *x, T *out, size_t rows, uin
     }                                                                                                           \
     extern "C" __global__ void geglu_##S(const T *x, T *out, size_t rows, uint32_t half) {                     \
         geglu<T>(x, out, rows, half);                                                                           \
+    }                                                                                                           \
+    extern "C" __global__ void layer_norm_##S(const T *x, const T *w, const T *b, T *out, uint32_t rows,        \
+                                              uint32_t cols, float eps) {                                       \
+        layer_norm_rows<T>(x, w, b, out, rows, cols, eps);                                                      \
+    }                                                                                                           \
+    extern "C" __global__ void im2col_##S(const T *x, T *col, uint32_t channels, uint32_t h, uint32_t w,       \
+                                          uint32_t kh, uint32_t kw, uint32_t stride, uint32_t pad,              \
+                                          uint32_t out_h, uint32_t out_w, size_t n) {                           \
+        im2col_k_l<T>(x, col, channels, h, w, kh, kw, stride, pad, out_h, out_w, n);                            \
     }
 
 INSTANTIATE(float, f32)

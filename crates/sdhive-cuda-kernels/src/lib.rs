@@ -1,5 +1,5 @@
-//! Fused CUDA kernels for the networks' hot non-matmul operations: GroupNorm (+SiLU), per-channel bias /
-//! time-embedding / residual adds, row softmax and GEGLU. Each replaces a chain of candle ops that made one pass
+//! Fused CUDA kernels for the networks' hot non-matmul operations: GroupNorm (+SiLU), LayerNorm, per-channel
+//! bias / time-embedding / residual adds, row softmax, GEGLU, and the im2col of the convolutions. Each replaces a chain of candle ops that made one pass
 //! over the tensor per op (several through candle's strided broadcast kernels). [`applies`] says when a call can
 //! take them: every tensor contiguous on one CUDA device, in f32, f16 or bf16. The callers (sdhive-models' ops)
 //! keep candle's ops as the reference and for every other case; the tests here compare the two on a GPU.
@@ -90,6 +90,29 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     #[cfg(not(feature = "cuda"))]
     {
         let _ = x;
+        Err(unavailable())
+    }
+}
+
+/// LayerNorm over the last dimension with per-element affine, statistics in f32.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    return cuda::layer_norm(x, weight, bias, eps);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (x, weight, bias, eps);
+        Err(unavailable())
+    }
+}
+
+/// A 2-D convolution without bias (groups and dilation 1), NCHW: im2col in a coalesced layout, then one batched
+/// matrix product that lands in NCHW (1×1 stride-1 convolutions skip the im2col).
+pub fn conv2d(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    return cuda::conv2d(x, weight, stride, padding);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (x, weight, stride, padding);
         Err(unavailable())
     }
 }

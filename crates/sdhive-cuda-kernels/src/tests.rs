@@ -188,3 +188,60 @@ fn other_devices_and_layouts_do_not_apply() {
     assert!(!applies(&[&g.t().unwrap()]), "a transposed view is not contiguous");
     assert!(!applies(&[&g.to_dtype(DType::F64).unwrap()]));
 }
+
+#[test]
+fn layer_norm_matches_the_reference() {
+    let dev = gpu();
+    for (shape, offset) in [((2, 77, 768), 0.0), ((3, 4096, 320), 0.0), ((1, 5, 1280), 200.0), ((2, 3, 33), 1.0)]
+    {
+        let x = (Tensor::randn(0f32, 1.0, shape, &dev).unwrap() + offset).unwrap();
+        let cols = x.dims()[x.rank() - 1];
+        let w = Tensor::randn(1f32, 0.2, cols, &dev).unwrap();
+        let b = Tensor::randn(0f32, 0.2, cols, &dev).unwrap();
+        for dtype in DTYPES {
+            let c = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let xf = c(&x).to_dtype(DType::F64).unwrap();
+            let mean = xf.mean_keepdim(D::Minus1).unwrap();
+            let centered = xf.broadcast_sub(&mean).unwrap();
+            let var = centered.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+            let want = centered
+                .broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap())
+                .unwrap()
+                .broadcast_mul(&c(&w).to_dtype(DType::F64).unwrap())
+                .unwrap()
+                .broadcast_add(&c(&b).to_dtype(DType::F64).unwrap())
+                .unwrap();
+            let d = rel_diff(&layer_norm(&c(&x), &c(&w), &c(&b), 1e-5).unwrap(), &want);
+            eprintln!("layer_norm {shape:?} +{offset} {dtype:?}: rel diff {d:.2e}");
+            assert!(d <= tol(dtype), "layer_norm {shape:?} {dtype:?}: {d}");
+        }
+    }
+}
+
+/// Every convolution shape of the networks: 3×3 padded, strided downsampling, 1×1, odd sizes.
+#[test]
+fn conv2d_matches_candle() {
+    let dev = gpu();
+    for (x_shape, w_shape, stride, pad) in [
+        ((2, 8, 17, 13), (16, 8, 3, 3), 1, 1),
+        ((1, 6, 16, 16), (6, 6, 3, 3), 2, 1),
+        ((2, 12, 9, 7), (5, 12, 1, 1), 1, 0),
+        ((1, 4, 8, 8), (3, 4, 3, 3), 1, 0),
+    ] {
+        let x = Tensor::randn(0f32, 1.0, x_shape, &dev).unwrap();
+        let w = Tensor::randn(0f32, 0.2, w_shape, &dev).unwrap();
+        for dtype in DTYPES {
+            let (xd, wd) = (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap());
+            let want = xd
+                .to_dtype(DType::F32)
+                .unwrap()
+                .conv2d(&wd.to_dtype(DType::F32).unwrap(), pad, stride, 1, 1)
+                .unwrap();
+            let ours = conv2d(&xd, &wd, stride, pad).unwrap();
+            assert_eq!(ours.dims(), want.dims());
+            let d = rel_diff(&ours, &want);
+            eprintln!("conv2d {x_shape:?} * {w_shape:?} s{stride} p{pad} {dtype:?}: rel diff {d:.2e}");
+            assert!(d <= 4.0 * tol(dtype), "conv2d {x_shape:?} {dtype:?}: {d}");
+        }
+    }
+}

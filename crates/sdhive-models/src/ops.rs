@@ -207,6 +207,9 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     if cpu::applies(&[x, weight, bias]) {
         return cpu::layer_norm(x, weight, bias, eps);
     }
+    if gpu::applies(&[x, weight, bias]) {
+        return gpu::layer_norm(x, weight, bias, eps);
+    }
     layer_norm_reference(x, weight, bias, eps)
 }
 
@@ -306,7 +309,11 @@ fn conv2d_gpu(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
         x
     };
     let cfg = conv.config();
-    let y = x.conv2d(conv.weight(), cfg.padding, cfg.stride, cfg.dilation, cfg.groups)?;
+    let y = if cfg.groups == 1 && cfg.dilation == 1 {
+        gpu::conv2d(&x, conv.weight(), cfg.stride, cfg.padding)?
+    } else {
+        x.conv2d(conv.weight(), cfg.padding, cfg.stride, cfg.dilation, cfg.groups)?
+    };
     let c_out = conv.weight().dim(0)?;
     let add = match (conv.bias(), extras.per_sample) {
         (Some(b), Some(p)) => Some(p.broadcast_add(&b.reshape((1, c_out))?)?.contiguous()?),
