@@ -2,7 +2,7 @@
 once as configured by default and once with CUDA excluded; each time the workers it spawned, their state, and
 one image generated through the hive.
 
-    python3 gpu_hive.py WORKERS_DIR MODEL_DIR
+    python3 gpu_hive.py WORKERS_DIR MODEL_DIR [default,no-cuda]
 """
 
 from __future__ import annotations
@@ -77,8 +77,10 @@ def run(workers_dir: str, model: str, extra: list[str], label: str) -> None:
 
 def main() -> None:
     workers_dir, model = sys.argv[1:3]
-    run(workers_dir, model, [], "default")
-    if not os.path.exists(f"{workers_dir}/sd-worker-vulkan.standin"):
+    which = (sys.argv[3] if len(sys.argv) > 3 else "default,no-cuda").split(",")
+    if "default" in which:
+        run(workers_dir, model, [], "default")
+    if "no-cuda" in which and not os.path.exists(f"{workers_dir}/sd-worker-vulkan.standin"):
         run(workers_dir, model, ["--exclude", "cuda"], "no-cuda")
 
 
