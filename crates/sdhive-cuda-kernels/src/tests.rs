@@ -192,7 +192,8 @@ fn other_devices_and_layouts_do_not_apply() {
 #[test]
 fn layer_norm_matches_the_reference() {
     let dev = gpu();
-    for (shape, offset) in [((2, 77, 768), 0.0), ((3, 4096, 320), 0.0), ((1, 5, 1280), 200.0), ((2, 3, 33), 1.0)]
+    for (shape, offset) in
+        [((2, 77, 768), 0.0), ((3, 4096, 320), 0.0), ((1, 5, 1280), 200.0), ((2, 3, 33), 1.0)]
     {
         let x = (Tensor::randn(0f32, 1.0, shape, &dev).unwrap() + offset).unwrap();
         let cols = x.dims()[x.rank() - 1];
