@@ -122,18 +122,12 @@ __device__ void add_channel(const T *y, const T *add, const T *residual, T *out,
     }
 }
 
-// Softmax over rows of `cols` values, one warp per row: an online max/sum pass, then the normalised write.
-template <typename T> __device__ void softmax_rows(const T *x, T *out, uint32_t rows, uint32_t cols) {
-    const size_t row = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32;
-    const int lane = threadIdx.x % 32;
-    if (row >= rows) return;
-    const T *r = x + row * cols;
-    T *o = out + row * cols;
+// Online softmax state of one lane: running max and the sum of exp(value − max).
+struct OnlineMax {
     float m = -INFINITY, s = 0.f;
-    for (uint32_t c = lane; c < cols; c += 32) {
-        float v = to_f(r[c]);
+    __device__ __forceinline__ void add(float v) {
         // Masked scores are −∞: they add nothing (and −∞ − −∞ would be NaN before a finite value is seen).
-        if (v == -INFINITY) continue;
+        if (v == -INFINITY) return;
         if (v > m) {
             s = s * expf(m - v) + 1.f;
             m = v;
@@ -141,6 +135,31 @@ template <typename T> __device__ void softmax_rows(const T *x, T *out, uint32_t 
             s += expf(v - m);
         }
     }
+};
+
+// Softmax over rows of `cols` values, one warp per row: an online max/sum pass, then the normalised write. Rows
+// whose length and address allow it move 16 bytes per load and store.
+template <typename T> __device__ void softmax_rows(const T *x, T *out, uint32_t rows, uint32_t cols) {
+    constexpr uint32_t VEC = 16 / sizeof(T);
+    const size_t row = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const T *r = x + row * cols;
+    T *o = out + row * cols;
+    const bool vec = cols % VEC == 0 && ((reinterpret_cast<uintptr_t>(r) | reinterpret_cast<uintptr_t>(o)) % 16) == 0;
+    OnlineMax acc;
+    if (vec) {
+        const uint4 *rv = reinterpret_cast<const uint4 *>(r);
+        for (uint32_t c = lane; c < cols / VEC; c += 32) {
+            uint4 packed = rv[c];
+            const T *e = reinterpret_cast<const T *>(&packed);
+#pragma unroll
+            for (uint32_t j = 0; j < VEC; j++) acc.add(to_f(e[j]));
+        }
+    } else {
+        for (uint32_t c = lane; c < cols; c += 32) acc.add(to_f(r[c]));
+    }
+    float m = acc.m, s = acc.s;
     for (int off = 16; off > 0; off >>= 1) {
         float m2 = __shfl_xor_sync(0xffffffff, m, off);
         float s2 = __shfl_xor_sync(0xffffffff, s, off);
@@ -150,7 +169,21 @@ template <typename T> __device__ void softmax_rows(const T *x, T *out, uint32_t 
         m = mx;
     }
     const float inv = 1.f / s;
-    for (uint32_t c = lane; c < cols; c += 32) o[c] = from_f<T>(expf(to_f(r[c]) - m) * inv);
+    if (vec) {
+        const uint4 *rv = reinterpret_cast<const uint4 *>(r);
+        uint4 *ov = reinterpret_cast<uint4 *>(o);
+        for (uint32_t c = lane; c < cols / VEC; c += 32) {
+            uint4 packed = rv[c];
+            const T *e = reinterpret_cast<const T *>(&packed);
+            uint4 result;
+            T *w = reinterpret_cast<T *>(&result);
+#pragma unroll
+            for (uint32_t j = 0; j < VEC; j++) w[j] = from_f<T>(expf(to_f(e[j]) - m) * inv);
+            ov[c] = result;
+        }
+    } else {
+        for (uint32_t c = lane; c < cols; c += 32) o[c] = from_f<T>(expf(to_f(r[c]) - m) * inv);
+    }
 }
 
 // diffusers' GEGLU: rows of 2·half values → hidden[j] · gelu_erf(gate[j]), hidden the first half.

@@ -119,6 +119,13 @@ fn channel_adds_match_broadcast_adds() {
     assert!(add_channel(&y, &wrong, None).is_err());
 }
 
+/// Softmax over the last dimension with candle's ops, in f32.
+fn softmax_reference(x: &Tensor) -> Tensor {
+    let xf = x.to_dtype(DType::F32).unwrap();
+    let e = xf.broadcast_sub(&xf.max_keepdim(D::Minus1).unwrap()).unwrap().exp().unwrap();
+    e.broadcast_div(&e.sum_keepdim(D::Minus1).unwrap()).unwrap()
+}
+
 #[test]
 fn softmax_matches_the_reference() {
     let dev = gpu();
@@ -127,9 +134,7 @@ fn softmax_matches_the_reference() {
         let x = (Tensor::randn(0f32, 1.0, shape, &dev).unwrap() * scale).unwrap();
         for dtype in DTYPES {
             let xd = x.to_dtype(dtype).unwrap();
-            let xf = xd.to_dtype(DType::F32).unwrap();
-            let e = xf.broadcast_sub(&xf.max_keepdim(D::Minus1).unwrap()).unwrap().exp().unwrap();
-            let want = e.broadcast_div(&e.sum_keepdim(D::Minus1).unwrap()).unwrap();
+            let want = softmax_reference(&xd);
             let ours = softmax_last_dim(&xd).unwrap();
             let sums = ours.to_dtype(DType::F32).unwrap().sum(D::Minus1).unwrap();
             let d = rel_diff(&ours, &want);
@@ -144,21 +149,22 @@ fn softmax_matches_the_reference() {
 #[test]
 fn softmax_of_masked_rows() {
     let dev = gpu();
-    let n = 77;
-    let mask: Vec<f32> = (0..n * n).map(|i| if i % n > i / n { f32::NEG_INFINITY } else { 0.0 }).collect();
-    let mask = Tensor::from_vec(mask, (n, n), &dev).unwrap();
-    let x = Tensor::randn(0f32, 3.0, (4, n, n), &dev).unwrap().broadcast_add(&mask).unwrap();
-    // Rows whose first values are masked, as in a row-reversed causal mask.
-    let flipped = x.flip(&[2]).unwrap().contiguous().unwrap();
-    for scores in [x, flipped] {
-        for dtype in DTYPES {
-            let xd = scores.to_dtype(dtype).unwrap();
-            let xf = xd.to_dtype(DType::F32).unwrap();
-            let e = xf.broadcast_sub(&xf.max_keepdim(D::Minus1).unwrap()).unwrap().exp().unwrap();
-            let want = e.broadcast_div(&e.sum_keepdim(D::Minus1).unwrap()).unwrap();
-            let ours = softmax_last_dim(&xd).unwrap();
-            let d = rel_diff(&ours, &want);
-            assert!(d.is_finite() && d <= tol(dtype), "masked softmax {dtype:?}: {d}");
+    // 77 columns take the element-wise path, 128 the 16-byte one.
+    for n in [77usize, 128] {
+        let mask: Vec<f32> =
+            (0..n * n).map(|i| if i % n > i / n { f32::NEG_INFINITY } else { 0.0 }).collect();
+        let mask = Tensor::from_vec(mask, (n, n), &dev).unwrap();
+        let x = Tensor::randn(0f32, 3.0, (4, n, n), &dev).unwrap().broadcast_add(&mask).unwrap();
+        // Rows whose first values are masked, as in a row-reversed causal mask.
+        let flipped = x.flip(&[2]).unwrap().contiguous().unwrap();
+        for scores in [x, flipped] {
+            for dtype in DTYPES {
+                let xd = scores.to_dtype(dtype).unwrap();
+                let want = softmax_reference(&xd);
+                let ours = softmax_last_dim(&xd).unwrap();
+                let d = rel_diff(&ours, &want);
+                assert!(d.is_finite() && d <= tol(dtype), "masked softmax {n} {dtype:?}: {d}");
+            }
         }
     }
 }
