@@ -216,7 +216,6 @@ fn prompt_conditioning_matches_diffusers_encode_prompt() {
 #[test]
 fn single_file_checkpoint_generates_the_diffusers_images() {
     let (dev, dtype) = (&test_device().device, test_device().dtype);
-    let tol = test_device().tolerance;
     let folder = fixtures().join("models/sd1");
     let model = SdModel::from_single_file(
         "sd1",
@@ -227,23 +226,27 @@ fn single_file_checkpoint_generates_the_diffusers_images() {
     )
     .expect("loading tests/fixtures/models/sd1.safetensors");
     let mut models = HashMap::from([("sd1".to_string(), model)]);
+    check_cases(&mut models, &["sd1_euler", "sd1_euler_a", "sd1_img2img_ddim"], "single-file");
+}
+
+/// Runs the named pipeline cases on `models` and holds each to the device's tolerances; every name must exist.
+fn check_cases(models: &mut HashMap<String, SdModel>, picked: &[&str], label: &str) {
+    let tol = test_device().tolerance;
     let mut ran = 0;
-    for case in cases().iter().filter(|c| {
-        ["sd1_euler", "sd1_euler_a", "sd1_img2img_ddim"].contains(&c["case"].as_str().unwrap_or(""))
-    }) {
-        let r = run_case(&mut models, case);
+    for case in cases().iter().filter(|c| picked.contains(&c["case"].as_str().unwrap_or(""))) {
+        let r = run_case(models, case);
         eprintln!(
-            "single-file {}: latent rel diff {:.2e}, pixels off {}",
+            "{label} {}: latent rel diff {:.2e}, pixels off {}",
             case["case"], r.latent_rel, r.pixels_off
         );
         assert!(
             r.latent_rel <= tol.latent_rel && r.pixels_off as f32 <= tol.pixels_off * (64 * 64 * 3) as f32,
-            "single-file {} off diffusers",
+            "{label} {} off diffusers",
             case["case"]
         );
         ran += 1;
     }
-    assert_eq!(ran, 3);
+    assert_eq!(ran, picked.len());
 }
 
 /// `--placement te=cpu --offload te,vae`: the text encoders run on the CPU in f32 and, like the VAE, are built
@@ -270,21 +273,7 @@ fn placed_and_offloaded_networks_generate_the_diffusers_images() {
     // Offloaded networks hold no device memory between jobs.
     assert_eq!(models["sd1"].resident_bytes_on(dev), models["sd1"].unet.resident_bytes());
     let picked = ["sd1_euler", "sd1_img2img_ddim", "sd1_inpaint_s075", "sdxl_euler"];
-    let mut ran = 0;
-    for case in cases().iter().filter(|c| picked.contains(&c["case"].as_str().unwrap_or(""))) {
-        let r = run_case(&mut models, case);
-        eprintln!(
-            "placed/offloaded {}: latent rel diff {:.2e}, pixels off {}",
-            case["case"], r.latent_rel, r.pixels_off
-        );
-        assert!(
-            r.latent_rel <= tol.latent_rel && r.pixels_off as f32 <= tol.pixels_off * (64 * 64 * 3) as f32,
-            "placed/offloaded {} off diffusers",
-            case["case"]
-        );
-        ran += 1;
-    }
-    assert_eq!(ran, picked.len());
+    check_cases(&mut models, &picked, "placed/offloaded");
     let single = SdModel::from_single_file_on(
         "sd1",
         &fixtures().join("models/sd1.safetensors"),

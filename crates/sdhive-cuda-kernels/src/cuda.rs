@@ -54,6 +54,43 @@ macro_rules! by_dtype {
     };
 }
 
+/// The custom op of a normalisation: input, weight and bias in, output shaped like the input, CUDA only; `$launch`
+/// is generic over the storage type.
+macro_rules! normalisation_op {
+    ($op:ty, $name:literal, $launch:ident) => {
+        impl CustomOp3 for $op {
+            fn name(&self) -> &'static str {
+                $name
+            }
+
+            fn cpu_fwd(
+                &self,
+                _: &CpuStorage,
+                _: &Layout,
+                _: &CpuStorage,
+                _: &Layout,
+                _: &CpuStorage,
+                _: &Layout,
+            ) -> Result<(CpuStorage, Shape)> {
+                cpu_only(self.name())
+            }
+
+            fn cuda_fwd(
+                &self,
+                x: &CudaStorage,
+                xl: &Layout,
+                w: &CudaStorage,
+                wl: &Layout,
+                b: &CudaStorage,
+                bl: &Layout,
+            ) -> Result<(CudaStorage, Shape)> {
+                let out = by_dtype!(x.dtype(), $launch(self, (x, xl), (w, wl), (b, bl)))?;
+                Ok((out, xl.shape().clone()))
+            }
+        }
+    };
+}
+
 struct GroupNorm {
     groups: usize,
     eps: f32,
@@ -116,36 +153,7 @@ fn group_norm_launch<T: CudaDType + DeviceRepr>(
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
-impl CustomOp3 for GroupNorm {
-    fn name(&self) -> &'static str {
-        "sdhive-group-norm"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_only(self.name())
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-        b: &CudaStorage,
-        bl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        let out = by_dtype!(x.dtype(), group_norm_launch(self, (x, xl), (w, wl), (b, bl)))?;
-        Ok((out, xl.shape().clone()))
-    }
-}
+normalisation_op!(GroupNorm, "sdhive-group-norm", group_norm_launch);
 
 pub fn group_norm(
     x: &Tensor,
@@ -425,36 +433,7 @@ fn layer_norm_launch<T: CudaDType + DeviceRepr>(
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
-impl CustomOp3 for LayerNorm {
-    fn name(&self) -> &'static str {
-        "sdhive-layer-norm"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_only(self.name())
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-        b: &CudaStorage,
-        bl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        let out = by_dtype!(x.dtype(), layer_norm_launch(self, (x, xl), (w, wl), (b, bl)))?;
-        Ok((out, xl.shape().clone()))
-    }
-}
+normalisation_op!(LayerNorm, "sdhive-layer-norm", layer_norm_launch);
 
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let cols = x.dims().last().copied().unwrap_or(0);
