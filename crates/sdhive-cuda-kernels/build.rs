@@ -1,23 +1,30 @@
-//! With the `cuda` feature, compiles `src/kernels.cu` to PTX for `CUDA_COMPUTE_CAP` (default 90) with the nvcc
-//! on PATH (`cargo xtask build-cuda` provides one); the library embeds the PTX. Without it, nothing to do.
+//! With the `cuda` feature, compiles each `src/*.cu` to PTX for `CUDA_COMPUTE_CAP` (default 90) with the nvcc on
+//! PATH (`cargo xtask build-cuda` provides one); the library embeds the PTX and learns the capability through
+//! `SDHIVE_CUDA_COMPUTE_CAP`. Without the feature, nothing to do.
+
+const SOURCES: [&str; 2] = ["kernels", "attention"];
 
 fn main() {
-    println!("cargo:rerun-if-changed=src/kernels.cu");
+    for source in SOURCES {
+        println!("cargo:rerun-if-changed=src/{source}.cu");
+    }
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
-    let out = std::path::PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"))
-        .join("kernels.ptx");
+    let out_dir = std::path::PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
     let cap: String = cap.chars().filter(char::is_ascii_digit).collect();
-    let status = std::process::Command::new("nvcc")
-        .args(["--ptx", "-O3", "-std=c++17"])
-        .arg(format!("-arch=compute_{cap}"))
-        .arg("-o")
-        .arg(&out)
-        .arg("src/kernels.cu")
-        .status()
-        .unwrap_or_else(|e| panic!("cannot run nvcc (needed by the cuda feature; see docs/gpu.md): {e}"));
-    assert!(status.success(), "nvcc failed to compile src/kernels.cu ({status})");
+    println!("cargo:rustc-env=SDHIVE_CUDA_COMPUTE_CAP={cap}");
+    for source in SOURCES {
+        let status = std::process::Command::new("nvcc")
+            .args(["--ptx", "-O3", "-std=c++17"])
+            .arg(format!("-arch=compute_{cap}"))
+            .arg("-o")
+            .arg(out_dir.join(format!("{source}.ptx")))
+            .arg(format!("src/{source}.cu"))
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run nvcc (needed by the cuda feature; see docs/gpu.md): {e}"));
+        assert!(status.success(), "nvcc failed to compile src/{source}.cu ({status})");
+    }
 }

@@ -4,17 +4,19 @@
 # with the diffusers wheels and bench_cuda_diffusers.py; run from
 # the repository root (the committed fixtures are read from tests/fixtures). Logs go to $OUT (default /tmp/out).
 #   bash gpu_proof.sh CARRY [parts…]
-# parts: version kernels parity generate placement memory hive levers bench ncu diffusers (default: all).
-# `kernels` runs sdhive-cuda-kernels-tests; `levers` times the SD1.5 UNet step and VAE decode with
-# sdhive-bench-base (a build before the levers, when the tar has it), without the fused kernels
-# (SDHIVE_FUSED_KERNELS=0) and with everything. `placement` and
+# parts: version kernels parity generate placement memory hive levers unoptimised bench ncu nsys diffusers
+# (default: all).
+# `kernels` runs sdhive-cuda-kernels-tests; `levers` times the SD1.5 UNet step and VAE decode (and the SDXL step)
+# with sdhive-bench-base (a build before the levers, when the tar has it), without the fused kernels
+# (SDHIVE_FUSED_KERNELS=0), without the fused attention (SDHIVE_FUSED_ATTENTION=0), with everything, and with
+# sdhive-bench-cudnn (built with --cudnn, when the tar has it). `placement` and
 # `memory` use the full-size SD1.5 with deterministic random weights (xtask/fixtures/gen_sd15_random.py, numpy);
 # `hive` also wants CARRY/sd-worker-vulkan.xz and the Vulkan loader and vulkaninfo as Debian packages in
 # CARRY/debs.
 set -u -o pipefail
 CARRY=${1:?usage: gpu_proof.sh CARRY [parts…]}
 shift
-PARTS=${*:-version kernels parity generate placement memory hive levers bench ncu diffusers}
+PARTS=${*:-version kernels parity generate placement memory hive levers unoptimised bench ncu nsys diffusers}
 OUT=${OUT:-/tmp/out}
 B=/tmp/sdhive-bin
 L=$OUT/proof.log
@@ -29,6 +31,11 @@ export SDHIVE_FIXTURES=$PWD/tests/fixtures RUST_LOG=${RUST_LOG:-info} PYTHONUNBU
 TIMEFORMAT='wall %R s'
 step() { echo "=== $(date -u +%T) $*" | tee -a "$L"; }
 has() { [[ " $PARTS " == *" $1 "* ]]; }
+sd15_random() {
+    [ -f /tmp/sd15r/model_index.json ] && return
+    step "write the full-size random SD1.5 (numpy)"
+    timeout 300 python3 xtask/fixtures/gen_sd15_random.py --write /tmp/sd15r 2>&1 | tail -1 | tee -a "$L"
+}
 
 step machine
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv 2>&1 | tee -a "$L"
@@ -54,15 +61,43 @@ if has kernels; then
 fi
 
 if has levers; then
-    for v in "base|sdhive-bench-base|1" "kernels-off|sdhive-bench|0" "kernels|sdhive-bench|1"; do
-        IFS='|' read -r name exe fused <<<"$v"
+    for v in "base|sdhive-bench-base|1|1" "kernels-off|sdhive-bench|0|0" "attention-off|sdhive-bench|1|0" \
+        "all|sdhive-bench|1|1" "cudnn|sdhive-bench-cudnn|1|1"; do
+        IFS='|' read -r name exe fused attn <<<"$v"
         [ -x "$B/$exe" ] || continue
         step "lever $name: SD1.5 UNet b2 512² + VAE decode 512², f16"
-        SDHIVE_FUSED_KERNELS=$fused timeout 180 "$B/$exe" --device cuda --dtype f16 --latent 64 --iters 20 \
-            --warmup 3 2>>"$L" | tee -a "$L" | python3 -c \
+        SDHIVE_FUSED_KERNELS=$fused SDHIVE_FUSED_ATTENTION=$attn timeout 180 "$B/$exe" --device cuda --dtype f16 \
+            --latent 64 --iters 20 --warmup 3 2>>"$L" | tee -a "$L" | python3 -c \
             'import json,sys; r=json.loads(sys.stdin.read()); print("UNet %.1f ms, VAE %.1f ms" % (r["unet_step_b2"]["median_ms"], r["vae_decode"]["median_ms"]))' \
             | tee -a "$L"
+        [ "$name" = base ] || [ "$name" = kernels-off ] && continue
+        step "lever $name: SDXL UNet b2 1024², f16"
+        SDHIVE_FUSED_ATTENTION=$attn timeout 180 "$B/$exe" --device cuda --dtype f16 --model sdxl --latent 128 \
+            --only unet --iters 10 --warmup 3 2>>"$L" | tee -a "$L" | python3 -c \
+            'import json,sys; r=json.loads(sys.stdin.read()); print("SDXL UNet %.1f ms" % r["unet_step_b2"]["median_ms"])' \
+            | tee -a "$L"
     done
+fi
+
+if has unoptimised; then
+    sd15_random
+    # The issue's check after every optimisation: one full-size image with every kernel against candle's plain ops.
+    for v in "plain|0" "optimised|1"; do
+        name=${v%%|*} fused=${v#*|}
+        step "sd-worker-cuda sd15-random 512² 20 steps Euler f16, SDHIVE_FUSED_KERNELS=$fused"
+        { time SDHIVE_FUSED_KERNELS=$fused timeout 180 "$B/sd-worker-cuda" generate --model /tmp/sd15r --prompt \
+            "a red cube on a wooden table" --steps 20 --sampler Euler --width 512 --height 512 --seed 42 \
+            -o "/tmp/u512_$name.png"; } 2>&1 | tail -3 | tee -a "$L"
+    done
+    python3 - /tmp/u512_plain.png /tmp/u512_optimised.png <<'PY' 2>&1 | tee -a "$L"
+import sys
+import numpy as np
+from PIL import Image
+a, b = (np.asarray(Image.open(p).convert("RGB")).astype(np.int64) for p in sys.argv[1:3])
+d = np.abs(a - b); mse = (d ** 2).mean()
+print("512² optimised vs candle's plain ops: mean |d| %.3f, max %d, values off by >2 levels %d of %d, PSNR %s dB"
+      % (d.mean(), d.max(), (d > 2).sum(), d.size, "%.2f" % (10 * np.log10(255 ** 2 / mse)) if mse else "inf"))
+PY
 fi
 
 if has parity; then
@@ -93,12 +128,6 @@ if has generate; then
     cp /tmp/sd15_512_f16.png "$OUT/" 2>/dev/null
     rm -rf /tmp/sd15 /tmp/sdxl
 fi
-
-sd15_random() {
-    [ -f /tmp/sd15r/model_index.json ] && return
-    step "write the full-size random SD1.5 (numpy)"
-    timeout 300 python3 xtask/fixtures/gen_sd15_random.py --write /tmp/sd15r 2>&1 | tail -1 | tee -a "$L"
-}
 
 if has placement; then
     sd15_random
@@ -181,13 +210,43 @@ if has bench; then
 fi
 
 if has ncu; then
-    # Per-kernel GPU time of one SD1.5 UNet step (plus the random-weight build's few kernels): its sum against the
-    # step's wall time says whether the step is bound by the GPU or by the host launching kernels.
-    step "ncu per-kernel GPU time, one SD1.5 UNet step b2 512² f16"
-    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    timeout 240 "$NCU" --metrics gpu__time_duration.sum --print-summary per-kernel "$B/sdhive-bench" --device cuda \
-        --dtype f16 --latent 64 --iters 1 --warmup 0 --only unet >"$OUT/ncu_unet.txt" 2>&1
-    echo "ncu exit status $?" | tee -a "$L"
+    # Per-kernel GPU time of the timed calls only (sdhive-bench opens a CUDA profiler range around them): one SD1.5
+    # UNet step, one SD1.5 VAE decode and one SDXL UNet step, summed by kernel name (xtask/bench/ncu_sum.py). The
+    # sum against the call's wall time says whether it is bound by the GPU or by the host launching kernels.
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+    BENCH=$B/sdhive-bench
+    [ -x "$B/sdhive-bench-cudnn" ] && BENCH=$B/sdhive-bench-cudnn
+    for v in "sd15_unet|--latent 64 --only unet" "sd15_vae|--latent 64 --only vae" \
+        "sdxl_unet|--model sdxl --latent 128 --only unet"; do
+        name=${v%%|*} flags=${v#*|}
+        step "ncu $name ($(basename "$BENCH"), f16)"
+        # shellcheck disable=SC2086
+        timeout 300 "$NCU" --profile-from-start off --csv --page raw --metrics gpu__time_duration.sum "$BENCH" \
+            --device cuda --dtype f16 $flags --iters 1 --warmup 1 >"/tmp/ncu_$name.csv" 2>"/tmp/ncu_$name.err"
+        echo "ncu exit status $?" | tee -a "$L"
+        python3 xtask/bench/ncu_sum.py "/tmp/ncu_$name.csv" 25 2>&1 | tee "$OUT/ncu_$name.txt" | tee -a "$L"
+    done
+fi
+
+if has nsys; then
+    # Per-kernel GPU time (sums by kernel name) of SD1.5 and SDXL UNet steps and the SD1.5 VAE decode, from Nsight
+    # Systems when the machine has it: much cheaper than ncu's per-kernel replay for SDXL's thousands of launches.
+    NSYS=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/bin/nsys 2>/dev/null | head -1)
+    if [ -z "$NSYS" ]; then
+        echo "no nsys on this machine" | tee -a "$L"
+    else
+        for v in "sd15_unet|--latent 64 --only unet" "sd15_vae|--latent 64 --only vae" \
+            "sdxl_unet|--model sdxl --latent 128 --only unet"; do
+            name=${v%%|*} flags=${v#*|}
+            step "nsys $name"
+            # shellcheck disable=SC2086
+            timeout 240 "$NSYS" profile -t cuda -o "/tmp/nsys_$name" --force-overwrite true "$B/sdhive-bench" \
+                --device cuda --dtype f16 $flags --iters 3 --warmup 1 >/dev/null 2>&1
+            timeout 120 "$NSYS" stats -r cuda_gpu_kern_sum -f csv -o "$OUT/nsys_$name" "/tmp/nsys_$name.nsys-rep" \
+                >/dev/null 2>&1
+            echo "nsys $name exit status $?" | tee -a "$L"
+        done
+    fi
 fi
 
 if has diffusers; then

@@ -20,7 +20,8 @@ const PYTHON_VERSION: &str = "3.12";
 pub fn run(out: Option<PathBuf>, python: &str) -> Result<()> {
     let root = workspace_root();
     let out = out.unwrap_or_else(|| target_dir().join("bench-cuda"));
-    cuda::build(cuda::Extras { bench: true, tests: false, cudnn: false, dev: false })?;
+    // With cuDNN, as the fast build is meant to run (the GPU machine has libcudnn 9 beside PyTorch).
+    cuda::build(cuda::Extras { bench: true, tests: false, cudnn: true, dev: false })?;
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let release = target_dir().join("release");
     let staged = out.join("bin");

@@ -239,7 +239,9 @@ pub fn build(extras: Extras) -> Result<PathBuf> {
     if extras.tests {
         let tests = ["test", profile, "-p", "sdhive-candle", "--features", features, "--no-run"];
         stub.cargo_linking(&root, &env, &tests)?;
-        let kernels = ["test", profile, "-p", "sdhive-cuda-kernels", "--features", "cuda", "--no-run"];
+        let kernel_features = if extras.cudnn { "cudnn" } else { "cuda" };
+        let kernels =
+            ["test", profile, "-p", "sdhive-cuda-kernels", "--features", kernel_features, "--no-run"];
         stub.cargo_linking(&root, &env, &kernels)?;
     }
     let exe = target_dir().join(out_dir).join("sd-worker-cuda");

@@ -306,13 +306,15 @@ fn main() -> Result<()> {
         for _ in 0..args.warmup {
             bench.unet_step()?;
         }
-        let calls = (0..args.iters)
-            .map(|i| {
-                let c = bench.unet_step()?;
-                eprintln!("unet step {i}: {:.0} ms (cpu {:.0} ms)", c.ms, c.cpu_ms);
-                Ok(c)
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let calls = profiled(|| {
+            (0..args.iters)
+                .map(|i| {
+                    let c = bench.unet_step()?;
+                    eprintln!("unet step {i}: {:.0} ms (cpu {:.0} ms)", c.ms, c.cpu_ms);
+                    Ok(c)
+                })
+                .collect::<Result<Vec<_>>>()
+        })?;
         unet_step_b2 = Some(Timing::new(&calls));
     }
     let mut vae_decode = None;
@@ -320,13 +322,15 @@ fn main() -> Result<()> {
         for _ in 0..args.warmup {
             bench.vae_decode()?;
         }
-        let calls = (0..args.iters)
-            .map(|i| {
-                let c = bench.vae_decode()?;
-                eprintln!("vae decode {i}: {:.0} ms (cpu {:.0} ms)", c.ms, c.cpu_ms);
-                Ok(c)
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let calls = profiled(|| {
+            (0..args.iters)
+                .map(|i| {
+                    let c = bench.vae_decode()?;
+                    eprintln!("vae decode {i}: {:.0} ms (cpu {:.0} ms)", c.ms, c.cpu_ms);
+                    Ok(c)
+                })
+                .collect::<Result<Vec<_>>>()
+        })?;
         vae_decode = Some(Timing::new(&calls));
     }
     let report = Report {
@@ -382,6 +386,23 @@ fn serve(bench: &mut Bench, threads: usize) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Runs the timed calls inside a CUDA profiler range, so `ncu --profile-from-start off` (or nsys with
+/// `--capture-range=cudaProfilerApi`) records them and not the thousands of launches that build random weights.
+fn profiled<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc::driver::{profiler_start, profiler_stop};
+        let on = profiler_start().is_ok();
+        let out = f();
+        if on {
+            let _ = profiler_stop();
+        }
+        out
+    }
+    #[cfg(not(feature = "cuda"))]
+    f()
 }
 
 /// `warmup` untimed calls of `f`, then `iters` timed ones.

@@ -16,7 +16,7 @@ use sdhive_engine::{
     GenerateRequest, GeneratedImage, InfotextContext, JobPlan, Limits, MemoryReport, ModelShape, Progress,
     Sampler, ValidationError,
 };
-use sdhive_models::ops::{limit_attention_scores, MAX_SCORE_ELEMENTS};
+use sdhive_models::ops::{attention_is_fused, limit_attention_scores, MAX_SCORE_ELEMENTS};
 use sdhive_modelsource::ResolvedModel;
 use std::sync::Arc;
 
@@ -93,7 +93,7 @@ impl CandleEngine {
             vae_factor: model.vae_scale_factor as u32,
             first_attention_level: first_attention_level as u32,
             heads_at_first_attention: heads as u32,
-            fused_attention: false,
+            fused_attention: attention_is_fused(model.unet.device(), dtype),
             score_chunk_elements: Some(MAX_SCORE_ELEMENTS as u64),
             vae_tile_latent: model.vae_config.tile_latent_size() as u64,
         };

@@ -347,18 +347,28 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 
 struct Geglu;
 
-fn geglu_launch<T: CudaDType + DeviceRepr>(x: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
+fn geglu_launch<T: CudaDType + DeviceRepr>(
+    x: &CudaStorage,
+    l: &Layout,
+    bias: Option<(&CudaStorage, &Layout)>,
+) -> Result<CudaStorage> {
     let dev: &CudaDevice = x.device();
     let dims = l.dims();
     let last = *dims.last().unwrap_or(&0);
     let half = last / 2;
     let rows = l.shape().elem_count() / last.max(1);
     let xs = contiguous::<T>(x, l, "geglu input")?;
+    let bs = bias.map(|(s, l)| contiguous::<T>(s, l, "geglu bias")).transpose()?;
     // SAFETY: written in full by the kernel.
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(rows * half)? };
     let func = dev.get_or_load_custom_func(&format!("geglu_{}", suffix(x.dtype())?), MODULE, PTX)?;
     let mut a = func.builder();
     a.arg(&xs);
+    let null: u64 = 0;
+    match &bs {
+        Some(b) => a.arg(b),
+        None => a.arg(&null),
+    };
     a.arg(&out);
     builder_arg!(a, rows, half as u32);
     let cfg = LaunchConfig {
@@ -366,9 +376,38 @@ fn geglu_launch<T: CudaDType + DeviceRepr>(x: &CudaStorage, l: &Layout) -> Resul
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: the arguments match the kernel's signature.
+    // SAFETY: the arguments match the kernel's signature; a missing bias is the null pointer it tests.
     unsafe { a.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+fn halved(l: &Layout) -> Shape {
+    let mut dims = l.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last /= 2;
+    }
+    Shape::from(dims)
+}
+
+impl CustomOp2 for Geglu {
+    fn name(&self) -> &'static str {
+        "sdhive-geglu-bias"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        cpu_only(CustomOp2::name(self))
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        l: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let out = by_dtype!(x.dtype(), geglu_launch(x, l, Some((b, bl))))?;
+        Ok((out, halved(l)))
+    }
 }
 
 impl CustomOp1 for Geglu {
@@ -377,24 +416,25 @@ impl CustomOp1 for Geglu {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        cpu_only(self.name())
+        cpu_only(CustomOp1::name(self))
     }
 
     fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        let out = by_dtype!(x.dtype(), geglu_launch(x, l))?;
-        let mut dims = l.dims().to_vec();
-        if let Some(last) = dims.last_mut() {
-            *last /= 2;
-        }
-        Ok((out, Shape::from(dims)))
+        let out = by_dtype!(x.dtype(), geglu_launch(x, l, None))?;
+        Ok((out, halved(l)))
     }
 }
 
-pub fn geglu(x: &Tensor) -> Result<Tensor> {
-    if x.dims().last().is_none_or(|d| !d.is_multiple_of(2)) {
+pub fn geglu(x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let last = x.dims().last().copied().unwrap_or(0);
+    if !last.is_multiple_of(2) || last == 0 {
         bail!("geglu: the last dimension of {:?} must be even", x.dims());
     }
-    x.apply_op1_no_bwd(&Geglu)
+    match bias {
+        Some(b) if b.elem_count() != last => bail!("geglu: bias {:?} for rows of {last}", b.dims()),
+        Some(b) => x.apply_op2_no_bwd(&b.flatten_all()?, &Geglu),
+        None => x.apply_op1_no_bwd(&Geglu),
+    }
 }
 
 struct LayerNorm {

@@ -108,11 +108,43 @@ __device__ void gn_apply(const T *x, const T *w, const T *b, T *out, const float
 }
 
 // out = y + add[sample, c] (+ residual): a per-channel bias (add_batch_stride 0) or a per-sample, per-channel
-// term, over NCHW (inner = H·W) or channels-last (inner = 1) layouts.
+// term, over NCHW (inner = H·W) or channels-last (inner = 1) layouts. When every 16-byte group of values shares
+// one channel (NCHW) or covers whole channels of one sample (channels-last), and the pointers allow it, each thread
+// moves 16 bytes per load and store and does the index arithmetic once per group.
 template <typename T>
 __device__ void add_channel(const T *y, const T *add, const T *residual, T *out, size_t n, uint32_t channels,
                             uint32_t inner, uint32_t add_batch_stride) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    constexpr uint32_t VEC = 16 / sizeof(T);
+    const size_t start = blockIdx.x * (size_t)blockDim.x + threadIdx.x, step = (size_t)gridDim.x * blockDim.x;
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(y) | reinterpret_cast<uintptr_t>(out) |
+                           reinterpret_cast<uintptr_t>(residual) | reinterpret_cast<uintptr_t>(add);
+    const bool last = inner == 1 && channels % VEC == 0 && add_batch_stride % VEC == 0;
+    if ((last || inner % VEC == 0) && n % VEC == 0 && addr % 16 == 0) {
+        for (size_t i = start; i < n / VEC; i += step) {
+            const size_t e = i * VEC;
+            uint4 yv = reinterpret_cast<const uint4 *>(y)[i], rv = make_uint4(0, 0, 0, 0), ov;
+            if (residual) rv = reinterpret_cast<const uint4 *>(residual)[i];
+            const T *ye = reinterpret_cast<const T *>(&yv), *re = reinterpret_cast<const T *>(&rv);
+            T *oe = reinterpret_cast<T *>(&ov);
+            if (last) {
+                const size_t sample = e / channels;
+                const uint4 av = *reinterpret_cast<const uint4 *>(add + sample * add_batch_stride + e % channels);
+                const T *ae = reinterpret_cast<const T *>(&av);
+#pragma unroll
+                for (uint32_t j = 0; j < VEC; j++)
+                    oe[j] = from_f<T>(to_f(ye[j]) + to_f(ae[j]) + (residual ? to_f(re[j]) : 0.f));
+            } else {
+                const size_t ci = e / inner;
+                const float a = to_f(add[(ci / channels) * add_batch_stride + ci % channels]);
+#pragma unroll
+                for (uint32_t j = 0; j < VEC; j++)
+                    oe[j] = from_f<T>(to_f(ye[j]) + a + (residual ? to_f(re[j]) : 0.f));
+            }
+            reinterpret_cast<uint4 *>(out)[i] = ov;
+        }
+        return;
+    }
+    for (size_t i = start; i < n; i += step) {
         size_t ci = i / inner;
         uint32_t c = (uint32_t)(ci % channels);
         size_t sample = ci / channels;
@@ -186,35 +218,100 @@ template <typename T> __device__ void softmax_rows(const T *x, T *out, uint32_t 
     }
 }
 
-// diffusers' GEGLU: rows of 2·half values → hidden[j] · gelu_erf(gate[j]), hidden the first half.
-template <typename T> __device__ void geglu(const T *x, T *out, size_t rows, uint32_t half) {
+// diffusers' GEGLU: rows of 2·half values (plus the projection's bias, when not null) → hidden[j] ·
+// gelu_erf(gate[j]), hidden the first half. 16 bytes per load and store when the halves and pointers allow it.
+template <typename T> __device__ void geglu(const T *x, const T *bias, T *out, size_t rows, uint32_t half) {
+    constexpr uint32_t VEC = 16 / sizeof(T);
+    const size_t start = blockIdx.x * (size_t)blockDim.x + threadIdx.x, step = (size_t)gridDim.x * blockDim.x;
+    auto gelu = [](float h, float g) { return h * 0.5f * g * (1.f + erff(g * 0.70710678118654752f)); };
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(out) |
+                           reinterpret_cast<uintptr_t>(bias);
+    if (half % VEC == 0 && addr % 16 == 0) {
+        const uint32_t per_row = half / VEC;
+        for (size_t i = start; i < rows * per_row; i += step) {
+            const size_t r = i / per_row, j = (i % per_row) * VEC;
+            const uint4 hv = *reinterpret_cast<const uint4 *>(x + r * 2 * half + j);
+            const uint4 gv = *reinterpret_cast<const uint4 *>(x + r * 2 * half + half + j);
+            uint4 hb = make_uint4(0, 0, 0, 0), gb = make_uint4(0, 0, 0, 0);
+            if (bias) {
+                hb = *reinterpret_cast<const uint4 *>(bias + j);
+                gb = *reinterpret_cast<const uint4 *>(bias + half + j);
+            }
+            const T *he = reinterpret_cast<const T *>(&hv), *ge = reinterpret_cast<const T *>(&gv);
+            const T *hbe = reinterpret_cast<const T *>(&hb), *gbe = reinterpret_cast<const T *>(&gb);
+            uint4 ov;
+            T *oe = reinterpret_cast<T *>(&ov);
+            // A zero word is zero in every storage type, so without a bias the sums are exact.
+#pragma unroll
+            for (uint32_t k = 0; k < VEC; k++)
+                oe[k] = from_f<T>(gelu(to_f(he[k]) + to_f(hbe[k]), to_f(ge[k]) + to_f(gbe[k])));
+            reinterpret_cast<uint4 *>(out)[i] = ov;
+        }
+        return;
+    }
     const size_t n = rows * half;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    for (size_t i = start; i < n; i += step) {
         size_t r = i / half, j = i % half;
-        float h = to_f(x[r * 2 * half + j]);
-        float g = to_f(x[r * 2 * half + half + j]);
-        out[i] = from_f<T>(h * 0.5f * g * (1.f + erff(g * 0.70710678118654752f)));
+        const float hb = bias ? to_f(bias[j]) : 0.f, gb = bias ? to_f(bias[half + j]) : 0.f;
+        out[i] = from_f<T>(gelu(to_f(x[r * 2 * half + j]) + hb, to_f(x[r * 2 * half + half + j]) + gb));
     }
 }
 
 // LayerNorm over rows of `cols` values, one warp per row: Welford moments, then (x − mean) / sqrt(var + eps) · w + b.
+// Rows whose length and pointers allow it move 16 bytes per load and store, and take each 16-byte group's moments
+// in two passes over registers before merging them with Chan's formula.
 template <typename T>
 __device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint32_t rows, uint32_t cols, float eps) {
+    constexpr uint32_t VEC = 16 / sizeof(T);
     const size_t row = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     if (row >= rows) return;
     const T *r = x + row * cols;
-    Moments m{0.f, 0.f, 0.f};
-    for (uint32_t c = lane; c < cols; c += 32) {
-        float v = to_f(r[c]);
-        m.n += 1.f;
-        float d = v - m.mean;
-        m.mean += d / m.n;
-        m.m2 += d * (v - m.mean);
-    }
-    for (int o = 16; o > 0; o >>= 1) m = combine(m, shfl_xor(m, o));
-    const float rstd = rsqrtf(m.m2 / m.n + eps);
     T *o = out + row * cols;
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(r) | reinterpret_cast<uintptr_t>(o) |
+                           reinterpret_cast<uintptr_t>(w) | reinterpret_cast<uintptr_t>(b);
+    const bool vec = cols % VEC == 0 && addr % 16 == 0;
+    Moments m{0.f, 0.f, 0.f};
+    if (vec) {
+        for (uint32_t c = lane; c < cols / VEC; c += 32) {
+            const uint4 packed = reinterpret_cast<const uint4 *>(r)[c];
+            const T *e = reinterpret_cast<const T *>(&packed);
+            float mean = 0.f, m2 = 0.f;
+#pragma unroll
+            for (uint32_t j = 0; j < VEC; j++) mean += to_f(e[j]);
+            mean *= 1.f / VEC;
+#pragma unroll
+            for (uint32_t j = 0; j < VEC; j++) {
+                const float d = to_f(e[j]) - mean;
+                m2 += d * d;
+            }
+            m = combine(m, Moments{(float)VEC, mean, m2});
+        }
+    } else {
+        for (uint32_t c = lane; c < cols; c += 32) {
+            float v = to_f(r[c]);
+            m.n += 1.f;
+            float d = v - m.mean;
+            m.mean += d / m.n;
+            m.m2 += d * (v - m.mean);
+        }
+    }
+    for (int off = 16; off > 0; off >>= 1) m = combine(m, shfl_xor(m, off));
+    const float rstd = rsqrtf(m.m2 / m.n + eps);
+    if (vec) {
+        for (uint32_t c = lane; c < cols / VEC; c += 32) {
+            const uint4 xv = reinterpret_cast<const uint4 *>(r)[c], wv = reinterpret_cast<const uint4 *>(w)[c],
+                        bv = reinterpret_cast<const uint4 *>(b)[c];
+            const T *xe = reinterpret_cast<const T *>(&xv), *we = reinterpret_cast<const T *>(&wv),
+                    *be = reinterpret_cast<const T *>(&bv);
+            uint4 ov;
+            T *oe = reinterpret_cast<T *>(&ov);
+#pragma unroll
+            for (uint32_t j = 0; j < VEC; j++) oe[j] = from_f<T>((to_f(xe[j]) - m.mean) * rstd * to_f(we[j]) + to_f(be[j]));
+            reinterpret_cast<uint4 *>(o)[c] = ov;
+        }
+        return;
+    }
     for (uint32_t c = lane; c < cols; c += 32) o[c] = from_f<T>((to_f(r[c]) - m.mean) * rstd * to_f(w[c]) + to_f(b[c]));
 }
 
@@ -257,8 +354,8 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
     extern "C" __global__ void softmax_##S(const T *x, T *out, uint32_t rows, uint32_t cols) {                 \
         softmax_rows<T>(x, out, rows, cols);                                                                    \
     }                                                                                                           \
-    extern "C" __global__ void geglu_##S(const T *x, T *out, size_t rows, uint32_t half) {                     \
-        geglu<T>(x, out, rows, half);                                                                           \
+    extern "C" __global__ void geglu_##S(const T *x, const T *bias, T *out, size_t rows, uint32_t half) {     \
+        geglu<T>(x, bias, out, rows, half);                                                                     \
     }                                                                                                           \
     extern "C" __global__ void layer_norm_##S(const T *x, const T *w, const T *b, T *out, uint32_t rows,        \
                                               uint32_t cols, float eps) {                                       \

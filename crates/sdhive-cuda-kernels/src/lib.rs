@@ -1,15 +1,27 @@
-//! Fused CUDA kernels for the networks' hot non-matmul operations: GroupNorm (+SiLU), LayerNorm, per-channel
-//! bias / time-embedding / residual adds, row softmax, GEGLU, and the im2col of the convolutions. Each replaces a chain of candle ops that made one pass
+//! Fused CUDA kernels for the networks' hot operations: GroupNorm (+SiLU), LayerNorm, per-channel
+//! bias / time-embedding / residual adds, row softmax, GEGLU, the im2col of the convolutions, and multi-head
+//! attention that never materialises its scores. Each replaces a chain of candle ops that made one pass
 //! over the tensor per op (several through candle's strided broadcast kernels). [`applies`] says when a call can
-//! take them: every tensor contiguous on one CUDA device, in f32, f16 or bf16. The callers (sdhive-models' ops)
-//! keep candle's ops as the reference and for every other case; the tests here compare the two on a GPU.
+//! take the element-wise ones: every tensor contiguous on one CUDA device, in f32, f16 or bf16;
+//! [`attention_applies`] the same for the attention. The callers (sdhive-models' ops) keep candle's ops as the
+//! reference and for every other case; the tests here compare the two on a GPU.
 //!
 //! Without the `cuda` feature nothing applies and the functions return an error.
 
 use candle_core::{Result, Tensor};
 
 #[cfg(feature = "cuda")]
+mod attention;
+#[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cudnn")]
+mod cudnn;
+
+/// Whether the switch `var` is on (anything but `0`, unset included).
+#[cfg(feature = "cuda")]
+fn switched_on(var: &str) -> bool {
+    std::env::var(var).map_or(true, |v| v != "0")
+}
 
 /// Whether the kernels can take these tensors. `SDHIVE_FUSED_KERNELS=0` in the environment turns them off (to
 /// measure what they buy; the results are the same within rounding).
@@ -18,8 +30,7 @@ pub fn applies(tensors: &[&Tensor]) -> bool {
     {
         use candle_core::DType;
         static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let enabled =
-            *ENABLED.get_or_init(|| std::env::var("SDHIVE_FUSED_KERNELS").map_or(true, |v| v != "0"));
+        let enabled = *ENABLED.get_or_init(|| switched_on("SDHIVE_FUSED_KERNELS"));
         let Some(first) = tensors.first() else { return false };
         enabled
             && first.device().is_cuda()
@@ -34,6 +45,56 @@ pub fn applies(tensors: &[&Tensor]) -> bool {
     {
         let _ = tensors;
         false
+    }
+}
+
+/// Whether [`attention`] takes these `(B, S, H·D)` projections: f16 or bf16 on one CUDA device, a build for
+/// compute capability 8.0 or later, a head dimension that is a multiple of 8 up to 160, rows 16-byte aligned.
+/// `SDHIVE_FUSED_ATTENTION=0` (or `SDHIVE_FUSED_KERNELS=0`) turns it off.
+pub fn attention_applies(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        attention_enabled() && attention::unsupported(q, k, v, heads).is_none()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (q, k, v, heads);
+        false
+    }
+}
+
+/// Whether attention on `device` in `dtype` runs fused (no score matrix), for memory estimates: the shape checks
+/// of [`attention_applies`] hold for every head layout of the supported networks but the VAE's single wide head.
+pub fn attention_fused_on(device: &candle_core::Device, dtype: candle_core::DType) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::DType;
+        let cap: u32 = env!("SDHIVE_CUDA_COMPUTE_CAP").parse().unwrap_or(0);
+        attention_enabled() && cap >= 80 && device.is_cuda() && matches!(dtype, DType::F16 | DType::BF16)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (device, dtype);
+        false
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn attention_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| switched_on("SDHIVE_FUSED_KERNELS") && switched_on("SDHIVE_FUSED_ATTENTION"))
+}
+
+/// `softmax(q kᵀ · scale) v` per head on the projections' `(B, S, H·D)` layout (any batch and row strides),
+/// returning `(B, Sq, H·D)` contiguous; scores and softmax in f32, probabilities rounded to the storage type
+/// before the product with v. Call only where [`attention_applies`].
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, scale: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    return attention::attention(q, k, v, heads, scale);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (q, k, v, heads, scale);
+        Err(unavailable())
     }
 }
 
@@ -107,7 +168,18 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
 
 /// A 2-D convolution without bias (groups and dilation 1), NCHW: im2col in a coalesced layout, then one batched
 /// matrix product that lands in NCHW (1×1 stride-1 convolutions skip the im2col).
+///
+/// With the `cudnn` feature, half-precision convolutions other than 1×1 go to cuDNN instead (`SDHIVE_CUDNN=0`
+/// keeps them on im2col).
 pub fn conv2d(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
+    #[cfg(feature = "cudnn")]
+    {
+        static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let pointwise = weight.dims().get(2..) == Some(&[1, 1][..]) && stride == 1 && padding == 0;
+        if !pointwise && cudnn::applies(x) && *ENABLED.get_or_init(|| switched_on("SDHIVE_CUDNN")) {
+            return cudnn::conv2d(x, weight, stride, padding);
+        }
+    }
     #[cfg(feature = "cuda")]
     return cuda::conv2d(x, weight, stride, padding);
     #[cfg(not(feature = "cuda"))]
@@ -119,11 +191,16 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Res
 
 /// diffusers' GEGLU: the last dimension's first half times the exact (erf) GELU of its second half.
 pub fn geglu(x: &Tensor) -> Result<Tensor> {
+    geglu_bias(x, None)
+}
+
+/// [`geglu`] of `x + bias` (the projection's bias along the last dimension), in the same single pass.
+pub fn geglu_bias(x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    return cuda::geglu(x);
+    return cuda::geglu(x, bias);
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = x;
+        let _ = (x, bias);
         Err(unavailable())
     }
 }

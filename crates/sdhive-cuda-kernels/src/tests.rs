@@ -88,33 +88,38 @@ fn group_norm_matches_the_reference() {
     }
 }
 
+/// Odd sizes take the element-wise path; whole 16-byte groups per channel (NCHW) or per row of channels
+/// (channels-last) take the vectorised one.
 #[test]
 fn channel_adds_match_broadcast_adds() {
     let dev = gpu();
-    let y = Tensor::randn(0f32, 1.0, (2, 6, 5, 3), &dev).unwrap();
-    let bias = Tensor::randn(0f32, 1.0, (1, 6), &dev).unwrap();
-    let per_sample = Tensor::randn(0f32, 1.0, (2, 6), &dev).unwrap();
-    let residual = Tensor::randn(0f32, 1.0, (2, 6, 5, 3), &dev).unwrap();
-    let tokens = Tensor::randn(0f32, 1.0, (4, 7, 10), &dev).unwrap();
-    let last_bias = Tensor::randn(0f32, 1.0, 10, &dev).unwrap();
-    let token_res = Tensor::randn(0f32, 1.0, (4, 7, 10), &dev).unwrap();
-    for dtype in DTYPES {
-        let c = |t: &Tensor| t.to_dtype(dtype).unwrap();
-        let (y, r) = (c(&y), c(&residual));
-        for add in [c(&bias), c(&per_sample)] {
-            let want = y.broadcast_add(&add.reshape((add.dim(0).unwrap(), 6, 1, 1)).unwrap()).unwrap();
-            let d = rel_diff(&add_channel(&y, &add, None).unwrap(), &want);
-            assert!(d <= tol(dtype), "add_channel {:?} {dtype:?}: {d}", add.dims());
-            let d = rel_diff(&add_channel(&y, &add, Some(&r)).unwrap(), &(&want + &r).unwrap());
-            assert!(d <= 2.0 * tol(dtype), "add_channel + residual {:?} {dtype:?}: {d}", add.dims());
+    for ((hh, ww), cols) in [((5, 3), 10), ((8, 4), 16)] {
+        let y = Tensor::randn(0f32, 1.0, (2, 6, hh, ww), &dev).unwrap();
+        let bias = Tensor::randn(0f32, 1.0, (1, 6), &dev).unwrap();
+        let per_sample = Tensor::randn(0f32, 1.0, (2, 6), &dev).unwrap();
+        let residual = Tensor::randn(0f32, 1.0, (2, 6, hh, ww), &dev).unwrap();
+        let tokens = Tensor::randn(0f32, 1.0, (4, 7, cols), &dev).unwrap();
+        let last_bias = Tensor::randn(0f32, 1.0, cols, &dev).unwrap();
+        let token_res = Tensor::randn(0f32, 1.0, (4, 7, cols), &dev).unwrap();
+        for dtype in DTYPES {
+            let c = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let (y, r) = (c(&y), c(&residual));
+            for add in [c(&bias), c(&per_sample)] {
+                let want = y.broadcast_add(&add.reshape((add.dim(0).unwrap(), 6, 1, 1)).unwrap()).unwrap();
+                let d = rel_diff(&add_channel(&y, &add, None).unwrap(), &want);
+                assert!(d <= tol(dtype), "add_channel {:?} {:?} {dtype:?}: {d}", y.dims(), add.dims());
+                let d = rel_diff(&add_channel(&y, &add, Some(&r)).unwrap(), &(&want + &r).unwrap());
+                assert!(d <= 2.0 * tol(dtype), "add_channel + residual {:?} {dtype:?}: {d}", add.dims());
+            }
+            let (t, tb, tr) = (c(&tokens), c(&last_bias), c(&token_res));
+            let want = t.broadcast_add(&tb).unwrap();
+            assert!(rel_diff(&add_bias_last(&t, &tb, None).unwrap(), &want) <= tol(dtype));
+            let d = rel_diff(&add_bias_last(&t, &tb, Some(&tr)).unwrap(), &(&want + &tr).unwrap());
+            assert!(d <= 2.0 * tol(dtype), "add_bias_last + residual {cols} {dtype:?}: {d}");
         }
-        let (t, tb, tr) = (c(&tokens), c(&last_bias), c(&token_res));
-        let want = t.broadcast_add(&tb).unwrap();
-        assert!(rel_diff(&add_bias_last(&t, &tb, None).unwrap(), &want) <= tol(dtype));
-        let d = rel_diff(&add_bias_last(&t, &tb, Some(&tr)).unwrap(), &(&want + &tr).unwrap());
-        assert!(d <= 2.0 * tol(dtype), "add_bias_last + residual {dtype:?}: {d}");
     }
     // A per-sample term whose batch does not match is refused, not read out of bounds.
+    let y = Tensor::zeros((2, 6, 5, 3), DType::F32, &dev).unwrap();
     let wrong = Tensor::zeros((3, 6), DType::F32, &dev).unwrap();
     assert!(add_channel(&y, &wrong, None).is_err());
 }
@@ -169,19 +174,31 @@ fn softmax_of_masked_rows() {
     }
 }
 
+/// Halves of 48 take the 16-byte path, 45 the element-wise one; with and without the projection's bias.
 #[test]
 fn geglu_matches_the_reference() {
     let dev = gpu();
-    let x = Tensor::randn(0f32, 2.0, (2, 5, 96), &dev).unwrap();
-    for dtype in DTYPES {
-        let xd = x.to_dtype(dtype).unwrap();
-        let hidden = xd.narrow(D::Minus1, 0, 48).unwrap().to_dtype(DType::F32).unwrap();
-        let gate = xd.narrow(D::Minus1, 48, 48).unwrap().to_dtype(DType::F32).unwrap();
-        let want = hidden.mul(&gate.gelu_erf().unwrap()).unwrap();
-        let ours = geglu(&xd).unwrap();
-        assert_eq!(ours.dims(), &[2, 5, 48]);
-        let d = rel_diff(&ours, &want);
-        assert!(d <= tol(dtype), "geglu {dtype:?}: {d}");
+    for half in [48, 45] {
+        let x = Tensor::randn(0f32, 2.0, (2, 5, 2 * half), &dev).unwrap();
+        let bias = Tensor::randn(0f32, 1.0, 2 * half, &dev).unwrap();
+        for dtype in DTYPES {
+            let (xd, bd) = (x.to_dtype(dtype).unwrap(), bias.to_dtype(dtype).unwrap());
+            for with_bias in [false, true] {
+                let input = xd.to_dtype(DType::F32).unwrap();
+                let input = if with_bias {
+                    input.broadcast_add(&bd.to_dtype(DType::F32).unwrap()).unwrap()
+                } else {
+                    input
+                };
+                let hidden = input.narrow(D::Minus1, 0, half).unwrap();
+                let gate = input.narrow(D::Minus1, half, half).unwrap();
+                let want = hidden.mul(&gate.gelu_erf().unwrap()).unwrap();
+                let ours = if with_bias { geglu_bias(&xd, Some(&bd)).unwrap() } else { geglu(&xd).unwrap() };
+                assert_eq!(ours.dims(), &[2, 5, half]);
+                let d = rel_diff(&ours, &want);
+                assert!(d <= tol(dtype), "geglu {half} bias {with_bias} {dtype:?}: {d}");
+            }
+        }
     }
 }
 
@@ -251,4 +268,102 @@ fn conv2d_matches_candle() {
             assert!(d <= 4.0 * tol(dtype), "conv2d {x_shape:?} {dtype:?}: {d}");
         }
     }
+}
+
+/// Plain attention in f32 from the same (rounded) inputs: split heads, scores, softmax, product, merge.
+fn attention_reference(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, scale: f64) -> Tensor {
+    let split = |t: &Tensor| {
+        let (b, s, c) = t.dims3().unwrap();
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .reshape((b, s, heads, c / heads))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+    };
+    let (qh, kh, vh) = (split(q), split(k), split(v));
+    let scores = (qh.matmul(&kh.t().unwrap()).unwrap() * scale).unwrap();
+    let probs = candle_nn_free_softmax(&scores);
+    let o = probs.matmul(&vh).unwrap();
+    let (b, h, s, d) = o.dims4().unwrap();
+    o.transpose(1, 2).unwrap().contiguous().unwrap().reshape((b, s, h * d)).unwrap()
+}
+
+fn candle_nn_free_softmax(x: &Tensor) -> Tensor {
+    let max = x.max_keepdim(D::Minus1).unwrap();
+    let e = x.broadcast_sub(&max).unwrap().exp().unwrap();
+    e.broadcast_div(&e.sum_keepdim(D::Minus1).unwrap()).unwrap()
+}
+
+/// The networks' head layouts (SD1.5's 40/80/160, SDXL's 64) and the rest of the instantiations, query and key
+/// counts off the 64-row and key-tile boundaries, cross-attention to 77 tokens, a single key, large logits
+/// (the running max must keep exp from overflowing), and q/k/v read in place from one packed projection.
+#[test]
+fn attention_matches_the_reference() {
+    let dev = gpu();
+    for (b, sq, sk, heads, d, amplitude, packed) in [
+        (2, 300, 300, 8, 40, 1.0, false),
+        (2, 200, 77, 8, 80, 1.0, false),
+        (1, 130, 100, 2, 160, 1.0, false),
+        (2, 257, 257, 10, 64, 1.0, true),
+        (1, 64, 64, 3, 8, 1.0, false),
+        (1, 70, 33, 2, 32, 1.0, false),
+        (1, 65, 129, 4, 96, 1.0, true),
+        (1, 100, 70, 2, 128, 1.0, false),
+        (1, 90, 1, 2, 40, 1.0, false),
+        (2, 128, 200, 2, 64, 6.0, false),
+    ] {
+        let c = heads * d;
+        let (q, k, v) = if packed {
+            // Self-attention on one (B, S, 3C) projection: three strided views.
+            let qkv = Tensor::randn(0f32, 1.0, (b, sq, 3 * c), &dev).unwrap();
+            (qkv.narrow(2, 0, c).unwrap(), qkv.narrow(2, c, c).unwrap(), qkv.narrow(2, 2 * c, c).unwrap())
+        } else {
+            (
+                (Tensor::randn(0f32, 1.0, (b, sq, c), &dev).unwrap() * amplitude).unwrap(),
+                (Tensor::randn(0f32, 1.0, (b, sk, c), &dev).unwrap() * amplitude).unwrap(),
+                Tensor::randn(0f32, 1.0, (b, sk, c), &dev).unwrap(),
+            )
+        };
+        let scale = 1.0 / (d as f64).sqrt();
+        for dtype in [DType::F16, DType::BF16] {
+            let cv = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let (qd, kd, vd) = if packed {
+                let qkv = Tensor::cat(&[cv(&q), cv(&k), cv(&v)], 2).unwrap();
+                (qkv.narrow(2, 0, c).unwrap(), qkv.narrow(2, c, c).unwrap(), qkv.narrow(2, 2 * c, c).unwrap())
+            } else {
+                (cv(&q), cv(&k), cv(&v))
+            };
+            assert!(attention_applies(&qd, &kd, &vd, heads), "{b}x{sq}x{sk} h{heads} d{d} {dtype:?}");
+            let ours = attention(&qd, &kd, &vd, heads, scale).unwrap();
+            assert_eq!(ours.dims(), &[b, sq, c]);
+            let want = attention_reference(&qd, &kd, &vd, heads, scale);
+            let diff = rel_diff(&ours, &want);
+            eprintln!("attention b{b} sq{sq} sk{sk} h{heads} d{d} x{amplitude} packed {packed} {dtype:?}: rel diff {diff:.2e}");
+            assert!(diff <= tol(dtype), "attention d{d} sq{sq} sk{sk} {dtype:?}: {diff}");
+        }
+    }
+}
+
+#[test]
+fn attention_declines_what_it_cannot_take() {
+    let dev = gpu();
+    let t = |shape: (usize, usize, usize), dtype| Tensor::zeros(shape, dtype, &dev).unwrap();
+    let x = t((1, 16, 512), DType::F16);
+    // The VAE's single 512-wide head, f32, a head dimension that is not a multiple of 8, rows off 8-alignment.
+    assert!(!attention_applies(&x, &x, &x, 1));
+    let f = t((1, 16, 64), DType::F32);
+    assert!(!attention_applies(&f, &f, &f, 1));
+    let odd = t((1, 16, 60), DType::F16);
+    assert!(!attention_applies(&odd, &odd, &odd, 6));
+    let wide = t((1, 16, 70), DType::F16);
+    let shifted = wide.narrow(2, 3, 64).unwrap();
+    assert!(!attention_applies(&shifted, &shifted, &shifted, 1));
+    assert!(attention(&shifted, &shifted, &shifted, 1, 1.0).is_err());
+    let ok = t((1, 16, 64), DType::F16);
+    assert!(attention_applies(&ok, &ok, &ok, 1));
+    let cpu = Tensor::zeros((1, 16, 64), DType::F16, &Device::Cpu).unwrap();
+    assert!(!attention_applies(&cpu, &cpu, &cpu, 1));
 }

@@ -105,6 +105,12 @@ fn attention_block(
     probs.matmul(v)
 }
 
+/// Whether [`multi_head_attention`] on `device` in `dtype` runs the fused kernel, which holds no score matrix
+/// (what a memory estimate needs to know).
+pub fn attention_is_fused(device: &candle_core::Device, dtype: DType) -> bool {
+    gpu::attention_fused_on(device, dtype)
+}
+
 /// `(B, S, H·D)` → `(B·H, S, D)`, contiguous so the batched matmuls need no copies.
 pub fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
     let (b, s, hd) = x.dims3()?;
@@ -129,6 +135,10 @@ pub fn multi_head_attention(
 ) -> Result<Tensor> {
     if cpu::applies(&[q, k, v]) {
         return cpu::attention(q, k, v, heads, scale);
+    }
+    // The fused kernel keeps scores and softmax in f32, which is what `upcast` asks for.
+    if gpu::attention_applies(q, k, v, heads) {
+        return gpu::attention(q, k, v, heads, scale);
     }
     let o = attention(
         &split_heads(q, heads)?,
@@ -357,6 +367,19 @@ pub(crate) fn conv2d_reference(conv: &Conv2d, x: &Tensor, extras: ConvExtras) ->
 }
 
 /// `linear(x) (+ residual)`.
+/// `geglu(linear(l, x))`; on the GPU the projection's bias is added inside the GEGLU pass.
+pub(crate) fn linear_geglu(l: &Linear, x: &Tensor) -> Result<Tensor> {
+    let mut tensors = vec![x, l.weight()];
+    tensors.extend(l.bias());
+    if let (Some(bias), false, true) = (l.bias(), cpu::applies(&tensors), gpu::applies(&tensors)) {
+        let y = Linear::new(l.weight().clone(), None).forward(x)?;
+        if y.is_contiguous() {
+            return gpu::geglu_bias(&y, Some(bias));
+        }
+    }
+    geglu(&linear(l, x, None)?)
+}
+
 pub(crate) fn linear(l: &Linear, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
     let mut tensors = vec![x, l.weight()];
     tensors.extend(l.bias());

@@ -80,7 +80,7 @@ impl FeedForward {
 
     /// `proj_out(geglu(proj_in(x))) + residual`.
     fn forward(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        let h = ops::geglu(&ops::linear(&self.proj_in, x, None)?)?;
+        let h = ops::linear_geglu(&self.proj_in, x)?;
         ops::linear(&self.proj_out, &h, Some(residual))
     }
 }

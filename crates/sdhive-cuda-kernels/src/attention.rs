@@ -1,0 +1,187 @@
+//! The fused attention kernel of `attention.cu` as a candle custom op over the projections' `(B, S, H·D)` q, k and v:
+//! layout checks, the instantiation for the head dimension and storage type, the launch.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{
+    bail, builder_arg, CpuStorage, CudaDevice, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor,
+};
+use half::{bf16, f16};
+
+const MODULE: &str = "sdhive_attention";
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
+/// Query rows per block (4 warps of 16); must match `ROWS` in attention.cu.
+const ROWS: usize = 64;
+/// The head dimensions the kernels are instantiated for (a head of D values runs in the smallest DP ≥ D).
+const PADDED_DIMS: [usize; 8] = [16, 32, 48, 64, 80, 96, 128, 160];
+
+fn padded_dim(d: usize) -> Option<usize> {
+    PADDED_DIMS.iter().copied().find(|&p| p >= d)
+}
+
+/// Dynamic shared memory of the instantiation for padded head dimension `dp` (attention.cu's layout): two stages
+/// of K and V tiles, each warp's f32 scores, each warp's 16×16 f32 output partials.
+fn flash_smem_bytes(dp: usize) -> usize {
+    let bk = if dp <= 96 { 64 } else { 32 };
+    let (ld, lds, warps) = (dp + 8, bk + 4, ROWS / 16);
+    2 * 2 * bk * ld * 2 + warps * 16 * lds * 4 + warps * 16 * 16 * 4
+}
+
+/// Why the fused kernel cannot take these projections, or `None` when it can.
+pub fn unsupported(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize) -> Option<String> {
+    let cap: u32 = env!("SDHIVE_CUDA_COMPUTE_CAP").parse().unwrap_or(0);
+    if cap < 80 {
+        return Some(format!("built for compute capability {cap}; the kernel needs 8.0"));
+    }
+    if !q.device().is_cuda() || !k.device().same_device(q.device()) || !v.device().same_device(q.device()) {
+        return Some("tensors are not on one CUDA device".into());
+    }
+    if !matches!(q.dtype(), DType::F16 | DType::BF16) || k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        return Some(format!("dtype {:?} (f16 or bf16 only)", q.dtype()));
+    }
+    let (Ok((b, _, c)), Ok((kb, sk, kc)), Ok((vb, vs, vc))) = (q.dims3(), k.dims3(), v.dims3()) else {
+        return Some("q, k and v must be (B, S, H·D)".into());
+    };
+    if heads == 0
+        || !c.is_multiple_of(heads)
+        || kb != b
+        || vb != b
+        || kc != c
+        || vc != c
+        || vs != sk
+        || sk == 0
+    {
+        return Some(format!("shapes q {:?} k {:?} v {:?} with {heads} heads", q.dims(), k.dims(), v.dims()));
+    }
+    let d = c / heads;
+    if !d.is_multiple_of(8) || padded_dim(d).is_none() {
+        return Some(format!("head dimension {d} (a multiple of 8 up to 160)"));
+    }
+    // 16-byte loads: every row start a multiple of 8 elements.
+    for t in [q, k, v] {
+        let l = t.layout();
+        if l.stride()[2] != 1
+            || !l.stride()[1].is_multiple_of(8)
+            || !l.stride()[0].is_multiple_of(8)
+            || !l.start_offset().is_multiple_of(8)
+        {
+            return Some(format!(
+                "layout {:?} offset {} (rows of 8-aligned elements)",
+                l.stride(),
+                l.start_offset()
+            ));
+        }
+    }
+    None
+}
+
+struct Attention {
+    heads: usize,
+    scale: f32,
+}
+
+fn view<'a, T: CudaDType>(
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+    Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..))
+}
+
+fn attention_launch<T: CudaDType + DeviceRepr>(
+    op: &Attention,
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    let dev: &CudaDevice = q.0.device();
+    let (b, sq, c) = q.1.shape().dims3()?;
+    let sk = k.1.shape().dims3()?.1;
+    let d = c / op.heads;
+    let Some(dp) = padded_dim(d) else { bail!("fused attention: head dimension {d} is over 160") };
+    let sfx = match q.0.dtype() {
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        other => bail!("fused attention: unsupported dtype {other:?}"),
+    };
+    let (qs, ks, vs) = (view::<T>(q.0, q.1)?, view::<T>(k.0, k.1)?, view::<T>(v.0, v.1)?);
+    // SAFETY: every element is written by the kernel (each (row, head) by its block, all D columns).
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(b * sq * c)? };
+    let func = dev.get_or_load_custom_func(&format!("flash_attention_d{dp}_{sfx}"), MODULE, PTX)?;
+    let smem = flash_smem_bytes(dp);
+    // Above 48 KiB a kernel must opt in to its dynamic shared memory.
+    func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+        .w()?;
+    let mut a = func.builder();
+    a.arg(&qs);
+    a.arg(&ks);
+    a.arg(&vs);
+    a.arg(&out);
+    let stride = |l: &Layout, i: usize| l.stride()[i] as i64;
+    builder_arg!(
+        a,
+        sq as i32,
+        sk as i32,
+        d as i32,
+        op.heads as i32,
+        stride(q.1, 0),
+        stride(q.1, 1),
+        stride(k.1, 0),
+        stride(k.1, 1),
+        stride(v.1, 0),
+        stride(v.1, 1),
+        op.scale * std::f32::consts::LOG2_E
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (sq.div_ceil(ROWS) as u32, op.heads as u32, b as u32),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    // SAFETY: the arguments match the kernel's signature; `unsupported` checked the strides and alignment, and
+    // the views start at each tensor's offset.
+    unsafe { a.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+impl CustomOp3 for Attention {
+    fn name(&self) -> &'static str {
+        "sdhive-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("sdhive-attention is a CUDA kernel; the CPU has its own path")
+    }
+
+    fn cuda_fwd(
+        &self,
+        q: &CudaStorage,
+        ql: &Layout,
+        k: &CudaStorage,
+        kl: &Layout,
+        v: &CudaStorage,
+        vl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let out = match q.dtype() {
+            DType::F16 => attention_launch::<f16>(self, (q, ql), (k, kl), (v, vl))?,
+            DType::BF16 => attention_launch::<bf16>(self, (q, ql), (k, kl), (v, vl))?,
+            other => bail!("fused attention: unsupported dtype {other:?}"),
+        };
+        Ok((out, ql.shape().clone()))
+    }
+}
+
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, scale: f64) -> Result<Tensor> {
+    if let Some(why) = unsupported(q, k, v, heads) {
+        bail!("fused attention cannot take these tensors: {why}");
+    }
+    q.apply_op3_no_bwd(k, v, &Attention { heads, scale: scale as f32 })
+}

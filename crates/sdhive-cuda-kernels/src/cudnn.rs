@@ -1,0 +1,218 @@
+//! Half-precision convolutions through cuDNN, set up as PyTorch does: f32 accumulation ("pseudo-half"), tensor-op
+//! math, the algorithm from cuDNN's heuristics, descriptors and algorithm cached per shape and one workspace per
+//! device that only grows (candle's own cuDNN path asks for f16 accumulation and allocates a zeroed workspace on
+//! every call).
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::cudnn::{
+    self, sys, ConvDescriptor, ConvForward, Cudnn, CudnnDataType, FilterDescriptor, TensorDescriptor,
+};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr};
+use candle_core::cuda_backend::{CudaDType, DeviceId};
+use candle_core::{
+    bail, CpuStorage, CudaDevice, CudaStorage, CustomOp2, DType, Layout, Result, Shape, Tensor,
+};
+use half::{bf16, f16};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Device, dtype, input (N, C, H, W), filter (K, C, R, S), stride, padding.
+type Key = (DeviceId, DType, [usize; 4], [usize; 4], usize, usize);
+
+/// A shape's descriptors and algorithm, for one storage type.
+struct Plan<T> {
+    conv: ConvDescriptor<f32>,
+    x: TensorDescriptor<T>,
+    w: FilterDescriptor<T>,
+    y: TensorDescriptor<T>,
+    algo: sys::cudnnConvolutionFwdAlgo_t,
+    workspace: usize,
+}
+
+enum AnyPlan {
+    F16(Plan<f16>),
+    Bf16(Plan<bf16>),
+}
+
+trait Storage: CudaDType + DeviceRepr + CudnnDataType + candle_core::WithDType {
+    fn plan(p: &AnyPlan) -> Option<&Plan<Self>>;
+    fn wrap(p: Plan<Self>) -> AnyPlan;
+}
+
+impl Storage for f16 {
+    fn plan(p: &AnyPlan) -> Option<&Plan<Self>> {
+        match p {
+            AnyPlan::F16(p) => Some(p),
+            AnyPlan::Bf16(_) => None,
+        }
+    }
+    fn wrap(p: Plan<Self>) -> AnyPlan {
+        AnyPlan::F16(p)
+    }
+}
+
+impl Storage for bf16 {
+    fn plan(p: &AnyPlan) -> Option<&Plan<Self>> {
+        match p {
+            AnyPlan::Bf16(p) => Some(p),
+            AnyPlan::F16(_) => None,
+        }
+    }
+    fn wrap(p: Plan<Self>) -> AnyPlan {
+        AnyPlan::Bf16(p)
+    }
+}
+
+/// cuDNN state per thread (its handles are neither Send nor Sync), as candle keeps its own.
+#[derive(Default)]
+struct State {
+    handles: HashMap<DeviceId, Arc<Cudnn>>,
+    plans: HashMap<Key, AnyPlan>,
+    workspaces: HashMap<DeviceId, CudaSlice<u8>>,
+}
+
+thread_local! {
+    static STATE: RefCell<State> = RefCell::new(State::default());
+}
+
+fn wrap_err(e: impl std::fmt::Debug, what: &str) -> candle_core::Error {
+    candle_core::Error::Msg(format!("cuDNN {what}: {e:?}"))
+}
+
+fn make_plan<T: Storage>(
+    cudnn: &Arc<Cudnn>,
+    x: [usize; 4],
+    w: [usize; 4],
+    stride: usize,
+    padding: usize,
+) -> std::result::Result<Plan<T>, cudnn::CudnnError> {
+    let i = |v: usize| v as i32;
+    let (p, s) = (i(padding), i(stride));
+    let mut conv = cudnn.create_conv2d::<f32>(
+        [p, p],
+        [s, s],
+        [1, 1],
+        sys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
+    )?;
+    conv.set_math_type(sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH)?;
+    let nchw = sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
+    let xd = cudnn.create_4d_tensor::<T>(nchw, x.map(i))?;
+    let wd = cudnn.create_4d_filter::<T>(nchw, w.map(i))?;
+    let out = |len: usize, k: usize| (len + 2 * padding - k) / stride + 1;
+    let yd = cudnn.create_4d_tensor::<T>(nchw, [i(x[0]), i(w[0]), i(out(x[2], w[2])), i(out(x[3], w[3]))])?;
+    let fwd = ConvForward { conv: &conv, x: &xd, w: &wd, y: &yd };
+    let algo = fwd.pick_algorithm()?;
+    let workspace = fwd.get_workspace_size(algo)?;
+    Ok(Plan { conv, x: xd, w: wd, y: yd, algo, workspace })
+}
+
+struct Conv {
+    stride: usize,
+    padding: usize,
+}
+
+fn launch<T: Storage>(
+    op: &Conv,
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    let dev: &CudaDevice = x.0.device();
+    let (Some((xs, _)), Some((ws, _))) = (x.1.contiguous_offsets(), w.1.contiguous_offsets()) else {
+        bail!("cuDNN convolution: input and filter must be contiguous")
+    };
+    let xdims: [usize; 4] =
+        x.1.dims().try_into().map_err(|_| candle_core::Error::Msg("conv input must be NCHW".into()))?;
+    let wdims: [usize; 4] =
+        w.1.dims().try_into().map_err(|_| candle_core::Error::Msg("conv filter must be KCRS".into()))?;
+    let out = |len: usize, k: usize| (len + 2 * op.padding - k) / op.stride + 1;
+    let ydims = [xdims[0], wdims[0], out(xdims[2], wdims[2]), out(xdims[3], wdims[3])];
+    let key: Key = (dev.id(), x.0.dtype(), xdims, wdims, op.stride, op.padding);
+    let xv = x.0.as_cuda_slice::<T>()?.slice(xs..);
+    let wv = w.0.as_cuda_slice::<T>()?.slice(ws..);
+    // SAFETY: cuDNN writes every output element (beta = 0).
+    let mut y: CudaSlice<T> = unsafe { dev.alloc::<T>(ydims.iter().product())? };
+    STATE.with(|state| -> Result<()> {
+        let mut state = state.borrow_mut();
+        let state = &mut *state;
+        let cudnn = match state.handles.get(&dev.id()) {
+            Some(h) => h.clone(),
+            None => {
+                let h = Cudnn::new(dev.cuda_stream()).map_err(|e| wrap_err(e, "handle"))?;
+                state.handles.insert(dev.id(), h.clone());
+                h
+            }
+        };
+        let plan = match state.plans.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let plan = make_plan::<T>(&cudnn, xdims, wdims, op.stride, op.padding)
+                    .map_err(|e| wrap_err(e, &format!("plan for {xdims:?} * {wdims:?}")))?;
+                e.insert(T::wrap(plan))
+            }
+        };
+        let Some(plan) = T::plan(plan) else {
+            bail!("cuDNN convolution: plan cache holds another dtype for {key:?}")
+        };
+        let need = plan.workspace.max(1);
+        if state.workspaces.get(&dev.id()).is_none_or(|w| w.len() < need) {
+            // SAFETY: workspace memory is scratch for cuDNN, never read before it writes it.
+            let fresh = unsafe { dev.alloc::<u8>(need)? };
+            state.workspaces.insert(dev.id(), fresh);
+        }
+        let Some(workspace) = state.workspaces.get_mut(&dev.id()) else { bail!("cuDNN workspace missing") };
+        let fwd = ConvForward { conv: &plan.conv, x: &plan.x, w: &plan.w, y: &plan.y };
+        // SAFETY: the descriptors were made for exactly these shapes and this storage type; the buffers are
+        // contiguous at their offsets.
+        unsafe { fwd.launch(plan.algo, Some(workspace), (T::one(), T::zero()), &xv, &wv, &mut y) }
+            .map_err(|e| wrap_err(e, "convolution"))
+    })?;
+    Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+}
+
+impl CustomOp2 for Conv {
+    fn name(&self) -> &'static str {
+        "sdhive-cudnn-conv2d"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        bail!("sdhive-cudnn-conv2d is a CUDA op; the CPU has its own path")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (n, _, h, wd) = xl.shape().dims4()?;
+        let (k, _, r, s) = wl.shape().dims4()?;
+        let out = |len: usize, kk: usize| (len + 2 * self.padding - kk) / self.stride + 1;
+        let shape = Shape::from((n, k, out(h, r), out(wd, s)));
+        let y = match x.dtype() {
+            DType::F16 => launch::<f16>(self, (x, xl), (w, wl))?,
+            DType::BF16 => launch::<bf16>(self, (x, xl), (w, wl))?,
+            other => bail!("cuDNN convolution: {other:?} is not a half type"),
+        };
+        Ok((y, shape))
+    }
+}
+
+/// Whether [`conv2d`] takes this input: f16 or bf16 (f32 stays on the im2col path, exact for parity).
+pub fn applies(x: &Tensor) -> bool {
+    matches!(x.dtype(), DType::F16 | DType::BF16)
+}
+
+pub fn conv2d(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
+    let (_, c, h, w) = x.dims4()?;
+    let (_, wc, r, s) = weight.dims4()?;
+    if wc != c || h + 2 * padding < r || w + 2 * padding < s || stride == 0 {
+        bail!(
+            "conv2d: input {:?} and filter {:?} do not fit (stride {stride}, padding {padding})",
+            x.dims(),
+            weight.dims()
+        );
+    }
+    x.apply_op2_no_bwd(weight, &Conv { stride, padding })
+}
