@@ -161,6 +161,7 @@ fn randn(rng: &mut TorchGenerator, shape: &[usize], device: &Device) -> candle_c
 /// UNet's device.
 fn encode_sample(model: &SdModel, image: &Tensor, rng: &mut TorchGenerator) -> Result<Tensor, PipelineError> {
     let image = image.to_dtype(model.vae.dtype()).map_err(failed("vae input"))?;
+    let _precision = upcast_vae_precision(model);
     let dist =
         model.vae.with(|vae| vae.encode(&image)).map_err(failed("vae"))?.map_err(failed("vae encode"))?;
     let mean = dist.mean.to_dtype(DType::F32).map_err(failed("vae encode"))?;
@@ -175,7 +176,15 @@ fn encode_sample(model: &SdModel, image: &Tensor, rng: &mut TorchGenerator) -> R
         .map_err(failed("vae sample"))
 }
 
+/// diffusers upcasts the SDXL VAE to f32 and PyTorch runs its convolutions on TF32 tensor cores by default; an
+/// upcast VAE here gets the same (a VAE the user asked to run in f32 stays exact f32).
+fn upcast_vae_precision(model: &SdModel) -> Option<sdhive_models::ops::Tf32Guard> {
+    (model.vae.dtype() == DType::F32 && model.unet.dtype() != DType::F32)
+        .then(sdhive_models::ops::tf32_convolutions)
+}
+
 fn decode(model: &SdModel, latents: &Tensor, tiled: bool) -> Result<RgbImage, PipelineError> {
+    let _precision = upcast_vae_precision(model);
     let cfg = &model.vae_config;
     let mut z = latents.affine(1.0 / cfg.scaling_factor, 0.0).map_err(failed("vae decode"))?;
     if let Some(shift) = cfg.shift_factor {

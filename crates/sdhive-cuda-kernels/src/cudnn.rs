@@ -1,7 +1,9 @@
-//! Half-precision convolutions through cuDNN, set up as PyTorch does: f32 accumulation ("pseudo-half"), tensor-op
-//! math, the algorithm from cuDNN's heuristics, descriptors and algorithm cached per shape and one workspace per
-//! device that only grows (candle's own cuDNN path asks for f16 accumulation and allocates a zeroed workspace on
-//! every call).
+//! Convolutions through cuDNN, set up as PyTorch does: half types with f32 accumulation ("pseudo-half") and
+//! tensor-op math; f32 with FMA-only kernels (exact f32, as the parity tests want) or, inside
+//! [`crate::tf32_convolutions`], TF32 tensor cores (PyTorch's default for cuDNN convolutions, which diffusers' upcast
+//! SDXL VAE runs on). The algorithm comes from cuDNN's heuristics; descriptors and algorithm are cached per shape,
+//! and one workspace per device only grows (candle's own cuDNN path asks for f16 accumulation and allocates a
+//! zeroed workspace on every call). No im2col buffer: the f32 VAE at 1024² would need gigabytes for one.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cudnn::{
@@ -17,8 +19,8 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// Device, dtype, input (N, C, H, W), filter (K, C, R, S), stride, padding.
-type Key = (DeviceId, DType, [usize; 4], [usize; 4], usize, usize);
+/// Device, dtype, TF32 allowed, input (N, C, H, W), filter (K, C, R, S), stride, padding.
+type Key = (DeviceId, DType, bool, [usize; 4], [usize; 4], usize, usize);
 
 /// A shape's descriptors and algorithm, for one storage type.
 struct Plan<T> {
@@ -33,6 +35,7 @@ struct Plan<T> {
 enum AnyPlan {
     F16(Plan<f16>),
     Bf16(Plan<bf16>),
+    F32(Plan<f32>),
 }
 
 trait Storage: CudaDType + DeviceRepr + CudnnDataType + candle_core::WithDType {
@@ -40,29 +43,25 @@ trait Storage: CudaDType + DeviceRepr + CudnnDataType + candle_core::WithDType {
     fn wrap(p: Plan<Self>) -> AnyPlan;
 }
 
-impl Storage for f16 {
-    fn plan(p: &AnyPlan) -> Option<&Plan<Self>> {
-        match p {
-            AnyPlan::F16(p) => Some(p),
-            AnyPlan::Bf16(_) => None,
+macro_rules! storage {
+    ($t:ty, $variant:ident) => {
+        impl Storage for $t {
+            fn plan(p: &AnyPlan) -> Option<&Plan<Self>> {
+                match p {
+                    AnyPlan::$variant(p) => Some(p),
+                    _ => None,
+                }
+            }
+            fn wrap(p: Plan<Self>) -> AnyPlan {
+                AnyPlan::$variant(p)
+            }
         }
-    }
-    fn wrap(p: Plan<Self>) -> AnyPlan {
-        AnyPlan::F16(p)
-    }
+    };
 }
 
-impl Storage for bf16 {
-    fn plan(p: &AnyPlan) -> Option<&Plan<Self>> {
-        match p {
-            AnyPlan::Bf16(p) => Some(p),
-            AnyPlan::F16(_) => None,
-        }
-    }
-    fn wrap(p: Plan<Self>) -> AnyPlan {
-        AnyPlan::Bf16(p)
-    }
-}
+storage!(f16, F16);
+storage!(bf16, Bf16);
+storage!(f32, F32);
 
 /// cuDNN state per thread (its handles are neither Send nor Sync), as candle keeps its own.
 #[derive(Default)]
@@ -86,6 +85,7 @@ fn make_plan<T: Storage>(
     w: [usize; 4],
     stride: usize,
     padding: usize,
+    tf32: bool,
 ) -> std::result::Result<Plan<T>, cudnn::CudnnError> {
     let i = |v: usize| v as i32;
     let (p, s) = (i(padding), i(stride));
@@ -95,7 +95,12 @@ fn make_plan<T: Storage>(
         [1, 1],
         sys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
     )?;
-    conv.set_math_type(sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH)?;
+    let math = match (T::DTYPE, tf32) {
+        (DType::F32, false) => sys::cudnnMathType_t::CUDNN_FMA_MATH,
+        (DType::F32, true) => sys::cudnnMathType_t::CUDNN_DEFAULT_MATH,
+        _ => sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+    };
+    conv.set_math_type(math)?;
     let nchw = sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
     let xd = cudnn.create_4d_tensor::<T>(nchw, x.map(i))?;
     let wd = cudnn.create_4d_filter::<T>(nchw, w.map(i))?;
@@ -127,7 +132,8 @@ fn launch<T: Storage>(
         w.1.dims().try_into().map_err(|_| candle_core::Error::Msg("conv filter must be KCRS".into()))?;
     let out = |len: usize, k: usize| (len + 2 * op.padding - k) / op.stride + 1;
     let ydims = [xdims[0], wdims[0], out(xdims[2], wdims[2]), out(xdims[3], wdims[3])];
-    let key: Key = (dev.id(), x.0.dtype(), xdims, wdims, op.stride, op.padding);
+    let tf32 = x.0.dtype() == DType::F32 && crate::tf32_allowed();
+    let key: Key = (dev.id(), x.0.dtype(), tf32, xdims, wdims, op.stride, op.padding);
     let xv = x.0.as_cuda_slice::<T>()?.slice(xs..);
     let wv = w.0.as_cuda_slice::<T>()?.slice(ws..);
     // SAFETY: cuDNN writes every output element (beta = 0).
@@ -146,7 +152,7 @@ fn launch<T: Storage>(
         let plan = match state.plans.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
-                let plan = make_plan::<T>(&cudnn, xdims, wdims, op.stride, op.padding)
+                let plan = make_plan::<T>(&cudnn, xdims, wdims, op.stride, op.padding, tf32)
                     .map_err(|e| wrap_err(e, &format!("plan for {xdims:?} * {wdims:?}")))?;
                 e.insert(T::wrap(plan))
             }
@@ -193,15 +199,16 @@ impl CustomOp2 for Conv {
         let y = match x.dtype() {
             DType::F16 => launch::<f16>(self, (x, xl), (w, wl))?,
             DType::BF16 => launch::<bf16>(self, (x, xl), (w, wl))?,
-            other => bail!("cuDNN convolution: {other:?} is not a half type"),
+            DType::F32 => launch::<f32>(self, (x, xl), (w, wl))?,
+            other => bail!("cuDNN convolution: unsupported dtype {other:?}"),
         };
         Ok((y, shape))
     }
 }
 
-/// Whether [`conv2d`] takes this input: f16 or bf16 (f32 stays on the im2col path, exact for parity).
+/// Whether [`conv2d`] takes this input: f32, f16 or bf16.
 pub fn applies(x: &Tensor) -> bool {
-    matches!(x.dtype(), DType::F16 | DType::BF16)
+    matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
 }
 
 pub fn conv2d(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {

@@ -48,6 +48,31 @@ pub fn applies(tensors: &[&Tensor]) -> bool {
     }
 }
 
+thread_local! {
+    static TF32: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Restores the previous TF32 setting of this thread when dropped.
+pub struct Tf32Guard(bool);
+
+impl Drop for Tf32Guard {
+    fn drop(&mut self) {
+        TF32.with(|t| t.set(self.0));
+    }
+}
+
+/// Lets f32 convolutions on this thread use TF32 tensor cores (with the `cudnn` feature) until the guard drops:
+/// PyTorch's default for cuDNN convolutions, so what diffusers' f32-upcast SDXL VAE computes on a GPU. Elsewhere
+/// f32 stays exact f32.
+pub fn tf32_convolutions() -> Tf32Guard {
+    Tf32Guard(TF32.with(|t| t.replace(true)))
+}
+
+#[cfg_attr(not(feature = "cudnn"), allow(dead_code))]
+fn tf32_allowed() -> bool {
+    TF32.with(std::cell::Cell::get)
+}
+
 /// Whether [`attention`] takes these `(B, S, H·D)` projections: f16 or bf16 on one CUDA device, a build for
 /// compute capability 8.0 or later, a head dimension that is a multiple of 8 up to 160, rows 16-byte aligned.
 /// `SDHIVE_FUSED_ATTENTION=0` (or `SDHIVE_FUSED_KERNELS=0`) turns it off.
@@ -169,8 +194,8 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
 /// A 2-D convolution without bias (groups and dilation 1), NCHW: im2col in a coalesced layout, then one batched
 /// matrix product that lands in NCHW (1×1 stride-1 convolutions skip the im2col).
 ///
-/// With the `cudnn` feature, half-precision convolutions other than 1×1 go to cuDNN instead (`SDHIVE_CUDNN=0`
-/// keeps them on im2col).
+/// With the `cudnn` feature, convolutions other than 1×1 go to cuDNN instead (`SDHIVE_CUDNN=0` keeps them on
+/// im2col).
 pub fn conv2d(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
     #[cfg(feature = "cudnn")]
     {

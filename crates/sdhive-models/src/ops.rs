@@ -105,6 +105,8 @@ fn attention_block(
     probs.matmul(v)
 }
 
+pub use gpu::{tf32_convolutions, Tf32Guard};
+
 /// Whether [`multi_head_attention`] on `device` in `dtype` runs the fused kernel, which holds no score matrix
 /// (what a memory estimate needs to know).
 pub fn attention_is_fused(device: &candle_core::Device, dtype: DType) -> bool {
