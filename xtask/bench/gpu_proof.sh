@@ -8,8 +8,8 @@
 # (default: all).
 # `kernels` runs sdhive-cuda-kernels-tests; `levers` times the SD1.5 UNet step and VAE decode (and the SDXL step)
 # with sdhive-bench-base (a build before the levers, when the tar has it), without the fused kernels
-# (SDHIVE_FUSED_KERNELS=0), without the fused attention (SDHIVE_FUSED_ATTENTION=0), with everything, and with
-# sdhive-bench-cudnn (built with --cudnn, when the tar has it). `placement` and
+# (SDHIVE_FUSED_KERNELS=0), without the fused attention (SDHIVE_FUSED_ATTENTION=0) and with everything (a
+# --cudnn build: with cuDNN; SDHIVE_CUDNN=0 turns it off). `placement` and
 # `memory` use the full-size SD1.5 with deterministic random weights (xtask/fixtures/gen_sd15_random.py, numpy);
 # `hive` also wants CARRY/sd-worker-vulkan.xz and the Vulkan loader and vulkaninfo as Debian packages in
 # CARRY/debs.
@@ -62,7 +62,7 @@ fi
 
 if has levers; then
     for v in "base|sdhive-bench-base|1|1" "kernels-off|sdhive-bench|0|0" "attention-off|sdhive-bench|1|0" \
-        "all|sdhive-bench|1|1" "cudnn|sdhive-bench-cudnn|1|1"; do
+        "all|sdhive-bench|1|1"; do
         IFS='|' read -r name exe fused attn <<<"$v"
         [ -x "$B/$exe" ] || continue
         step "lever $name: SD1.5 UNet b2 512² + VAE decode 512², f16"

@@ -1,24 +1,20 @@
 // Fused multi-head attention for the UNet's transformer blocks: softmax(q kᵀ · scale) v without materialising
-// the score matrix (the online softmax of Milakov & Gimelshein, tiled as in Dao's FlashAttention), on tensor
-// cores through the WMMA API.
+// the score matrix (the online softmax of Milakov & Gimelshein, tiled as in Dao's FlashAttention 2), on tensor
+// cores.
 //
 // q, k, v are the projections' (B, S, H·D) layout with any batch and sequence strides, so the heads are read in
 // place; the output is written contiguous (B, Sq, H·D), ready for the out-projection: no split or merge copies.
-// A block of 4 warps owns 64 query rows of one (batch, head); each warp owns 16 of them. Key tiles are copied to
-// shared memory asynchronously (cp.async), the next one while the block works on the current one; each warp
-// computes its 16×BK scores in f32, updates its rows' running max and sum, rounds the probabilities to the storage
-// type (as every fp16 flash kernel does) and accumulates P·V. Shared memory is dynamic: `flash_smem_bytes` on
-// the host side must match `SmemLayout` here. The
-// head dimension D (a multiple of 8, at most 160) is zero-padded to DP, a multiple of 16. f16 and bf16 storage
-// (bf16 WMMA needs sm_80; the host only launches these kernels there).
+// A block of 4 warps owns 64 query rows of one (batch, head); each warp owns 16 of them and keeps their scores,
+// probabilities, running max and sum and output in registers. Key tiles are copied to shared memory
+// asynchronously (cp.async), the next one while the block works on the current one. Probabilities are rounded to
+// the storage type before the product with V, as every fp16 flash kernel does. The head dimension D (a multiple
+// of 8, at most 160) is zero-padded to DP, a multiple of 16. f16 and bf16 storage (sm_80 and later; the host only
+// launches these kernels there). Shared memory is dynamic: `smem_bytes` in attention.rs must match the layout.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <math.h>
-#include <mma.h>
 #include <stdint.h>
-
-using namespace nvcuda;
 
 namespace {
 
@@ -33,13 +29,6 @@ __device__ __forceinline__ uint32_t pack2(__nv_bfloat16 a, __nv_bfloat16 b) {
 }
 __device__ __forceinline__ __half cvt(float v, __half) { return __float2half(v); }
 __device__ __forceinline__ __nv_bfloat16 cvt(float v, __nv_bfloat16) { return __float2bfloat16(v); }
-
-// Eight floats rounded to T, as one 16-byte word.
-template <typename T> __device__ __forceinline__ uint4 pack8(const float *v) {
-    T t{};
-    return make_uint4(pack2(cvt(v[0], t), cvt(v[1], t)), pack2(cvt(v[2], t), cvt(v[3], t)),
-                      pack2(cvt(v[4], t), cvt(v[5], t)), pack2(cvt(v[6], t), cvt(v[7], t)));
-}
 
 // Copies `rows` rows of D values (16-byte chunks; rows past `valid` and columns past `d` as zeros) from global
 // rows `stride` apart into shared rows LD apart.
@@ -73,24 +62,63 @@ template <int N> __device__ __forceinline__ void wait_async() { asm volatile("cp
 
 extern __shared__ __align__(128) unsigned char flash_smem[];
 
+// Tensor-core products through PTX mma.sync m16n8k16 (whose fragment layouts are specified, unlike WMMA's), K and
+// V fragments read with ldmatrix. In the accumulator of an
+// m16n8 tile, lane l holds row g = l/4 at columns 2t, 2t+1 (t = l%4) and row g+8 at the same columns; two adjacent
+// score tiles are exactly the A operand of the next product, so P never leaves the registers. Each row's max and
+// sum live in the four lanes of its quad. Shared memory holds only the two stages of K and V (and the query tile
+// while it is loaded).
+template <typename T> struct MmaType;
+template <> struct MmaType<__half> {
+    static __device__ __forceinline__ void mma(float *c, const uint32_t *a, const uint32_t *b) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+};
+template <> struct MmaType<__nv_bfloat16> {
+    static __device__ __forceinline__ void mma(float *c, const uint32_t *a, const uint32_t *b) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+};
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t *r, const void *p) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t *r, const void *p) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+template <typename T> __device__ __forceinline__ uint32_t pack_f2(float a, float b) {
+    T t{};
+    return pack2(cvt(a, t), cvt(b, t));
+}
+
 template <typename T, int DP, int BK>
 __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
-                                T *__restrict__ o, int sq, int sk, int d, int heads, long long q_bs,
-                                long long q_ss, long long k_bs, long long k_ss, long long v_bs, long long v_ss,
-                                float scale_log2) {
-    constexpr int LD = DP + 8;  // padded rows keep the fragment loads off one shared-memory bank
-    constexpr int LDS = BK + 4; // scores, f32
-    constexpr int LDP = BK + 8; // probabilities, T, over the same bytes as the scores
-    constexpr int HALF = BK / 2;
-    constexpr int TILE = BK * LD; // one K or V tile
-    static_assert(4 * BK >= ROWS, "the query tile is staged in the K/V buffers");
-    // Two stages of (K, V), then each warp's scores, then each warp's 16×16 output partials.
+                                    T *__restrict__ o, int sq, int sk, int d, int heads, long long q_bs,
+                                    long long q_ss, long long k_bs, long long k_ss, long long v_bs,
+                                    long long v_ss, float scale_log2) {
+    constexpr int LD = DP + 8; // 16-byte row padding: the eight rows of an ldmatrix hit different banks
+    constexpr int TILE = BK * LD;
+    constexpr int NS = BK / 8; // score tiles per key tile
+    constexpr int NO = DP / 8; // output tiles
+    static_assert(4 * BK >= ROWS && DP % 16 == 0 && BK % 16 == 0, "tile shapes");
     T *kv = reinterpret_cast<T *>(flash_smem);
-    float *scores = reinterpret_cast<float *>(kv + 4 * TILE);
-    float *pv = scores + WARPS * 16 * LDS;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row = lane / 2, part = lane % 2; // each row's softmax and output belong to two lanes
+    const int g = lane / 4, t = lane % 4;
     const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * ROWS;
     const T *qh = q + b * q_bs + (long long)h * d + q0 * q_ss;
     const T *kh = k + b * k_bs + (long long)h * d;
@@ -98,26 +126,25 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
 
     stage<T, DP, LD>(kv, qh, ROWS, sq - q0, d, q_ss);
     __syncthreads();
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qf[DP / 16];
+    // A fragments of the warp's 16 query rows: matrices (rows 0-7 | 8-15) × (columns 0-7 | 8-15) of each k-step.
+    uint32_t qf[DP / 16][4];
+    {
+        const int r = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8, c = (lane / 16) * 8;
 #pragma unroll
-    for (int kk = 0; kk < DP / 16; ++kk) wmma::load_matrix_sync(qf[kk], kv + warp * 16 * LD + kk * 16, LD);
+        for (int kk = 0; kk < DP / 16; ++kk) ldmatrix_x4(qf[kk], kv + r * LD + kk * 16 + c);
+    }
     __syncthreads();
 
-    float *s = scores + warp * 16 * LDS;
-    T *p = reinterpret_cast<T *>(s);
-    float *pw = pv + warp * 16 * 16;
-    float m = -INFINITY, l = 0.f;
-    float acc[DP / 2];
+    float acc[NO][4];
 #pragma unroll
-    for (int i = 0; i < DP / 2; ++i) acc[i] = 0.f;
+    for (int j = 0; j < NO; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f; // rows g and g + 8, this lane's share of the sums
 
     stage_async<T, DP, LD>(kv, kh, BK, sk, d, k_ss);
     stage_async<T, DP, LD>(kv + TILE, vh, BK, sk, d, v_ss);
-    for (int k0 = 0, t = 0; k0 < sk; k0 += BK, ++t) {
-        // Prefetch the next tile into the other stage (free since the last iteration's closing barrier), then wait
-        // for this one.
+    for (int k0 = 0, it = 0; k0 < sk; k0 += BK, ++it) {
         if (k0 + BK < sk) {
-            T *next = kv + 2 * TILE * ((t + 1) % 2);
+            T *next = kv + 2 * TILE * ((it + 1) % 2);
             stage_async<T, DP, LD>(next, kh + (k0 + BK) * k_ss, BK, sk - k0 - BK, d, k_ss);
             stage_async<T, DP, LD>(next + TILE, vh + (k0 + BK) * v_ss, BK, sk - k0 - BK, d, v_ss);
             wait_async<2>();
@@ -125,93 +152,102 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
             wait_async<0>();
         }
         __syncthreads();
-        const T *ks = kv + 2 * TILE * (t % 2), *vs = ks + TILE;
+        const T *ks = kv + 2 * TILE * (it % 2), *vs = ks + TILE;
 
+        // S = Q Kᵀ: K's rows are the B operand's columns, so ldmatrix without transposition; one x4 load gives
+        // two score tiles' fragments for one k-step.
+        float sc[NS][4];
 #pragma unroll
-        for (int n = 0; n < BK / 16; ++n) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> sf;
-            wmma::fill_fragment(sf, 0.f);
+        for (int n = 0; n < NS; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+        for (int n = 0; n < NS; n += 2) {
+            const int key = n * 8 + (lane % 8) + (lane / 16) * 8, c = ((lane / 8) % 2) * 8;
 #pragma unroll
             for (int kk = 0; kk < DP / 16; ++kk) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
-                wmma::load_matrix_sync(kf, ks + n * 16 * LD + kk * 16, LD);
-                wmma::mma_sync(sf, qf[kk], kf, sf);
+                uint32_t kf[4];
+                ldmatrix_x4(kf, ks + key * LD + kk * 16 + c);
+                MmaType<T>::mma(sc[n], qf[kk], kf);
+                MmaType<T>::mma(sc[n + 1], qf[kk], kf + 2);
             }
-            wmma::store_matrix_sync(s + n * 16, sf, LDS, wmma::mem_row_major);
         }
-        __syncwarp();
 
-        float x[HALF];
-        float mx = -INFINITY;
+        float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-        for (int e = 0; e < HALF; e += 4) {
-            const float4 v4 = *reinterpret_cast<const float4 *>(s + row * LDS + part * HALF + e);
-            const float vals[4] = {v4.x, v4.y, v4.z, v4.w};
+        for (int n = 0; n < NS; ++n) {
+            const int col = k0 + n * 8 + 2 * t;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                x[e + i] = k0 + part * HALF + e + i < sk ? vals[i] * scale_log2 : -INFINITY;
-                mx = fmaxf(mx, x[e + i]);
+            for (int e = 0; e < 2; ++e) {
+                const bool in = col + e < sk;
+                sc[n][e] = in ? sc[n][e] * scale_log2 : -INFINITY;
+                sc[n][2 + e] = in ? sc[n][2 + e] * scale_log2 : -INFINITY;
+                mx0 = fmaxf(mx0, sc[n][e]);
+                mx1 = fmaxf(mx1, sc[n][2 + e]);
             }
         }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-        // The first tile always holds key 0, so m_new is finite and alpha is 0 there.
-        const float m_new = fmaxf(m, mx);
-        const float alpha = exp2f(m - m_new);
-        float sum = 0.f;
-        __syncwarp(); // every lane has read its scores before the probabilities overwrite them
 #pragma unroll
-        for (int e = 0; e < HALF; e += 8) {
-            float pe[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                pe[i] = exp2f(x[e + i] - m_new);
-                sum += pe[i];
-            }
-            *reinterpret_cast<uint4 *>(p + row * LDP + part * HALF + e) = pack8<T>(pe);
+        for (int off = 1; off <= 2; off <<= 1) {
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, off));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, off));
         }
-        sum += __shfl_xor_sync(0xffffffff, sum, 1);
-        l = l * alpha + sum;
-        m = m_new;
-        __syncwarp();
+        // The first tile always holds key 0, so the new maxima are finite and the first alphas are 0.
+        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+        const float a0 = exp2f(m0 - n0), a1 = exp2f(m1 - n1);
+        m0 = n0;
+        m1 = n1;
+        float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+        for (int n = 0; n < NS; ++n) {
+            sc[n][0] = exp2f(sc[n][0] - n0);
+            sc[n][1] = exp2f(sc[n][1] - n0);
+            sc[n][2] = exp2f(sc[n][2] - n1);
+            sc[n][3] = exp2f(sc[n][3] - n1);
+            s0 += sc[n][0] + sc[n][1];
+            s1 += sc[n][2] + sc[n][3];
+        }
+        l0 = l0 * a0 + s0;
+        l1 = l1 * a1 + s1;
+#pragma unroll
+        for (int j = 0; j < NO; ++j) {
+            acc[j][0] *= a0;
+            acc[j][1] *= a0;
+            acc[j][2] *= a1;
+            acc[j][3] *= a1;
+        }
 
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf[BK / 16];
+        // O += P V: score tiles 2kk and 2kk+1 are the A fragment of k-step kk; V's rows are the B operand's rows,
+        // so ldmatrix transposes; one x4 load gives two output tiles' fragments.
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) wmma::load_matrix_sync(pf[kk], p + kk * 16, LDP);
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            const uint32_t pa[4] = {pack_f2<T>(sc[2 * kk][0], sc[2 * kk][1]), pack_f2<T>(sc[2 * kk][2], sc[2 * kk][3]),
+                                    pack_f2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                    pack_f2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+            const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, c = (lane / 16) * 8;
 #pragma unroll
-        for (int j = 0; j < DP / 16; ++j) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> of;
-            wmma::fill_fragment(of, 0.f);
-#pragma unroll
-            for (int kk = 0; kk < BK / 16; ++kk) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
-                wmma::load_matrix_sync(vf, vs + kk * 16 * LD + j * 16, LD);
-                wmma::mma_sync(of, pf[kk], vf, of);
+            for (int j = 0; j < NO; j += 2) {
+                uint32_t vf[4];
+                ldmatrix_x4_trans(vf, vs + key * LD + j * 8 + c);
+                MmaType<T>::mma(acc[j], pa, vf);
+                MmaType<T>::mma(acc[j + 1], pa, vf + 2);
             }
-            wmma::store_matrix_sync(pw, of, 16, wmma::mem_row_major);
-            __syncwarp();
-            const float4 lo = *reinterpret_cast<const float4 *>(pw + row * 16 + part * 8),
-                         hi = *reinterpret_cast<const float4 *>(pw + row * 16 + part * 8 + 4);
-            const float part_pv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[j * 8 + e] = acc[j * 8 + e] * alpha + part_pv[e];
-            __syncwarp();
         }
         __syncthreads(); // every warp is done with this stage before the next prefetch replaces it
     }
 
-    const int qr = q0 + warp * 16 + row;
-    if (qr >= sq) return;
-    const float inv = 1.f / l;
-    T *orow = o + ((long long)b * sq + qr) * heads * d + (long long)h * d;
 #pragma unroll
-    for (int j = 0; j < DP / 16; ++j) {
-        int col = j * 16 + part * 8;
-        if (col < d) {
-            float out[8];
+    for (int off = 1; off <= 2; off <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffff, l0, off);
+        l1 += __shfl_xor_sync(0xffffffff, l1, off);
+    }
+    const float i0 = 1.f / l0, i1 = 1.f / l1;
+    const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
+    T *o0 = o + ((long long)b * sq + r0) * heads * d + (long long)h * d;
+    T *o1 = o0 + 8LL * heads * d;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) out[e] = acc[j * 8 + e] * inv;
-            *reinterpret_cast<uint4 *>(orow + col) = pack8<T>(out);
-        }
+    for (int j = 0; j < NO; ++j) {
+        const int col = j * 8 + 2 * t;
+        if (j * 8 >= d) break;
+        if (r0 < sq) *reinterpret_cast<uint32_t *>(o0 + col) = pack_f2<T>(acc[j][0] * i0, acc[j][1] * i0);
+        if (r1 < sq) *reinterpret_cast<uint32_t *>(o1 + col) = pack_f2<T>(acc[j][2] * i1, acc[j][3] * i1);
     }
 }
 

@@ -22,11 +22,10 @@ fn padded_dim(d: usize) -> Option<usize> {
 }
 
 /// Dynamic shared memory of the instantiation for padded head dimension `dp` (attention.cu's layout): two stages
-/// of K and V tiles, each warp's f32 scores, each warp's 16×16 f32 output partials.
-fn flash_smem_bytes(dp: usize) -> usize {
+/// of a K and a V tile of 64 keys (32 above DP 96), rows padded by 8 elements.
+fn smem_bytes(dp: usize) -> usize {
     let bk = if dp <= 96 { 64 } else { 32 };
-    let (ld, lds, warps) = (dp + 8, bk + 4, ROWS / 16);
-    2 * 2 * bk * ld * 2 + warps * 16 * lds * 4 + warps * 16 * 16 * 4
+    2 * 2 * bk * (dp + 8) * 2
 }
 
 /// Why the fused kernel cannot take these projections, or `None` when it can.
@@ -109,7 +108,7 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
     // SAFETY: every element is written by the kernel (each (row, head) by its block, all D columns).
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(b * sq * c)? };
     let func = dev.get_or_load_custom_func(&format!("flash_attention_d{dp}_{sfx}"), MODULE, PTX)?;
-    let smem = flash_smem_bytes(dp);
+    let smem = smem_bytes(dp);
     // Above 48 KiB a kernel must opt in to its dynamic shared memory.
     func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
         .w()?;

@@ -337,11 +337,13 @@ fn attention_matches_the_reference() {
                 (cv(&q), cv(&k), cv(&v))
             };
             assert!(attention_applies(&qd, &kd, &vd, heads), "{b}x{sq}x{sk} h{heads} d{d} {dtype:?}");
+            let want = attention_reference(&qd, &kd, &vd, heads, scale);
             let ours = attention(&qd, &kd, &vd, heads, scale).unwrap();
             assert_eq!(ours.dims(), &[b, sq, c]);
-            let want = attention_reference(&qd, &kd, &vd, heads, scale);
             let diff = rel_diff(&ours, &want);
-            eprintln!("attention b{b} sq{sq} sk{sk} h{heads} d{d} x{amplitude} packed {packed} {dtype:?}: rel diff {diff:.2e}");
+            eprintln!(
+                "attention b{b} sq{sq} sk{sk} h{heads} d{d} x{amplitude} packed {packed} {dtype:?}: rel diff {diff:.2e}"
+            );
             assert!(diff <= tol(dtype), "attention d{d} sq{sq} sk{sk} {dtype:?}: {diff}");
         }
     }
