@@ -449,9 +449,14 @@ fn registration_needs_the_token_and_a_unique_live_id() {
 #[test]
 fn crash_loop_fails_the_worker_with_its_stderr_and_admin_spawns_and_stops() {
     let roots = fixtures().join("models").display().to_string();
+    // A workers folder with only the CPU worker: the build folder may also hold an sd-worker-cuda (CI builds one
+    // into the same cached target directory), and this test needs a backend whose binary is missing.
+    let workers = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(worker_cpu(), workers.path().join("sd-worker-cpu")).unwrap();
     let mut cmd = Command::new(hive());
     cmd.args(["serve", "--bind", "127.0.0.1:0", "--token", TOKEN, "--heartbeat-interval", "1"]);
     cmd.args(["--model-root", &roots]);
+    cmd.arg("--workers-dir").arg(workers.path());
     cmd.env("SDHIVE_RESTART_INITIAL_SECS", "0.2").env("SDHIVE_CRASH_LOOP_FAILURES", "3");
     let hive_proc = Proc::spawn(cmd);
     let addr = hive_proc.wait_listening("hive listening on http://");
