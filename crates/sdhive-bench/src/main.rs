@@ -301,38 +301,12 @@ fn main() -> Result<()> {
         return serve(&mut bench, threads);
     }
 
-    let mut unet_step_b2 = None;
-    if args.only != Only::Vae {
-        for _ in 0..args.warmup {
-            bench.unet_step()?;
-        }
-        let calls = profiled(|| {
-            (0..args.iters)
-                .map(|i| {
-                    let c = bench.unet_step()?;
-                    eprintln!("unet step {i}: {:.0} ms (cpu {:.0} ms)", c.ms, c.cpu_ms);
-                    Ok(c)
-                })
-                .collect::<Result<Vec<_>>>()
-        })?;
-        unet_step_b2 = Some(Timing::new(&calls));
-    }
-    let mut vae_decode = None;
-    if args.only != Only::Unet {
-        for _ in 0..args.warmup {
-            bench.vae_decode()?;
-        }
-        let calls = profiled(|| {
-            (0..args.iters)
-                .map(|i| {
-                    let c = bench.vae_decode()?;
-                    eprintln!("vae decode {i}: {:.0} ms (cpu {:.0} ms)", c.ms, c.cpu_ms);
-                    Ok(c)
-                })
-                .collect::<Result<Vec<_>>>()
-        })?;
-        vae_decode = Some(Timing::new(&calls));
-    }
+    let unet_step_b2 = (args.only != Only::Vae)
+        .then(|| measure("unet step", args.warmup, args.iters, || bench.unet_step()))
+        .transpose()?;
+    let vae_decode = (args.only != Only::Unet)
+        .then(|| measure("vae decode", args.warmup, args.iters, || bench.vae_decode()))
+        .transpose()?;
     let report = Report {
         device: device_name,
         dtype: args.dtype.clone(),
@@ -386,6 +360,28 @@ fn serve(bench: &mut Bench, threads: usize) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `warmup` untimed calls of `call` (which times itself), then `iters` timed ones inside the profiler range.
+fn measure(
+    what: &str,
+    warmup: usize,
+    iters: usize,
+    mut call: impl FnMut() -> Result<Call>,
+) -> Result<Timing> {
+    for _ in 0..warmup {
+        call()?;
+    }
+    let calls = profiled(|| {
+        (0..iters)
+            .map(|i| {
+                let c = call()?;
+                eprintln!("{what} {i}: {:.0} ms (cpu {:.0} ms)", c.ms, c.cpu_ms);
+                Ok(c)
+            })
+            .collect::<Result<Vec<_>>>()
+    })?;
+    Ok(Timing::new(&calls))
 }
 
 /// Runs the timed calls inside a CUDA profiler range, so `ncu --profile-from-start off` (or nsys with

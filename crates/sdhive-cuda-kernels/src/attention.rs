@@ -28,11 +28,20 @@ fn smem_bytes(dp: usize) -> usize {
     2 * 2 * bk * (dp + 8) * 2
 }
 
+/// The compute capability the PTX was built for (build.rs).
+fn built_for() -> u32 {
+    env!("SDHIVE_CUDA_COMPUTE_CAP").parse().unwrap_or(0)
+}
+
+/// Whether the build targets GPUs with the kernel's instructions (mma.sync with bf16, cp.async: sm_80).
+pub fn built_for_sm80() -> bool {
+    built_for() >= 80
+}
+
 /// Why the fused kernel cannot take these projections, or `None` when it can.
 pub fn unsupported(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize) -> Option<String> {
-    let cap: u32 = env!("SDHIVE_CUDA_COMPUTE_CAP").parse().unwrap_or(0);
-    if cap < 80 {
-        return Some(format!("built for compute capability {cap}; the kernel needs 8.0"));
+    if !built_for_sm80() {
+        return Some(format!("built for compute capability {}; the kernel needs 8.0", built_for()));
     }
     if !q.device().is_cuda() || !k.device().same_device(q.device()) || !v.device().same_device(q.device()) {
         return Some("tensors are not on one CUDA device".into());
@@ -109,9 +118,14 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(b * sq * c)? };
     let func = dev.get_or_load_custom_func(&format!("flash_attention_d{dp}_{sfx}"), MODULE, PTX)?;
     let smem = smem_bytes(dp);
-    // Above 48 KiB a kernel must opt in to its dynamic shared memory.
-    func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+    // Above 48 KiB a kernel must opt in to its dynamic shared memory (only head dimensions 81–96 get there).
+    if smem > 48 * 1024 {
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
         .w()?;
+    }
     let mut a = func.builder();
     a.arg(&qs);
     a.arg(&ks);
@@ -157,7 +171,7 @@ impl CustomOp3 for Attention {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        bail!("sdhive-attention is a CUDA kernel; the CPU has its own path")
+        crate::cuda::cpu_only(self.name())
     }
 
     fn cuda_fwd(

@@ -34,7 +34,7 @@ fn contiguous<'a, T: CudaDType>(
     }
 }
 
-fn cpu_only(name: &str) -> Result<(CpuStorage, Shape)> {
+pub(crate) fn cpu_only(name: &str) -> Result<(CpuStorage, Shape)> {
     bail!("{name} is a CUDA kernel; the CPU has its own path")
 }
 

@@ -81,14 +81,13 @@ fn wrap_err(e: impl std::fmt::Debug, what: &str) -> candle_core::Error {
 
 fn make_plan<T: Storage>(
     cudnn: &Arc<Cudnn>,
+    op: &Conv,
     x: [usize; 4],
     w: [usize; 4],
-    stride: usize,
-    padding: usize,
     tf32: bool,
 ) -> std::result::Result<Plan<T>, cudnn::CudnnError> {
     let i = |v: usize| v as i32;
-    let (p, s) = (i(padding), i(stride));
+    let (p, s) = (i(op.padding), i(op.stride));
     let mut conv = cudnn.create_conv2d::<f32>(
         [p, p],
         [s, s],
@@ -104,8 +103,7 @@ fn make_plan<T: Storage>(
     let nchw = sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
     let xd = cudnn.create_4d_tensor::<T>(nchw, x.map(i))?;
     let wd = cudnn.create_4d_filter::<T>(nchw, w.map(i))?;
-    let out = |len: usize, k: usize| (len + 2 * padding - k) / stride + 1;
-    let yd = cudnn.create_4d_tensor::<T>(nchw, [i(x[0]), i(w[0]), i(out(x[2], w[2])), i(out(x[3], w[3]))])?;
+    let yd = cudnn.create_4d_tensor::<T>(nchw, op.out_dims(x, w).map(i))?;
     let fwd = ConvForward { conv: &conv, x: &xd, w: &wd, y: &yd };
     let algo = fwd.pick_algorithm()?;
     let workspace = fwd.get_workspace_size(algo)?;
@@ -117,6 +115,19 @@ struct Conv {
     padding: usize,
 }
 
+impl Conv {
+    /// The NCHW output of input `x` (N, C, H, W) and filter `w` (K, C, R, S).
+    fn out_dims(&self, x: [usize; 4], w: [usize; 4]) -> [usize; 4] {
+        let out = |len: usize, k: usize| (len + 2 * self.padding - k) / self.stride + 1;
+        [x[0], w[0], out(x[2], w[2]), out(x[3], w[3])]
+    }
+}
+
+fn dims4(l: &Layout) -> Result<[usize; 4]> {
+    let (a, b, c, d) = l.shape().dims4()?;
+    Ok([a, b, c, d])
+}
+
 fn launch<T: Storage>(
     op: &Conv,
     x: (&CudaStorage, &Layout),
@@ -126,12 +137,8 @@ fn launch<T: Storage>(
     let (Some((xs, _)), Some((ws, _))) = (x.1.contiguous_offsets(), w.1.contiguous_offsets()) else {
         bail!("cuDNN convolution: input and filter must be contiguous")
     };
-    let xdims: [usize; 4] =
-        x.1.dims().try_into().map_err(|_| candle_core::Error::Msg("conv input must be NCHW".into()))?;
-    let wdims: [usize; 4] =
-        w.1.dims().try_into().map_err(|_| candle_core::Error::Msg("conv filter must be KCRS".into()))?;
-    let out = |len: usize, k: usize| (len + 2 * op.padding - k) / op.stride + 1;
-    let ydims = [xdims[0], wdims[0], out(xdims[2], wdims[2]), out(xdims[3], wdims[3])];
+    let (xdims, wdims) = (dims4(x.1)?, dims4(w.1)?);
+    let ydims = op.out_dims(xdims, wdims);
     let tf32 = x.0.dtype() == DType::F32 && crate::tf32_allowed();
     let key: Key = (dev.id(), x.0.dtype(), tf32, xdims, wdims, op.stride, op.padding);
     let xv = x.0.as_cuda_slice::<T>()?.slice(xs..);
@@ -152,7 +159,7 @@ fn launch<T: Storage>(
         let plan = match state.plans.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
-                let plan = make_plan::<T>(&cudnn, xdims, wdims, op.stride, op.padding, tf32)
+                let plan = make_plan::<T>(&cudnn, op, xdims, wdims, tf32)
                     .map_err(|e| wrap_err(e, &format!("plan for {xdims:?} * {wdims:?}")))?;
                 e.insert(T::wrap(plan))
             }
@@ -182,7 +189,7 @@ impl CustomOp2 for Conv {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        bail!("sdhive-cudnn-conv2d is a CUDA op; the CPU has its own path")
+        crate::cuda::cpu_only(self.name())
     }
 
     fn cuda_fwd(
@@ -192,10 +199,7 @@ impl CustomOp2 for Conv {
         w: &CudaStorage,
         wl: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let (n, _, h, wd) = xl.shape().dims4()?;
-        let (k, _, r, s) = wl.shape().dims4()?;
-        let out = |len: usize, kk: usize| (len + 2 * self.padding - kk) / self.stride + 1;
-        let shape = Shape::from((n, k, out(h, r), out(wd, s)));
+        let shape = Shape::from(self.out_dims(dims4(xl)?, dims4(wl)?).to_vec());
         let y = match x.dtype() {
             DType::F16 => launch::<f16>(self, (x, xl), (w, wl))?,
             DType::BF16 => launch::<bf16>(self, (x, xl), (w, wl))?,

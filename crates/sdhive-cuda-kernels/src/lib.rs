@@ -94,8 +94,10 @@ pub fn attention_fused_on(device: &candle_core::Device, dtype: candle_core::DTyp
     #[cfg(feature = "cuda")]
     {
         use candle_core::DType;
-        let cap: u32 = env!("SDHIVE_CUDA_COMPUTE_CAP").parse().unwrap_or(0);
-        attention_enabled() && cap >= 80 && device.is_cuda() && matches!(dtype, DType::F16 | DType::BF16)
+        attention_enabled()
+            && attention::built_for_sm80()
+            && device.is_cuda()
+            && matches!(dtype, DType::F16 | DType::BF16)
     }
     #[cfg(not(feature = "cuda"))]
     {

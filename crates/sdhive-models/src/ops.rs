@@ -368,20 +368,32 @@ pub(crate) fn conv2d_reference(conv: &Conv2d, x: &Tensor, extras: ConvExtras) ->
     }
 }
 
-/// `linear(x) (+ residual)`.
-/// `geglu(linear(l, x))`; on the GPU the projection's bias is added inside the GEGLU pass.
-pub(crate) fn linear_geglu(l: &Linear, x: &Tensor) -> Result<Tensor> {
-    let mut tensors = vec![x, l.weight()];
-    tensors.extend(l.bias());
-    if let (Some(bias), false, true) = (l.bias(), cpu::applies(&tensors), gpu::applies(&tensors)) {
-        let y = Linear::new(l.weight().clone(), None).forward(x)?;
-        if y.is_contiguous() {
-            return gpu::geglu_bias(&y, Some(bias));
-        }
+/// On a GPU where the fused kernels apply: the product `x·Wᵀ` alone and `l`'s bias, for a kernel that adds the
+/// bias in the pass it makes anyway (with `also`, the other tensors that pass reads). `None` elsewhere.
+fn gpu_product_without_bias<'a>(
+    l: &'a Linear,
+    x: &Tensor,
+    also: Option<&Tensor>,
+) -> Result<Option<(Tensor, &'a Tensor)>> {
+    let Some(bias) = l.bias() else { return Ok(None) };
+    let mut tensors = vec![x, l.weight(), bias];
+    tensors.extend(also);
+    if !gpu::applies(&tensors) {
+        return Ok(None);
     }
-    geglu(&linear(l, x, None)?)
+    let y = Linear::new(l.weight().clone(), None).forward(x)?;
+    Ok(y.is_contiguous().then_some((y, bias)))
 }
 
+/// `geglu(linear(l, x))`; on the GPU the projection's bias is added inside the GEGLU pass.
+pub(crate) fn linear_geglu(l: &Linear, x: &Tensor) -> Result<Tensor> {
+    match gpu_product_without_bias(l, x, None)? {
+        Some((y, bias)) => gpu::geglu_bias(&y, Some(bias)),
+        None => geglu(&linear(l, x, None)?),
+    }
+}
+
+/// `linear(x) (+ residual)`.
 pub(crate) fn linear(l: &Linear, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
     let mut tensors = vec![x, l.weight()];
     tensors.extend(l.bias());
@@ -389,12 +401,9 @@ pub(crate) fn linear(l: &Linear, x: &Tensor, residual: Option<&Tensor>) -> Resul
     if cpu::applies(&tensors) {
         return cpu::linear(x, l.weight(), l.bias(), residual);
     }
-    if let (Some(bias), true) = (l.bias(), gpu::applies(&tensors)) {
-        // The matmul alone, then bias and residual in one pass instead of candle's broadcast add.
-        let y = Linear::new(l.weight().clone(), None).forward(x)?;
-        if y.is_contiguous() {
-            return gpu::add_bias_last(&y, bias, residual);
-        }
+    // The matmul alone, then bias and residual in one pass instead of candle's broadcast add.
+    if let Some((y, bias)) = gpu_product_without_bias(l, x, residual)? {
+        return gpu::add_bias_last(&y, bias, residual);
     }
     let y = l.forward(x)?;
     match residual {
