@@ -100,12 +100,19 @@ def main() -> None:
         print(f"free {free_now:6d} MiB  {size}²  HTTP {status}  {secs:5.1f} s  worker alive {alive}  plan: {plan}  {err}")
 
     # Memory taken while the job runs: the UNet steps start with the memory they planned for, then this process
-    # takes all but 64 MiB, so the VAE decode (the biggest buffers of the job) cannot allocate.
+    # takes all but 64 MiB, so the VAE decode (the biggest buffers of the job) cannot allocate. The job is larger
+    # than any before it, so the worker's stream-ordered pool has never held buffers that size, and long enough
+    # (60 steps at 1024²) that the squeeze lands mid-denoising, a moment after the worker logs the job's start.
     leave(None)
     result: dict[str, tuple[int, float, str]] = {}
-    t = threading.Thread(target=lambda: result.setdefault("r", job(512, steps=40)))
+    started = len([l for l in open(log_path).read().splitlines() if "job started" in l])
+    t = threading.Thread(target=lambda: result.setdefault("r", job(1024, steps=60)))
     t.start()
-    time.sleep(1.0)
+    for _ in range(200):
+        if len([l for l in open(log_path).read().splitlines() if "job started" in l]) > started:
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)
     squeezed = leave(64)
     t.join()
     status, secs, err = result["r"]

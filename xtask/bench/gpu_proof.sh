@@ -8,8 +8,8 @@
 # (default: all).
 # `kernels` runs sdhive-cuda-kernels-tests; `levers` times the SD1.5 UNet step and VAE decode (and the SDXL step)
 # with sdhive-bench-base (a build before the levers, when the tar has it), without the fused kernels
-# (SDHIVE_FUSED_KERNELS=0), without the fused attention (SDHIVE_FUSED_ATTENTION=0) and with everything (a
-# --cudnn build: with cuDNN; SDHIVE_CUDNN=0 turns it off). `placement` and
+# (SDHIVE_FUSED_KERNELS=0), without the fused attention (SDHIVE_FUSED_ATTENTION=0), without the cuBLASLt linears
+# (SDHIVE_FUSED_LINEAR=0) and with everything (a --cudnn build: with cuDNN; SDHIVE_CUDNN=0 turns it off). `placement` and
 # `memory` use the full-size SD1.5 with deterministic random weights (xtask/fixtures/gen_sd15_random.py, numpy);
 # `hive` also wants CARRY/sd-worker-vulkan.xz and the Vulkan loader and vulkaninfo as Debian packages in
 # CARRY/debs.
@@ -61,18 +61,22 @@ if has kernels; then
 fi
 
 if has levers; then
-    for v in "base|sdhive-bench-base|1|1" "kernels-off|sdhive-bench|0|0" "attention-off|sdhive-bench|1|0" \
-        "all|sdhive-bench|1|1"; do
-        IFS='|' read -r name exe fused attn <<<"$v"
+    # name | binary | environment (each switch turns one lever off).
+    for v in "base|sdhive-bench-base|" "kernels-off|sdhive-bench|SDHIVE_FUSED_KERNELS=0 SDHIVE_FUSED_ATTENTION=0" \
+        "attention-off|sdhive-bench|SDHIVE_FUSED_ATTENTION=0" "linear-off|sdhive-bench|SDHIVE_FUSED_LINEAR=0" \
+        "all|sdhive-bench|"; do
+        IFS='|' read -r name exe envs <<<"$v"
         [ -x "$B/$exe" ] || continue
         step "lever $name: SD1.5 UNet b2 512² + VAE decode 512², f16"
-        SDHIVE_FUSED_KERNELS=$fused SDHIVE_FUSED_ATTENTION=$attn timeout 180 "$B/$exe" --device cuda --dtype f16 \
+        # shellcheck disable=SC2086
+        env $envs timeout 180 "$B/$exe" --device cuda --dtype f16 \
             --latent 64 --iters 20 --warmup 3 2>>"$L" | tee -a "$L" | python3 -c \
             'import json,sys; r=json.loads(sys.stdin.read()); print("UNet %.1f ms, VAE %.1f ms" % (r["unet_step_b2"]["median_ms"], r["vae_decode"]["median_ms"]))' \
             | tee -a "$L"
         [ "$name" = base ] || [ "$name" = kernels-off ] && continue
         step "lever $name: SDXL UNet b2 1024², f16"
-        SDHIVE_FUSED_ATTENTION=$attn timeout 180 "$B/$exe" --device cuda --dtype f16 --model sdxl --latent 128 \
+        # shellcheck disable=SC2086
+        env $envs timeout 180 "$B/$exe" --device cuda --dtype f16 --model sdxl --latent 128 \
             --only unet --iters 10 --warmup 3 2>>"$L" | tee -a "$L" | python3 -c \
             'import json,sys; r=json.loads(sys.stdin.read()); print("SDXL UNet %.1f ms" % r["unet_step_b2"]["median_ms"])' \
             | tee -a "$L"

@@ -70,6 +70,29 @@ pub struct CandleEngine {
 /// Images per UNet call with classifier-free guidance (the negative and positive halves of one batch).
 const CFG_BATCH: u64 = 2;
 
+/// A failed job's error: `OutOfMemory` when the device ran out of memory mid-job (the plan let it start, but
+/// something else took the memory), which the server reports as `out_of_memory`, else a plain failure.
+fn failed(message: String) -> EngineError {
+    if is_out_of_memory(&message) {
+        EngineError::OutOfMemory(message)
+    } else {
+        EngineError::Failed(message)
+    }
+}
+
+/// Whether an error message is an allocation failure of the device: the CUDA driver's, cuBLAS', cuBLASLt's or
+/// cuDNN's wording, or Metal's.
+fn is_out_of_memory(message: &str) -> bool {
+    const MARKS: [&str; 4] = [
+        "CUDA_ERROR_OUT_OF_MEMORY",
+        "CUBLAS_STATUS_ALLOC_FAILED",
+        "CUDNN_STATUS_ALLOC_FAILED",
+        "out of memory",
+    ];
+    let lower = message.to_ascii_lowercase();
+    MARKS.iter().any(|m| lower.contains(&m.to_ascii_lowercase()))
+}
+
 fn dtype_name(dtype: DType) -> &'static str {
     match dtype {
         DType::F16 => "f16",
@@ -202,7 +225,7 @@ impl Engine for CandleEngine {
             .then(|| limit_attention_scores(MAX_SCORE_ELEMENTS / ATTENTION_SLICES as usize));
         let base_seed = req.seed.unwrap_or_else(random_seed);
         let size = (width as usize, height as usize);
-        let text_failed = |e: candle_core::Error| EngineError::Failed(format!("text encoder: {e}"));
+        let text_failed = |e: candle_core::Error| failed(format!("text encoder: {e}"));
         let guided = f64::from(req.cfg_scale) > 1.0;
         let cond = if guided {
             let pair = encode_pair(&self.model, &req.prompt, &req.negative_prompt, req.clip_skip)
@@ -249,7 +272,7 @@ impl Engine for CandleEngine {
                 PipelineError::Invalid { field, message } => {
                     EngineError::Invalid(ValidationError { field, message })
                 }
-                other => EngineError::Failed(other.to_string()),
+                other => failed(other.to_string()),
             })?;
             let ctx = InfotextContext {
                 seed,
@@ -261,5 +284,25 @@ impl Engine for CandleEngine {
             images.push(GeneratedImage { image, seed, infotext: infotext(req, &ctx) });
         }
         Ok(GenerateOutput { images })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_allocation_failures_are_out_of_memory() {
+        // The wordings as candle passes them on from cudarc (driver, cuBLAS, cuDNN).
+        for m in [
+            "unet: DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")",
+            "text encoder: CublasError(CUBLAS_STATUS_ALLOC_FAILED)",
+            "cuDNN convolution: CudnnError(CUDNN_STATUS_ALLOC_FAILED)",
+        ] {
+            assert!(matches!(failed(m.into()), EngineError::OutOfMemory(ref s) if s == m), "{m}");
+        }
+        for m in ["shape mismatch in matmul", "cuDNN plan: CudnnError(CUDNN_STATUS_NOT_SUPPORTED)"] {
+            assert!(matches!(failed(m.into()), EngineError::Failed(_)), "{m}");
+        }
     }
 }

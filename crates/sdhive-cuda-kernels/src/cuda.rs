@@ -23,7 +23,7 @@ fn suffix(dtype: DType) -> Result<&'static str> {
     })
 }
 
-fn contiguous<'a, T: CudaDType>(
+pub(crate) fn contiguous<'a, T: CudaDType>(
     s: &'a CudaStorage,
     l: &Layout,
     what: &str,

@@ -16,6 +16,17 @@ mod attention;
 mod cuda;
 #[cfg(feature = "cudnn")]
 mod cudnn;
+#[cfg(feature = "cuda")]
+mod gemm;
+
+/// How the activations of a [`linear`] product are laid out.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum Side {
+    /// `(B, S, features)`: one row per token.
+    Tokens,
+    /// `(B, features, S)`: one row per channel (NCHW with `S = H·W`).
+    ChannelsFirst,
+}
 
 /// Whether the switch `var` is on (anything but `0`, unset included).
 #[cfg(feature = "cuda")]
@@ -168,6 +179,41 @@ pub fn add_bias_last(y: &Tensor, bias: &Tensor, residual: Option<&Tensor>) -> Re
     {
         let _ = (y, bias, residual);
         Err(unavailable())
+    }
+}
+
+/// `x·Wᵀ (+ bias) (+ residual)` as one cuBLASLt product, bias and residual in its epilogue; `x` tokens
+/// `(B, S, K)` / `(S, K)` or channels-first `(B, K, S)`, the output tokens or channels-first (not both
+/// channels-first: that is a 1×1 convolution). Every tensor contiguous; `SDHIVE_FUSED_LINEAR=0` turns it off
+/// (see [`linear_applies`]).
+pub fn linear(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    residual: Option<&Tensor>,
+    input: Side,
+    output: Side,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    return gemm::linear(x, weight, bias, residual, input, output);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (x, weight, bias, residual, input, output);
+        Err(unavailable())
+    }
+}
+
+/// Whether [`linear`] takes these tensors: [`applies`], and `SDHIVE_FUSED_LINEAR` not `0`.
+pub fn linear_applies(tensors: &[&Tensor]) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        applies(tensors) && *ENABLED.get_or_init(|| switched_on("SDHIVE_FUSED_LINEAR"))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = tensors;
+        false
     }
 }
 

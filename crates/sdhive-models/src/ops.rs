@@ -7,7 +7,7 @@
 use crate::cpu;
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Conv2d, Linear};
-use sdhive_cuda_kernels as gpu;
+use sdhive_cuda_kernels::{self as gpu, Side};
 
 /// Above this many attention-score elements per call we split the queries into chunks, so a
 /// large VAE attention (one head over every pixel) does not need gigabytes of scores at once.
@@ -401,6 +401,10 @@ pub(crate) fn linear(l: &Linear, x: &Tensor, residual: Option<&Tensor>) -> Resul
     if cpu::applies(&tensors) {
         return cpu::linear(x, l.weight(), l.bias(), residual);
     }
+    // One product with bias and residual in its epilogue.
+    if matches!(x.rank(), 2 | 3) && gpu::linear_applies(&tensors) {
+        return gpu::linear(x, l.weight(), l.bias(), residual, Side::Tokens, Side::Tokens);
+    }
     // The matmul alone, then bias and residual in one pass instead of candle's broadcast add.
     if let Some((y, bias)) = gpu_product_without_bias(l, x, residual)? {
         return gpu::add_bias_last(&y, bias, residual);
@@ -421,8 +425,12 @@ pub(crate) fn image_to_tokens(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>
         return cpu::image_to_tokens(x, weight, bias);
     }
     let (b, c, h, w) = x.dims4()?;
-    let tokens = x.reshape((b, c, h * w))?.transpose(1, 2)?;
     let c_out = weight.dim(0)?;
+    if gpu::linear_applies(&tensors) {
+        let (x, weight) = (x.reshape((b, c, h * w))?, weight.reshape((c_out, c))?);
+        return gpu::linear(&x, &weight, bias, None, Side::ChannelsFirst, Side::Tokens);
+    }
+    let tokens = x.reshape((b, c, h * w))?.transpose(1, 2)?;
     let y = tokens.broadcast_matmul(&weight.reshape((c_out, c))?.t()?)?;
     match bias {
         Some(bias) if gpu::applies(&[&y, bias]) => gpu::add_bias_last(&y, bias, None),
@@ -448,6 +456,19 @@ pub(crate) fn tokens_to_image(
     }
     let (b, _, c) = tokens.dims3()?;
     let c_out = weight.dim(0)?;
+    if gpu::linear_applies(&tensors) {
+        // The product lands channels-first: no transpose copy, and bias and residual in at most one more pass.
+        let residual = residual.map(|r| r.reshape((b, c_out, h * w))).transpose()?;
+        let y = gpu::linear(
+            tokens,
+            &weight.reshape((c_out, c))?,
+            bias,
+            residual.as_ref(),
+            Side::Tokens,
+            Side::ChannelsFirst,
+        )?;
+        return y.reshape((b, c_out, h, w));
+    }
     let mut y = tokens.broadcast_matmul(&weight.reshape((c_out, c))?.t()?)?;
     if let Some(bias) = bias {
         y = if gpu::applies(&[&y, bias]) {

@@ -1,0 +1,432 @@
+//! Linear layers as one cuBLASLt product each: `x·Wᵀ`, the bias added in the product's epilogue and a residual
+//! read as its C operand (`D = x·Wᵀ + bias + C`), the way PyTorch's `addmm` adds a linear's bias. The activation
+//! side is either tokens `(B, S, ·)` or channels-first `(B, ·, S)` (an NCHW map seen by a 1×1 projection), on
+//! input and on output, so moving between the two layouts costs no copy. Each use replaces a product followed by a
+//! full pass over its output (and, into channels-first, a transpose copy as well).
+
+use crate::cuda::contiguous;
+use crate::Side;
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::cublaslt::result::{self as lt, CublasError};
+use candle_core::cuda_backend::cudarc::cublaslt::sys;
+use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use candle_core::cuda_backend::{CudaDType, DeviceId};
+use candle_core::{
+    bail, CpuStorage, CudaDevice, CudaStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage,
+    Tensor,
+};
+use half::{bf16, f16};
+use std::cell::RefCell;
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
+use std::ffi::c_void;
+
+/// Hopper's recommended cuBLASLt workspace; other GPUs are content with less.
+const WORKSPACE: usize = 32 << 20;
+
+/// Device, dtype, input side, output side, batch, tokens, in features, out features, bias, residual.
+type Key = (DeviceId, DType, Side, Side, usize, usize, usize, usize, bool, bool);
+
+fn lt_err(e: CublasError, what: &str) -> candle_core::Error {
+    candle_core::Error::Msg(format!("cuBLASLt {what}: {e:?}"))
+}
+
+/// One shape's product description, layouts and algorithm.
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    /// A, B, C, D.
+    layouts: [sys::cublasLtMatrixLayout_t; 4],
+    algo: sys::cublasLtMatmulAlgo_t,
+    /// Whether A is the weight (output tokens) or the activations (output channels-first).
+    weight_is_a: bool,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: created by this plan and used by nobody else; failures on teardown have no one to report to.
+        unsafe {
+            for l in self.layouts {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+/// cuBLASLt state per thread, as candle keeps its cuBLAS handles.
+#[derive(Default)]
+struct State {
+    handles: HashMap<DeviceId, sys::cublasLtHandle_t>,
+    workspaces: HashMap<DeviceId, CudaSlice<u8>>,
+    plans: HashMap<Key, Plan>,
+}
+
+impl Drop for State {
+    fn drop(&mut self) {
+        self.plans.clear();
+        for (_, h) in self.handles.drain() {
+            // SAFETY: each handle was created here and is destroyed once.
+            let _ = unsafe { lt::destroy_handle(h) };
+        }
+    }
+}
+
+thread_local! {
+    static STATE: RefCell<State> = RefCell::new(State::default());
+}
+
+fn data_type(dtype: DType) -> Result<sys::cudaDataType_t> {
+    Ok(match dtype {
+        DType::F16 => sys::cudaDataType_t::CUDA_R_16F,
+        DType::BF16 => sys::cudaDataType_t::CUDA_R_16BF,
+        DType::F32 => sys::cudaDataType_t::CUDA_R_32F,
+        other => bail!("cuBLASLt linear: unsupported dtype {other:?}"),
+    })
+}
+
+/// A column-major `rows × cols` layout, `batch` of them `stride` elements apart (0: one matrix shared by all).
+fn layout(
+    ty: sys::cudaDataType_t,
+    (rows, cols, ld): (usize, usize, usize),
+    batch: usize,
+    stride: usize,
+) -> std::result::Result<sys::cublasLtMatrixLayout_t, CublasError> {
+    let l = lt::create_matrix_layout(ty, rows as u64, cols as u64, ld as i64)?;
+    if batch > 1 {
+        let (count, offset) = (batch as i32, stride as i64);
+        // SAFETY: `l` is live and the attribute sizes match their types.
+        unsafe {
+            lt::set_matrix_layout_attribute(
+                l,
+                sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                (&count) as *const i32 as *const c_void,
+                std::mem::size_of::<i32>(),
+            )?;
+            lt::set_matrix_layout_attribute(
+                l,
+                sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                (&offset) as *const i64 as *const c_void,
+                std::mem::size_of::<i64>(),
+            )?;
+        }
+    }
+    Ok(l)
+}
+
+fn set_desc<V>(
+    desc: sys::cublasLtMatmulDesc_t,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    v: &V,
+) -> Result<()> {
+    // SAFETY: `desc` is live and `V` is the attribute's type.
+    unsafe {
+        lt::set_matmul_desc_attribute(desc, attr, v as *const V as *const c_void, std::mem::size_of::<V>())
+    }
+    .map_err(|e| lt_err(e, "descriptor"))
+}
+
+/// The product in cuBLASLt's column-major terms. Row-major `(r, c)` memory is column-major `(c, r)`, so:
+/// - output tokens, D = `(N, S)` col-major = W (transposed) · X, the bias running along D's rows (per feature);
+/// - output channels-first, D = `(S, N)` col-major = X (transposed) · W; no epilogue bias (it would run per token).
+fn make_plan(handle: sys::cublasLtHandle_t, key: &Key) -> Result<Plan> {
+    let &(_, dtype, input, output, b, s, k, n, bias, _) = key;
+    let ty = data_type(dtype)?;
+    let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+    let desc = lt::create_matmul_desc(compute, sys::cudaDataType_t::CUDA_R_32F)
+        .map_err(|e| lt_err(e, "descriptor"))?;
+    // cublasOperation_t: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 (an int-sized enum).
+    let (t, nt) = (1i32, 0i32);
+    let made = (|| -> std::result::Result<_, CublasError> {
+        Ok(match (input, output) {
+            (Side::Tokens, Side::Tokens) => {
+                // Tokens of every sample are one matrix: no batching needed.
+                let a = layout(ty, (k, n, k), 1, 0)?;
+                let bl = layout(ty, (k, b * s, k), 1, 0)?;
+                let d = layout(ty, (n, b * s, n), 1, 0)?;
+                let c = layout(ty, (n, b * s, n), 1, 0)?;
+                ((t, nt), [a, bl, c, d], true)
+            }
+            (Side::ChannelsFirst, Side::Tokens) => {
+                let a = layout(ty, (k, n, k), b, 0)?;
+                let bl = layout(ty, (s, k, s), b, s * k)?;
+                let d = layout(ty, (n, s, n), b, n * s)?;
+                let c = layout(ty, (n, s, n), b, n * s)?;
+                ((t, t), [a, bl, c, d], true)
+            }
+            (Side::Tokens, Side::ChannelsFirst) => {
+                let a = layout(ty, (k, s, k), b, s * k)?;
+                let bl = layout(ty, (k, n, k), b, 0)?;
+                let d = layout(ty, (s, n, s), b, n * s)?;
+                let c = layout(ty, (s, n, s), b, n * s)?;
+                ((t, nt), [a, bl, c, d], false)
+            }
+            (Side::ChannelsFirst, Side::ChannelsFirst) => unreachable!("refused by linear()"),
+        })
+    })();
+    let ((op_a, op_b), layouts, weight_is_a) = match made {
+        Ok(m) => m,
+        Err(e) => {
+            // SAFETY: created above, not used elsewhere.
+            let _ = unsafe { lt::destroy_matmul_desc(desc) };
+            return Err(lt_err(e, "matrix layout"));
+        }
+    };
+    let mut plan = Plan { desc, layouts, algo: unsafe { std::mem::zeroed() }, weight_is_a };
+    set_desc(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &op_a)?;
+    set_desc(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &op_b)?;
+    if bias {
+        let epilogue = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+        set_desc(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+        // One bias for every sample of the batch.
+        let zero = 0i64;
+        set_desc(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, &zero)?;
+    }
+    let pref = lt::create_matmul_pref().map_err(|e| lt_err(e, "preference"))?;
+    let ws = WORKSPACE as u64;
+    // SAFETY: `pref` is live; the attribute is a u64.
+    let heuristic = unsafe {
+        lt::set_matmul_pref_attribute(
+            pref,
+            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            (&ws) as *const u64 as *const c_void,
+            std::mem::size_of::<u64>(),
+        )
+        .and_then(|()| {
+            lt::get_matmul_algo_heuristic(handle, desc, layouts[0], layouts[1], layouts[2], layouts[3], pref)
+        })
+    };
+    // SAFETY: created above, used only for the query.
+    let _ = unsafe { lt::destroy_matmul_pref(pref) };
+    plan.algo = heuristic.map_err(|e| lt_err(e, &format!("no algorithm for {key:?}")))?.algo;
+    Ok(plan)
+}
+
+struct Linear {
+    input: Side,
+    output: Side,
+    residual: Option<Tensor>,
+}
+
+impl Linear {
+    /// `(batch, tokens, in features)` of the input and the output shape.
+    fn dims(&self, xl: &Layout, wl: &Layout) -> Result<((usize, usize, usize, usize), Shape)> {
+        let (n, wk) = wl.shape().dims2()?;
+        let dims = xl.dims();
+        let (b, s, k) = match (self.input, dims.len()) {
+            (Side::Tokens, 2) => (1, dims[0], dims[1]),
+            (Side::Tokens, 3) => (dims[0], dims[1], dims[2]),
+            (Side::ChannelsFirst, 3) => (dims[0], dims[2], dims[1]),
+            _ => bail!("cuBLASLt linear: input {dims:?} is not {:?}", self.input),
+        };
+        if k != wk {
+            bail!("cuBLASLt linear: input {dims:?} does not fit weight {:?}", wl.dims());
+        }
+        let shape = match (self.output, dims.len()) {
+            (Side::Tokens, 2) => Shape::from((s, n)),
+            (Side::Tokens, _) => Shape::from((b, s, n)),
+            (Side::ChannelsFirst, _) => Shape::from((b, n, s)),
+        };
+        Ok(((b, s, k, n), shape))
+    }
+}
+
+fn launch<T: CudaDType + DeviceRepr>(
+    op: &Linear,
+    key: Key,
+    out_len: usize,
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    bias: Option<(&CudaStorage, &Layout)>,
+) -> Result<CudaStorage> {
+    let dev: &CudaDevice = x.0.device();
+    let stream = dev.cuda_stream();
+    let (xv, wv) = (contiguous::<T>(x.0, x.1, "input")?, contiguous::<T>(w.0, w.1, "weight")?);
+    let bv = bias.map(|(s, l)| contiguous::<T>(s, l, "bias")).transpose()?;
+    let residual = op.residual.as_ref().map(|r| r.storage_and_layout());
+    let rv = match &residual {
+        Some((storage, l)) => match &**storage {
+            Storage::Cuda(s) => Some(contiguous::<T>(s, l, "residual")?),
+            _ => bail!("cuBLASLt linear: the residual is not on the GPU"),
+        },
+        None => None,
+    };
+    // SAFETY: the product writes every element of D.
+    let mut out: CudaSlice<T> = unsafe { dev.alloc::<T>(out_len)? };
+    STATE.with(|state| -> Result<()> {
+        let mut state = state.borrow_mut();
+        let state = &mut *state;
+        let handle = match state.handles.get(&dev.id()) {
+            Some(&h) => h,
+            None => {
+                let h = lt::create_handle().map_err(|e| lt_err(e, "handle"))?;
+                state.handles.insert(dev.id(), h);
+                h
+            }
+        };
+        let ws = match state.workspaces.entry(dev.id()) {
+            Entry::Occupied(e) => e.into_mut(),
+            // SAFETY: scratch for cuBLASLt, never read before it is written.
+            Entry::Vacant(e) => e.insert(unsafe { dev.alloc::<u8>(WORKSPACE)? }),
+        };
+        let plan = match state.plans.entry(key) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(make_plan(handle, &key)?),
+        };
+        let (xp, _gx) = xv.device_ptr(&stream);
+        let (wp, _gw) = wv.device_ptr(&stream);
+        let bp = bv.as_ref().map(|b| b.device_ptr(&stream));
+        let rp = rv.as_ref().map(|r| r.device_ptr(&stream));
+        let (dp, _gd) = out.device_ptr_mut(&stream);
+        let (wsp, _gws) = ws.device_ptr_mut(&stream);
+        if let Some((p, _)) = &bp {
+            let ptr = *p as *const c_void;
+            set_desc(
+                plan.desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                &ptr,
+            )?;
+        }
+        let (a, b) = if plan.weight_is_a { (wp, xp) } else { (xp, wp) };
+        let (alpha, beta) = (1f32, if rp.is_some() { 1f32 } else { 0f32 });
+        let c = rp.as_ref().map_or(dp, |(p, _)| *p);
+        let [al, bl, cl, dl] = plan.layouts;
+        // SAFETY: the layouts were made for exactly these shapes and this storage type; every buffer is
+        // contiguous at its offset and lives until the guards above drop, after the launch is queued.
+        unsafe {
+            lt::matmul(
+                handle,
+                plan.desc,
+                (&alpha) as *const f32 as *const c_void,
+                (&beta) as *const f32 as *const c_void,
+                a as *const c_void,
+                al,
+                b as *const c_void,
+                bl,
+                c as *const c_void,
+                cl,
+                dp as *mut c_void,
+                dl,
+                &plan.algo,
+                wsp as *mut c_void,
+                WORKSPACE,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| lt_err(e, &format!("product {key:?}")))
+    })?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+impl Linear {
+    fn run(
+        &self,
+        x: (&CudaStorage, &Layout),
+        w: (&CudaStorage, &Layout),
+        bias: Option<(&CudaStorage, &Layout)>,
+    ) -> Result<(CudaStorage, Shape)> {
+        let ((b, s, k, n), shape) = self.dims(x.1, w.1)?;
+        if let Some(r) = &self.residual {
+            if r.shape() != &shape {
+                bail!("cuBLASLt linear: residual {:?} differs from the output {:?}", r.dims(), shape.dims());
+            }
+        }
+        let dev: &CudaDevice = x.0.device();
+        let key: Key = (
+            dev.id(),
+            x.0.dtype(),
+            self.input,
+            self.output,
+            b,
+            s,
+            k,
+            n,
+            bias.is_some(),
+            self.residual.is_some(),
+        );
+        let len = shape.elem_count();
+        let out = match x.0.dtype() {
+            DType::F16 => launch::<f16>(self, key, len, x, w, bias)?,
+            DType::BF16 => launch::<bf16>(self, key, len, x, w, bias)?,
+            DType::F32 => launch::<f32>(self, key, len, x, w, bias)?,
+            other => bail!("cuBLASLt linear: unsupported dtype {other:?}"),
+        };
+        Ok((out, shape))
+    }
+}
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        "sdhive-lt-linear"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        crate::cuda::cpu_only(CustomOp2::name(self))
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        self.run((x, xl), (w, wl), None)
+    }
+}
+
+impl CustomOp3 for Linear {
+    fn name(&self) -> &'static str {
+        "sdhive-lt-linear-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        crate::cuda::cpu_only(CustomOp3::name(self))
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        self.run((x, xl), (w, wl), Some((b, bl)))
+    }
+}
+
+/// `x·Wᵀ (+ bias) (+ residual)` with `weight` `(N, K)`: `x` is `(B, S, K)` or `(S, K)` tokens, or `(B, K, S)`
+/// channels-first; the output is tokens `(B, S, N)` (`(S, N)` for 2-D tokens) or channels-first `(B, N, S)`, and
+/// `residual` must have the output's shape. Every tensor must be contiguous (the caller makes them so). Into
+/// channels-first the bias is added in a second pass (cuBLASLt's epilogue bias runs along the other axis there).
+pub fn linear(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    residual: Option<&Tensor>,
+    input: Side,
+    output: Side,
+) -> Result<Tensor> {
+    if input == Side::ChannelsFirst && output == Side::ChannelsFirst {
+        bail!("cuBLASLt linear: channels-first to channels-first is a 1×1 convolution");
+    }
+    if let (Side::ChannelsFirst, Some(b)) = (output, bias) {
+        let y = x.apply_op2_no_bwd(weight, &Linear { input, output, residual: None })?;
+        return crate::cuda::add_channel(&y, b, residual, false);
+    }
+    let op = Linear { input, output, residual: residual.cloned() };
+    match bias {
+        Some(b) => x.apply_op3_no_bwd(weight, b, &op),
+        None => x.apply_op2_no_bwd(weight, &op),
+    }
+}
