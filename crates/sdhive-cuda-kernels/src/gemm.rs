@@ -172,6 +172,8 @@ fn make_plan(handle: sys::cublasLtHandle_t, key: &Key) -> Result<Plan> {
             return Err(lt_err(e, "matrix layout"));
         }
     };
+    // The plan owns the descriptors from here, so every early return below destroys them.
+    // SAFETY: the algorithm is plain data (an array of integers), replaced by the heuristic's before any use.
     let mut plan = Plan { desc, layouts, algo: unsafe { std::mem::zeroed() }, weight_is_a };
     set_desc(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &op_a)?;
     set_desc(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &op_b)?;
