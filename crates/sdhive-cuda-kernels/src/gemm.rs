@@ -35,11 +35,9 @@ fn lt_err(e: CublasError, what: &str) -> candle_core::Error {
 /// One shape's product description, layouts and algorithm.
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
-    /// A, B, C, D.
-    layouts: [sys::cublasLtMatrixLayout_t; 4],
+    /// A, B, and C and D (the residual and the output share one layout).
+    layouts: [sys::cublasLtMatrixLayout_t; 3],
     algo: sys::cublasLtMatmulAlgo_t,
-    /// Whether A is the weight (output tokens) or the activations (output channels-first).
-    weight_is_a: bool,
 }
 
 impl Drop for Plan {
@@ -143,28 +141,25 @@ fn make_plan(handle: sys::cublasLtHandle_t, key: &Key) -> Result<Plan> {
                 // Tokens of every sample are one matrix: no batching needed.
                 let a = layout(ty, (k, n, k), 1, 0)?;
                 let bl = layout(ty, (k, b * s, k), 1, 0)?;
-                let d = layout(ty, (n, b * s, n), 1, 0)?;
-                let c = layout(ty, (n, b * s, n), 1, 0)?;
-                ((t, nt), [a, bl, c, d], true)
+                let cd = layout(ty, (n, b * s, n), 1, 0)?;
+                ((t, nt), [a, bl, cd])
             }
             (Side::ChannelsFirst, Side::Tokens) => {
                 let a = layout(ty, (k, n, k), b, 0)?;
                 let bl = layout(ty, (s, k, s), b, s * k)?;
-                let d = layout(ty, (n, s, n), b, n * s)?;
-                let c = layout(ty, (n, s, n), b, n * s)?;
-                ((t, t), [a, bl, c, d], true)
+                let cd = layout(ty, (n, s, n), b, n * s)?;
+                ((t, t), [a, bl, cd])
             }
             (Side::Tokens, Side::ChannelsFirst) => {
                 let a = layout(ty, (k, s, k), b, s * k)?;
                 let bl = layout(ty, (k, n, k), b, 0)?;
-                let d = layout(ty, (s, n, s), b, n * s)?;
-                let c = layout(ty, (s, n, s), b, n * s)?;
-                ((t, nt), [a, bl, c, d], false)
+                let cd = layout(ty, (s, n, s), b, n * s)?;
+                ((t, nt), [a, bl, cd])
             }
             (Side::ChannelsFirst, Side::ChannelsFirst) => unreachable!("refused by linear()"),
         })
     })();
-    let ((op_a, op_b), layouts, weight_is_a) = match made {
+    let ((op_a, op_b), layouts) = match made {
         Ok(m) => m,
         Err(e) => {
             // SAFETY: created above, not used elsewhere.
@@ -174,7 +169,7 @@ fn make_plan(handle: sys::cublasLtHandle_t, key: &Key) -> Result<Plan> {
     };
     // The plan owns the descriptors from here, so every early return below destroys them.
     // SAFETY: the algorithm is plain data (an array of integers), replaced by the heuristic's before any use.
-    let mut plan = Plan { desc, layouts, algo: unsafe { std::mem::zeroed() }, weight_is_a };
+    let mut plan = Plan { desc, layouts, algo: unsafe { std::mem::zeroed() } };
     set_desc(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &op_a)?;
     set_desc(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &op_b)?;
     if bias {
@@ -195,7 +190,7 @@ fn make_plan(handle: sys::cublasLtHandle_t, key: &Key) -> Result<Plan> {
             std::mem::size_of::<u64>(),
         )
         .and_then(|()| {
-            lt::get_matmul_algo_heuristic(handle, desc, layouts[0], layouts[1], layouts[2], layouts[3], pref)
+            lt::get_matmul_algo_heuristic(handle, desc, layouts[0], layouts[1], layouts[2], layouts[2], pref)
         })
     };
     // SAFETY: created above, used only for the query.
@@ -289,10 +284,11 @@ fn launch<T: CudaDType + DeviceRepr>(
                 &ptr,
             )?;
         }
-        let (a, b) = if plan.weight_is_a { (wp, xp) } else { (xp, wp) };
+        // Into tokens the weight is A; into channels-first the activations are (see `make_plan`).
+        let (a, b) = if key.3 == Side::Tokens { (wp, xp) } else { (xp, wp) };
         let (alpha, beta) = (1f32, if rp.is_some() { 1f32 } else { 0f32 });
         let c = rp.as_ref().map_or(dp, |(p, _)| *p);
-        let [al, bl, cl, dl] = plan.layouts;
+        let [al, bl, cdl] = plan.layouts;
         // SAFETY: the layouts were made for exactly these shapes and this storage type; every buffer is
         // contiguous at its offset and lives until the guards above drop, after the launch is queued.
         unsafe {
@@ -306,9 +302,9 @@ fn launch<T: CudaDType + DeviceRepr>(
                 b as *const c_void,
                 bl,
                 c as *const c_void,
-                cl,
+                cdl,
                 dp as *mut c_void,
-                dl,
+                cdl,
                 &plan.algo,
                 wsp as *mut c_void,
                 WORKSPACE,

@@ -28,10 +28,13 @@ pub enum Side {
     ChannelsFirst,
 }
 
-/// Whether the switch `var` is on (anything but `0`, unset included).
+/// Whether the environment switch `$var` is on (anything but `0`, unset included), read once per process.
 #[cfg(feature = "cuda")]
-fn switched_on(var: &str) -> bool {
-    std::env::var(var).map_or(true, |v| v != "0")
+macro_rules! switched_on {
+    ($var:literal) => {{
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| std::env::var($var).map_or(true, |v| v != "0"))
+    }};
 }
 
 /// Whether the kernels can take these tensors. `SDHIVE_FUSED_KERNELS=0` in the environment turns them off (to
@@ -40,10 +43,8 @@ pub fn applies(tensors: &[&Tensor]) -> bool {
     #[cfg(feature = "cuda")]
     {
         use candle_core::DType;
-        static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let enabled = *ENABLED.get_or_init(|| switched_on("SDHIVE_FUSED_KERNELS"));
         let Some(first) = tensors.first() else { return false };
-        enabled
+        switched_on!("SDHIVE_FUSED_KERNELS")
             && first.device().is_cuda()
             && tensors.iter().all(|t| {
                 t.device().same_device(first.device())
@@ -119,8 +120,7 @@ pub fn attention_fused_on(device: &candle_core::Device, dtype: candle_core::DTyp
 
 #[cfg(feature = "cuda")]
 fn attention_enabled() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENABLED.get_or_init(|| switched_on("SDHIVE_FUSED_KERNELS") && switched_on("SDHIVE_FUSED_ATTENTION"))
+    switched_on!("SDHIVE_FUSED_KERNELS") && switched_on!("SDHIVE_FUSED_ATTENTION")
 }
 
 /// `softmax(q kᵀ · scale) v` per head on the projections' `(B, S, H·D)` layout (any batch and row strides),
@@ -207,8 +207,7 @@ pub fn linear(
 pub fn linear_applies(tensors: &[&Tensor]) -> bool {
     #[cfg(feature = "cuda")]
     {
-        static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        applies(tensors) && *ENABLED.get_or_init(|| switched_on("SDHIVE_FUSED_LINEAR"))
+        applies(tensors) && switched_on!("SDHIVE_FUSED_LINEAR")
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -247,9 +246,8 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
 pub fn conv2d(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
     #[cfg(feature = "cudnn")]
     {
-        static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let pointwise = weight.dims().get(2..) == Some(&[1, 1][..]) && stride == 1 && padding == 0;
-        if !pointwise && cudnn::applies(x) && *ENABLED.get_or_init(|| switched_on("SDHIVE_CUDNN")) {
+        if !pointwise && cudnn::applies(x) && switched_on!("SDHIVE_CUDNN") {
             return cudnn::conv2d(x, weight, stride, padding);
         }
     }
