@@ -9,7 +9,8 @@
 # `kernels` runs sdhive-cuda-kernels-tests; `levers` times the SD1.5 UNet step and VAE decode (and the SDXL step)
 # with sdhive-bench-base (a build before the levers, when the tar has it), without the fused kernels
 # (SDHIVE_FUSED_KERNELS=0), without the fused attention (SDHIVE_FUSED_ATTENTION=0), without the cuBLASLt linears
-# (SDHIVE_FUSED_LINEAR=0) and with everything (a --cudnn build: with cuDNN; SDHIVE_CUDNN=0 turns it off). `placement` and
+# (SDHIVE_FUSED_LINEAR=0), with NCHW maps instead of channels-last (SDHIVE_CHANNELS_LAST=0) and with everything (a
+# --cudnn build: with cuDNN; SDHIVE_CUDNN=0 turns it off). `placement` and
 # `memory` use the full-size SD1.5 with deterministic random weights (xtask/fixtures/gen_sd15_random.py, numpy);
 # `hive` also wants CARRY/sd-worker-vulkan.xz and the Vulkan loader and vulkaninfo as Debian packages in
 # CARRY/debs.
@@ -57,14 +58,15 @@ if has kernels; then
     step "fused CUDA kernels against candle's ops"
     timeout 120 "$B/sdhive-cuda-kernels-tests" --test-threads 1 --nocapture >/tmp/kernels.log 2>&1
     echo "exit status $?" >>/tmp/kernels.log
-    grep -E "rel diff|test result|panicked|exit status" /tmp/kernels.log | tee -a "$L"
+    cp /tmp/kernels.log "$OUT/kernels.log"
+    grep -E -A1 "rel diff|test result|panicked|exit status" /tmp/kernels.log | grep -v "^--" | tee -a "$L"
 fi
 
 if has levers; then
     # name | binary | environment (each switch turns one lever off).
     for v in "base|sdhive-bench-base|" "kernels-off|sdhive-bench|SDHIVE_FUSED_KERNELS=0 SDHIVE_FUSED_ATTENTION=0" \
         "attention-off|sdhive-bench|SDHIVE_FUSED_ATTENTION=0" "linear-off|sdhive-bench|SDHIVE_FUSED_LINEAR=0" \
-        "all|sdhive-bench|"; do
+        "channels-last-off|sdhive-bench|SDHIVE_CHANNELS_LAST=0" "all|sdhive-bench|"; do
         IFS='|' read -r name exe envs <<<"$v"
         [ -x "$B/$exe" ] || continue
         step "lever $name: SD1.5 UNet b2 512² + VAE decode 512², f16"

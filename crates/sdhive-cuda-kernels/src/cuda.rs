@@ -179,6 +179,8 @@ struct AddChannel {
     inner: usize,
     /// `channels` for a per-sample `add`, 0 for a bias shared by every sample.
     add_batch_stride: usize,
+    /// Channels-last (`inner` 1): rows of `channels` values per sample.
+    rows_per_sample: usize,
 }
 
 fn add_channel_launch<T: CudaDType + DeviceRepr>(
@@ -205,7 +207,14 @@ fn add_channel_launch<T: CudaDType + DeviceRepr>(
         None => a.arg(&null),
     };
     a.arg(&out);
-    builder_arg!(a, n, op.channels as u32, op.inner as u32, op.add_batch_stride as u32);
+    builder_arg!(
+        a,
+        n,
+        op.channels as u32,
+        op.inner as u32,
+        op.add_batch_stride as u32,
+        op.rows_per_sample.max(1) as u32
+    );
     let cfg = LaunchConfig { grid_dim: (grid_for(n), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the arguments match the kernel's signature; a missing residual is the null pointer it tests.
     unsafe { a.launch(cfg) }.w()?;
@@ -268,7 +277,7 @@ pub fn add_channel(y: &Tensor, add: &Tensor, residual: Option<&Tensor>, last_dim
     let dims = y.dims();
     let (channels, inner, samples) = if last_dim {
         let c = *dims.last().unwrap_or(&0);
-        (c, 1, 1)
+        (c, 1, if dims.len() >= 2 { dims[0] } else { 1 })
     } else {
         if dims.len() < 2 {
             bail!("add_channel: input {dims:?} has no channel dimension");
@@ -281,20 +290,232 @@ pub fn add_channel(y: &Tensor, add: &Tensor, residual: Option<&Tensor>, last_dim
             bail!("add_channel: {:?} does not fit {dims:?}", add.dims())
         }
         1 => 0,
-        r if r == samples && !last_dim => channels,
+        r if r == samples => channels,
         _ => bail!("add_channel: {:?} does not fit {dims:?}", add.dims()),
     };
+    let rows_per_sample = if last_dim { y.elem_count() / (samples * channels).max(1) } else { 1 };
     if let Some(r) = residual {
         if r.dims() != dims {
             bail!("add_channel: residual {:?} differs from {dims:?}", r.dims());
         }
     }
-    let op = AddChannel { channels, inner, add_batch_stride };
+    let op = AddChannel { channels, inner, add_batch_stride, rows_per_sample };
     let add = add.flatten_all()?;
     match residual {
         Some(r) => y.apply_op3_no_bwd(&add, r, &op),
         None => y.apply_op2_no_bwd(&add, &op),
     }
+}
+
+/// GroupNorm over channels-last `(N, …, C)` maps (three launches: per-chunk moments, per-group statistics, the
+/// normalisation). Needs `C` a multiple of 16 bytes' worth of values, at most [`MAX_LAST_CHANNELS`].
+struct GroupNormLast {
+    groups: usize,
+    eps: f32,
+    silu: bool,
+}
+
+fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
+    op: &GroupNormLast,
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    b: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    let dev: &CudaDevice = x.0.device();
+    let dims = x.1.dims();
+    let samples = dims[0];
+    let channels = dims[dims.len() - 1];
+    let n = x.1.shape().elem_count();
+    let pixels = n / (samples * channels);
+    let nvec = channels / (16 / std::mem::size_of::<T>());
+    let lanes = (THREADS as usize / nvec).max(1);
+    // Enough blocks to fill the GPU, each thread reading a handful of pixels.
+    let chunks = pixels.div_ceil(lanes * 8).clamp(1, 128);
+    let sfx = suffix(x.0.dtype())?;
+    let xs = contiguous::<T>(x.0, x.1, "group_norm input")?;
+    let ws = contiguous::<T>(w.0, w.1, "group_norm weight")?;
+    let bs = contiguous::<T>(b.0, b.1, "group_norm bias")?;
+    // SAFETY: every element is written by the stats kernel before the finalize kernel reads it.
+    let partial: CudaSlice<f32> = unsafe { dev.alloc::<f32>(samples * chunks * op.groups * 3)? };
+    // SAFETY: written in full by the finalize kernel.
+    let stats: CudaSlice<f32> = unsafe { dev.alloc::<f32>(samples * op.groups * 2)? };
+    // SAFETY: written in full by the apply kernel.
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
+    let func = dev.get_or_load_custom_func(&format!("gn_stats_nhwc_{sfx}"), MODULE, PTX)?;
+    let mut a = func.builder();
+    a.arg(&xs);
+    a.arg(&partial);
+    builder_arg!(a, pixels as u32, channels as u32, op.groups as u32, chunks as u32);
+    let vec = 16 / std::mem::size_of::<T>();
+    let cfg = LaunchConfig {
+        grid_dim: (chunks as u32, samples as u32, 1),
+        block_dim: ((lanes * nvec) as u32, 1, 1),
+        // One (count, mean, M2) per channel and lane.
+        shared_mem_bytes: (lanes * nvec * vec * 12) as u32,
+    };
+    // SAFETY: the arguments match the kernel's signature; the buffers hold the sizes computed above.
+    unsafe { a.launch(cfg) }.w()?;
+    let func = dev.get_or_load_custom_func("gn_finalize_nhwc", MODULE, PTX)?;
+    let mut a = func.builder();
+    a.arg(&partial);
+    a.arg(&stats);
+    builder_arg!(a, samples as u32, op.groups as u32, chunks as u32, op.eps);
+    // One warp per (sample, group).
+    let warps = (samples * op.groups) as u32;
+    let cfg =
+        LaunchConfig { grid_dim: (warps.div_ceil(8), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: as above.
+    unsafe { a.launch(cfg) }.w()?;
+    let func = dev.get_or_load_custom_func(&format!("gn_apply_nhwc_{sfx}"), MODULE, PTX)?;
+    let mut a = func.builder();
+    a.arg(&xs);
+    a.arg(&ws);
+    a.arg(&bs);
+    a.arg(&out);
+    a.arg(&stats);
+    builder_arg!(a, n, pixels as u32, channels as u32, op.groups as u32, i32::from(op.silu));
+    let vectors = n / (16 / std::mem::size_of::<T>());
+    let cfg =
+        LaunchConfig { grid_dim: (grid_for(vectors), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: as above.
+    unsafe { a.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+normalisation_op!(GroupNormLast, "sdhive-group-norm-channels-last", group_norm_last_launch);
+
+/// The most channels the channels-last GroupNorm takes: its per-channel moments of one pixel lane fill 48 KiB of
+/// shared memory (the networks' widest map is 2560 channels, an up block's input).
+pub const MAX_LAST_CHANNELS: usize = 4096;
+
+/// Whether channels-last `x` suits the 16-byte kernels: its last dimension whole 16-byte vectors, at most
+/// [`MAX_LAST_CHANNELS`], and the data 16-byte aligned.
+pub fn channels_last_fits(x: &Tensor) -> bool {
+    let vec = 16 / x.dtype().size_in_bytes().max(1);
+    let c = x.dims().last().copied().unwrap_or(0);
+    x.rank() >= 3 && c > 0 && c.is_multiple_of(vec) && c <= MAX_LAST_CHANNELS && aligned16(x)
+}
+
+/// Whether the tensor's first element sits at a 16-byte boundary of its buffer (buffers themselves are).
+fn aligned16(x: &Tensor) -> bool {
+    (x.layout().start_offset() * x.dtype().size_in_bytes()).is_multiple_of(16)
+}
+
+pub fn group_norm_last(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    groups: usize,
+    eps: f64,
+    silu: bool,
+) -> Result<Tensor> {
+    let dims = x.dims();
+    let c = dims.last().copied().unwrap_or(0);
+    if !channels_last_fits(x) || groups == 0 || !c.is_multiple_of(groups) {
+        bail!(
+            "group_norm (channels-last): input {dims:?} cannot be split into {groups} groups of 16-byte runs"
+        );
+    }
+    if weight.elem_count() != c || bias.elem_count() != c {
+        bail!("group_norm: weight/bias must have {c} values");
+    }
+    let op = GroupNormLast { groups, eps: eps as f32, silu };
+    x.apply_op3_no_bwd(&weight.flatten_all()?, &bias.flatten_all()?, &op)
+}
+
+/// Nearest-neighbour ×2 of channels-last `(N, H, W, C)`.
+struct Upsample2xLast;
+
+fn upsample_last_launch<T: CudaDType + DeviceRepr>(x: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
+    let dev: &CudaDevice = x.device();
+    let (b, h, w, c) = l.shape().dims4()?;
+    let n = b * 4 * h * w * c;
+    let xs = contiguous::<T>(x, l, "upsample input")?;
+    // SAFETY: written in full by the kernel.
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
+    let func =
+        dev.get_or_load_custom_func(&format!("upsample2x_nhwc_{}", suffix(x.dtype())?), MODULE, PTX)?;
+    let mut a = func.builder();
+    a.arg(&xs);
+    a.arg(&out);
+    builder_arg!(a, h as u32, w as u32, c as u32, n);
+    let vectors = n / (16 / std::mem::size_of::<T>());
+    let cfg =
+        LaunchConfig { grid_dim: (grid_for(vectors), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's signature.
+    unsafe { a.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+impl CustomOp1 for Upsample2xLast {
+    fn name(&self) -> &'static str {
+        "sdhive-upsample2x-channels-last"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        cpu_only(self.name())
+    }
+
+    fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let out = by_dtype!(x.dtype(), upsample_last_launch(x, l))?;
+        let (b, h, w, c) = l.shape().dims4()?;
+        Ok((out, Shape::from((b, 2 * h, 2 * w, c))))
+    }
+}
+
+pub fn upsample2x_last(x: &Tensor) -> Result<Tensor> {
+    if x.rank() != 4 || !channels_last_fits(x) {
+        bail!("upsample (channels-last): input {:?} does not suit the 16-byte kernel", x.dims());
+    }
+    x.apply_op1_no_bwd(&Upsample2xLast)
+}
+
+/// Batched transpose of `(B, M, N)` to `(B, N, M)`.
+struct Transpose;
+
+fn transpose_launch<T: CudaDType + DeviceRepr>(x: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
+    let dev: &CudaDevice = x.device();
+    let (b, m, n) = l.shape().dims3()?;
+    let xs = contiguous::<T>(x, l, "transpose input")?;
+    // SAFETY: written in full by the kernel.
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(b * m * n)? };
+    let func = dev.get_or_load_custom_func(&format!("transpose_{}", suffix(x.dtype())?), MODULE, PTX)?;
+    let mut a = func.builder();
+    a.arg(&xs);
+    a.arg(&out);
+    builder_arg!(a, m as u32, n as u32);
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(32) as u32, m.div_ceil(32) as u32, b as u32),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature.
+    unsafe { a.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+impl CustomOp1 for Transpose {
+    fn name(&self) -> &'static str {
+        "sdhive-transpose"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        cpu_only(self.name())
+    }
+
+    fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let out = by_dtype!(x.dtype(), transpose_launch(x, l))?;
+        let (b, m, n) = l.shape().dims3()?;
+        Ok((out, Shape::from((b, n, m))))
+    }
+}
+
+pub fn transpose_last2(x: &Tensor) -> Result<Tensor> {
+    let (b, m, n) = x.dims3()?;
+    if b > 65_535 || m.div_ceil(32) > 65_535 || m * n > u32::MAX as usize {
+        bail!("transpose: {:?} is too large for one launch", x.dims());
+    }
+    x.apply_op1_no_bwd(&Transpose)
 }
 
 struct Softmax;

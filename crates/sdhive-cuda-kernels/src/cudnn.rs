@@ -3,7 +3,8 @@
 //! [`crate::tf32_convolutions`], TF32 tensor cores (PyTorch's default for cuDNN convolutions, which diffusers' upcast
 //! SDXL VAE runs on). The algorithm comes from cuDNN's heuristics; descriptors and algorithm are cached per shape,
 //! and one workspace per device only grows (candle's own cuDNN path asks for f16 accumulation and allocates a
-//! zeroed workspace on every call). No im2col buffer: the f32 VAE at 1024² would need gigabytes for one.
+//! zeroed workspace on every call). No im2col buffer: the f32 VAE at 1024² would need gigabytes for one. Maps and
+//! filters are NCHW / KCRS, or channels-last NHWC / KRSC ([`conv2d_channels_last`]).
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cudnn::{
@@ -19,8 +20,8 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// Device, dtype, TF32 allowed, input (N, C, H, W), filter (K, C, R, S), stride, padding.
-type Key = (DeviceId, DType, bool, [usize; 4], [usize; 4], usize, usize);
+/// Device, dtype, TF32 allowed, channels-last, input (N, C, H, W), filter (K, C, R, S), stride, padding.
+type Key = (DeviceId, DType, bool, bool, [usize; 4], [usize; 4], usize, usize);
 
 /// A shape's descriptors and algorithm, for one storage type.
 struct Plan<T> {
@@ -100,10 +101,15 @@ fn make_plan<T: Storage>(
         _ => sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
     };
     conv.set_math_type(math)?;
-    let nchw = sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
-    let xd = cudnn.create_4d_tensor::<T>(nchw, x.map(i))?;
-    let wd = cudnn.create_4d_filter::<T>(nchw, w.map(i))?;
-    let yd = cudnn.create_4d_tensor::<T>(nchw, op.out_dims(x, w).map(i))?;
+    // Descriptors take logical (N, C, H, W) / (K, C, R, S) sizes whatever the format.
+    let format = if op.channels_last {
+        sys::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC
+    } else {
+        sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW
+    };
+    let xd = cudnn.create_4d_tensor::<T>(format, x.map(i))?;
+    let wd = cudnn.create_4d_filter::<T>(format, w.map(i))?;
+    let yd = cudnn.create_4d_tensor::<T>(format, op.out_dims(x, w).map(i))?;
     let fwd = ConvForward { conv: &conv, x: &xd, w: &wd, y: &yd };
     let algo = fwd.pick_algorithm()?;
     let workspace = fwd.get_workspace_size(algo)?;
@@ -113,19 +119,31 @@ fn make_plan<T: Storage>(
 struct Conv {
     stride: usize,
     padding: usize,
+    /// Input (N, H, W, C), filter (K, R, S, C) and output (N, H, W, K) in memory, instead of NCHW / KCRS.
+    channels_last: bool,
 }
 
 impl Conv {
-    /// The NCHW output of input `x` (N, C, H, W) and filter `w` (K, C, R, S).
+    /// The logical (N, K, H, W) output of logical input `x` (N, C, H, W) and filter `w` (K, C, R, S).
     fn out_dims(&self, x: [usize; 4], w: [usize; 4]) -> [usize; 4] {
         let out = |len: usize, k: usize| (len + 2 * self.padding - k) / self.stride + 1;
         [x[0], w[0], out(x[2], w[2]), out(x[3], w[3])]
     }
-}
 
-fn dims4(l: &Layout) -> Result<[usize; 4]> {
-    let (a, b, c, d) = l.shape().dims4()?;
-    Ok([a, b, c, d])
+    /// A tensor's logical (N, C, H, W) sizes from its shape in memory.
+    fn logical(&self, l: &Layout) -> Result<[usize; 4]> {
+        let (a, b, c, d) = l.shape().dims4()?;
+        Ok(if self.channels_last { [a, d, b, c] } else { [a, b, c, d] })
+    }
+
+    /// The shape in memory of logical (N, C, H, W) sizes.
+    fn physical(&self, [n, c, h, w]: [usize; 4]) -> [usize; 4] {
+        if self.channels_last {
+            [n, h, w, c]
+        } else {
+            [n, c, h, w]
+        }
+    }
 }
 
 fn launch<T: Storage>(
@@ -137,10 +155,10 @@ fn launch<T: Storage>(
     let (Some((xs, _)), Some((ws, _))) = (x.1.contiguous_offsets(), w.1.contiguous_offsets()) else {
         bail!("cuDNN convolution: input and filter must be contiguous")
     };
-    let (xdims, wdims) = (dims4(x.1)?, dims4(w.1)?);
+    let (xdims, wdims) = (op.logical(x.1)?, op.logical(w.1)?);
     let ydims = op.out_dims(xdims, wdims);
     let tf32 = x.0.dtype() == DType::F32 && crate::tf32_allowed();
-    let key: Key = (dev.id(), x.0.dtype(), tf32, xdims, wdims, op.stride, op.padding);
+    let key: Key = (dev.id(), x.0.dtype(), tf32, op.channels_last, xdims, wdims, op.stride, op.padding);
     let xv = x.0.as_cuda_slice::<T>()?.slice(xs..);
     let wv = w.0.as_cuda_slice::<T>()?.slice(ws..);
     // SAFETY: cuDNN writes every output element (beta = 0).
@@ -199,7 +217,7 @@ impl CustomOp2 for Conv {
         w: &CudaStorage,
         wl: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let shape = Shape::from(self.out_dims(dims4(xl)?, dims4(wl)?).to_vec());
+        let shape = Shape::from(self.physical(self.out_dims(self.logical(xl)?, self.logical(wl)?)).to_vec());
         let y = match x.dtype() {
             DType::F16 => launch::<f16>(self, (x, xl), (w, wl))?,
             DType::BF16 => launch::<bf16>(self, (x, xl), (w, wl))?,
@@ -225,5 +243,21 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Res
             weight.dims()
         );
     }
-    x.apply_op2_no_bwd(weight, &Conv { stride, padding })
+    x.apply_op2_no_bwd(weight, &Conv { stride, padding, channels_last: false })
+}
+
+/// [`conv2d`] on channels-last tensors: input (N, H, W, C), filter (K, R, S, C), output (N, Ho, Wo, K). cuDNN's
+/// tensor-core kernels work in this layout, so nothing is transposed on the way (NCHW calls transpose the input,
+/// the filter and the output every time).
+pub fn conv2d_channels_last(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
+    let (_, h, w, c) = x.dims4()?;
+    let (_, r, s, wc) = weight.dims4()?;
+    if wc != c || h + 2 * padding < r || w + 2 * padding < s || stride == 0 {
+        bail!(
+            "conv2d (channels-last): input {:?} and filter {:?} do not fit (stride {stride}, padding {padding})",
+            x.dims(),
+            weight.dims()
+        );
+    }
+    x.apply_op2_no_bwd(weight, &Conv { stride, padding, channels_last: true })
 }

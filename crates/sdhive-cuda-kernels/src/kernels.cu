@@ -108,12 +108,12 @@ __device__ void gn_apply(const T *x, const T *w, const T *b, T *out, const float
 }
 
 // out = y + add[sample, c] (+ residual): a per-channel bias (add_batch_stride 0) or a per-sample, per-channel
-// term, over NCHW (inner = H·W) or channels-last (inner = 1) layouts. When every 16-byte group of values shares
+// term, over NCHW (inner = H·W) or channels-last (inner = 1, rows_per_sample = H·W pixel rows per sample) layouts. When every 16-byte group of values shares
 // one channel (NCHW) or covers whole channels of one sample (channels-last), and the pointers allow it, each thread
 // moves 16 bytes per load and store and does the index arithmetic once per group.
 template <typename T>
 __device__ void add_channel(const T *y, const T *add, const T *residual, T *out, size_t n, uint32_t channels,
-                            uint32_t inner, uint32_t add_batch_stride) {
+                            uint32_t inner, uint32_t add_batch_stride, uint32_t rows_per_sample) {
     constexpr uint32_t VEC = 16 / sizeof(T);
     const size_t start = blockIdx.x * (size_t)blockDim.x + threadIdx.x, step = (size_t)gridDim.x * blockDim.x;
     const uintptr_t addr = reinterpret_cast<uintptr_t>(y) | reinterpret_cast<uintptr_t>(out) |
@@ -127,7 +127,7 @@ __device__ void add_channel(const T *y, const T *add, const T *residual, T *out,
             const T *ye = reinterpret_cast<const T *>(&yv), *re = reinterpret_cast<const T *>(&rv);
             T *oe = reinterpret_cast<T *>(&ov);
             if (last) {
-                const size_t sample = e / channels;
+                const size_t sample = e / channels / rows_per_sample;
                 const uint4 av = *reinterpret_cast<const uint4 *>(add + sample * add_batch_stride + e % channels);
                 const T *ae = reinterpret_cast<const T *>(&av);
 #pragma unroll
@@ -147,10 +147,153 @@ __device__ void add_channel(const T *y, const T *add, const T *residual, T *out,
     for (size_t i = start; i < n; i += step) {
         size_t ci = i / inner;
         uint32_t c = (uint32_t)(ci % channels);
-        size_t sample = ci / channels;
+        size_t sample = ci / channels / (inner == 1 ? rows_per_sample : 1);
         float v = to_f(y[i]) + to_f(add[sample * add_batch_stride + c]);
         if (residual) v += to_f(residual[i]);
         out[i] = from_f<T>(v);
+    }
+}
+
+// GroupNorm over channels-last (N, H·W, C) maps, where a group's values are short runs of C/groups channels in
+// every pixel row. Pass 1: block (chunk, sample) reads a run of pixel rows whole, 16 bytes per thread (coalesced);
+// each thread keeps per-channel moments of its VEC channels over its pixels, the block combines them per channel
+// in shared memory (lanes · C moments, dynamic) and then per group, and writes
+// partial[((sample * chunks) + chunk) * groups + g]. The thread layout is (pixel lane, channel vector):
+// blockDim.x = lanes · C / VEC.
+template <typename T>
+__device__ void gn_stats_nhwc(const T *x, float *partial, uint32_t pixels, uint32_t channels, uint32_t groups,
+                              uint32_t chunks) {
+    constexpr uint32_t VEC = 16 / sizeof(T);
+    extern __shared__ Moments ch[];
+    const uint32_t nvec = channels / VEC, lanes = blockDim.x / nvec;
+    const uint32_t v = threadIdx.x % nvec, lane = threadIdx.x / nvec;
+    const size_t sample = blockIdx.y;
+    const uint32_t per = (pixels + chunks - 1) / chunks;
+    const uint32_t start = blockIdx.x * per, end = min(start + per, pixels);
+    Moments m[VEC];
+#pragma unroll
+    for (uint32_t j = 0; j < VEC; j++) m[j] = Moments{0.f, 0.f, 0.f};
+    if (lane < lanes) {
+        const T *base = x + sample * (size_t)pixels * channels + v * VEC;
+        for (uint32_t p = start + lane; p < end; p += lanes) {
+            const uint4 raw = *reinterpret_cast<const uint4 *>(base + (size_t)p * channels);
+            const T *e = reinterpret_cast<const T *>(&raw);
+#pragma unroll
+            for (uint32_t j = 0; j < VEC; j++) {
+                float val = to_f(e[j]);
+                m[j].n += 1.f;
+                float d = val - m[j].mean;
+                m[j].mean += d / m[j].n;
+                m[j].m2 += d * (val - m[j].mean);
+            }
+        }
+    }
+    // Lane 0 of every channel vector gathers the other lanes' moments of the same channels.
+    if (lane < lanes && lane > 0) {
+#pragma unroll
+        for (uint32_t j = 0; j < VEC; j++) ch[(lane * nvec + v) * VEC + j] = m[j];
+    }
+    __syncthreads();
+    if (lane == 0) {
+        for (uint32_t l = 1; l < lanes; l++) {
+#pragma unroll
+            for (uint32_t j = 0; j < VEC; j++) m[j] = combine(m[j], ch[(l * nvec + v) * VEC + j]);
+        }
+#pragma unroll
+        for (uint32_t j = 0; j < VEC; j++) ch[v * VEC + j] = m[j];
+    }
+    __syncthreads();
+    const uint32_t per_group = channels / groups;
+    for (uint32_t g = threadIdx.x; g < groups; g += blockDim.x) {
+        Moments t{0.f, 0.f, 0.f};
+        for (uint32_t c = g * per_group; c < (g + 1) * per_group; c++) t = combine(t, ch[c]);
+        float *p = partial + ((sample * chunks + blockIdx.x) * groups + g) * 3;
+        p[0] = t.n;
+        p[1] = t.mean;
+        p[2] = t.m2;
+    }
+}
+
+// GroupNorm over channels-last maps, pass 2: one warp per (sample, group) combines its chunks' moments into
+// stats[(sample * groups + g) * 2 ..] = (mean, 1 / sqrt(var + eps)).
+__device__ void gn_finalize_nhwc_device(const float *partial, float *stats, uint32_t samples, uint32_t groups,
+                                        uint32_t chunks, float eps) {
+    const uint32_t i = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+    if (i >= samples * groups) return;
+    const uint32_t sample = i / groups, g = i % groups;
+    Moments m{0.f, 0.f, 0.f};
+    for (uint32_t k = lane; k < chunks; k += 32) {
+        const float *p = partial + (((size_t)sample * chunks + k) * groups + g) * 3;
+        m = combine(m, Moments{p[0], p[1], p[2]});
+    }
+    for (int o = 16; o > 0; o >>= 1) m = combine(m, shfl_xor(m, o));
+    if (lane == 0) {
+        stats[i * 2] = m.mean;
+        stats[i * 2 + 1] = rsqrtf(m.m2 / m.n + eps);
+    }
+}
+
+// GroupNorm over channels-last maps, pass 3: (x − mean) · rstd · w[c] + b[c] (then SiLU), 16 bytes per thread.
+template <typename T>
+__device__ void gn_apply_nhwc(const T *x, const T *w, const T *b, T *out, const float *stats, size_t n,
+                              uint32_t pixels, uint32_t channels, uint32_t groups, int silu) {
+    constexpr uint32_t VEC = 16 / sizeof(T);
+    const uint32_t per_group = channels / groups;
+    const size_t step = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n / VEC; i += step) {
+        const size_t e = i * VEC;
+        const uint32_t c0 = (uint32_t)(e % channels);
+        const size_t sample = e / channels / pixels;
+        const float *st = stats + sample * groups * 2;
+        const uint4 raw = reinterpret_cast<const uint4 *>(x)[i];
+        const T *xe = reinterpret_cast<const T *>(&raw);
+        uint4 res;
+        T *oe = reinterpret_cast<T *>(&res);
+#pragma unroll
+        for (uint32_t j = 0; j < VEC; j++) {
+            const uint32_t c = c0 + j, g = c / per_group;
+            float val = (to_f(xe[j]) - st[g * 2]) * st[g * 2 + 1] * to_f(w[c]) + to_f(b[c]);
+            if (silu) val = val / (1.f + expf(-val));
+            oe[j] = from_f<T>(val);
+        }
+        reinterpret_cast<uint4 *>(out)[i] = res;
+    }
+}
+
+// Nearest-neighbour ×2 upsampling of channels-last (N, H, W, C) maps, 16 bytes per thread: output pixel (y, x)
+// copies input pixel (y / 2, x / 2).
+template <typename T>
+__device__ void upsample2x_nhwc(const T *x, T *out, uint32_t h, uint32_t w, uint32_t channels, size_t n) {
+    constexpr uint32_t VEC = 16 / sizeof(T);
+    const uint32_t nvec = channels / VEC;
+    const size_t step = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n / VEC; i += step) {
+        const uint32_t v = (uint32_t)(i % nvec);
+        const size_t pix = i / nvec;
+        const uint32_t ox = (uint32_t)(pix % (2 * w));
+        const size_t rest = pix / (2 * w);
+        const uint32_t oy = (uint32_t)(rest % (2 * h));
+        const size_t sample = rest / (2 * h);
+        const size_t src = ((sample * h + oy / 2) * w + ox / 2) * nvec + v;
+        reinterpret_cast<uint4 *>(out)[i] = reinterpret_cast<const uint4 *>(x)[src];
+    }
+}
+
+// Batched transpose of (B, M, N) to (B, N, M) through 32×32 tiles in shared memory, so reads and writes are both
+// coalesced: NCHW ↔ channels-last at a network's edges (M, N = C, H·W or H·W, C). Block (32, 8), grid
+// (⌈N / 32⌉, ⌈M / 32⌉, B).
+template <typename T> __device__ void transpose_tiles(const T *x, T *out, uint32_t m, uint32_t n) {
+    __shared__ T tile[32][33];
+    const size_t base = (size_t)blockIdx.z * m * n;
+    const uint32_t c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
+    for (uint32_t r = threadIdx.y; r < 32; r += 8) {
+        const uint32_t row = r0 + r, col = c0 + threadIdx.x;
+        if (row < m && col < n) tile[r][threadIdx.x] = x[base + (size_t)row * n + col];
+    }
+    __syncthreads();
+    for (uint32_t r = threadIdx.y; r < 32; r += 8) {
+        const uint32_t row = c0 + r, col = r0 + threadIdx.x;
+        if (row < n && col < m) out[base + (size_t)row * m + col] = tile[threadIdx.x][r];
     }
 }
 
@@ -348,8 +491,25 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
         gn_apply<T>(x, w, b, out, partial, group_elems, chunks, channels_per_group, inner, groups, eps, silu);  \
     }                                                                                                           \
     extern "C" __global__ void add_channel_##S(const T *y, const T *add, const T *residual, T *out, size_t n,  \
-                                               uint32_t channels, uint32_t inner, uint32_t add_batch_stride) {  \
-        add_channel<T>(y, add, residual, out, n, channels, inner, add_batch_stride);                            \
+                                               uint32_t channels, uint32_t inner, uint32_t add_batch_stride,    \
+                                               uint32_t rows_per_sample) {                                      \
+        add_channel<T>(y, add, residual, out, n, channels, inner, add_batch_stride, rows_per_sample);           \
+    }                                                                                                           \
+    extern "C" __global__ void gn_stats_nhwc_##S(const T *x, float *partial, uint32_t pixels, uint32_t channels, \
+                                                 uint32_t groups, uint32_t chunks) {                            \
+        gn_stats_nhwc<T>(x, partial, pixels, channels, groups, chunks);                                         \
+    }                                                                                                           \
+    extern "C" __global__ void gn_apply_nhwc_##S(const T *x, const T *w, const T *b, T *out, const float *stats, \
+                                                 size_t n, uint32_t pixels, uint32_t channels, uint32_t groups, \
+                                                 int silu) {                                                    \
+        gn_apply_nhwc<T>(x, w, b, out, stats, n, pixels, channels, groups, silu);                               \
+    }                                                                                                           \
+    extern "C" __global__ void transpose_##S(const T *x, T *out, uint32_t m, uint32_t n) {                    \
+        transpose_tiles<T>(x, out, m, n);                                                                       \
+    }                                                                                                           \
+    extern "C" __global__ void upsample2x_nhwc_##S(const T *x, T *out, uint32_t h, uint32_t w, uint32_t channels, \
+                                                   size_t n) {                                                  \
+        upsample2x_nhwc<T>(x, out, h, w, channels, n);                                                          \
     }                                                                                                           \
     extern "C" __global__ void softmax_##S(const T *x, T *out, uint32_t rows, uint32_t cols) {                 \
         softmax_rows<T>(x, out, rows, cols);                                                                    \
@@ -366,6 +526,11 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
                                           uint32_t out_h, uint32_t out_w, size_t n) {                           \
         im2col_k_l<T>(x, col, channels, h, w, kh, kw, stride, pad, out_h, out_w, n);                            \
     }
+
+extern "C" __global__ void gn_finalize_nhwc(const float *partial, float *stats, uint32_t samples, uint32_t groups,
+                                            uint32_t chunks, float eps) {
+    gn_finalize_nhwc_device(partial, stats, samples, groups, chunks, eps);
+}
 
 INSTANTIATE(float, f32)
 INSTANTIATE(__half, f16)

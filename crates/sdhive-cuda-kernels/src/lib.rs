@@ -1,6 +1,7 @@
 //! Fused CUDA kernels for the networks' hot operations: GroupNorm (+SiLU), LayerNorm, per-channel
 //! bias / time-embedding / residual adds, row softmax, GEGLU, the im2col of the convolutions, and multi-head
-//! attention that never materialises its scores. Each replaces a chain of candle ops that made one pass
+//! attention that never materialises its scores; cuDNN convolutions and cuBLASLt linears; the channels-last
+//! (NHWC) variants of the map operations, and the NCHW ↔ NHWC transpose at a network's edges. Each replaces a chain of candle ops that made one pass
 //! over the tensor per op (several through candle's strided broadcast kernels). [`applies`] says when a call can
 //! take the element-wise ones: every tensor contiguous on one CUDA device, in f32, f16 or bf16;
 //! [`attention_applies`] the same for the attention. The callers (sdhive-models' ops) keep candle's ops as the
@@ -171,7 +172,8 @@ pub fn add_channel(y: &Tensor, add: &Tensor, residual: Option<&Tensor>) -> Resul
     }
 }
 
-/// `y + bias (+ residual)` with `bias` `(C)` along the last dimension of `y` (a linear layer's epilogue).
+/// `y + bias (+ residual)` with `bias` `(C)` along the last dimension of `y` (a linear layer's epilogue), or with
+/// a per-sample `(N, C)` term over channels-last `y` `(N, …, C)` (the ResNet time embedding).
 pub fn add_bias_last(y: &Tensor, bias: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     return cuda::add_channel(y, bias, residual, true);
@@ -179,6 +181,95 @@ pub fn add_bias_last(y: &Tensor, bias: &Tensor, residual: Option<&Tensor>) -> Re
     {
         let _ = (y, bias, residual);
         Err(unavailable())
+    }
+}
+
+/// Whether networks built on `device` in `dtype` keep their feature maps channels-last (NHWC, filters KRSC): a
+/// CUDA device, f16 or bf16, a build with cuDNN. cuDNN's tensor-core convolutions work in NHWC; fed NCHW they
+/// transpose input, filter and output on every call. `SDHIVE_CHANNELS_LAST=0` (or `SDHIVE_CUDNN=0`,
+/// `SDHIVE_FUSED_KERNELS=0`) keeps NCHW. Read once per process, so a network built channels-last stays so.
+pub fn channels_last_on(device: &candle_core::Device, dtype: candle_core::DType) -> bool {
+    #[cfg(feature = "cudnn")]
+    {
+        use candle_core::DType;
+        switched_on!("SDHIVE_FUSED_KERNELS")
+            && switched_on!("SDHIVE_CUDNN")
+            && switched_on!("SDHIVE_CHANNELS_LAST")
+            && device.is_cuda()
+            && matches!(dtype, DType::F16 | DType::BF16)
+    }
+    #[cfg(not(feature = "cudnn"))]
+    {
+        let _ = (device, dtype);
+        false
+    }
+}
+
+/// Whether the channels-last kernels ([`group_norm_channels_last`], [`upsample2x_channels_last`]) take `x`
+/// `(N, …, C)`: [`applies`], and `C` a whole number of 16-byte vectors, at most 4096 channels.
+pub fn channels_last_fits(x: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        applies(&[x]) && cuda::channels_last_fits(x)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = x;
+        false
+    }
+}
+
+/// GroupNorm over channels-last `(N, …, C)` (groups are runs of consecutive channels), statistics in f32;
+/// `silu` applies SiLU to the result. Call only where [`channels_last_fits`].
+pub fn group_norm_channels_last(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    groups: usize,
+    eps: f64,
+    silu: bool,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    return cuda::group_norm_last(x, weight, bias, groups, eps, silu);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (x, weight, bias, groups, eps, silu);
+        Err(unavailable())
+    }
+}
+
+/// `(B, M, N)` → `(B, N, M)`, contiguous (NCHW ↔ channels-last as `(B, C, H·W)` ↔ `(B, H·W, C)`) through shared-memory
+/// tiles, coalesced both ways. Call only where [`applies`].
+pub fn transpose_last2(x: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    return cuda::transpose_last2(x);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = x;
+        Err(unavailable())
+    }
+}
+
+/// Nearest-neighbour ×2 upsampling of channels-last `(N, H, W, C)`. Call only where [`channels_last_fits`].
+pub fn upsample2x_channels_last(x: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    return cuda::upsample2x_last(x);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = x;
+        Err(unavailable())
+    }
+}
+
+/// A convolution without bias on channels-last maps through cuDNN: input `(N, H, W, C)`, filter `(K, R, S, C)`,
+/// output `(N, Ho, Wo, K)`. Only with the `cudnn` feature (see [`channels_last_on`]).
+pub fn conv2d_channels_last(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
+    #[cfg(feature = "cudnn")]
+    return cudnn::conv2d_channels_last(x, weight, stride, padding);
+    #[cfg(not(feature = "cudnn"))]
+    {
+        let _ = (x, weight, stride, padding);
+        Err(candle_core::Error::Msg("sdhive-cuda-kernels was built without its cudnn feature".into()))
     }
 }
 

@@ -270,6 +270,126 @@ fn conv2d_matches_candle() {
     }
 }
 
+fn nhwc(x: &Tensor) -> Tensor {
+    x.permute((0, 2, 3, 1)).unwrap().contiguous().unwrap()
+}
+
+/// Channels-last GroupNorm against the NCHW reference on the same values: groups of 4, 10, 40 and 80 channels
+/// (runs shorter and longer than one 16-byte vector), many chunks per sample, an up block's 2560-channel input (one
+/// pixel lane per block), and a large offset.
+#[test]
+fn channels_last_group_norm_matches_the_reference() {
+    let dev = gpu();
+    for (shape, groups, offset) in [
+        ((2, 320, 9, 7), 32, 0.0),
+        ((1, 128, 64, 48), 32, 0.0),
+        ((2, 1280, 4, 4), 32, 0.0),
+        ((2, 2560, 8, 8), 32, 0.0),
+        ((2, 64, 40, 40), 16, 300.0),
+    ] {
+        let x = (Tensor::randn(0f32, 1.0, shape, &dev).unwrap() + offset).unwrap();
+        let w = Tensor::randn(1f32, 0.2, shape.1, &dev).unwrap();
+        let b = Tensor::randn(0f32, 0.2, shape.1, &dev).unwrap();
+        for dtype in DTYPES {
+            let (xd, wd, bd) =
+                (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap(), b.to_dtype(dtype).unwrap());
+            let xl = nhwc(&xd);
+            assert!(channels_last_fits(&xl), "{shape:?} {dtype:?}");
+            // With an offset of 300 one f32 input ulp is 3e-5 of the output's unit scale.
+            let tol = tol(dtype) * if offset > 0.0 { 2.0 } else { 1.0 };
+            for silu in [false, true] {
+                let ours = group_norm_channels_last(&xl, &wd, &bd, groups, 1e-5, silu).unwrap();
+                assert_eq!(ours.dims(), xl.dims());
+                let want = nhwc(&group_norm_reference(&xd, &wd, &bd, groups, 1e-5, silu));
+                let d = rel_diff(&ours, &want);
+                eprintln!(
+                    "group_norm channels-last {shape:?}/{groups} +{offset} {dtype:?} silu={silu}: rel diff {d:.2e}"
+                );
+                assert!(d <= tol, "group_norm channels-last {shape:?} {dtype:?} silu={silu}: {d}");
+            }
+        }
+    }
+    // Wider than the shared-memory moments allow: refused, not run out of bounds.
+    let wide = Tensor::zeros((1, 2, 2, 4104), DType::F16, &dev).unwrap();
+    let ones = Tensor::ones(4104, DType::F16, &dev).unwrap();
+    assert!(!channels_last_fits(&wide));
+    assert!(group_norm_channels_last(&wide, &ones, &ones, 8, 1e-5, false).is_err());
+}
+
+/// The NCHW ↔ channels-last transpose against candle's permute, on tile-aligned and ragged sizes.
+#[test]
+fn transpose_matches_permute() {
+    let dev = gpu();
+    for shape in [(2, 64, 96), (3, 37, 45), (1, 4, 4096)] {
+        let x = Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
+        for dtype in DTYPES {
+            let xd = x.to_dtype(dtype).unwrap();
+            let ours = transpose_last2(&xd).unwrap();
+            let want = xd.transpose(1, 2).unwrap().contiguous().unwrap();
+            assert_eq!(ours.dims(), want.dims());
+            assert_eq!(rel_diff(&ours, &want), 0.0, "transpose {shape:?} {dtype:?}");
+        }
+    }
+}
+
+/// Bias, per-sample term (the time embedding) and residual over channels-last maps; ×2 nearest upsampling.
+#[test]
+fn channels_last_adds_and_upsampling_match_candle() {
+    let dev = gpu();
+    let y = Tensor::randn(0f32, 1.0, (2, 5, 3, 64), &dev).unwrap();
+    let bias = Tensor::randn(0f32, 1.0, (1, 64), &dev).unwrap();
+    let per_sample = Tensor::randn(0f32, 1.0, (2, 64), &dev).unwrap();
+    let residual = Tensor::randn(0f32, 1.0, (2, 5, 3, 64), &dev).unwrap();
+    let x = Tensor::randn(0f32, 1.0, (2, 32, 5, 3), &dev).unwrap();
+    for dtype in DTYPES {
+        let c = |t: &Tensor| t.to_dtype(dtype).unwrap();
+        let (y, r) = (c(&y), c(&residual));
+        for add in [c(&bias), c(&per_sample)] {
+            let want = y.broadcast_add(&add.reshape((add.dim(0).unwrap(), 1, 1, 64)).unwrap()).unwrap();
+            let d = rel_diff(&add_bias_last(&y, &add, None).unwrap(), &want);
+            assert!(d <= tol(dtype), "channels-last add {:?} {dtype:?}: {d}", add.dims());
+            let d = rel_diff(&add_bias_last(&y, &add, Some(&r)).unwrap(), &(&want + &r).unwrap());
+            assert!(d <= 2.0 * tol(dtype), "channels-last add + residual {:?} {dtype:?}: {d}", add.dims());
+        }
+        let xd = c(&x);
+        let ours = upsample2x_channels_last(&nhwc(&xd)).unwrap();
+        let want = nhwc(&xd.upsample_nearest2d(10, 6).unwrap());
+        assert_eq!(ours.dims(), &[2, 10, 6, 32]);
+        assert_eq!(rel_diff(&ours, &want), 0.0, "upsample channels-last {dtype:?}");
+    }
+}
+
+/// cuDNN in NHWC with KRSC filters against candle's NCHW convolution in f32: padded, strided, odd sizes, and the
+/// channel counts of the networks' first layers.
+#[cfg(feature = "cudnn")]
+#[test]
+fn channels_last_conv2d_matches_candle() {
+    let dev = gpu();
+    for (x_shape, w_shape, stride, pad) in [
+        ((2, 8, 17, 13), (16, 8, 3, 3), 1, 1),
+        ((1, 32, 16, 16), (32, 32, 3, 3), 2, 1),
+        ((1, 32, 17, 15), (32, 32, 3, 3), 2, 0),
+        ((2, 320, 8, 8), (640, 320, 3, 3), 1, 1),
+    ] {
+        let x = Tensor::randn(0f32, 1.0, x_shape, &dev).unwrap();
+        let w = Tensor::randn(0f32, 0.1, w_shape, &dev).unwrap();
+        for dtype in DTYPES {
+            let (xd, wd) = (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap());
+            let want = xd
+                .to_dtype(DType::F32)
+                .unwrap()
+                .conv2d(&wd.to_dtype(DType::F32).unwrap(), pad, stride, 1, 1)
+                .unwrap();
+            let ours = conv2d_channels_last(&nhwc(&xd), &nhwc(&wd), stride, pad).unwrap();
+            let d = rel_diff(&ours, &nhwc(&want));
+            eprintln!(
+                "conv2d channels-last {x_shape:?} * {w_shape:?} s{stride} p{pad} {dtype:?}: rel diff {d:.2e}"
+            );
+            assert!(d <= 4.0 * tol(dtype), "conv2d channels-last {x_shape:?} {dtype:?}: {d}");
+        }
+    }
+}
+
 /// Plain attention in f32 from the same (rounded) inputs: split heads, scores, softmax, product, merge.
 fn attention_reference(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, scale: f64) -> Tensor {
     let split = |t: &Tensor| {

@@ -1,17 +1,18 @@
 //! Weight-holding building blocks shared by the networks: norms, convolutions, linears and the
 //! diffusers ResNet / down- / up-sampling blocks used by both the UNet and the VAE.
 
-use crate::ops::{self, ConvExtras, PreNorm};
+use crate::ops::{self, ConvExtras, MapLayout, PreNorm};
 use candle_core::{Result, Tensor};
-use candle_nn::{Conv2d, Conv2dConfig, Init, Linear, VarBuilder};
+use candle_nn::{Init, Linear, VarBuilder};
 
-/// GroupNorm with diffusers' names `weight`/`bias`.
+/// GroupNorm with diffusers' names `weight`/`bias`, over maps in its network's layout.
 #[derive(Debug, Clone)]
 pub struct GroupNorm {
     weight: Tensor,
     bias: Tensor,
     groups: usize,
     eps: f64,
+    layout: MapLayout,
 }
 
 impl GroupNorm {
@@ -24,16 +25,17 @@ impl GroupNorm {
             bias: vb.get_with_hints(channels, "bias", Init::Const(0.))?,
             groups,
             eps,
+            layout: MapLayout::of(&vb),
         })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        ops::group_norm(x, &self.weight, &self.bias, self.groups, self.eps)
+        ops::group_norm_map(x, &self.weight, &self.bias, (self.groups, self.eps), false, self.layout)
     }
 
     /// `silu(self.forward(x))`, fused.
     pub fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
-        ops::group_norm_silu(x, &self.weight, &self.bias, self.groups, self.eps)
+        ops::group_norm_map(x, &self.weight, &self.bias, (self.groups, self.eps), true, self.layout)
     }
 
     /// This norm (then SiLU) as a convolution's input stage.
@@ -72,6 +74,69 @@ pub fn linear(vb: VarBuilder, in_dim: usize, out_dim: usize, bias: bool) -> Resu
     }
 }
 
+/// A biased 2-D convolution (groups and dilation 1) whose filter matches the layout of the maps it reads:
+/// `(K, C, R, S)` for NCHW, `(K, R, S, C)` for channels-last.
+#[derive(Debug, Clone)]
+pub struct Conv2d {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    stride: usize,
+    padding: usize,
+    layout: MapLayout,
+}
+
+impl Conv2d {
+    /// From a `(K, C, R, S)` filter, stored for maps in `layout`.
+    pub fn new(
+        filter: Tensor,
+        bias: Option<Tensor>,
+        stride: usize,
+        padding: usize,
+        layout: MapLayout,
+    ) -> Result<Self> {
+        let weight = match layout {
+            MapLayout::ChannelsFirst => filter,
+            MapLayout::ChannelsLast => filter.permute((0, 2, 3, 1))?.contiguous()?,
+        };
+        Ok(Self { weight, bias, stride, padding, layout })
+    }
+
+    /// The filter as stored: `(K, C, R, S)` or, channels-last, `(K, R, S, C)`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    pub fn stride(&self) -> usize {
+        self.stride
+    }
+
+    pub fn padding(&self) -> usize {
+        self.padding
+    }
+
+    pub fn layout(&self) -> MapLayout {
+        self.layout
+    }
+
+    pub fn out_channels(&self) -> usize {
+        self.weight.dims().first().copied().unwrap_or(0)
+    }
+
+    /// The same convolution over NCHW maps.
+    pub fn channels_first(&self) -> Result<Self> {
+        let filter = match self.layout {
+            MapLayout::ChannelsFirst => self.weight.clone(),
+            MapLayout::ChannelsLast => self.weight.permute((0, 3, 1, 2))?.contiguous()?,
+        };
+        Ok(Self { weight: filter, layout: MapLayout::ChannelsFirst, ..self.clone() })
+    }
+}
+
+/// A convolution in the layout of the network `vb` builds (see [`MapLayout::of`]).
 pub fn conv2d(
     vb: VarBuilder,
     in_c: usize,
@@ -80,8 +145,38 @@ pub fn conv2d(
     stride: usize,
     padding: usize,
 ) -> Result<Conv2d> {
-    let cfg = Conv2dConfig { padding, stride, ..Default::default() };
-    candle_nn::conv2d(in_c, out_c, kernel, cfg, vb)
+    let layout = MapLayout::of(&vb);
+    conv2d_in(vb, in_c, out_c, kernel, stride, padding, layout)
+}
+
+/// A convolution over NCHW maps whatever the network keeps: the networks' first and last convolutions, whose
+/// 3–9 image or latent channels are NCHW outside.
+pub fn conv2d_nchw(
+    vb: VarBuilder,
+    in_c: usize,
+    out_c: usize,
+    kernel: usize,
+    stride: usize,
+    padding: usize,
+) -> Result<Conv2d> {
+    conv2d_in(vb, in_c, out_c, kernel, stride, padding, MapLayout::ChannelsFirst)
+}
+
+fn conv2d_in(
+    vb: VarBuilder,
+    in_c: usize,
+    out_c: usize,
+    kernel: usize,
+    stride: usize,
+    padding: usize,
+    layout: MapLayout,
+) -> Result<Conv2d> {
+    // candle_nn's initialisation hints, for builders that create the weights.
+    let filter =
+        vb.get_with_hints((out_c, in_c, kernel, kernel), "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
+    let bound = 1. / (in_c as f64).sqrt();
+    let bias = vb.get_with_hints(out_c, "bias", Init::Uniform { lo: -bound, up: bound })?;
+    Conv2d::new(filter, Some(bias), stride, padding, layout)
 }
 
 /// diffusers ResnetBlock2D (pre-norm, "default" time-embedding norm, SiLU).
@@ -194,7 +289,11 @@ impl Downsample2D {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if self.asymmetric_pad {
-            let x = x.pad_with_zeros(3, 0, 1)?.pad_with_zeros(2, 0, 1)?;
+            let h_dim = match self.conv.layout() {
+                MapLayout::ChannelsFirst => 2,
+                MapLayout::ChannelsLast => 1,
+            };
+            let x = x.pad_with_zeros(h_dim + 1, 0, 1)?.pad_with_zeros(h_dim, 0, 1)?;
             ops::conv2d(&self.conv, &x, ConvExtras::default())
         } else {
             ops::conv2d(&self.conv, x, ConvExtras::default())
@@ -214,13 +313,14 @@ impl Upsample2D {
     }
 
     pub fn forward(&self, x: &Tensor, size: Option<(usize, usize)>) -> Result<Tensor> {
-        let (_, _, h, w) = x.dims4()?;
+        let layout = self.conv.layout();
+        let (_, _, h, w) = layout.dims(x)?;
         let (th, tw) = size.unwrap_or((2 * h, 2 * w));
         if (th, tw) == (2 * h, 2 * w) {
-            // The convolution reads the input as if upsampled; nothing 4× larger is built.
+            // On the CPU the convolution reads the input as if upsampled; nothing 4× larger is built.
             return ops::conv2d(&self.conv, x, ConvExtras { upsample: true, ..Default::default() });
         }
-        let x = x.upsample_nearest2d(th, tw)?;
+        let x = layout.from_nchw(&layout.to_nchw(x)?.upsample_nearest2d(th, tw)?)?;
         ops::conv2d(&self.conv, &x, ConvExtras::default())
     }
 }

@@ -2,12 +2,86 @@
 //! normalisation, gated activations), each behind one small function: f32 on the CPU goes to the
 //! fused kernels of `crate::cpu`, contiguous tensors on a CUDA GPU to the fused kernels of
 //! `sdhive_cuda_kernels` (built with the `cuda` feature), everything else to candle's generic ops, kept
-//! here as the reference both sets of kernels are tested against.
+//! here as the reference both sets of kernels are tested against. Also the layout a network keeps its
+//! feature maps in ([`MapLayout`]).
 
 use crate::cpu;
-use candle_core::{DType, Module, Result, Tensor, D};
-use candle_nn::{Conv2d, Linear};
+use crate::layers::Conv2d;
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::Linear;
 use sdhive_cuda_kernels::{self as gpu, Side};
+
+/// How a network keeps its 4-D feature maps: NCHW, or channels-last NHWC where cuDNN's tensor-core convolutions
+/// run without transposing (a CUDA device in f16/bf16 with cuDNN; see `sdhive_cuda_kernels::channels_last_on`).
+/// Chosen when the network is built, from its device and dtype, and kept: its filters are stored to match.
+/// Networks take and return NCHW whatever they keep inside.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MapLayout {
+    ChannelsFirst,
+    ChannelsLast,
+}
+
+impl MapLayout {
+    /// The layout for a network built on `device` in `dtype`.
+    pub fn on(device: &Device, dtype: DType) -> Self {
+        if gpu::channels_last_on(device, dtype) {
+            MapLayout::ChannelsLast
+        } else {
+            MapLayout::ChannelsFirst
+        }
+    }
+
+    /// The layout for a network built from `vb`.
+    pub fn of(vb: &candle_nn::VarBuilder) -> Self {
+        Self::on(vb.device(), vb.dtype())
+    }
+
+    /// The dimension of a 4-D map that holds its channels.
+    pub fn channel_dim(self) -> usize {
+        match self {
+            MapLayout::ChannelsFirst => 1,
+            MapLayout::ChannelsLast => 3,
+        }
+    }
+
+    /// `(batch, channels, height, width)` of a 4-D map.
+    pub fn dims(self, x: &Tensor) -> Result<(usize, usize, usize, usize)> {
+        let (a, b, c, d) = x.dims4()?;
+        Ok(match self {
+            MapLayout::ChannelsFirst => (a, b, c, d),
+            MapLayout::ChannelsLast => (a, d, b, c),
+        })
+    }
+
+    /// An NCHW map in this layout.
+    pub fn from_nchw(self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            MapLayout::ChannelsFirst => Ok(x.clone()),
+            MapLayout::ChannelsLast => {
+                let (b, c, h, w) = x.dims4()?;
+                if gpu::applies(&[x]) {
+                    // candle's strided copy is several times slower for this permutation.
+                    return gpu::transpose_last2(&x.reshape((b, c, h * w))?)?.reshape((b, h, w, c));
+                }
+                x.permute((0, 2, 3, 1))?.contiguous()
+            }
+        }
+    }
+
+    /// A map in this layout as NCHW.
+    pub fn to_nchw(self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            MapLayout::ChannelsFirst => Ok(x.clone()),
+            MapLayout::ChannelsLast => {
+                let (b, h, w, c) = x.dims4()?;
+                if gpu::applies(&[x]) {
+                    return gpu::transpose_last2(&x.reshape((b, h * w, c))?)?.reshape((b, c, h, w));
+                }
+                x.permute((0, 3, 1, 2))?.contiguous()
+            }
+        }
+    }
+}
 
 /// Above this many attention-score elements per call we split the queries into chunks, so a
 /// large VAE attention (one head over every pixel) does not need gigabytes of scores at once.
@@ -153,6 +227,35 @@ pub fn multi_head_attention(
     merge_heads(&o, heads)
 }
 
+/// GroupNorm (then SiLU with `silu`) of a 4-D map in `layout`.
+pub fn group_norm_map(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    (groups, eps): (usize, f64),
+    silu: bool,
+    layout: MapLayout,
+) -> Result<Tensor> {
+    match layout {
+        MapLayout::ChannelsFirst if silu => group_norm_silu(x, weight, bias, groups, eps),
+        MapLayout::ChannelsFirst => group_norm(x, weight, bias, groups, eps),
+        MapLayout::ChannelsLast => {
+            if gpu::channels_last_fits(x) && gpu::applies(&[x, weight, bias]) {
+                return gpu::group_norm_channels_last(x, weight, bias, groups, eps, silu);
+            }
+            let nchw = group_norm_map(
+                &layout.to_nchw(x)?,
+                weight,
+                bias,
+                (groups, eps),
+                silu,
+                MapLayout::ChannelsFirst,
+            )?;
+            layout.from_nchw(&nchw)
+        }
+    }
+}
+
 /// GroupNorm over `(B, C, …)` with per-channel affine; statistics in f32 for half inputs.
 pub fn group_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, groups: usize, eps: f64) -> Result<Tensor> {
     if cpu::applies(&[x, weight, bias]) {
@@ -288,9 +391,22 @@ pub(crate) struct PreNorm<'a> {
     pub eps: f64,
 }
 
-/// `conv(x) + extras`.
+/// `conv(x) + extras`, `x` in the convolution's layout.
 pub(crate) fn conv2d(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
-    let cfg = conv.config();
+    if conv.layout() == MapLayout::ChannelsLast {
+        return conv2d_channels_last(conv, x, extras);
+    }
+    let tensors = conv_tensors(conv, x, &extras);
+    if cpu::applies(&tensors) {
+        return cpu::conv2d(x, conv.weight(), conv.bias(), conv.stride(), conv.padding(), extras);
+    }
+    if gpu::applies(&tensors) {
+        return conv2d_gpu(conv, x, extras);
+    }
+    conv2d_reference(conv, x, extras)
+}
+
+fn conv_tensors<'a>(conv: &'a Conv2d, x: &'a Tensor, extras: &ConvExtras<'a>) -> Vec<&'a Tensor> {
     let mut tensors = vec![x, conv.weight()];
     tensors.extend(conv.bias());
     tensors.extend(extras.per_sample);
@@ -298,13 +414,18 @@ pub(crate) fn conv2d(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Te
     if let Some(p) = &extras.pre_norm {
         tensors.extend([p.weight, p.bias]);
     }
-    if cfg.groups == 1 && cfg.dilation == 1 && cpu::applies(&tensors) {
-        return cpu::conv2d(x, conv.weight(), conv.bias(), cfg.stride, cfg.padding, extras);
-    }
-    if gpu::applies(&tensors) {
-        return conv2d_gpu(conv, x, extras);
-    }
-    conv2d_reference(conv, x, extras)
+    tensors
+}
+
+/// The bias and the per-sample term as one `(1, Cout)` or `(B, Cout)` tensor for a single add pass.
+fn channel_add(conv: &Conv2d, extras: &ConvExtras) -> Result<Option<Tensor>> {
+    let c_out = conv.out_channels();
+    Ok(match (conv.bias(), extras.per_sample) {
+        (Some(b), Some(p)) => Some(p.broadcast_add(&b.reshape((1, c_out))?)?.contiguous()?),
+        (Some(b), None) => Some(b.reshape((1, c_out))?),
+        (None, Some(p)) => Some(p.contiguous()?),
+        (None, None) => None,
+    })
 }
 
 /// The GPU path: the fused GroupNorm+SiLU, candle's convolution without its bias, and one pass adding bias, time
@@ -320,20 +441,9 @@ fn conv2d_gpu(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
     } else {
         x
     };
-    let cfg = conv.config();
-    let y = if cfg.groups == 1 && cfg.dilation == 1 {
-        gpu::conv2d(&x, conv.weight(), cfg.stride, cfg.padding)?
-    } else {
-        x.conv2d(conv.weight(), cfg.padding, cfg.stride, cfg.dilation, cfg.groups)?
-    };
-    let c_out = conv.weight().dim(0)?;
-    let add = match (conv.bias(), extras.per_sample) {
-        (Some(b), Some(p)) => Some(p.broadcast_add(&b.reshape((1, c_out))?)?.contiguous()?),
-        (Some(b), None) => Some(b.reshape((1, c_out))?),
-        (None, Some(p)) => Some(p.contiguous()?),
-        (None, None) => None,
-    };
-    match (add, extras.residual) {
+    let y = gpu::conv2d(&x, conv.weight(), conv.stride(), conv.padding())?;
+    let c_out = conv.out_channels();
+    match (channel_add(conv, &extras)?, extras.residual) {
         (Some(a), r) if gpu::applies(&[&y, &a]) && r.is_none_or(|r| gpu::applies(&[&y, r])) => {
             gpu::add_channel(&y, &a, r)
         }
@@ -346,7 +456,61 @@ fn conv2d_gpu(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
     }
 }
 
+/// A convolution of a channels-last map `(B, H, W, C)` with its `(K, R, S, C)` filter: the channels-last
+/// GroupNorm+SiLU and upsampling, cuDNN in NHWC (a 1×1 convolution is one product over the pixel rows, bias and
+/// skip in its epilogue), then one pass adding bias, time embedding and skip connection.
+fn conv2d_channels_last(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
+    let tensors = conv_tensors(conv, x, &extras);
+    if !(gpu::applies(&tensors) && gpu::channels_last_fits(x)) {
+        return conv2d_through_nchw(conv, x, extras);
+    }
+    let x = match &extras.pre_norm {
+        Some(p) => gpu::group_norm_channels_last(x, p.weight, p.bias, p.groups, p.eps, true)?,
+        None => x.clone(),
+    };
+    let x = if extras.upsample { gpu::upsample2x_channels_last(&x)? } else { x };
+    let (b, h, w, c) = x.dims4()?;
+    let (k, r, s, _) = conv.weight().dims4()?;
+    let pointwise = r == 1 && s == 1 && conv.stride() == 1 && conv.padding() == 0;
+    let y = if pointwise {
+        let tokens = x.reshape((b, h * w, c))?;
+        let weight = conv.weight().reshape((k, c))?;
+        if extras.per_sample.is_none() && gpu::linear_applies(&[&tokens, &weight]) {
+            let residual = extras.residual.map(|r| r.reshape((b, h * w, k))).transpose()?;
+            let y =
+                gpu::linear(&tokens, &weight, conv.bias(), residual.as_ref(), Side::Tokens, Side::Tokens)?;
+            return y.reshape((b, h, w, k));
+        }
+        tokens.broadcast_matmul(&weight.t()?)?.reshape((b, h, w, k))?
+    } else {
+        gpu::conv2d_channels_last(&x, conv.weight(), conv.stride(), conv.padding())?
+    };
+    match (channel_add(conv, &extras)?, extras.residual) {
+        (Some(a), r) => gpu::add_bias_last(&y, &a, r),
+        (None, Some(r)) => y + r,
+        (None, None) => Ok(y),
+    }
+}
+
+/// A channels-last convolution the kernels cannot take (not contiguous, odd channel counts), through NCHW.
+fn conv2d_through_nchw(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
+    let layout = MapLayout::ChannelsLast;
+    let nchw = conv.channels_first()?;
+    let x = layout.to_nchw(x)?;
+    let residual = extras.residual.map(|r| layout.to_nchw(r)).transpose()?;
+    let y = conv2d(&nchw, &x, ConvExtras { residual: residual.as_ref(), ..extras })?;
+    layout.from_nchw(&y)
+}
+
+/// The plain candle ops, NCHW: the reference the kernels are tested against.
 pub(crate) fn conv2d_reference(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
+    if conv.layout() == MapLayout::ChannelsLast {
+        let layout = MapLayout::ChannelsLast;
+        let residual = extras.residual.map(|r| layout.to_nchw(r)).transpose()?;
+        let extras = ConvExtras { residual: residual.as_ref(), ..extras };
+        let y = conv2d_reference(&conv.channels_first()?, &layout.to_nchw(x)?, extras)?;
+        return layout.from_nchw(&y);
+    }
     let x = match &extras.pre_norm {
         Some(p) => group_norm_reference(x, p.weight, p.bias, p.groups, p.eps)?.silu()?,
         None => x.clone(),
@@ -357,7 +521,10 @@ pub(crate) fn conv2d_reference(conv: &Conv2d, x: &Tensor, extras: ConvExtras) ->
     } else {
         x.clone()
     };
-    let mut y = conv.forward(&x)?;
+    let mut y = x.conv2d(conv.weight(), conv.padding(), conv.stride(), 1, 1)?;
+    if let Some(bias) = conv.bias() {
+        y = y.broadcast_add(&bias.reshape((1, conv.out_channels(), 1, 1))?)?;
+    }
     if let Some(p) = extras.per_sample {
         let (b, c) = p.dims2()?;
         y = y.broadcast_add(&p.reshape((b, c, 1, 1))?)?;
@@ -391,6 +558,18 @@ pub(crate) fn linear_geglu(l: &Linear, x: &Tensor) -> Result<Tensor> {
         Some((y, bias)) => gpu::geglu_bias(&y, Some(bias)),
         None => geglu(&linear(l, x, None)?),
     }
+}
+
+/// `x·weightᵀ (+ bias) (+ residual)` for a `(Cout, Cin)` or `(Cout, Cin, 1, 1)` weight (a linear layer's or a 1×1
+/// convolution's) over tokens `(B, S, Cin)`.
+pub(crate) fn project(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    residual: Option<&Tensor>,
+) -> Result<Tensor> {
+    let (c_out, c_in) = (weight.dim(0)?, weight.elem_count() / weight.dim(0)?.max(1));
+    linear(&Linear::new(weight.reshape((c_out, c_in))?, bias.cloned()), x, residual)
 }
 
 /// `linear(x) (+ residual)`.

@@ -3,10 +3,12 @@
 
 use crate::config::{check_act, check_divides, read_json, IntOrList};
 use crate::error::{input_err, invalid, weights_err, Result, TensorContext};
-use crate::layers::{conv2d, linear, Downsample2D, GroupNorm, ResnetBlock2D, ResnetSpec, Upsample2D};
-use crate::ops::{self, ConvExtras};
+use crate::layers::{
+    conv2d_nchw, linear, Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, ResnetSpec, Upsample2D,
+};
+use crate::ops::{self, ConvExtras, MapLayout};
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{Conv2d, Linear, VarBuilder};
+use candle_nn::{Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -171,6 +173,7 @@ struct VaeAttention {
     to_v: Linear,
     to_out: Linear,
     scale: f64,
+    layout: MapLayout,
 }
 
 impl VaeAttention {
@@ -182,10 +185,21 @@ impl VaeAttention {
             to_v: linear(vb.pp("to_v"), c, c, true)?,
             to_out: linear(vb.pp("to_out.0"), c, c, true)?,
             scale: (c as f64).powf(-0.5),
+            layout: MapLayout::of(&vb),
         })
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if self.layout == MapLayout::ChannelsLast {
+            // Channels-last maps are the tokens already.
+            let (b, h, w, c) = x.dims4()?;
+            let normed = self.group_norm.forward(x)?.reshape((b, h * w, c))?;
+            let q = ops::linear(&self.to_q, &normed, None)?;
+            let k = ops::linear(&self.to_k, &normed, None)?;
+            let v = ops::linear(&self.to_v, &normed, None)?;
+            let o = ops::attention(&q, &k, &v, self.scale, None, true)?;
+            return ops::linear(&self.to_out, &o, Some(&x.reshape((b, h * w, c))?))?.reshape((b, h, w, c));
+        }
         let (_, _, h, w) = x.dims4()?;
         let normed = self.group_norm.forward(x)?;
         let q = ops::image_to_tokens(&normed, self.to_q.weight(), self.to_q.bias())?;
@@ -251,13 +265,14 @@ struct Encoder {
     mid: VaeMidBlock,
     conv_norm_out: GroupNorm,
     conv_out: Conv2d,
+    layout: MapLayout,
 }
 
 impl Encoder {
     fn new(vb: VarBuilder, cfg: &AutoencoderKLConfig) -> candle_core::Result<Self> {
         let ch = &cfg.block_out_channels;
         let n = ch.len();
-        let conv_in = conv2d(vb.pp("conv_in"), cfg.in_channels, ch[0], 3, 1, 1)?;
+        let conv_in = conv2d_nchw(vb.pp("conv_in"), cfg.in_channels, ch[0], 3, 1, 1)?;
         let mut blocks = Vec::with_capacity(n);
         let mut out_c = ch[0];
         for (i, &block_c) in ch.iter().enumerate() {
@@ -280,12 +295,15 @@ impl Encoder {
             blocks,
             mid: VaeMidBlock::new(vb.pp("mid_block"), last, cfg)?,
             conv_norm_out: GroupNorm::new(vb.pp("conv_norm_out"), cfg.norm_num_groups, last, VAE_EPS)?,
-            conv_out: conv2d(vb.pp("conv_out"), last, 2 * cfg.latent_channels, 3, 1, 1)?,
+            conv_out: conv2d_nchw(vb.pp("conv_out"), last, 2 * cfg.latent_channels, 3, 1, 1)?,
+            layout: MapLayout::of(&vb),
         })
     }
 
+    /// NCHW images in, NCHW moments out.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let mut x = ops::conv2d(&self.conv_in, x, ConvExtras::default())?;
+        let layout = self.layout;
+        let mut x = layout.from_nchw(&ops::conv2d(&self.conv_in, x, ConvExtras::default())?)?;
         for block in &self.blocks {
             for r in &block.resnets {
                 x = r.forward_owned(x, None)?;
@@ -295,7 +313,7 @@ impl Encoder {
             }
         }
         x = self.mid.forward(&x)?;
-        let x = self.conv_norm_out.forward_silu(&x)?;
+        let x = layout.to_nchw(&self.conv_norm_out.forward_silu(&x)?)?;
         ops::conv2d(&self.conv_out, &x, ConvExtras::default())
     }
 }
@@ -313,6 +331,7 @@ struct Decoder {
     blocks: Vec<DecoderBlock>,
     conv_norm_out: GroupNorm,
     conv_out: Conv2d,
+    layout: MapLayout,
 }
 
 impl Decoder {
@@ -320,7 +339,7 @@ impl Decoder {
         let ch = &cfg.block_out_channels;
         let n = ch.len();
         let last = ch[n - 1];
-        let conv_in = conv2d(vb.pp("conv_in"), cfg.latent_channels, last, 3, 1, 1)?;
+        let conv_in = conv2d_nchw(vb.pp("conv_in"), cfg.latent_channels, last, 3, 1, 1)?;
         let mid = VaeMidBlock::new(vb.pp("mid_block"), last, cfg)?;
         let mut blocks = Vec::with_capacity(n);
         let mut out_c = last;
@@ -343,12 +362,15 @@ impl Decoder {
             mid,
             blocks,
             conv_norm_out: GroupNorm::new(vb.pp("conv_norm_out"), cfg.norm_num_groups, ch[0], VAE_EPS)?,
-            conv_out: conv2d(vb.pp("conv_out"), ch[0], cfg.out_channels, 3, 1, 1)?,
+            conv_out: conv2d_nchw(vb.pp("conv_out"), ch[0], cfg.out_channels, 3, 1, 1)?,
+            layout: MapLayout::of(&vb),
         })
     }
 
+    /// NCHW latents in, NCHW images out.
     fn forward(&self, z: &Tensor) -> candle_core::Result<Tensor> {
-        let mut x = ops::conv2d(&self.conv_in, z, ConvExtras::default())?;
+        let layout = self.layout;
+        let mut x = layout.from_nchw(&ops::conv2d(&self.conv_in, z, ConvExtras::default())?)?;
         x = self.mid.forward(&x)?;
         for block in &self.blocks {
             for r in &block.resnets {
@@ -358,7 +380,7 @@ impl Decoder {
                 x = u.forward(&x, None)?;
             }
         }
-        let x = self.conv_norm_out.forward_silu(&x)?;
+        let x = layout.to_nchw(&self.conv_norm_out.forward_silu(&x)?)?;
         ops::conv2d(&self.conv_out, &x, ConvExtras::default())
     }
 }
@@ -385,12 +407,12 @@ impl AutoencoderKL {
             Ok(Self {
                 encoder: Encoder::new(vb.pp("encoder"), cfg)?,
                 quant_conv: if cfg.use_quant_conv {
-                    Some(conv2d(vb.pp("quant_conv"), l2, l2, 1, 1, 0)?)
+                    Some(conv2d_nchw(vb.pp("quant_conv"), l2, l2, 1, 1, 0)?)
                 } else {
                     None
                 },
                 post_quant_conv: if cfg.use_post_quant_conv {
-                    Some(conv2d(vb.pp("post_quant_conv"), l, l, 1, 1, 0)?)
+                    Some(conv2d_nchw(vb.pp("post_quant_conv"), l, l, 1, 1, 0)?)
                 } else {
                     None
                 },

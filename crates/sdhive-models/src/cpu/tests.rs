@@ -3,9 +3,10 @@
 //! convolution products, query blocks in attention.
 
 use super::*;
+use crate::layers::Conv2d;
 use crate::ops::{self, ConvExtras, PreNorm};
 use candle_core::{Device, Module, Tensor};
-use candle_nn::{Conv2d, Conv2dConfig, Linear};
+use candle_nn::Linear;
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
     // Deterministic values without touching candle's global RNG.
@@ -77,11 +78,8 @@ fn conv_case(
     let x = randn(&[batch, c_in, hw.0, hw.1], 8);
     let weight = randn(&[c_out, c_in, k, k], 9);
     let bias = randn(&[c_out], 10);
-    let conv = Conv2d::new(
-        weight.clone(),
-        Some(bias.clone()),
-        Conv2dConfig { padding: pad, stride, ..Default::default() },
-    );
+    let conv =
+        Conv2d::new(weight.clone(), Some(bias.clone()), stride, pad, ops::MapLayout::ChannelsFirst).unwrap();
     let plain = ops::conv2d_reference(&conv, &x, ConvExtras { upsample, ..Default::default() }).unwrap();
     let per_sample = randn(&[batch, c_out], 11);
     let residual = randn(plain.dims(), 12);

@@ -5,6 +5,7 @@
 use super::config::{BlockKind, BlockPlan};
 use super::transformer::{Transformer2DModel, TransformerSpec};
 use crate::layers::{Downsample2D, ResnetBlock2D, ResnetSpec, Upsample2D};
+use crate::ops::MapLayout;
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -145,6 +146,7 @@ pub(crate) struct UpBlock {
     resnets: Vec<ResnetBlock2D>,
     attentions: Vec<Transformer2DModel>,
     upsampler: Option<Upsample2D>,
+    layout: MapLayout,
 }
 
 impl UpBlock {
@@ -181,7 +183,7 @@ impl UpBlock {
         } else {
             None
         };
-        Ok(Self { resnets, attentions, upsampler })
+        Ok(Self { resnets, attentions, upsampler, layout: MapLayout::of(&vb) })
     }
 
     pub fn num_resnets(&self) -> usize {
@@ -200,7 +202,7 @@ impl UpBlock {
         let mut x = x.clone();
         for (i, resnet) in self.resnets.iter().enumerate() {
             let skip = &skips[skips.len() - 1 - i];
-            x = Tensor::cat(&[&x, skip], 1)?;
+            x = Tensor::cat(&[&x, skip], self.layout.channel_dim())?;
             x = resnet.forward_owned(x, Some(temb))?;
             if let Some(attn) = self.attentions.get(i) {
                 x = attn.forward(&x, context)?;

@@ -13,11 +13,11 @@ pub use embeddings::{TimestepEmbedding, Timesteps};
 pub use transformer::{CrossAttention, Transformer2DModel, TransformerSpec};
 
 use crate::error::{input_err, weights_err, Result, TensorContext};
-use crate::layers::{conv2d, GroupNorm};
-use crate::ops::{self, ConvExtras};
+use crate::layers::{conv2d_nchw, Conv2d, GroupNorm};
+use crate::ops::{self, ConvExtras, MapLayout};
 use blocks::{BlockCommon, DownBlock, MidBlock, UpBlock};
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{Conv2d, VarBuilder};
+use candle_nn::VarBuilder;
 use std::path::Path;
 
 const MODEL: &str = "unet";
@@ -53,6 +53,7 @@ pub struct UNet2DConditionModel {
     config: UNet2DConditionConfig,
     dtype: DType,
     device: Device,
+    layout: MapLayout,
 }
 
 impl UNet2DConditionModel {
@@ -61,7 +62,7 @@ impl UNet2DConditionModel {
         let plan = cfg.plan("unet config")?;
         let build = || -> candle_core::Result<Self> {
             let c0 = cfg.block_out_channels[0];
-            let conv_in = conv2d(
+            let conv_in = conv2d_nchw(
                 vb.pp("conv_in"),
                 cfg.in_channels,
                 c0,
@@ -102,7 +103,7 @@ impl UNet2DConditionModel {
                 .map(|(i, p)| UpBlock::new(vb.pp(format!("up_blocks.{i}")), p, &common))
                 .collect::<candle_core::Result<Vec<_>>>()?;
             let conv_norm_out = GroupNorm::new(vb.pp("conv_norm_out"), plan.groups, c0, cfg.norm_eps)?;
-            let conv_out = conv2d(
+            let conv_out = conv2d_nchw(
                 vb.pp("conv_out"),
                 c0,
                 cfg.out_channels,
@@ -123,6 +124,7 @@ impl UNet2DConditionModel {
                 config: cfg.clone(),
                 dtype: vb.dtype(),
                 device: vb.device().clone(),
+                layout: MapLayout::of(&vb),
             })
         };
         build().map_err(weights_err(MODEL))
@@ -244,7 +246,8 @@ impl UNet2DConditionModel {
         let factor = 1usize << n_up;
         let forward_upsample_size = h % factor != 0 || w % factor != 0;
 
-        let mut x = ops::conv2d(&self.conv_in, &sample, ConvExtras::default())?;
+        let layout = self.layout;
+        let mut x = layout.from_nchw(&ops::conv2d(&self.conv_in, &sample, ConvExtras::default())?)?;
         let mut skips = vec![x.clone()];
         for block in &self.down_blocks {
             let (out, res) = block.forward(&x, temb, &context)?;
@@ -263,17 +266,17 @@ impl UNet2DConditionModel {
             })?;
             let res = skips.split_off(split);
             let upsample_size = if i + 1 != n_blocks && forward_upsample_size {
-                let (_, _, sh, sw) = skips
+                let last = skips
                     .last()
-                    .ok_or_else(|| candle_core::Error::Msg("no skip state for upsample size".into()))?
-                    .dims4()?;
+                    .ok_or_else(|| candle_core::Error::Msg("no skip state for upsample size".into()))?;
+                let (_, _, sh, sw) = layout.dims(last)?;
                 Some((sh, sw))
             } else {
                 None
             };
             x = block.forward(&x, &res, temb, &context, upsample_size)?;
         }
-        let x = self.conv_norm_out.forward_silu(&x)?;
+        let x = layout.to_nchw(&self.conv_norm_out.forward_silu(&x)?)?;
         ops::conv2d(&self.conv_out, &x, ConvExtras::default())
     }
 }

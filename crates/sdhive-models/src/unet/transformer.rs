@@ -1,10 +1,10 @@
 //! The UNet's spatial transformer: diffusers `Transformer2DModel` (continuous input) with its
 //! `BasicTransformerBlock`s (self-attention, cross-attention, GEGLU feed-forward).
 
-use crate::layers::{conv2d, linear, GroupNorm, LayerNorm};
-use crate::ops;
+use crate::layers::{conv2d, linear, Conv2d, GroupNorm, LayerNorm};
+use crate::ops::{self, MapLayout};
 use candle_core::{Result, Tensor};
-use candle_nn::{Conv2d, Linear, VarBuilder};
+use candle_nn::{Linear, VarBuilder};
 
 /// diffusers `Attention` as used by the UNet: bias-free q/k/v, biased `to_out.0`.
 #[derive(Debug, Clone)]
@@ -148,6 +148,7 @@ pub struct Transformer2DModel {
     proj_in: Projection,
     blocks: Vec<BasicTransformerBlock>,
     proj_out: Projection,
+    layout: MapLayout,
 }
 
 impl Transformer2DModel {
@@ -178,20 +179,32 @@ impl Transformer2DModel {
             })
             .collect::<Result<Vec<_>>>()?;
         let proj_out = proj("proj_out", inner, c)?;
-        Ok(Self { norm, proj_in, blocks, proj_out })
+        Ok(Self { norm, proj_in, blocks, proj_out, layout: MapLayout::of(&vb) })
     }
 
+    /// `x` a map in the network's layout.
     pub fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
+        let (w_in, b_in) = self.proj_in.weight_bias();
+        let (w_out, b_out) = self.proj_out.weight_bias();
+        if self.layout == MapLayout::ChannelsLast {
+            // Channels-last maps are the tokens already.
+            let (b, h, w, c) = x.dims4()?;
+            let normed = self.norm.forward(x)?.reshape((b, h * w, c))?;
+            let mut tokens = ops::project(&normed, w_in, b_in, None)?;
+            for block in &self.blocks {
+                tokens = block.forward(&tokens, context)?;
+            }
+            let out = ops::project(&tokens, w_out, b_out, Some(&x.reshape((b, h * w, c))?))?;
+            return out.reshape((b, h, w, c));
+        }
         let (_, _, h, w) = x.dims4()?;
         let normed = self.norm.forward(x)?;
         // A 1×1 conv and a linear projection are the same product; only the weight's shape
         // differs, and the kernels read the NCHW ↔ token layouts through strides.
-        let (w_in, b_in) = self.proj_in.weight_bias();
         let mut tokens = ops::image_to_tokens(&normed, w_in, b_in)?;
         for block in &self.blocks {
             tokens = block.forward(&tokens, context)?;
         }
-        let (w_out, b_out) = self.proj_out.weight_bias();
         ops::tokens_to_image(&tokens, w_out, b_out, (h, w), Some(x))
     }
 }
