@@ -329,8 +329,8 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
     let pixels = n / (samples * channels);
     let nvec = channels / (16 / std::mem::size_of::<T>());
     let lanes = (THREADS as usize / nvec).max(1);
-    // Enough blocks to fill the GPU, each thread reading a handful of pixels.
-    let chunks = pixels.div_ceil(lanes * 8).clamp(1, 128);
+    // Enough blocks to fill the GPU even for one sample of a 512² VAE map, each thread reading a handful of pixels.
+    let chunks = pixels.div_ceil(lanes * 8).clamp(1, 1024);
     let sfx = suffix(x.0.dtype())?;
     let xs = contiguous::<T>(x.0, x.1, "group_norm input")?;
     let ws = contiguous::<T>(w.0, w.1, "group_norm weight")?;

@@ -175,18 +175,23 @@ __device__ void gn_stats_nhwc(const T *x, float *partial, uint32_t pixels, uint3
     for (uint32_t j = 0; j < VEC; j++) m[j] = Moments{0.f, 0.f, 0.f};
     if (lane < lanes) {
         const T *base = x + sample * (size_t)pixels * channels + v * VEC;
+        // Every channel of the vector has seen the same pixels: one count and one reciprocal for all of them.
+        float n = 0.f;
         for (uint32_t p = start + lane; p < end; p += lanes) {
             const uint4 raw = *reinterpret_cast<const uint4 *>(base + (size_t)p * channels);
             const T *e = reinterpret_cast<const T *>(&raw);
+            n += 1.f;
+            const float inv = 1.f / n;
 #pragma unroll
             for (uint32_t j = 0; j < VEC; j++) {
                 float val = to_f(e[j]);
-                m[j].n += 1.f;
                 float d = val - m[j].mean;
-                m[j].mean += d / m[j].n;
+                m[j].mean += d * inv;
                 m[j].m2 += d * (val - m[j].mean);
             }
         }
+#pragma unroll
+        for (uint32_t j = 0; j < VEC; j++) m[j].n = n;
     }
     // Lane 0 of every channel vector gathers the other lanes' moments of the same channels.
     if (lane < lanes && lane > 0) {
