@@ -157,12 +157,14 @@ impl ClipAttention {
         })
     }
 
-    fn forward(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
-        let q = ops::split_heads(&self.q_proj.forward(x)?, self.heads)?;
-        let k = ops::split_heads(&self.k_proj.forward(x)?, self.heads)?;
-        let v = ops::split_heads(&self.v_proj.forward(x)?, self.heads)?;
+    /// Attention over `x`, plus `residual`, which the output projection adds (on a GPU in its epilogue, as it
+    /// adds every projection's bias: the encoders are bound by launching their small kernels).
+    fn forward(&self, x: &Tensor, mask: &Tensor, residual: &Tensor) -> candle_core::Result<Tensor> {
+        let q = ops::split_heads(&ops::linear(&self.q_proj, x, None)?, self.heads)?;
+        let k = ops::split_heads(&ops::linear(&self.k_proj, x, None)?, self.heads)?;
+        let v = ops::split_heads(&ops::linear(&self.v_proj, x, None)?, self.heads)?;
         let o = ops::attention(&q, &k, &v, self.scale, Some(mask), false)?;
-        self.out_proj.forward(&ops::merge_heads(&o, self.heads)?)
+        ops::linear(&self.out_proj, &ops::merge_heads(&o, self.heads)?, Some(residual))
     }
 }
 
@@ -190,15 +192,14 @@ impl ClipLayer {
     }
 
     fn forward(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
-        let h = self.self_attn.forward(&self.layer_norm1.forward(x)?, mask)?;
-        let x = (x + h)?;
-        let h = self.fc1.forward(&self.layer_norm2.forward(&x)?)?;
+        let x = self.self_attn.forward(&self.layer_norm1.forward(x)?, mask, x)?;
+        let h = ops::linear(&self.fc1, &self.layer_norm2.forward(&x)?, None)?;
         let h = match self.act {
             ClipActivation::QuickGelu => ops::quick_gelu(&h)?,
             ClipActivation::Gelu => h.gelu_erf()?,
             ClipActivation::GeluNew => h.gelu()?,
         };
-        x + self.fc2.forward(&h)?
+        ops::linear(&self.fc2, &h, Some(&x))
     }
 }
 
