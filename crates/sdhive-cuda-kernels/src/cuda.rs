@@ -91,6 +91,28 @@ macro_rules! normalisation_op {
     };
 }
 
+/// The custom op of a one-input kernel, CUDA only: `$launch(op, x, layout)` is generic over the storage type and
+/// `$shape(op, layout)` gives the output's shape.
+macro_rules! single_input_op {
+    ($op:ty, $name:literal, $launch:ident, $shape:expr) => {
+        impl CustomOp1 for $op {
+            fn name(&self) -> &'static str {
+                $name
+            }
+
+            fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+                cpu_only(self.name())
+            }
+
+            fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+                let out = by_dtype!(x.dtype(), $launch(self, x, l))?;
+                let shape: fn(&$op, &Layout) -> Result<Shape> = $shape;
+                Ok((out, shape(self, l)?))
+            }
+        }
+    };
+}
+
 struct GroupNorm {
     groups: usize,
     eps: f32,
@@ -393,12 +415,9 @@ pub const MAX_LAST_CHANNELS: usize = 4096;
 pub fn channels_last_fits(x: &Tensor) -> bool {
     let vec = 16 / x.dtype().size_in_bytes().max(1);
     let c = x.dims().last().copied().unwrap_or(0);
-    x.rank() >= 3 && c > 0 && c.is_multiple_of(vec) && c <= MAX_LAST_CHANNELS && aligned16(x)
-}
-
-/// Whether the tensor's first element sits at a 16-byte boundary of its buffer (buffers themselves are).
-fn aligned16(x: &Tensor) -> bool {
-    (x.layout().start_offset() * x.dtype().size_in_bytes()).is_multiple_of(16)
+    // Buffers themselves are 16-byte aligned; the first element must sit on such a boundary too.
+    let aligned = (x.layout().start_offset() * x.dtype().size_in_bytes()).is_multiple_of(16);
+    x.rank() >= 3 && c > 0 && c.is_multiple_of(vec) && c <= MAX_LAST_CHANNELS && aligned
 }
 
 pub fn group_norm_last(
@@ -426,7 +445,11 @@ pub fn group_norm_last(
 /// Nearest-neighbour ×2 of channels-last `(N, H, W, C)`.
 struct Upsample2xLast;
 
-fn upsample_last_launch<T: CudaDType + DeviceRepr>(x: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
+fn upsample_last_launch<T: CudaDType + DeviceRepr>(
+    _: &Upsample2xLast,
+    x: &CudaStorage,
+    l: &Layout,
+) -> Result<CudaStorage> {
     let dev: &CudaDevice = x.device();
     let (b, h, w, c) = l.shape().dims4()?;
     let n = b * 4 * h * w * c;
@@ -447,21 +470,10 @@ fn upsample_last_launch<T: CudaDType + DeviceRepr>(x: &CudaStorage, l: &Layout) 
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
-impl CustomOp1 for Upsample2xLast {
-    fn name(&self) -> &'static str {
-        "sdhive-upsample2x-channels-last"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        cpu_only(self.name())
-    }
-
-    fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        let out = by_dtype!(x.dtype(), upsample_last_launch(x, l))?;
-        let (b, h, w, c) = l.shape().dims4()?;
-        Ok((out, Shape::from((b, 2 * h, 2 * w, c))))
-    }
-}
+single_input_op!(Upsample2xLast, "sdhive-upsample2x-channels-last", upsample_last_launch, |_, l| {
+    let (b, h, w, c) = l.shape().dims4()?;
+    Ok(Shape::from((b, 2 * h, 2 * w, c)))
+});
 
 pub fn upsample2x_last(x: &Tensor) -> Result<Tensor> {
     if x.rank() != 4 || !channels_last_fits(x) {
@@ -473,7 +485,11 @@ pub fn upsample2x_last(x: &Tensor) -> Result<Tensor> {
 /// Batched transpose of `(B, M, N)` to `(B, N, M)`.
 struct Transpose;
 
-fn transpose_launch<T: CudaDType + DeviceRepr>(x: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
+fn transpose_launch<T: CudaDType + DeviceRepr>(
+    _: &Transpose,
+    x: &CudaStorage,
+    l: &Layout,
+) -> Result<CudaStorage> {
     let dev: &CudaDevice = x.device();
     let (b, m, n) = l.shape().dims3()?;
     let xs = contiguous::<T>(x, l, "transpose input")?;
@@ -494,21 +510,10 @@ fn transpose_launch<T: CudaDType + DeviceRepr>(x: &CudaStorage, l: &Layout) -> R
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
-impl CustomOp1 for Transpose {
-    fn name(&self) -> &'static str {
-        "sdhive-transpose"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        cpu_only(self.name())
-    }
-
-    fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        let out = by_dtype!(x.dtype(), transpose_launch(x, l))?;
-        let (b, m, n) = l.shape().dims3()?;
-        Ok((out, Shape::from((b, n, m))))
-    }
-}
+single_input_op!(Transpose, "sdhive-transpose", transpose_launch, |_, l| {
+    let (b, m, n) = l.shape().dims3()?;
+    Ok(Shape::from((b, n, m)))
+});
 
 pub fn transpose_last2(x: &Tensor) -> Result<Tensor> {
     let (b, m, n) = x.dims3()?;
@@ -520,7 +525,11 @@ pub fn transpose_last2(x: &Tensor) -> Result<Tensor> {
 
 struct Softmax;
 
-fn softmax_launch<T: CudaDType + DeviceRepr>(x: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
+fn softmax_launch<T: CudaDType + DeviceRepr>(
+    _: &Softmax,
+    x: &CudaStorage,
+    l: &Layout,
+) -> Result<CudaStorage> {
     let dev: &CudaDevice = x.device();
     let dims = l.dims();
     let cols = *dims.last().unwrap_or(&1);
@@ -544,20 +553,7 @@ fn softmax_launch<T: CudaDType + DeviceRepr>(x: &CudaStorage, l: &Layout) -> Res
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
-impl CustomOp1 for Softmax {
-    fn name(&self) -> &'static str {
-        "sdhive-softmax"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        cpu_only(self.name())
-    }
-
-    fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        let out = by_dtype!(x.dtype(), softmax_launch(x, l))?;
-        Ok((out, l.shape().clone()))
-    }
-}
+single_input_op!(Softmax, "sdhive-softmax", softmax_launch, |_, l| Ok(l.shape().clone()));
 
 pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     if x.dims().iter().product::<usize>() / x.dims().last().copied().unwrap_or(1).max(1) > u32::MAX as usize {
@@ -744,21 +740,10 @@ fn im2col_launch<T: CudaDType + DeviceRepr>(op: &Im2Col, x: &CudaStorage, l: &La
     Ok(CudaStorage::wrap_cuda_slice(col, dev.clone()))
 }
 
-impl CustomOp1 for Im2Col {
-    fn name(&self) -> &'static str {
-        "sdhive-im2col"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        cpu_only(self.name())
-    }
-
-    fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        let out = by_dtype!(x.dtype(), im2col_launch(self, x, l))?;
-        let (b, c, _, _) = l.shape().dims4()?;
-        Ok((out, Shape::from((b, c * self.kh * self.kw, self.out_h * self.out_w))))
-    }
-}
+single_input_op!(Im2Col, "sdhive-im2col", im2col_launch, |op, l| {
+    let (b, c, _, _) = l.shape().dims4()?;
+    Ok(Shape::from((b, c * op.kh * op.kw, op.out_h * op.out_w)))
+});
 
 /// `conv2d(x, weight)` without bias for NCHW `x` and `weight` `(out, in, kh, kw)`: a 1×1 stride-1 convolution
 /// is one matrix product; others go through im2col in the (in·kh·kw, pixels) layout, so the product with the

@@ -242,18 +242,20 @@ fn layer_norm_matches_the_reference() {
     }
 }
 
-/// Every convolution shape of the networks: 3×3 padded, strided downsampling, 1×1, odd sizes.
-#[test]
-fn conv2d_matches_candle() {
+type Dims4 = (usize, usize, usize, usize);
+
+/// `ours(x, filter, stride, padding)` (NCHW in and out) against candle's f32 convolution of the same rounded values,
+/// in every dtype: within 4× the dtype's tolerance.
+fn check_conv(
+    label: &str,
+    cases: &[(Dims4, Dims4, usize, usize)],
+    filter_std: f32,
+    ours: impl Fn(&Tensor, &Tensor, usize, usize) -> Tensor,
+) {
     let dev = gpu();
-    for (x_shape, w_shape, stride, pad) in [
-        ((2, 8, 17, 13), (16, 8, 3, 3), 1, 1),
-        ((1, 6, 16, 16), (6, 6, 3, 3), 2, 1),
-        ((2, 12, 9, 7), (5, 12, 1, 1), 1, 0),
-        ((1, 4, 8, 8), (3, 4, 3, 3), 1, 0),
-    ] {
+    for &(x_shape, w_shape, stride, pad) in cases {
         let x = Tensor::randn(0f32, 1.0, x_shape, &dev).unwrap();
-        let w = Tensor::randn(0f32, 0.2, w_shape, &dev).unwrap();
+        let w = Tensor::randn(0f32, filter_std, w_shape, &dev).unwrap();
         for dtype in DTYPES {
             let (xd, wd) = (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap());
             let want = xd
@@ -261,13 +263,25 @@ fn conv2d_matches_candle() {
                 .unwrap()
                 .conv2d(&wd.to_dtype(DType::F32).unwrap(), pad, stride, 1, 1)
                 .unwrap();
-            let ours = conv2d(&xd, &wd, stride, pad).unwrap();
-            assert_eq!(ours.dims(), want.dims());
-            let d = rel_diff(&ours, &want);
-            eprintln!("conv2d {x_shape:?} * {w_shape:?} s{stride} p{pad} {dtype:?}: rel diff {d:.2e}");
-            assert!(d <= 4.0 * tol(dtype), "conv2d {x_shape:?} {dtype:?}: {d}");
+            let got = ours(&xd, &wd, stride, pad);
+            assert_eq!(got.dims(), want.dims());
+            let d = rel_diff(&got, &want);
+            eprintln!("{label} {x_shape:?} * {w_shape:?} s{stride} p{pad} {dtype:?}: rel diff {d:.2e}");
+            assert!(d <= 4.0 * tol(dtype), "{label} {x_shape:?} {dtype:?}: {d}");
         }
     }
+}
+
+/// Every convolution shape of the networks: 3×3 padded, strided downsampling, 1×1, odd sizes.
+#[test]
+fn conv2d_matches_candle() {
+    let cases = [
+        ((2, 8, 17, 13), (16, 8, 3, 3), 1, 1),
+        ((1, 6, 16, 16), (6, 6, 3, 3), 2, 1),
+        ((2, 12, 9, 7), (5, 12, 1, 1), 1, 0),
+        ((1, 4, 8, 8), (3, 4, 3, 3), 1, 0),
+    ];
+    check_conv("conv2d", &cases, 0.2, |x, w, stride, pad| conv2d(x, w, stride, pad).unwrap());
 }
 
 fn nhwc(x: &Tensor) -> Tensor {
@@ -364,30 +378,17 @@ fn channels_last_adds_and_upsampling_match_candle() {
 #[cfg(feature = "cudnn")]
 #[test]
 fn channels_last_conv2d_matches_candle() {
-    let dev = gpu();
-    for (x_shape, w_shape, stride, pad) in [
+    let cases = [
         ((2, 8, 17, 13), (16, 8, 3, 3), 1, 1),
         ((1, 32, 16, 16), (32, 32, 3, 3), 2, 1),
         ((1, 32, 17, 15), (32, 32, 3, 3), 2, 0),
         ((2, 320, 8, 8), (640, 320, 3, 3), 1, 1),
-    ] {
-        let x = Tensor::randn(0f32, 1.0, x_shape, &dev).unwrap();
-        let w = Tensor::randn(0f32, 0.1, w_shape, &dev).unwrap();
-        for dtype in DTYPES {
-            let (xd, wd) = (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap());
-            let want = xd
-                .to_dtype(DType::F32)
-                .unwrap()
-                .conv2d(&wd.to_dtype(DType::F32).unwrap(), pad, stride, 1, 1)
-                .unwrap();
-            let ours = conv2d_channels_last(&nhwc(&xd), &nhwc(&wd), stride, pad).unwrap();
-            let d = rel_diff(&ours, &nhwc(&want));
-            eprintln!(
-                "conv2d channels-last {x_shape:?} * {w_shape:?} s{stride} p{pad} {dtype:?}: rel diff {d:.2e}"
-            );
-            assert!(d <= 4.0 * tol(dtype), "conv2d channels-last {x_shape:?} {dtype:?}: {d}");
-        }
-    }
+    ];
+    // The output back to NCHW for the comparison: the same values, so the same differences.
+    let nchw = |t: Tensor| t.permute((0, 3, 1, 2)).unwrap().contiguous().unwrap();
+    check_conv("conv2d channels-last", &cases, 0.1, |x, w, stride, pad| {
+        nchw(conv2d_channels_last(&nhwc(x), &nhwc(w), stride, pad).unwrap())
+    });
 }
 
 /// Plain attention in f32 from the same (rounded) inputs: split heads, scores, softmax, product, merge.

@@ -494,22 +494,30 @@ fn conv2d_channels_last(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result
 
 /// A channels-last convolution the kernels cannot take (not contiguous, odd channel counts), through NCHW.
 fn conv2d_through_nchw(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
+    through_nchw(conv, x, extras, conv2d)
+}
+
+/// Channels-last `conv` as the NCHW convolution `f`: input and skip transposed to NCHW, the result back.
+fn through_nchw(
+    conv: &Conv2d,
+    x: &Tensor,
+    extras: ConvExtras,
+    f: fn(&Conv2d, &Tensor, ConvExtras) -> Result<Tensor>,
+) -> Result<Tensor> {
     let layout = MapLayout::ChannelsLast;
-    let nchw = conv.channels_first()?;
-    let x = layout.to_nchw(x)?;
     let residual = extras.residual.map(|r| layout.to_nchw(r)).transpose()?;
-    let y = conv2d(&nchw, &x, ConvExtras { residual: residual.as_ref(), ..extras })?;
+    let y = f(
+        &conv.channels_first()?,
+        &layout.to_nchw(x)?,
+        ConvExtras { residual: residual.as_ref(), ..extras },
+    )?;
     layout.from_nchw(&y)
 }
 
 /// The plain candle ops, NCHW: the reference the kernels are tested against.
 pub(crate) fn conv2d_reference(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
     if conv.layout() == MapLayout::ChannelsLast {
-        let layout = MapLayout::ChannelsLast;
-        let residual = extras.residual.map(|r| layout.to_nchw(r)).transpose()?;
-        let extras = ConvExtras { residual: residual.as_ref(), ..extras };
-        let y = conv2d_reference(&conv.channels_first()?, &layout.to_nchw(x)?, extras)?;
-        return layout.from_nchw(&y);
+        return through_nchw(conv, x, extras, conv2d_reference);
     }
     let x = match &extras.pre_norm {
         Some(p) => group_norm_reference(x, p.weight, p.bias, p.groups, p.eps)?.silu()?,
