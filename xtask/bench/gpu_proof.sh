@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA proof run, on a GPU machine without Rust: the binaries built here by `cargo xtask build-cuda --bench
-# --tests` (stripped, in CARRY/bins.tar.xz as sd-worker-cuda, sdhive-bench and sdhive-candle-tests) sit in CARRY
-# with the diffusers wheels and bench_cuda_diffusers.py; run from
-# the repository root (the committed fixtures are read from tests/fixtures). Logs go to $OUT (default /tmp/out).
+# --tests` (stripped, in CARRY/bins.tar.xz as sd-worker-cuda with its engine, sdhive-bench and
+# sdhive-candle-tests) sit in CARRY with the diffusers wheels and bench_cuda_diffusers.py; run from the repository
+# root (the committed fixtures are read from tests/fixtures). Logs go to $OUT (default /tmp/out).
 #   bash gpu_proof.sh CARRY [parts…]
 # parts: version kernels parity generate placement memory hive levers unoptimised bench ncu nsys diffusers
 # (default: all).
@@ -12,8 +12,8 @@
 # (SDHIVE_FUSED_LINEAR=0), with NCHW maps instead of channels-last (SDHIVE_CHANNELS_LAST=0) and with everything (a
 # --cudnn build: with cuDNN; SDHIVE_CUDNN=0 turns it off). `placement` and
 # `memory` use the full-size SD1.5 with deterministic random weights (xtask/fixtures/gen_sd15_random.py, numpy);
-# `hive` also wants CARRY/sd-worker-vulkan.xz and the Vulkan loader and vulkaninfo as Debian packages in
-# CARRY/debs.
+# `hive` also wants CARRY/sd-worker-vulkan.xz and sd-worker-vulkan-engine.xz, and the Vulkan loader and
+# vulkaninfo as Debian packages in CARRY/debs.
 set -u -o pipefail
 CARRY=${1:?usage: gpu_proof.sh CARRY [parts…]}
 shift
@@ -40,7 +40,7 @@ sd15_random() {
 
 step machine
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv 2>&1 | tee -a "$L"
-ldd "$B/sd-worker-cuda" | grep -E "cuda|cublas|curand|nvrtc|not found" | tee -a "$L"
+ldd "$B/sd-worker-cuda-engine" | grep -E "cuda|cublas|curand|nvrtc|not found" | tee -a "$L"
 
 if has version; then
     step "sd-worker-cuda --version"
@@ -191,9 +191,12 @@ if has hive; then
     [ -f "$icd" ] && export VK_DRIVER_FILES=$icd
     W=/tmp/hive-bin
     mkdir -p "$W"
-    cp "$B/hive" "$B/sd-worker-cuda" "$W/"
+    cp "$B/hive" "$B"/sd-worker-cuda* "$W/"
     if [ -f "$CARRY/sd-worker-vulkan.xz" ]; then
-        xz -dc "$CARRY/sd-worker-vulkan.xz" >"$W/sd-worker-vulkan" && chmod +x "$W/sd-worker-vulkan"
+        # The launcher and its engine (sdhive-launch).
+        for f in sd-worker-vulkan sd-worker-vulkan-engine; do
+            xz -dc "$CARRY/$f.xz" >"$W/$f" && chmod +x "$W/$f"
+        done
     else
         # Without the Vulkan worker (too big to travel beside the repository) the hive's plan is still shown
         # with a stand-in file; gpu_hive.py then runs only the CUDA worker.

@@ -26,12 +26,12 @@ pub fn run(out: Option<PathBuf>, python: &str) -> Result<()> {
     let release = target_dir().join("release");
     let staged = out.join("bin");
     std::fs::create_dir_all(&staged)?;
-    for exe in ["sdhive-bench", "sd-worker-cuda"] {
+    for exe in ["sdhive-bench", "sd-worker-cuda", cuda::ENGINE] {
         let dst = staged.join(exe);
         std::fs::copy(release.join(exe), &dst).with_context(|| format!("copying {exe}"))?;
         run_cmd(Command::new("strip").arg(&dst), "strip")?;
     }
-    // One archive: the two binaries share candle's kernels, which xz then stores once.
+    // One archive: the binaries share candle's kernels, which xz then stores once.
     run_cmd(
         Command::new("tar").arg("-cJf").arg(out.join("bins.tar.xz")).arg("-C").arg(&staged).args(["."]),
         "tar",

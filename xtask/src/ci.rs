@@ -2,8 +2,9 @@
 //!
 //! After the CPU checks it builds `sd-worker-cuda` with the CUDA toolchain (as `cargo xtask build-cuda` does, in
 //! the dev profile: CI proves it builds, the release build is for GPUs) and runs it on this GPU-less machine,
-//! where it must fail naming cuda and the missing driver. `SDHIVE_CI_SKIP_CUDA=1` skips
-//! that part for quick local iterations only; CI runs it.
+//! where it must fail naming cuda and the missing driver (with a driver-less libcuda) or the missing libcuda.so.1
+//! (with none); then builds it again with cuDNN. `SDHIVE_CI_SKIP_CUDA=1` skips that part for quick local
+//! iterations only; CI runs it.
 
 use crate::cuda;
 use crate::util::{cargo, workspace_root};
@@ -23,6 +24,8 @@ pub fn run() -> Result<()> {
     }
     let exe = cuda::build(cuda::Extras { dev: true, ..cuda::Extras::default() })?;
     cuda::check_refuses_without_gpu(&exe)?;
+    // The cuDNN variant, what GPU machines run: it must build too (only the crates the feature touches rebuild).
+    cuda::build(cuda::Extras { dev: true, cudnn: true, ..cuda::Extras::default() })?;
     Ok(())
 }
 

@@ -102,6 +102,11 @@ impl Toolchain {
         p.push(self.stub_dir());
         p
     }
+
+    /// The wheels' libraries alone: a machine with the CUDA runtime libraries but no driver at all.
+    pub fn runtime_library_path(&self) -> OsString {
+        self.lib().into_os_string()
+    }
 }
 
 /// `cargo xtask cuda-toolchain`: download and unpack the wheels once, then make the unversioned links.
@@ -245,9 +250,12 @@ pub fn build(extras: Extras) -> Result<PathBuf> {
         stub.cargo_linking(&root, &env, &kernels)?;
     }
     let exe = target_dir().join(out_dir).join("sd-worker-cuda");
-    eprintln!("xtask: built {}", exe.display());
+    eprintln!("xtask: built {} and {ENGINE} beside it", exe.display());
     Ok(exe)
 }
+
+/// The binary that links CUDA; `sd-worker-cuda` is its launcher (sdhive-launch).
+pub const ENGINE: &str = "sd-worker-cuda-engine";
 
 /// The `libcuda.so` link stub (soname `libcuda.so.1`) and the driver API symbols it defines. Each symbol returns
 /// `CUDA_ERROR_STUB_LIBRARY` (34), as NVIDIA's own toolkit stub does, in case it is ever loaded at run time.
@@ -288,13 +296,13 @@ impl Stub {
             "--features",
             "cuda",
             "--bin",
-            "sd-worker-cuda",
+            ENGINE,
             "--",
             "-C",
             "link-arg=-Wl,--unresolved-symbols=ignore-all",
         ];
         cargo_env(root, env, &args)?;
-        let exe = target_dir().join(out_dir).join("sd-worker-cuda");
+        let exe = target_dir().join(out_dir).join(ENGINE);
         let out = Command::new("nm")
             .args(["-D", "--undefined-only", "--format=just-symbols"])
             .arg(&exe)
@@ -392,29 +400,42 @@ fn parse_driver_symbols(text: &str) -> BTreeSet<String> {
 }
 
 /// CI on a GPU-less machine: the built worker must refuse to run, naming cuda and the cause, and never fall
-/// back to the CPU.
+/// back to the CPU, both where a libcuda without a driver behind it is installed (the engine starts and reports
+/// the missing driver) and where there is no libcuda at all (the launcher names the missing library).
 pub fn check_refuses_without_gpu(exe: &Path) -> Result<()> {
     let tc = Toolchain::locate()?;
+    let cases = [
+        ("a libcuda without a driver", tc.run_library_path(), &["driver", "device"][..]),
+        ("no libcuda at all", tc.runtime_library_path(), &["libcuda.so.1"][..]),
+    ];
+    for (case, library_path, names) in cases {
+        refuses(exe, case, &library_path, names)?;
+    }
+    eprintln!("xtask: sd-worker-cuda refuses to run without a GPU, as it must");
+    Ok(())
+}
+
+/// Runs `exe generate` with `library_path`; it must fail without an image, naming cuda and one of `names`.
+fn refuses(exe: &Path, case: &str, library_path: &OsString, names: &[&str]) -> Result<()> {
     let root = workspace_root();
     let out_png = std::env::temp_dir().join(format!("sdhive-cuda-ci-{}.png", std::process::id()));
     let output = Command::new(exe)
         .args(["generate", "--model", "tests/fixtures/models/sd1", "--prompt", "a cat", "--steps", "1", "-o"])
         .arg(&out_png)
-        .env("LD_LIBRARY_PATH", tc.run_library_path())
+        .env("LD_LIBRARY_PATH", library_path)
         .current_dir(&root)
         .output()
         .with_context(|| format!("running {}", exe.display()))?;
     let stderr = String::from_utf8_lossy(&output.stderr);
-    eprintln!("xtask: sd-worker-cuda on this machine said: {}", stderr.trim());
+    eprintln!("xtask: sd-worker-cuda with {case} said: {}", stderr.trim());
     if output.status.success() || out_png.exists() {
         let _ = std::fs::remove_file(&out_png);
-        bail!("sd-worker-cuda generated an image on a machine without a GPU");
+        bail!("sd-worker-cuda generated an image with {case}");
     }
     let lower = stderr.to_lowercase();
-    if !lower.contains("cuda") || !(lower.contains("driver") || lower.contains("device")) {
-        bail!("sd-worker-cuda failed without naming cuda and the missing driver/device: {stderr}");
+    if !lower.contains("cuda") || !names.iter().any(|n| lower.contains(&n.to_lowercase())) {
+        bail!("sd-worker-cuda with {case} failed without naming cuda and one of {names:?}: {stderr}");
     }
-    eprintln!("xtask: sd-worker-cuda refuses to run without a GPU, as it must");
     Ok(())
 }
 

@@ -1,5 +1,6 @@
-//! `sd-worker-cuda`: the Stable Diffusion worker built for NVIDIA GPUs; all behaviour is in `sdhive-worker`.
+//! `sd-worker-cuda`: checks that this machine can load the CUDA worker (`sd-worker-cuda-engine`, beside it) and
+//! becomes it, or says which backend cannot start and what is missing; all behaviour is in `sdhive-launch`.
 
 fn main() -> anyhow::Result<()> {
-    sdhive_worker::main(shared_worker::Backend::Cuda)
+    Ok(sdhive_launch::launch(&sdhive_launch::CUDA)?)
 }

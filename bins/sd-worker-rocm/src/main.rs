@@ -1,6 +1,6 @@
-//! `sd-worker-rocm`: the Stable Diffusion worker built for AMD GPUs through ROCm (stable-diffusion.cpp engine);
-//! all behaviour is in `sdhive-worker`.
+//! `sd-worker-rocm`: checks that this machine can load the ROCm worker (`sd-worker-rocm-engine`, beside it) and
+//! becomes it, or says which backend cannot start and what is missing; all behaviour is in `sdhive-launch`.
 
 fn main() -> anyhow::Result<()> {
-    sdhive_worker::main(shared_worker::Backend::Rocm)
+    Ok(sdhive_launch::launch(&sdhive_launch::ROCM)?)
 }

@@ -1,6 +1,7 @@
-//! `sd-worker-vulkan`: the Stable Diffusion worker built for Vulkan GPUs (stable-diffusion.cpp engine); all
-//! behaviour is in `sdhive-worker`.
+//! `sd-worker-vulkan`: checks that this machine can load the Vulkan worker (`sd-worker-vulkan-engine`, beside
+//! it) and becomes it, or says which backend cannot start and what is missing; all behaviour is in
+//! `sdhive-launch`.
 
 fn main() -> anyhow::Result<()> {
-    sdhive_worker::main(shared_worker::Backend::Vulkan)
+    Ok(sdhive_launch::launch(&sdhive_launch::VULKAN)?)
 }

@@ -32,9 +32,10 @@ where
     }
 }
 
-/// `--version` reports the backend too, since which binary is installed is the first thing to check.
+/// `--version` reports the backend too, since which binary is installed is the first thing to check; the GPU
+/// binaries' launchers print the same line where the engine cannot load.
 pub fn version_string(backend: Backend) -> String {
-    format!("{} (backend: {backend})", env!("CARGO_PKG_VERSION"))
+    sdhive_launch::version_line(backend.name())
 }
 
 /// Parses like clap's `Parser::parse` (printing help/version or the usage error and exiting), with the name and
