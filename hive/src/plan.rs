@@ -102,6 +102,13 @@ pub fn binary_path(workers_dir: &Path, backend: Backend) -> PathBuf {
     workers_dir.join(format!("{}{}", backend.binary_name(), std::env::consts::EXE_SUFFIX))
 }
 
+/// The first file of `backend`'s worker that is not installed: the binary, and for the backends started through
+/// a launcher (sdhive-launch) the engine beside it, without which the launcher only refuses.
+fn missing_file(binary: &Path, backend: Backend, binary_exists: &impl Fn(&Path) -> bool) -> Option<PathBuf> {
+    let engine = sdhive_launch::engine_for(backend.name()).map(|_| sdhive_launch::engine_path(binary));
+    std::iter::once(binary.to_path_buf()).chain(engine).find(|p| !binary_exists(p))
+}
+
 /// `--workers-dir`, else the folder holding the hive executable.
 pub fn workers_dir(config: &HiveConfig) -> PathBuf {
     config.workers_dir.clone().unwrap_or_else(|| {
@@ -199,8 +206,8 @@ pub fn plan(devices: &[Device], config: &HiveConfig, binary_exists: impl Fn(&Pat
         let mut served_by: Option<String> = None;
         for &i in &members {
             let d = &devices[i];
-            let binary = binary_path(&dir, d.backend);
-            let present = binary_exists(&binary);
+            let missing = missing_file(&binary_path(&dir, d.backend), d.backend, &binary_exists);
+            let present = missing.is_none();
             let status = if d.software {
                 Status::Software
             } else if device_excluded || excludes.iter().any(|e| e.index.is_none() && e.backend == d.backend)
@@ -210,7 +217,7 @@ pub fn plan(devices: &[Device], config: &HiveConfig, binary_exists: impl Fn(&Pat
                 Status::NotChosen
             } else if let Some(by) = &served_by {
                 Status::Shadowed { by: by.clone() }
-            } else if !present {
+            } else if let Some(binary) = missing {
                 Status::MissingBinary { binary }
             } else {
                 served_by = Some(format!("{}:{}", d.backend, d.index));
@@ -365,6 +372,14 @@ mod tests {
         assert_eq!(served(&p), ["cpu:0"]);
         assert!(matches!(status_of(&p, Backend::Vulkan, 0), Status::MissingBinary { .. }));
         assert!(render_table(&p).contains("MISSING worker binary /w/sd-worker-vulkan"));
+        // A launcher without its engine cannot serve either: the engine is named.
+        let no_cuda_engine = |p: &Path| !p.ends_with("sd-worker-cuda-engine");
+        let p = plan(&node(), &config(|_| {}), no_cuda_engine);
+        assert_eq!(served(&p), ["vulkan:0", "vulkan:1"]);
+        assert_eq!(
+            status_of(&p, Backend::Cuda, 0),
+            Status::MissingBinary { binary: "/w/sd-worker-cuda-engine".into() }
+        );
     }
 
     #[test]

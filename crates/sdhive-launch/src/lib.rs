@@ -49,6 +49,12 @@ pub const ROCM: Engine = Engine {
         "ROCm's HIP runtime and hipBLAS/rocBLAS (a ROCm install with its lib folder on the loader's path)",
 };
 
+/// The engine behind the launcher of `backend` (its name: "cuda", "vulkan", "rocm"); `None` for the backends
+/// whose binary is the worker itself (cpu, metal).
+pub fn engine_for(backend: &str) -> Option<&'static Engine> {
+    [&CUDA, &VULKAN, &ROCM].into_iter().find(|e| e.backend == backend)
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {
     #[error("cannot locate this executable (to find the {backend} engine beside it): {source}")]
@@ -149,6 +155,14 @@ mod tests {
             engine_path(Path::new("/opt/sdhive/bin/sd-worker-cuda")),
             PathBuf::from("/opt/sdhive/bin/sd-worker-cuda-engine")
         );
+    }
+
+    #[test]
+    fn only_the_gpu_backends_that_link_gpu_libraries_have_an_engine() {
+        assert_eq!(engine_for("cuda").map(|e| e.backend), Some("cuda"));
+        assert_eq!(engine_for("vulkan").map(|e| e.backend), Some("vulkan"));
+        assert_eq!(engine_for("rocm").map(|e| e.backend), Some("rocm"));
+        assert!(engine_for("cpu").is_none() && engine_for("metal").is_none());
     }
 
     #[test]
