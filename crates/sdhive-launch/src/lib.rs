@@ -61,8 +61,8 @@ pub enum LaunchError {
     CurrentExe { backend: &'static str, source: std::io::Error },
     #[error("the {backend} engine {} is missing; it is installed beside this launcher", path.display())]
     MissingEngine { backend: &'static str, path: PathBuf },
-    #[error("the {backend} backend cannot start on this machine: {}", describe_missing(engine, missing))]
-    MissingLibraries { backend: &'static str, engine: &'static Engine, missing: Vec<String> },
+    #[error("the {} backend cannot start on this machine: {}", engine.backend, describe_missing(engine, missing))]
+    MissingLibraries { engine: &'static Engine, missing: Vec<String> },
     #[error("cannot start the {backend} engine {}: {source}", path.display())]
     Exec { backend: &'static str, path: PathBuf, source: std::io::Error },
 }
@@ -139,7 +139,7 @@ pub fn launch(engine: &'static Engine) -> Result<(), LaunchError> {
             println!("{name} {}", version_line(backend));
             return Ok(());
         }
-        return Err(LaunchError::MissingLibraries { backend, engine, missing });
+        return Err(LaunchError::MissingLibraries { engine, missing });
     }
     let source = Command::new(&path).arg0(argv0).args(rest).exec();
     Err(LaunchError::Exec { backend, path, source })
@@ -177,7 +177,7 @@ mod tests {
     fn the_refusal_names_the_backend_each_library_and_its_remedy() {
         let missing =
             ["libcuda.so.1", "libcublas.so.13", "libcurand.so.10", "libcudnn.so.9"].map(String::from);
-        let e = LaunchError::MissingLibraries { backend: "cuda", engine: &CUDA, missing: missing.to_vec() };
+        let e = LaunchError::MissingLibraries { engine: &CUDA, missing: missing.to_vec() };
         let text = e.to_string();
         assert!(text.starts_with("the cuda backend cannot start on this machine"), "{text}");
         assert!(
@@ -186,11 +186,7 @@ mod tests {
         );
         assert!(text.contains("libcublas.so.13, libcurand.so.10 (the CUDA 13 runtime libraries"), "{text}");
         assert!(text.contains("libcudnn.so.9 (cuDNN 9"), "{text}");
-        let vk = LaunchError::MissingLibraries {
-            backend: "vulkan",
-            engine: &VULKAN,
-            missing: vec!["libvulkan.so.1".into()],
-        };
+        let vk = LaunchError::MissingLibraries { engine: &VULKAN, missing: vec!["libvulkan.so.1".into()] };
         assert!(vk.to_string().contains("libvulkan.so.1 (the Vulkan loader"), "{vk}");
     }
 
