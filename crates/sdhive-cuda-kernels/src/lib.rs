@@ -38,6 +38,20 @@ macro_rules! switched_on {
     }};
 }
 
+/// The body of a public wrapper: `$call` with the `cuda` feature; without it the arguments are unused and the
+/// call fails naming the missing feature.
+macro_rules! on_cuda {
+    ($call:expr; $($arg:ident),+) => {{
+        #[cfg(feature = "cuda")]
+        return $call;
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = ($($arg),+);
+            Err(unavailable())
+        }
+    }};
+}
+
 /// Whether the kernels can take these tensors. `SDHIVE_FUSED_KERNELS=0` in the environment turns them off (to
 /// measure what they buy; the results are the same within rounding).
 pub fn applies(tensors: &[&Tensor]) -> bool {
@@ -128,13 +142,7 @@ fn attention_enabled() -> bool {
 /// returning `(B, Sq, H·D)` contiguous; scores and softmax in f32, probabilities rounded to the storage type
 /// before the product with v. Call only where [`attention_applies`].
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, scale: f64) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    return attention::attention(q, k, v, heads, scale);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (q, k, v, heads, scale);
-        Err(unavailable())
-    }
+    on_cuda!(attention::attention(q, k, v, heads, scale); q, k, v, heads, scale)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -151,37 +159,19 @@ pub fn group_norm(
     eps: f64,
     silu: bool,
 ) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    return cuda::group_norm(x, weight, bias, groups, eps, silu);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (x, weight, bias, groups, eps, silu);
-        Err(unavailable())
-    }
+    on_cuda!(cuda::group_norm(x, weight, bias, groups, eps, silu); x, weight, bias, groups, eps, silu)
 }
 
 /// `y + add[n, c] (+ residual)` for NCHW-like `y` `(N, C, …)`; `add` is `(1, C)` (a bias) or `(N, C)` (a
 /// per-sample term such as the ResNet time embedding, already summed with the bias).
 pub fn add_channel(y: &Tensor, add: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    return cuda::add_channel(y, add, residual, false);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (y, add, residual);
-        Err(unavailable())
-    }
+    on_cuda!(cuda::add_channel(y, add, residual, false); y, add, residual)
 }
 
 /// `y + bias (+ residual)` with `bias` `(C)` along the last dimension of `y` (a linear layer's epilogue), or with
 /// a per-sample `(N, C)` term over channels-last `y` `(N, …, C)` (the ResNet time embedding).
 pub fn add_bias_last(y: &Tensor, bias: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    return cuda::add_channel(y, bias, residual, true);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (y, bias, residual);
-        Err(unavailable())
-    }
+    on_cuda!(cuda::add_channel(y, bias, residual, true); y, bias, residual)
 }
 
 /// Whether networks built on `device` in `dtype` keep their feature maps channels-last (NHWC, filters KRSC): a
@@ -229,36 +219,18 @@ pub fn group_norm_channels_last(
     eps: f64,
     silu: bool,
 ) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    return cuda::group_norm_last(x, weight, bias, groups, eps, silu);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (x, weight, bias, groups, eps, silu);
-        Err(unavailable())
-    }
+    on_cuda!(cuda::group_norm_last(x, weight, bias, groups, eps, silu); x, weight, bias, groups, eps, silu)
 }
 
 /// `(B, M, N)` → `(B, N, M)`, contiguous (NCHW ↔ channels-last as `(B, C, H·W)` ↔ `(B, H·W, C)`) through shared-memory
 /// tiles, coalesced both ways. Call only where [`applies`].
 pub fn transpose_last2(x: &Tensor) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    return cuda::transpose_last2(x);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = x;
-        Err(unavailable())
-    }
+    on_cuda!(cuda::transpose_last2(x); x)
 }
 
 /// Nearest-neighbour ×2 upsampling of channels-last `(N, H, W, C)`. Call only where [`channels_last_fits`].
 pub fn upsample2x_channels_last(x: &Tensor) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    return cuda::upsample2x_last(x);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = x;
-        Err(unavailable())
-    }
+    on_cuda!(cuda::upsample2x_last(x); x)
 }
 
 /// A convolution without bias on channels-last maps through cuDNN: input `(N, H, W, C)`, filter `(K, R, S, C)`,
@@ -285,13 +257,7 @@ pub fn linear(
     input: Side,
     output: Side,
 ) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    return gemm::linear(x, weight, bias, residual, input, output);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (x, weight, bias, residual, input, output);
-        Err(unavailable())
-    }
+    on_cuda!(gemm::linear(x, weight, bias, residual, input, output); x, weight, bias, residual, input, output)
 }
 
 /// Whether [`linear`] takes these tensors: [`applies`], and `SDHIVE_FUSED_LINEAR` not `0`.
@@ -309,24 +275,12 @@ pub fn linear_applies(tensors: &[&Tensor]) -> bool {
 
 /// Softmax over the last dimension, accumulated in f32.
 pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    return cuda::softmax_last_dim(x);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = x;
-        Err(unavailable())
-    }
+    on_cuda!(cuda::softmax_last_dim(x); x)
 }
 
 /// LayerNorm over the last dimension with per-element affine, statistics in f32.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    return cuda::layer_norm(x, weight, bias, eps);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (x, weight, bias, eps);
-        Err(unavailable())
-    }
+    on_cuda!(cuda::layer_norm(x, weight, bias, eps); x, weight, bias, eps)
 }
 
 /// A 2-D convolution without bias (groups and dilation 1), NCHW: im2col in a coalesced layout, then one batched
@@ -342,13 +296,7 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Res
             return cudnn::conv2d(x, weight, stride, padding);
         }
     }
-    #[cfg(feature = "cuda")]
-    return cuda::conv2d(x, weight, stride, padding);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (x, weight, stride, padding);
-        Err(unavailable())
-    }
+    on_cuda!(cuda::conv2d(x, weight, stride, padding); x, weight, stride, padding)
 }
 
 /// diffusers' GEGLU: the last dimension's first half times the exact (erf) GELU of its second half.
@@ -358,13 +306,7 @@ pub fn geglu(x: &Tensor) -> Result<Tensor> {
 
 /// [`geglu`] of `x + bias` (the projection's bias along the last dimension), in the same single pass.
 pub fn geglu_bias(x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    return cuda::geglu(x, bias);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (x, bias);
-        Err(unavailable())
-    }
+    on_cuda!(cuda::geglu(x, bias); x, bias)
 }
 
 #[cfg(all(test, feature = "cuda"))]
