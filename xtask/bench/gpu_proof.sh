@@ -9,7 +9,8 @@
 # `kernels` runs sdhive-cuda-kernels-tests; `levers` times the SD1.5 UNet step and VAE decode (and the SDXL step)
 # with sdhive-bench-base (a build before the levers, when the tar has it), without the fused kernels
 # (SDHIVE_FUSED_KERNELS=0), without the fused attention (SDHIVE_FUSED_ATTENTION=0), without the cuBLASLt linears
-# (SDHIVE_FUSED_LINEAR=0), with NCHW maps instead of channels-last (SDHIVE_CHANNELS_LAST=0) and with everything (a
+# (SDHIVE_FUSED_LINEAR=0), with NCHW maps instead of channels-last (SDHIVE_CHANNELS_LAST=0), without the UNet step's
+# CUDA graph (SDHIVE_CUDA_GRAPHS=0) and with everything (a
 # --cudnn build: with cuDNN; SDHIVE_CUDNN=0 turns it off). `placement` and
 # `memory` use the full-size SD1.5 with deterministic random weights (xtask/fixtures/gen_sd15_random.py, numpy);
 # `hive` also wants CARRY/sd-worker-vulkan.xz and sd-worker-vulkan-engine.xz, and the Vulkan loader and
@@ -66,7 +67,8 @@ if has levers; then
     # name | binary | environment (each switch turns one lever off).
     for v in "base|sdhive-bench-base|" "kernels-off|sdhive-bench|SDHIVE_FUSED_KERNELS=0 SDHIVE_FUSED_ATTENTION=0" \
         "attention-off|sdhive-bench|SDHIVE_FUSED_ATTENTION=0" "linear-off|sdhive-bench|SDHIVE_FUSED_LINEAR=0" \
-        "channels-last-off|sdhive-bench|SDHIVE_CHANNELS_LAST=0" "all|sdhive-bench|"; do
+        "channels-last-off|sdhive-bench|SDHIVE_CHANNELS_LAST=0" "graphs-off|sdhive-bench|SDHIVE_CUDA_GRAPHS=0" \
+        "all|sdhive-bench|"; do
         IFS='|' read -r name exe envs <<<"$v"
         [ -x "$B/$exe" ] || continue
         step "lever $name: SD1.5 UNet b2 512² + VAE decode 512², f16"

@@ -304,6 +304,13 @@ fn main() -> Result<()> {
     let unet_step_b2 = (args.only != Only::Vae)
         .then(|| measure("unet step", args.warmup, args.iters, || bench.unet_step()))
         .transpose()?;
+    if let Some(unet) = &bench.unet {
+        let (recorded, refused) = unet.graph_status();
+        eprintln!("UNet steps replayed from a CUDA graph: {}", if recorded > 0 { "yes" } else { "no" });
+        for why in refused {
+            eprintln!("CUDA graph refused: {why}");
+        }
+    }
     let vae_decode = (args.only != Only::Unet)
         .then(|| measure("vae decode", args.warmup, args.iters, || bench.vae_decode()))
         .transpose()?;

@@ -136,6 +136,63 @@ fn every_pipeline_case_matches_diffusers() {
     assert!(failures.is_empty(), "cases off diffusers on {}: {failures:?}", test_device().label);
 }
 
+/// On CUDA the UNet's third and later calls with one shape replay a recorded graph: a replay must compute from
+/// the inputs it is given (not the recorded call's) and match what the first, kernel-by-kernel call gave. The
+/// network is the fixture's two-level UNet widened to what the fused GPU path takes (GroupNorm groups of 4 and 8
+/// channels, head dimensions 16 and 32), with deterministic random weights.
+#[test]
+fn replayed_unet_steps_match_the_kernel_by_kernel_step() {
+    use sdhive_models::unet::{UNet2DConditionConfig, UNet2DConditionModel};
+    let (dev, dtype) = (&test_device().device, test_device().dtype);
+    let mut cfg = UNet2DConditionConfig::from_file(&fixtures().join("models/sd1/unet/config.json")).unwrap();
+    cfg.block_out_channels = vec![128, 256];
+    let unet = UNet2DConditionModel::new(sdhive_models::random_var_builder(dtype, dev), &cfg).unwrap();
+    // Deterministic, input-dependent values: sin of a scaled index.
+    let wave = |shape: &[usize], k: f64| {
+        let n: usize = shape.iter().product();
+        let i = Tensor::arange(0u32, n as u32, &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+        (i * k)
+            .unwrap()
+            .sin()
+            .unwrap()
+            .reshape(shape)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+            .to_device(dev)
+            .unwrap()
+    };
+    let input = |k: f64| (wave(&[2, 4, 16, 16], k), wave(&[2, 7, 32], 1.7 * k));
+    let ((x1, c1), (x2, c2)) = (input(0.37), input(0.91));
+    let step = |x: &Tensor, t: f64, c: &Tensor| unet.forward(x, t, c, None).unwrap();
+    let first = step(&x1, 999.0, &c1);
+    let second = step(&x2, 500.0, &c2);
+    let first_again = step(&x1, 999.0, &c1);
+    let second_again = step(&x2, 500.0, &c2);
+    let (recorded, refused) = unet.graph_status();
+    eprintln!("recorded graphs: {recorded}, refused: {refused:?}");
+    // The configuration the GPU workers serve (f16/bf16 channels-last) must replay; elsewhere a refusal is fine.
+    if sdhive_cuda_kernels::graphs_on(dev) && sdhive_cuda_kernels::channels_last_on(dev, dtype) {
+        assert_eq!(
+            (recorded, refused.len()),
+            (1, 0),
+            "the second call of the shape records a graph: {refused:?}"
+        );
+    }
+    let scale = max_abs(&first).max(1.0);
+    let tol = if dtype == DType::F32 { 1e-5 } else { 2e-3 };
+    let d1 = max_diff(&first, &first_again) / scale;
+    let d2 = max_diff(&second, &second_again) / scale;
+    let apart = max_diff(&first, &second) / scale;
+    eprintln!("replay vs first run: {d1:.2e}, {d2:.2e} (the two inputs' outputs differ by {apart:.2e})");
+    assert!(d1 <= tol && d2 <= tol, "replayed step differs: {d1:.2e}, {d2:.2e} > {tol:.0e}");
+    assert!(apart > 100.0 * tol, "the two inputs gave nearly the same output ({apart:.2e})");
+}
+
+fn max_abs(t: &Tensor) -> f32 {
+    t.to_dtype(DType::F32).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+}
+
 #[test]
 fn the_golden_latents_are_not_trivially_equal() {
     // Guards the comparison itself: two different cases must differ well beyond the tolerance above.

@@ -70,6 +70,8 @@ struct State {
     handles: HashMap<DeviceId, Arc<Cudnn>>,
     plans: HashMap<Key, AnyPlan>,
     workspaces: HashMap<DeviceId, CudaSlice<u8>>,
+    /// Workspaces outgrown by a larger one, kept for the CUDA graphs recorded with them.
+    retired: Vec<CudaSlice<u8>>,
 }
 
 thread_local! {
@@ -187,9 +189,15 @@ fn launch<T: Storage>(
         };
         let need = plan.workspace.max(1);
         if state.workspaces.get(&dev.id()).is_none_or(|w| w.len() < need) {
+            if crate::graph::capturing() {
+                bail!("cuDNN convolution: the workspace would grow during a CUDA graph capture")
+            }
             // SAFETY: workspace memory is scratch for cuDNN, never read before it writes it.
             let fresh = unsafe { dev.alloc::<u8>(need)? };
-            state.workspaces.insert(dev.id(), fresh);
+            // A captured graph may still use the smaller one.
+            if let Some(old) = state.workspaces.insert(dev.id(), fresh) {
+                state.retired.push(old);
+            }
         }
         let Some(workspace) = state.workspaces.get_mut(&dev.id()) else { bail!("cuDNN workspace missing") };
         let fwd = ConvForward { conv: &plan.conv, x: &plan.x, w: &plan.w, y: &plan.y };

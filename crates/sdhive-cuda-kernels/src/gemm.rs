@@ -263,6 +263,9 @@ fn launch<T: CudaDType + DeviceRepr>(
         };
         let ws = match state.workspaces.entry(dev.id()) {
             Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(_) if crate::graph::capturing() => {
+                bail!("cuBLASLt: the first workspace would be allocated during a CUDA graph capture")
+            }
             // SAFETY: scratch for cuBLASLt, never read before it is written.
             Entry::Vacant(e) => e.insert(unsafe { dev.alloc::<u8>(WORKSPACE)? }),
         };

@@ -19,6 +19,26 @@ mod cuda;
 mod cudnn;
 #[cfg(feature = "cuda")]
 mod gemm;
+#[cfg(feature = "cuda")]
+mod graph;
+
+#[cfg(feature = "cuda")]
+pub use graph::Graph;
+
+/// A recorded CUDA launch sequence (see [`capture_graph`]); none exists in a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub enum Graph {}
+
+#[cfg(not(feature = "cuda"))]
+impl Graph {
+    pub fn replays_here(&self) -> bool {
+        match *self {}
+    }
+
+    pub fn launch(&self) -> Result<()> {
+        match *self {}
+    }
+}
 
 /// How the activations of a [`linear`] product are laid out.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
@@ -143,6 +163,35 @@ fn attention_enabled() -> bool {
 /// before the product with v. Call only where [`attention_applies`].
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, scale: f64) -> Result<Tensor> {
     on_cuda!(attention::attention(q, k, v, heads, scale); q, k, v, heads, scale)
+}
+
+/// Whether calls on `device` may be recorded as CUDA graphs and replayed ([`capture_graph`]): a CUDA device.
+/// `SDHIVE_CUDA_GRAPHS=0` turns it off (every call then launches its kernels one by one).
+pub fn graphs_on(device: &candle_core::Device) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        switched_on!("SDHIVE_CUDA_GRAPHS") && device.is_cuda()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        false
+    }
+}
+
+/// Records what `body` issues on `device` from this thread as a [`Graph`] instead of running it. Every tensor
+/// `body` makes must be dropped inside it but the ones it returns; what it reads or writes from outside must
+/// outlive the graph. A failed capture leaves the stream as it was.
+pub fn capture_graph<T>(
+    device: &candle_core::Device,
+    body: impl FnOnce() -> Result<T>,
+) -> Result<(Graph, T)> {
+    on_cuda!(graph::capture(device, body); device, body)
+}
+
+/// Returns the memory that destroyed graphs reserved on `device` to the driver.
+pub fn trim_graph_memory(device: &candle_core::Device) -> Result<()> {
+    on_cuda!(graph::trim(device); device)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -421,6 +421,9 @@ fn conv_tensors<'a>(conv: &'a Conv2d, x: &'a Tensor, extras: &ConvExtras<'a>) ->
 fn channel_add(conv: &Conv2d, extras: &ConvExtras) -> Result<Option<Tensor>> {
     let c_out = conv.out_channels();
     Ok(match (conv.bias(), extras.per_sample) {
+        // The kernel where it applies: candle's broadcast add uploads the operands' strides from host memory,
+        // which a CUDA graph cannot replay.
+        (Some(b), Some(p)) if gpu::applies(&[p, b]) => Some(gpu::add_bias_last(p, b, None)?),
         (Some(b), Some(p)) => Some(p.broadcast_add(&b.reshape((1, c_out))?)?.contiguous()?),
         (Some(b), None) => Some(b.reshape((1, c_out))?),
         (None, Some(p)) => Some(p.contiguous()?),

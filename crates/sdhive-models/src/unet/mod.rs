@@ -4,6 +4,7 @@
 mod blocks;
 mod config;
 mod embeddings;
+mod graphed;
 mod transformer;
 
 pub use config::{
@@ -54,6 +55,7 @@ pub struct UNet2DConditionModel {
     dtype: DType,
     device: Device,
     layout: MapLayout,
+    graphs: graphed::StepGraphs,
 }
 
 impl UNet2DConditionModel {
@@ -125,6 +127,7 @@ impl UNet2DConditionModel {
                 dtype: vb.dtype(),
                 device: vb.device().clone(),
                 layout: MapLayout::of(&vb),
+                graphs: graphed::StepGraphs::default(),
             })
         };
         build().map_err(weights_err(MODEL))
@@ -147,6 +150,12 @@ impl UNet2DConditionModel {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// How many input shapes replay their step from a recorded CUDA graph (none off CUDA), and why recording
+    /// failed for the others.
+    pub fn graph_status(&self) -> (usize, Vec<String>) {
+        self.graphs.status()
     }
 
     /// Predicts noise (or v) for `sample` `(B, C, H, W)` at one `timestep` shared by the
@@ -179,7 +188,11 @@ impl UNet2DConditionModel {
             ));
         }
         let temb = self.time_embed(timestep, b, added)?;
-        let out = self.run(sample, &temb, encoder_hidden_states).ctx(MODEL);
+        let out = if sdhive_cuda_kernels::graphs_on(&self.device) {
+            self.run_graphed(sample, &temb, encoder_hidden_states).ctx(MODEL)
+        } else {
+            self.run(sample, &temb, encoder_hidden_states).ctx(MODEL)
+        };
         crate::cpu::release_scratch();
         out
     }
@@ -232,6 +245,17 @@ impl UNet2DConditionModel {
             add.embedding.forward(&add_embeds)
         };
         run().ctx(MODEL)
+    }
+
+    /// [`Self::run`] replayed from a CUDA graph once a shape has been seen twice.
+    fn run_graphed(&self, sample: &Tensor, temb: &Tensor, context: &Tensor) -> candle_core::Result<Tensor> {
+        let prepare = |t: &Tensor| t.to_device(&self.device)?.to_dtype(self.dtype)?.contiguous();
+        let (sample, temb, context) = (prepare(sample)?, prepare(temb)?, prepare(context)?);
+        let (b, _, h, w) = sample.dims4()?;
+        let out_shape = [b, self.config.out_channels, h, w];
+        self.graphs.run(&self.device, self.dtype, [&sample, &temb, &context], &out_shape, |s, t, c| {
+            self.run(s, t, c)
+        })
     }
 
     fn run(&self, sample: &Tensor, temb: &Tensor, context: &Tensor) -> candle_core::Result<Tensor> {
