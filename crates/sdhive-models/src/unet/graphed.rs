@@ -11,8 +11,8 @@ use sdhive_cuda_kernels::Graph;
 use std::sync::{Arc, Mutex};
 
 /// Recorded graphs kept per network: one per input shape (batch, latent size, prompt length); the oldest goes
-/// when another shape arrives.
-const KEPT: usize = 4;
+/// when another shape arrives. Each keeps its step's activation memory reserved (SDXL at 1024²: ~1.7 GB), so few.
+const KEPT: usize = 2;
 
 /// The inputs and output shape that select a recording.
 #[derive(Clone, PartialEq, Eq, Debug)]
