@@ -187,6 +187,15 @@ fn replayed_unet_steps_match_the_kernel_by_kernel_step() {
     eprintln!("replay vs first run: {d1:.2e}, {d2:.2e} (the two inputs' outputs differ by {apart:.2e})");
     assert!(d1 <= tol && d2 <= tol, "replayed step differs: {d1:.2e}, {d2:.2e} > {tol:.0e}");
     assert!(apart > 100.0 * tol, "the two inputs gave nearly the same output ({apart:.2e})");
+    // Two more shapes push the first recording out (two are kept); the first shape then starts over and still
+    // computes the same.
+    for (b, side) in [(1, 16), (1, 16), (1, 16), (2, 8)] {
+        step(&wave(&[b, 4, side, side], 0.5), 700.0, &wave(&[b, 7, 32], 0.8));
+    }
+    let after = step(&x1, 999.0, &c1);
+    let d3 = max_diff(&first, &after) / scale;
+    eprintln!("after evicting its recording: {d3:.2e}; graphs now {:?}", unet.graph_status());
+    assert!(d3 <= tol, "the first shape after eviction differs: {d3:.2e}");
 }
 
 fn max_abs(t: &Tensor) -> f32 {
