@@ -6,7 +6,7 @@
 //! The time embedding stays outside the graph: it turns a host float into a device tensor, which a recording
 //! cannot hold, and it is a handful of small kernels.
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{Result, Tensor};
 use sdhive_cuda_kernels::Graph;
 use std::sync::{Arc, Mutex};
 
@@ -14,13 +14,12 @@ use std::sync::{Arc, Mutex};
 /// when another shape arrives. Each keeps its step's activation memory reserved (SDXL at 1024²: ~1.7 GB), so few.
 const KEPT: usize = 2;
 
-/// The inputs and output shape that select a recording.
+/// The input shapes that select a recording (a network has one dtype and device).
 #[derive(Clone, PartialEq, Eq, Debug)]
 struct Key {
     sample: Vec<usize>,
     temb: Vec<usize>,
     context: Vec<usize>,
-    dtype: DType,
 }
 
 struct Recorded {
@@ -61,12 +60,10 @@ impl StepGraphs {
         (recorded, refused.collect())
     }
 
-    /// `body(sample, temb, context)` on prepared inputs (contiguous, on `device`, in `dtype`), eagerly or from a
-    /// recording of it. `out_shape` is what `body` returns for these inputs.
+    /// `body(sample, temb, context)` on prepared inputs (contiguous, on the network's device, in its dtype),
+    /// eagerly or from a recording of it. `out_shape` is what `body` returns for these inputs.
     pub(super) fn run(
         &self,
-        device: &Device,
-        dtype: DType,
         inputs: [&Tensor; 3],
         out_shape: &[usize],
         body: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
@@ -76,7 +73,6 @@ impl StepGraphs {
             sample: sample.dims().to_vec(),
             temb: temb.dims().to_vec(),
             context: context.dims().to_vec(),
-            dtype,
         };
         let mut slots = self.slots.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let at = match slots.iter().position(|(k, _)| *k == key) {
@@ -84,14 +80,14 @@ impl StepGraphs {
             None => {
                 if slots.len() >= KEPT {
                     slots.remove(0);
-                    let _ = sdhive_cuda_kernels::trim_graph_memory(device);
+                    let _ = sdhive_cuda_kernels::trim_graph_memory(sample.device());
                 }
                 slots.push((key.clone(), Slot::Warm));
                 return body(sample, temb, context);
             }
         };
         if matches!(slots[at].1, Slot::Warm) {
-            slots[at].1 = match record(device, dtype, inputs, out_shape, &body) {
+            slots[at].1 = match record(inputs, out_shape, &body) {
                 Ok(recorded) => Slot::Ready(Box::new(recorded)),
                 Err(e) => {
                     // The first line: candle appends a backtrace to some errors.
@@ -115,15 +111,14 @@ impl StepGraphs {
 /// Records `body` on buffers of its own: copies of this call's inputs and an output allocated beforehand. Every
 /// tensor `body` makes is dropped inside the recording, so the graph owns no memory after it ends.
 fn record(
-    device: &Device,
-    dtype: DType,
     [sample, temb, context]: [&Tensor; 3],
     out_shape: &[usize],
     body: &impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
 ) -> Result<Recorded> {
+    let device = sample.device().clone();
+    let out = Tensor::zeros(out_shape, sample.dtype(), &device)?;
     let (sample, temb, context) = (sample.copy()?, temb.copy()?, context.copy()?);
-    let out = Tensor::zeros(out_shape, dtype, device)?;
-    let (graph, ()) = sdhive_cuda_kernels::capture_graph(device, || {
+    let (graph, ()) = sdhive_cuda_kernels::capture_graph(&device, || {
         let y = body(&sample, &temb, &context)?;
         out.slice_set(&y, 0, 0)
     })?;

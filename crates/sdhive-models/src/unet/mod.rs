@@ -253,9 +253,7 @@ impl UNet2DConditionModel {
         let (sample, temb, context) = (prepare(sample)?, prepare(temb)?, prepare(context)?);
         let (b, _, h, w) = sample.dims4()?;
         let out_shape = [b, self.config.out_channels, h, w];
-        self.graphs.run(&self.device, self.dtype, [&sample, &temb, &context], &out_shape, |s, t, c| {
-            self.run(s, t, c)
-        })
+        self.graphs.run([&sample, &temb, &context], &out_shape, |s, t, c| self.run(s, t, c))
     }
 
     fn run(&self, sample: &Tensor, temb: &Tensor, context: &Tensor) -> candle_core::Result<Tensor> {
