@@ -1,9 +1,10 @@
 //! `SdCppEngine`: a stable-diffusion.cpp context behind the [`Engine`] trait. Loading builds the context on the
 //! named ggml device (never ggml's "best available", which may quietly be the CPU); each request is validated,
-//! mapped onto `sd_img_gen_params_t` and run one image at a time (seed, seed+1, …) so progress and cancellation
-//! have per-image boundaries, and seeds use sd.cpp's torch-compatible CPU generator so they match diffusers'.
+//! mapped onto `sd_img_gen_params_t` and run one image at a time (seed, seed+1, …), each stoppable after any
+//! denoising step (`callbacks::generate`), and seeds use sd.cpp's torch-compatible CPU generator so they match
+//! diffusers'.
 
-use crate::callbacks::{self, ProgressSink};
+use crate::callbacks::{self, Generated};
 use crate::device;
 use crate::model_info::ModelInfo;
 use crate::params::{self, SAMPLERS};
@@ -128,6 +129,14 @@ impl SdCppEngine {
         let ctx = NonNull::new(ctx)
             .map(Context)
             .ok_or_else(|| LoadError::Context { path: path.clone(), device: opts.ggml_device.clone() })?;
+        // sd.cpp reads each module's weights from disk on first use. One small generation now makes them
+        // resident, so the memory plan below sees the device as jobs will, and no job waits on a load.
+        if let Err(message) = warm_up(ctx.0.as_ptr()) {
+            tracing::warn!(
+                "{}: a 64×64 warm-up generation failed ({message}); weights load with the first job",
+                path.display()
+            );
+        }
         let (dtype, bytes_per_weight) = match opts.weight_type {
             Some(WeightType::F32) => ("f32", 4),
             Some(WeightType::F16) => ("f16", 2),
@@ -278,40 +287,38 @@ impl Engine for SdCppEngine {
                 let p = Progress { image: index, images: req.n, step, steps, preview: None };
                 progress(&p) == Control::Continue
             };
-            let mut sink = ProgressSink { report: &mut report, cancelled: false };
             let ctx = self.ctx.0.as_ptr();
-            let image = callbacks::with_progress(&mut sink, || {
-                // SAFETY: every pointer in `p` (prompts, images) borrows data alive for this whole call;
-                // sd_img_gen_params_init fills the fields we leave alone; the returned array is copied and
-                // freed with the library's own free.
-                unsafe {
-                    let mut p: sys::sd_img_gen_params_t = std::mem::zeroed();
-                    sys::sd_img_gen_params_init(&mut p);
-                    p.prompt = prompt.as_ptr();
-                    p.negative_prompt = negative.as_ptr();
-                    p.clip_skip = req.clip_skip as i32;
-                    p.width = width as i32;
-                    p.height = height as i32;
-                    p.seed = seed as i64;
-                    p.batch_count = 1;
-                    p.strength = req.strength;
-                    p.init_image =
-                        init.as_ref().map_or(EMPTY_IMAGE, |i| sd_image(i.width, i.height, 3, &i.data));
-                    p.mask_image =
-                        mask.as_ref().map_or(EMPTY_IMAGE, |m| sd_image(m.width, m.height, 1, &m.data));
-                    p.sample_params.sample_method = method;
-                    p.sample_params.scheduler =
-                        params::scheduler(req.schedule, sys::sd_get_default_scheduler(ctx, method));
-                    p.sample_params.sample_steps = req.steps as i32;
-                    p.sample_params.guidance.txt_cfg = req.cfg_scale;
-                    p.vae_tiling_params.enabled = plan.vae_tiling;
-                    let out = sys::generate_image(ctx, &p);
-                    take_image(out)
+            // SAFETY: every pointer in `p` (prompts, images) borrows data alive for this whole call;
+            // sd_img_gen_params_init fills the fields we leave alone; `ctx` is ours, used through `&mut self`.
+            let generated = unsafe {
+                let mut p: sys::sd_img_gen_params_t = std::mem::zeroed();
+                sys::sd_img_gen_params_init(&mut p);
+                p.prompt = prompt.as_ptr();
+                p.negative_prompt = negative.as_ptr();
+                p.clip_skip = req.clip_skip as i32;
+                p.width = width as i32;
+                p.height = height as i32;
+                p.seed = seed as i64;
+                p.batch_count = 1;
+                p.strength = req.strength;
+                p.init_image = init.as_ref().map_or(EMPTY_IMAGE, |i| sd_image(i.width, i.height, 3, &i.data));
+                p.mask_image = mask.as_ref().map_or(EMPTY_IMAGE, |m| sd_image(m.width, m.height, 1, &m.data));
+                p.sample_params.sample_method = method;
+                p.sample_params.scheduler =
+                    params::scheduler(req.schedule, sys::sd_get_default_scheduler(ctx, method));
+                p.sample_params.sample_steps = req.steps as i32;
+                p.sample_params.guidance.txt_cfg = req.cfg_scale;
+                p.vae_tiling_params.enabled = plan.vae_tiling;
+                callbacks::generate(ctx, &p, &mut report)
+            };
+            let image = match generated {
+                // SAFETY: the shim passes on what generate_image returned for batch_count 1.
+                Generated::Images(out) => unsafe { take_image(out) },
+                Generated::Stopped => return Err(EngineError::Cancelled),
+                Generated::Threw(message) => {
+                    return Err(EngineError::Failed(format!("stable-diffusion.cpp threw: {message}")))
                 }
-            });
-            if sink.cancelled {
-                return Err(EngineError::Cancelled);
-            }
+            };
             let image = image.ok_or_else(|| {
                 EngineError::Failed(
                     "stable-diffusion.cpp returned no image (its log at RUST_LOG=sdcpp=info says why)".into(),
@@ -327,6 +334,35 @@ impl Engine for SdCppEngine {
             images.push(GeneratedImage { image, seed, infotext: infotext(req, &ctx) });
         }
         Ok(GenerateOutput { images })
+    }
+}
+
+/// One 64×64 image in one Euler step without guidance: every module computes once.
+fn warm_up(ctx: *mut sys::sd_ctx_t) -> Result<(), String> {
+    // SAFETY: the prompts are static C strings; sd_img_gen_params_init fills the rest; `ctx` is live and ours.
+    let generated = unsafe {
+        let mut p: sys::sd_img_gen_params_t = std::mem::zeroed();
+        sys::sd_img_gen_params_init(&mut p);
+        p.prompt = c"".as_ptr();
+        p.negative_prompt = c"".as_ptr();
+        p.width = 64;
+        p.height = 64;
+        p.seed = 0;
+        p.batch_count = 1;
+        p.sample_params.sample_method = sys::sample_method_t::EULER_SAMPLE_METHOD;
+        p.sample_params.scheduler =
+            sys::sd_get_default_scheduler(ctx, sys::sample_method_t::EULER_SAMPLE_METHOD);
+        p.sample_params.sample_steps = 1;
+        p.sample_params.guidance.txt_cfg = 1.0;
+        callbacks::generate(ctx, &p, &mut |_, _| true)
+    };
+    match generated {
+        // SAFETY: the shim passes on what generate_image returned for batch_count 1.
+        Generated::Images(out) => {
+            unsafe { take_image(out) }.map(|_| ()).ok_or_else(|| "no image".to_string())
+        }
+        Generated::Stopped => Err("stopped".into()),
+        Generated::Threw(message) => Err(message),
     }
 }
 

@@ -1,0 +1,83 @@
+//! Stopping stable-diffusion.cpp inside an image: the full-size SD1.5 with deterministic random weights (written
+//! by `cargo xtask random-model`; its folder in `SDHIVE_SD15_RANDOM`) on ggml's CPU backend, 64², so that any
+//! machine can run it. Ignored by default because it needs that 2 GB model; `cargo xtask vulkan` writes the
+//! model and runs it.
+
+use sdhive_engine::{Control, Engine, EngineError, GenerateRequest, Placement, Sampler};
+use sdhive_modelsource::{ModelLocation, ResolvedModel};
+use sdhive_sdcpp::{LoadOptions, SdCppEngine, WeightType};
+use std::path::PathBuf;
+
+fn engine() -> SdCppEngine {
+    let dir = std::env::var_os("SDHIVE_SD15_RANDOM")
+        .map(PathBuf::from)
+        .expect("SDHIVE_SD15_RANDOM must name the folder `cargo xtask random-model` writes");
+    let model =
+        ResolvedModel { name: "sd15-random".into(), location: ModelLocation::DiffusersDir(dir.clone()) };
+    let opts = LoadOptions {
+        ggml_device: "CPU".into(),
+        backend_name: "cpu".into(),
+        device_name: "cpu".into(),
+        weight_type: Some(WeightType::F16),
+        placement: Placement::default(),
+        threads: None,
+        memory_budget: None,
+    };
+    SdCppEngine::load(&model, opts).unwrap_or_else(|e| panic!("cannot load {}: {e}", dir.display()))
+}
+
+fn request(n: u32) -> GenerateRequest {
+    GenerateRequest {
+        prompt: "a red cube on a wooden table".into(),
+        steps: 4,
+        cfg_scale: 7.0,
+        width: Some(64),
+        height: Some(64),
+        seed: Some(42),
+        n,
+        sampler: Sampler::Euler,
+        ..GenerateRequest::default()
+    }
+}
+
+/// The images' RGB bytes, and every (image, step) reported on the way.
+type Run = (Result<Vec<Vec<u8>>, EngineError>, Vec<(u32, u32)>);
+
+/// Runs `req`, asking to stop once it reports (image, step) `stop_at` or later.
+fn run(engine: &mut SdCppEngine, req: &GenerateRequest, stop_at: Option<(u32, u32)>) -> Run {
+    let mut seen = Vec::new();
+    let result = engine.generate(req, &mut |p| {
+        seen.push((p.image, p.step));
+        if stop_at.is_some_and(|at| (p.image, p.step) >= at) {
+            Control::Cancel
+        } else {
+            Control::Continue
+        }
+    });
+    (result.map(|out| out.images.into_iter().map(|i| i.image.data).collect()), seen)
+}
+
+#[test]
+#[ignore = "needs the random SD1.5 named by SDHIVE_SD15_RANDOM; cargo xtask vulkan runs it"]
+fn a_stopped_image_ends_at_the_step_asked_and_the_engine_computes_as_before() {
+    let mut engine = engine();
+    let (before, seen) = run(&mut engine, &request(1), None);
+    let before = before.expect("a plain generation");
+    assert_eq!(seen, [(0, 1), (0, 2), (0, 3), (0, 4)]);
+
+    // Asked after step 2 of 4: no later step is computed (each would be reported) and the job is cancelled.
+    let (stopped, seen) = run(&mut engine, &request(1), Some((0, 2)));
+    assert!(matches!(stopped, Err(EngineError::Cancelled)), "expected Cancelled, got {stopped:?}");
+    assert_eq!(seen, [(0, 1), (0, 2)]);
+
+    // A stop in the first image of two never starts the second.
+    let (stopped, seen) = run(&mut engine, &request(2), Some((0, 1)));
+    assert!(matches!(stopped, Err(EngineError::Cancelled)), "expected Cancelled, got {stopped:?}");
+    assert_eq!(seen, [(0, 1)]);
+
+    // What the unwound sampling loop left behind (its reserved compute buffer) does not change the next image.
+    let (after, seen) = run(&mut engine, &request(1), None);
+    let after = after.expect("a generation after the stops");
+    assert_eq!(seen.len(), 4);
+    assert_eq!(after, before, "the image after a stopped one differs from the same request before it");
+}
