@@ -4,8 +4,8 @@
 //
 // q, k, v are the projections' (B, S, H·D) layout with any batch and sequence strides, so the heads are read in
 // place; the output is written contiguous (B, Sq, H·D), ready for the out-projection: no split or merge copies.
-// A block of 4 warps owns 64 query rows of one (batch, head); each warp owns 16 of them and keeps their scores,
-// probabilities, running max and sum and output in registers. Key tiles are copied to shared memory
+// A block of WARPS warps owns 16·WARPS·ATOMS query rows of one (batch, head); each warp owns ATOMS atoms of 16 rows
+// and keeps their scores, probabilities, running max and sum and output in registers. Key tiles are copied to shared memory
 // asynchronously (cp.async), the next one while the block works on the current one. Probabilities are rounded to
 // the storage type before the product with V, as every fp16 flash kernel does. The head dimension D (a multiple
 // of 8, at most 160) is zero-padded to DP, a multiple of 16, for the scores; the product with V skips the output
@@ -19,9 +19,6 @@
 #include <stdint.h>
 
 namespace {
-
-constexpr int WARPS = 4;
-constexpr int ROWS = 16 * WARPS;
 
 __device__ __forceinline__ uint32_t pack2(__half a, __half b) {
     return (uint32_t)__half_as_ushort(a) | ((uint32_t)__half_as_ushort(b) << 16);
@@ -120,15 +117,15 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t *r, const void *p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
 }
 
-template <typename T, int DP, int BK>
+template <typename T, int DP, int BK, int WARPS, int ATOMS>
 __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
-                                    T *__restrict__ o, int sq, int sk, int d, int heads, long long q_bs,
-                                    long long q_ss, long long k_bs, long long k_ss, long long v_bs,
-                                    long long v_ss, float scale_log2) {
+                                T *__restrict__ o, int sq, int sk, int d, int heads, long long q_bs, long long q_ss,
+                                long long k_bs, long long k_ss, long long v_bs, long long v_ss, float scale_log2) {
     constexpr int LD = DP + 8; // 16-byte row padding: the eight rows of an ldmatrix hit different banks
     constexpr int TILE = BK * LD;
     constexpr int NS = BK / 8; // score tiles per key tile
     constexpr int NO = DP / 8; // output tiles; those at or past the head dimension d are skipped
+    constexpr int ROWS = 16 * WARPS * ATOMS;
     static_assert(4 * BK >= ROWS && DP % 16 == 0 && BK % 16 == 0, "tile shapes");
     T *kv = reinterpret_cast<T *>(flash_smem);
 
@@ -142,20 +139,29 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
 
     stage<T, DP, LD>(kv, qh, ROWS, sq - q0, d, q_ss);
     __syncthreads();
-    // A fragments of the warp's query rows: matrices (rows 0-7 | 8-15) × (columns 0-7 | 8-15) of each k-step.
-    uint32_t qf[DP / 16][4];
-    {
-        const int r = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8, c = (lane / 16) * 8;
+    // A fragments of the warp's query rows, per 16-row atom: matrices (rows 0-7 | 8-15) × (columns 0-7 | 8-15) of
+    // each k-step.
+    uint32_t qf[ATOMS][DP / 16][4];
 #pragma unroll
-        for (int kk = 0; kk < DP / 16; ++kk) ldmatrix_x4(qf[kk], kv + r * LD + kk * 16 + c);
+    for (int a = 0; a < ATOMS; ++a) {
+        const int r = (warp * ATOMS + a) * 16 + (lane % 8) + ((lane / 8) % 2) * 8, c = (lane / 16) * 8;
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; ++kk) ldmatrix_x4(qf[a][kk], kv + r * LD + kk * 16 + c);
     }
     __syncthreads();
 
-    float acc[NO][4];
+    float acc[ATOMS][NO][4];
 #pragma unroll
-    for (int j = 0; j < NO; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    // Rows g and g + 8: running max of the raw scores, this lane's share of the sums.
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+        for (int j = 0; j < NO; ++j) acc[a][j][0] = acc[a][j][1] = acc[a][j][2] = acc[a][j][3] = 0.f;
+    // Rows g and g + 8 of each atom: running max of the raw scores, this lane's share of the sums.
+    float m0[ATOMS], m1[ATOMS], l0[ATOMS], l1[ATOMS];
+#pragma unroll
+    for (int a = 0; a < ATOMS; ++a) {
+        m0[a] = m1[a] = -INFINITY;
+        l0[a] = l1[a] = 0.f;
+    }
 
     stage_async<T, DP, LD>(kv, kh, BK, sk, d, k_ss);
     stage_async<T, DP, LD>(kv + TILE, vh, BK, sk, d, v_ss);
@@ -172,10 +178,12 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
         const T *ks = kv + 2 * TILE * (it % 2), *vs = ks + TILE;
 
         // S = Q Kᵀ: K's rows are the B operand's columns, so ldmatrix without transposition; one x4 load gives
-        // two score tiles' fragments for one k-step.
-        float sc[NS][4];
+        // two score tiles' fragments for one k-step, used by every atom.
+        float sc[ATOMS][NS][4];
 #pragma unroll
-        for (int n = 0; n < NS; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+        for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+            for (int n = 0; n < NS; ++n) sc[a][n][0] = sc[a][n][1] = sc[a][n][2] = sc[a][n][3] = 0.f;
 #pragma unroll
         for (int n = 0; n < NS; n += 2) {
             const int key = n * 8 + (lane % 8) + (lane / 16) * 8, c = ((lane / 8) % 2) * 8;
@@ -183,65 +191,79 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
             for (int kk = 0; kk < DP / 16; ++kk) {
                 uint32_t kf[4];
                 ldmatrix_x4(kf, ks + key * LD + kk * 16 + c);
-                MmaType<T>::mma(sc[n], qf[kk], kf);
-                MmaType<T>::mma(sc[n + 1], qf[kk], kf + 2);
+#pragma unroll
+                for (int a = 0; a < ATOMS; ++a) {
+                    MmaType<T>::mma(sc[a][n], qf[a][kk], kf);
+                    MmaType<T>::mma(sc[a][n + 1], qf[a][kk], kf + 2);
+                }
             }
         }
 
         // Keys past the end exist only in the last tile (zero-filled there): only it pays for the mask.
         if (k0 + BK > sk) {
 #pragma unroll
-            for (int n = 0; n < NS; ++n)
+            for (int a = 0; a < ATOMS; ++a)
 #pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    if (k0 + n * 8 + 2 * t + e >= sk) sc[n][e] = sc[n][2 + e] = -INFINITY;
+                for (int n = 0; n < NS; ++n)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        if (k0 + n * 8 + 2 * t + e >= sk) sc[a][n][e] = sc[a][n][2 + e] = -INFINITY;
         }
 
-        float t0 = -INFINITY, t1 = -INFINITY;
 #pragma unroll
-        for (int n = 0; n < NS; ++n) {
-            t0 = fmaxf(t0, fmaxf(sc[n][0], sc[n][1]));
-            t1 = fmaxf(t1, fmaxf(sc[n][2], sc[n][3]));
-        }
+        for (int a = 0; a < ATOMS; ++a) {
+            float t0 = -INFINITY, t1 = -INFINITY;
 #pragma unroll
-        for (int off = 1; off <= 2; off <<= 1) {
-            t0 = fmaxf(t0, __shfl_xor_sync(0xffffffff, t0, off));
-            t1 = fmaxf(t1, __shfl_xor_sync(0xffffffff, t1, off));
-        }
-        // The first tile always holds key 0, so the new maxima are finite and the first rescales are 0. The scale
-        // (positive) is applied inside the exponent: one fused multiply-add per score.
-        const float n0 = fmaxf(m0, t0), n1 = fmaxf(m1, t1);
-        const float a0 = fast_exp2((m0 - n0) * scale_log2), a1 = fast_exp2((m1 - n1) * scale_log2);
-        const float b0 = -n0 * scale_log2, b1 = -n1 * scale_log2;
-        m0 = n0;
-        m1 = n1;
-        float s0 = 0.f, s1 = 0.f;
+            for (int n = 0; n < NS; ++n) {
+                t0 = fmaxf(t0, fmaxf(sc[a][n][0], sc[a][n][1]));
+                t1 = fmaxf(t1, fmaxf(sc[a][n][2], sc[a][n][3]));
+            }
 #pragma unroll
-        for (int n = 0; n < NS; ++n) {
-            sc[n][0] = fast_exp2(fmaf(sc[n][0], scale_log2, b0));
-            sc[n][1] = fast_exp2(fmaf(sc[n][1], scale_log2, b0));
-            sc[n][2] = fast_exp2(fmaf(sc[n][2], scale_log2, b1));
-            sc[n][3] = fast_exp2(fmaf(sc[n][3], scale_log2, b1));
-            s0 += sc[n][0] + sc[n][1];
-            s1 += sc[n][2] + sc[n][3];
-        }
-        l0 = l0 * a0 + s0;
-        l1 = l1 * a1 + s1;
+            for (int off = 1; off <= 2; off <<= 1) {
+                t0 = fmaxf(t0, __shfl_xor_sync(0xffffffff, t0, off));
+                t1 = fmaxf(t1, __shfl_xor_sync(0xffffffff, t1, off));
+            }
+            // The first tile always holds key 0, so the new maxima are finite and the first rescales are 0. The
+            // scale (positive) is applied inside the exponent: one fused multiply-add per score.
+            const float n0 = fmaxf(m0[a], t0), n1 = fmaxf(m1[a], t1);
+            const float a0 = fast_exp2((m0[a] - n0) * scale_log2), a1 = fast_exp2((m1[a] - n1) * scale_log2);
+            const float b0 = -n0 * scale_log2, b1 = -n1 * scale_log2;
+            m0[a] = n0;
+            m1[a] = n1;
+            float s0 = 0.f, s1 = 0.f;
 #pragma unroll
-        for (int j = 0; j < NO; ++j) {
-            acc[j][0] *= a0;
-            acc[j][1] *= a0;
-            acc[j][2] *= a1;
-            acc[j][3] *= a1;
+            for (int n = 0; n < NS; ++n) {
+                sc[a][n][0] = fast_exp2(fmaf(sc[a][n][0], scale_log2, b0));
+                sc[a][n][1] = fast_exp2(fmaf(sc[a][n][1], scale_log2, b0));
+                sc[a][n][2] = fast_exp2(fmaf(sc[a][n][2], scale_log2, b1));
+                sc[a][n][3] = fast_exp2(fmaf(sc[a][n][3], scale_log2, b1));
+                s0 += sc[a][n][0] + sc[a][n][1];
+                s1 += sc[a][n][2] + sc[a][n][3];
+            }
+            l0[a] = l0[a] * a0 + s0;
+            l1[a] = l1[a] * a1 + s1;
+#pragma unroll
+            for (int j = 0; j < NO; ++j) {
+                acc[a][j][0] *= a0;
+                acc[a][j][1] *= a0;
+                acc[a][j][2] *= a1;
+                acc[a][j][3] *= a1;
+            }
         }
 
         // O += P V: score tiles 2kk and 2kk+1 are the A fragment of k-step kk; V's rows are the B operand's rows,
-        // so ldmatrix transposes; one x4 load gives two output tiles' fragments, an x2 load the last odd one.
+        // so ldmatrix transposes; one x4 load gives two output tiles' fragments (an x2 load the last odd one),
+        // used by every atom.
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
-            const uint32_t pa[4] = {pack_f2<T>(sc[2 * kk][0], sc[2 * kk][1]), pack_f2<T>(sc[2 * kk][2], sc[2 * kk][3]),
-                                    pack_f2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                                    pack_f2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+            uint32_t pa[ATOMS][4];
+#pragma unroll
+            for (int a = 0; a < ATOMS; ++a) {
+                pa[a][0] = pack_f2<T>(sc[a][2 * kk][0], sc[a][2 * kk][1]);
+                pa[a][1] = pack_f2<T>(sc[a][2 * kk][2], sc[a][2 * kk][3]);
+                pa[a][2] = pack_f2<T>(sc[a][2 * kk + 1][0], sc[a][2 * kk + 1][1]);
+                pa[a][3] = pack_f2<T>(sc[a][2 * kk + 1][2], sc[a][2 * kk + 1][3]);
+            }
             const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, c = (lane / 16) * 8;
 #pragma unroll
             for (int j = 0; j < NO; j += 2) {
@@ -249,11 +271,15 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
                 uint32_t vf[4];
                 if (j + 1 < no) {
                     ldmatrix_x4_trans(vf, vs + key * LD + j * 8 + c);
-                    MmaType<T>::mma(acc[j], pa, vf);
-                    MmaType<T>::mma(acc[j + 1], pa, vf + 2);
+#pragma unroll
+                    for (int a = 0; a < ATOMS; ++a) {
+                        MmaType<T>::mma(acc[a][j], pa[a], vf);
+                        MmaType<T>::mma(acc[a][j + 1], pa[a], vf + 2);
+                    }
                 } else {
                     ldmatrix_x2_trans(vf, vs + key * LD + j * 8);
-                    MmaType<T>::mma(acc[j], pa, vf);
+#pragma unroll
+                    for (int a = 0; a < ATOMS; ++a) MmaType<T>::mma(acc[a][j], pa[a], vf);
                 }
             }
         }
@@ -261,46 +287,55 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
     }
 
 #pragma unroll
-    for (int off = 1; off <= 2; off <<= 1) {
-        l0 += __shfl_xor_sync(0xffffffff, l0, off);
-        l1 += __shfl_xor_sync(0xffffffff, l1, off);
-    }
-    const float i0 = 1.f / l0, i1 = 1.f / l1;
-    const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
-    T *o0 = o + ((long long)b * sq + r0) * heads * d + (long long)h * d;
-    T *o1 = o0 + 8LL * heads * d;
+    for (int a = 0; a < ATOMS; ++a) {
 #pragma unroll
-    for (int j = 0; j < NO; ++j) {
-        const int col = j * 8 + 2 * t;
-        if (j >= no) break;
-        if (r0 < sq) *reinterpret_cast<uint32_t *>(o0 + col) = pack_f2<T>(acc[j][0] * i0, acc[j][1] * i0);
-        if (r1 < sq) *reinterpret_cast<uint32_t *>(o1 + col) = pack_f2<T>(acc[j][2] * i1, acc[j][3] * i1);
+        for (int off = 1; off <= 2; off <<= 1) {
+            l0[a] += __shfl_xor_sync(0xffffffff, l0[a], off);
+            l1[a] += __shfl_xor_sync(0xffffffff, l1[a], off);
+        }
+        const float i0 = 1.f / l0[a], i1 = 1.f / l1[a];
+        const int r0 = q0 + (warp * ATOMS + a) * 16 + g, r1 = r0 + 8;
+        T *o0 = o + ((long long)b * sq + r0) * heads * d + (long long)h * d;
+        T *o1 = o0 + 8LL * heads * d;
+#pragma unroll
+        for (int j = 0; j < NO; ++j) {
+            const int col = j * 8 + 2 * t;
+            if (j >= no) break;
+            if (r0 < sq) *reinterpret_cast<uint32_t *>(o0 + col) = pack_f2<T>(acc[a][j][0] * i0, acc[a][j][1] * i0);
+            if (r1 < sq) *reinterpret_cast<uint32_t *>(o1 + col) = pack_f2<T>(acc[a][j][2] * i1, acc[a][j][3] * i1);
+        }
     }
 }
 
 } // namespace
 
-#define FLASH(DP, BK, BOUNDS, T, SFX)                                                                             \
-    extern "C" __global__ void __launch_bounds__ BOUNDS                                                          \
-        flash_attention_d##DP##_##SFX(const T *q, const T *k, const T *v, T *o, int sq, int sk, int d, int heads, \
-                                      long long q_bs, long long q_ss, long long k_bs, long long k_ss,             \
-                                      long long v_bs, long long v_ss, float scale_log2) {                         \
-        flash_attention<T, DP, BK>(q, k, v, o, sq, sk, d, heads, q_bs, q_ss, k_bs, k_ss, v_bs, v_ss,              \
-                                   scale_log2);                                                                   \
+#define FLASH(DP, BK, W, A, BOUNDS, T, SFX)                                                                       \
+    extern "C" __global__ void __launch_bounds__ BOUNDS flash_attention_d##DP##_##SFX(                             \
+        const T *q, const T *k, const T *v, T *o, int sq, int sk, int d, int heads, long long q_bs, long long q_ss, \
+        long long k_bs, long long k_ss, long long v_bs, long long v_ss, float scale_log2) {                        \
+        flash_attention<T, DP, BK, W, A>(q, k, v, o, sq, sk, d, heads, q_bs, q_ss, k_bs, k_ss, v_bs, v_ss,         \
+                                         scale_log2);                                                             \
     }
-#define FLASH_BOTH(DP, BK, BOUNDS)                                                                                \
-    FLASH(DP, BK, BOUNDS, __half, f16)                                                                            \
-    FLASH(DP, BK, BOUNDS, __nv_bfloat16, bf16)
+#define FLASH_BOTH(DP, BK, W, A, BOUNDS)                                                                          \
+    FLASH(DP, BK, W, A, BOUNDS, __half, f16)                                                                      \
+    FLASH(DP, BK, W, A, BOUNDS, __nv_bfloat16, bf16)
 
-// 64-key tiles up to DP 96, 32-key tiles above (shared memory per block: see `smem_bytes` in attention.rs). Up to
-// DP 64 the registers are capped for five resident blocks per SM (96 per thread): SDXL's DP 64 would take 103 and
-// fit four, and the fifth block cut its attention's kernel time by 12 % (H100, ncu: 15.3 → 13.4 ms per step)
-// despite a 36-byte spill; DP 48 fits five uncapped. Larger heads keep what the compiler picks.
-FLASH_BOTH(16, 64, (128, 5))
-FLASH_BOTH(32, 64, (128, 5))
-FLASH_BOTH(48, 64, (128, 5))
-FLASH_BOTH(64, 64, (128, 5))
-FLASH_BOTH(80, 64, (128))
-FLASH_BOTH(96, 64, (128))
-FLASH_BOTH(128, 32, (128))
-FLASH_BOTH(160, 32, (128))
+// Block shapes (key tile, warps, 16-row atoms per warp, resident blocks), measured on an H100 at the UNets' shapes;
+// `block_shape` in attention.rs must match. 64-key tiles up to DP 96, 32-key tiles above (shared memory). Up to DP
+// 64 the registers are capped for five resident blocks per SM (96 per thread): SDXL's DP 64 would take 103 and fit
+// four, and the fifth block cut its attention's kernel time by 12 % (ncu: 15.3 → 13.4 ms per step) despite a
+// 36-byte spill. DP 48 (SD1.5's heads of 40) gives each warp two atoms over 32-key tiles, so every K and V
+// fragment read from shared memory feeds two products, at four blocks of 128 registers per thread: 272 µs against
+// 313 µs for one atom over 64 keys at (2, 4096, 8, 40) self-attention, 14.6 against 18.7 µs for the cross-attention
+// over 77 keys (two atoms over 64 keys: 308 µs; three blocks of two atoms: 360 µs). For DP 64 one atom stays
+// best (491 µs against 510 µs at SDXL's (2, 4096, 10, 64)). Larger heads keep what the compiler picks.
+#ifndef SDHIVE_ATTENTION_NO_INSTANCES
+FLASH_BOTH(16, 64, 4, 1, (128, 5))
+FLASH_BOTH(32, 64, 4, 1, (128, 5))
+FLASH_BOTH(48, 32, 4, 2, (128, 4))
+FLASH_BOTH(64, 64, 4, 1, (128, 5))
+FLASH_BOTH(80, 64, 4, 1, (128))
+FLASH_BOTH(96, 64, 4, 1, (128))
+FLASH_BOTH(128, 32, 4, 1, (128))
+FLASH_BOTH(160, 32, 4, 1, (128))
+#endif

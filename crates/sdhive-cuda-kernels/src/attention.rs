@@ -12,8 +12,6 @@ use half::{bf16, f16};
 
 const MODULE: &str = "sdhive_attention";
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
-/// Query rows per block (4 warps of 16); must match `ROWS` in attention.cu.
-const ROWS: usize = 64;
 /// The head dimensions the kernels are instantiated for (a head of D values runs in the smallest DP ≥ D).
 const PADDED_DIMS: [usize; 8] = [16, 32, 48, 64, 80, 96, 128, 160];
 
@@ -21,11 +19,21 @@ fn padded_dim(d: usize) -> Option<usize> {
     PADDED_DIMS.iter().copied().find(|&p| p >= d)
 }
 
-/// Dynamic shared memory of the instantiation for padded head dimension `dp` (attention.cu's layout): two stages
-/// of a K and a V tile of 64 keys (32 above DP 96), rows padded by 8 elements.
+/// The instantiation's block shape for padded head dimension `dp` (the table at the end of attention.cu): keys
+/// per tile and query rows per block (4 warps of 16-row atoms, two atoms each at DP 48).
+fn block_shape(dp: usize) -> (usize, usize) {
+    match dp {
+        48 => (32, 128),
+        _ if dp <= 96 => (64, 64),
+        _ => (32, 64),
+    }
+}
+
+/// Dynamic shared memory of the instantiation for `dp` (attention.cu's layout): two stages of a K and a V tile,
+/// rows padded by 8 elements; the query tile is staged in the same space first.
 fn smem_bytes(dp: usize) -> usize {
-    let bk = if dp <= 96 { 64 } else { 32 };
-    2 * 2 * bk * (dp + 8) * 2
+    let (keys, rows) = block_shape(dp);
+    (2 * 2 * keys).max(rows) * (dp + 8) * 2
 }
 
 /// The compute capability the PTX was built for (build.rs).
@@ -147,7 +155,7 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
         op.scale * std::f32::consts::LOG2_E
     );
     let cfg = LaunchConfig {
-        grid_dim: (sq.div_ceil(ROWS) as u32, op.heads as u32, b as u32),
+        grid_dim: (sq.div_ceil(block_shape(dp).1) as u32, op.heads as u32, b as u32),
         block_dim: (128, 1, 1),
         shared_mem_bytes: smem as u32,
     };

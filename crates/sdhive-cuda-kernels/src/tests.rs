@@ -419,7 +419,7 @@ fn candle_nn_free_softmax(x: &Tensor) -> Tensor {
 }
 
 /// The networks' head layouts (SD1.5's 40/80/160, SDXL's 64) and the rest of the instantiations, query and key
-/// counts off the 64-row and key-tile boundaries, cross-attention to 77 tokens, a single key, large logits
+/// counts off the blocks' row (64, 128 at head dimension 40) and key-tile boundaries, cross-attention to 77 tokens, a single key, large logits
 /// (the running max must keep exp from overflowing), and q/k/v read in place from one packed projection.
 #[test]
 fn attention_matches_the_reference() {
@@ -435,6 +435,7 @@ fn attention_matches_the_reference() {
         (1, 100, 70, 2, 128, 1.0, false),
         (1, 90, 1, 2, 40, 1.0, false),
         (2, 128, 200, 2, 64, 6.0, false),
+        (1, 129, 77, 8, 40, 6.0, true),
     ] {
         let c = heads * d;
         let (q, k, v) = if packed {
