@@ -1,7 +1,8 @@
 //! `cargo xtask vulkan`: builds `sd-worker-vulkan` (stable-diffusion.cpp on ggml's Vulkan backend), lints and
-//! tests it with its feature on (including the engine's stop-inside-an-image test on the random SD1.5), checks that it refuses to start without a Vulkan device, and checks the
-//! engine against diffusers: the full-size SD1.5 with deterministic random weights (`cargo xtask random-model`)
-//! generates at 64² and the image is compared with diffusers' committed one for the same weights, prompt, seed.
+//! tests it with its feature on (including the engine's stop-inside-an-image test on the random SD1.5), checks
+//! that it refuses to start without a Vulkan device, and checks the engine against diffusers: the full-size SD1.5
+//! with deterministic random weights (`cargo xtask random-model`) generates at 64² and the image is compared with
+//! diffusers' committed one for the same weights, prompt, seed.
 //!
 //! The worker opens Mesa's lavapipe (a CPU Vulkan driver, so any machine can run this) and passes the start-up
 //! matrix-product check on it. The denoising itself runs on ggml's CPU backend (`--placement unet=cpu,…`):

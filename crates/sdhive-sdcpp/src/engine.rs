@@ -15,7 +15,7 @@ use sdhive_engine::{
     PlacementError, Progress, RgbImage, ValidationError,
 };
 use sdhive_modelsource::{ModelLocation, ResolvedModel};
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 use std::ptr::NonNull;
 use thiserror::Error;
@@ -288,37 +288,19 @@ impl Engine for SdCppEngine {
                 progress(&p) == Control::Continue
             };
             let ctx = self.ctx.0.as_ptr();
-            // SAFETY: every pointer in `p` (prompts, images) borrows data alive for this whole call;
-            // sd_img_gen_params_init fills the fields we leave alone; `ctx` is ours, used through `&mut self`.
-            let generated = unsafe {
-                let mut p: sys::sd_img_gen_params_t = std::mem::zeroed();
-                sys::sd_img_gen_params_init(&mut p);
-                p.prompt = prompt.as_ptr();
-                p.negative_prompt = negative.as_ptr();
-                p.clip_skip = req.clip_skip as i32;
-                p.width = width as i32;
-                p.height = height as i32;
-                p.seed = seed as i64;
-                p.batch_count = 1;
-                p.strength = req.strength;
-                p.init_image = init.as_ref().map_or(EMPTY_IMAGE, |i| sd_image(i.width, i.height, 3, &i.data));
-                p.mask_image = mask.as_ref().map_or(EMPTY_IMAGE, |m| sd_image(m.width, m.height, 1, &m.data));
-                p.sample_params.sample_method = method;
-                p.sample_params.scheduler =
-                    params::scheduler(req.schedule, sys::sd_get_default_scheduler(ctx, method));
-                p.sample_params.sample_steps = req.steps as i32;
-                p.sample_params.guidance.txt_cfg = req.cfg_scale;
-                p.vae_tiling_params.enabled = plan.vae_tiling;
-                callbacks::generate(ctx, &p, &mut report)
-            };
-            let image = match generated {
-                // SAFETY: the shim passes on what generate_image returned for batch_count 1.
-                Generated::Images(out) => unsafe { take_image(out) },
-                Generated::Stopped => return Err(EngineError::Cancelled),
-                Generated::Threw(message) => {
-                    return Err(EngineError::Failed(format!("stable-diffusion.cpp threw: {message}")))
-                }
-            };
+            // SAFETY: `ctx` is ours and live.
+            let automatic = unsafe { sys::sd_get_default_scheduler(ctx, method) };
+            let scheduler = params::scheduler(req.schedule, automatic);
+            let mut p = image_params(&prompt, &negative, (width, height), seed, method, scheduler, req.steps);
+            p.clip_skip = req.clip_skip as i32;
+            p.strength = req.strength;
+            p.init_image = init.as_ref().map_or(EMPTY_IMAGE, |i| sd_image(i.width, i.height, 3, &i.data));
+            p.mask_image = mask.as_ref().map_or(EMPTY_IMAGE, |m| sd_image(m.width, m.height, 1, &m.data));
+            p.sample_params.guidance.txt_cfg = req.cfg_scale;
+            p.vae_tiling_params.enabled = plan.vae_tiling;
+            // SAFETY: every pointer in `p` (prompts, images) borrows data alive for this whole call; `ctx` is
+            // ours, used through `&mut self`.
+            let image = unsafe { generate_one(ctx, &p, &mut report) }?;
             let image = image.ok_or_else(|| {
                 EngineError::Failed(
                     "stable-diffusion.cpp returned no image (its log at RUST_LOG=sdcpp=info says why)".into(),
@@ -337,33 +319,65 @@ impl Engine for SdCppEngine {
     }
 }
 
-/// One 64×64 image in one Euler step without guidance: every module computes once.
-fn warm_up(ctx: *mut sys::sd_ctx_t) -> Result<(), String> {
-    // SAFETY: the prompts are static C strings; sd_img_gen_params_init fills the rest; `ctx` is live and ours.
-    let generated = unsafe {
+/// sd.cpp's parameters for one text-to-image image, guidance off; the caller sets the rest. The prompts are
+/// borrowed: they must outlive every use of the result.
+fn image_params(
+    prompt: &CStr,
+    negative: &CStr,
+    (width, height): (u32, u32),
+    seed: u64,
+    method: sys::sample_method_t,
+    scheduler: sys::scheduler_t,
+    steps: u32,
+) -> sys::sd_img_gen_params_t {
+    // SAFETY: sd_img_gen_params_init fills every field of the zeroed struct.
+    let mut p = unsafe {
         let mut p: sys::sd_img_gen_params_t = std::mem::zeroed();
         sys::sd_img_gen_params_init(&mut p);
-        p.prompt = c"".as_ptr();
-        p.negative_prompt = c"".as_ptr();
-        p.width = 64;
-        p.height = 64;
-        p.seed = 0;
-        p.batch_count = 1;
-        p.sample_params.sample_method = sys::sample_method_t::EULER_SAMPLE_METHOD;
-        p.sample_params.scheduler =
-            sys::sd_get_default_scheduler(ctx, sys::sample_method_t::EULER_SAMPLE_METHOD);
-        p.sample_params.sample_steps = 1;
-        p.sample_params.guidance.txt_cfg = 1.0;
-        callbacks::generate(ctx, &p, &mut |_, _| true)
+        p
     };
-    match generated {
-        // SAFETY: the shim passes on what generate_image returned for batch_count 1.
-        Generated::Images(out) => {
-            unsafe { take_image(out) }.map(|_| ()).ok_or_else(|| "no image".to_string())
+    p.prompt = prompt.as_ptr();
+    p.negative_prompt = negative.as_ptr();
+    p.width = width as i32;
+    p.height = height as i32;
+    p.seed = seed as i64;
+    p.batch_count = 1;
+    p.sample_params.sample_method = method;
+    p.sample_params.scheduler = scheduler;
+    p.sample_params.sample_steps = steps as i32;
+    p.sample_params.guidance.txt_cfg = 1.0;
+    p
+}
+
+/// One image of batch 1 through the shim: the image (`None` when sd.cpp made none; its log says why), or how the
+/// job ended instead.
+///
+/// # Safety
+/// As for [`callbacks::generate`].
+unsafe fn generate_one(
+    ctx: *mut sys::sd_ctx_t,
+    p: &sys::sd_img_gen_params_t,
+    report: &mut dyn FnMut(u32, u32) -> bool,
+) -> Result<Option<RgbImage>, EngineError> {
+    // SAFETY: the caller's contract; the shim passes on what generate_image returned for batch_count 1.
+    match unsafe { callbacks::generate(ctx, p, report) } {
+        Generated::Images(out) => Ok(unsafe { take_image(out) }),
+        Generated::Stopped => Err(EngineError::Cancelled),
+        Generated::Threw(message) => {
+            Err(EngineError::Failed(format!("stable-diffusion.cpp threw: {message}")))
         }
-        Generated::Stopped => Err("stopped".into()),
-        Generated::Threw(message) => Err(message),
     }
+}
+
+/// One 64×64 image in one Euler step without guidance: every module computes once.
+fn warm_up(ctx: *mut sys::sd_ctx_t) -> Result<(), EngineError> {
+    let euler = sys::sample_method_t::EULER_SAMPLE_METHOD;
+    // SAFETY: `ctx` is live and ours.
+    let scheduler = unsafe { sys::sd_get_default_scheduler(ctx, euler) };
+    let p = image_params(c"", c"", (64, 64), 0, euler, scheduler, 1);
+    // SAFETY: `p` borrows static prompts; `ctx` is live and used by no one else during load.
+    let image = unsafe { generate_one(ctx, &p, &mut |_, _| true) }?;
+    image.map(|_| ()).ok_or_else(|| EngineError::Failed("no image".into()))
 }
 
 fn fit_rgb(img: &RgbImage, width: u32, height: u32) -> RgbImage {
