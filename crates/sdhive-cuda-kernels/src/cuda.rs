@@ -6,7 +6,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchCon
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{
     bail, builder_arg, CpuStorage, CudaDevice, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout,
-    Result, Shape, Tensor,
+    Result, Shape, Storage, Tensor,
 };
 use half::{bf16, f16};
 
@@ -335,6 +335,8 @@ struct GroupNormLast {
     groups: usize,
     eps: f32,
     silu: bool,
+    /// `(N, C)`, added to every pixel of its sample before the statistics.
+    shift: Option<Tensor>,
 }
 
 fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
@@ -357,6 +359,15 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
     let xs = contiguous::<T>(x.0, x.1, "group_norm input")?;
     let ws = contiguous::<T>(w.0, w.1, "group_norm weight")?;
     let bs = contiguous::<T>(b.0, b.1, "group_norm bias")?;
+    let shift = op.shift.as_ref().map(|t| t.storage_and_layout());
+    let ss = match &shift {
+        Some((storage, l)) => match &**storage {
+            Storage::Cuda(s) => Some(contiguous::<T>(s, l, "group_norm shift")?),
+            _ => bail!("group_norm: the shift is not on the GPU"),
+        },
+        None => None,
+    };
+    let null: u64 = 0;
     // SAFETY: every element is written by the stats kernel before the finalize kernel reads it.
     let partial: CudaSlice<f32> = unsafe { dev.alloc::<f32>(samples * chunks * op.groups * 3)? };
     // SAFETY: written in full by the finalize kernel.
@@ -366,6 +377,10 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
     let func = dev.get_or_load_custom_func(&format!("gn_stats_nhwc_{sfx}"), MODULE, PTX)?;
     let mut a = func.builder();
     a.arg(&xs);
+    match &ss {
+        Some(s) => a.arg(s),
+        None => a.arg(&null),
+    };
     a.arg(&partial);
     builder_arg!(a, pixels as u32, channels as u32, op.groups as u32, chunks as u32);
     let vec = 16 / std::mem::size_of::<T>();
@@ -391,6 +406,10 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
     let func = dev.get_or_load_custom_func(&format!("gn_apply_nhwc_{sfx}"), MODULE, PTX)?;
     let mut a = func.builder();
     a.arg(&xs);
+    match &ss {
+        Some(s) => a.arg(s),
+        None => a.arg(&null),
+    };
     a.arg(&ws);
     a.arg(&bs);
     a.arg(&out);
@@ -422,6 +441,7 @@ pub fn channels_last_fits(x: &Tensor) -> bool {
 
 pub fn group_norm_last(
     x: &Tensor,
+    shift: Option<&Tensor>,
     weight: &Tensor,
     bias: &Tensor,
     groups: usize,
@@ -438,7 +458,18 @@ pub fn group_norm_last(
     if weight.elem_count() != c || bias.elem_count() != c {
         bail!("group_norm: weight/bias must have {c} values");
     }
-    let op = GroupNormLast { groups, eps: eps as f32, silu };
+    if let Some(s) = shift {
+        if s.dims() != [dims[0], c] || s.dtype() != x.dtype() || !s.is_contiguous() {
+            bail!(
+                "group_norm: shift {:?} {:?} must be contiguous ({}, {c}) {:?}",
+                s.dims(),
+                s.dtype(),
+                dims[0],
+                x.dtype()
+            );
+        }
+    }
+    let op = GroupNormLast { groups, eps: eps as f32, silu, shift: shift.cloned() };
     x.apply_op3_no_bwd(&weight.flatten_all()?, &bias.flatten_all()?, &op)
 }
 

@@ -4,24 +4,31 @@
 //! SDXL VAE runs on). The algorithm comes from cuDNN's heuristics; descriptors and algorithm are cached per shape,
 //! and one workspace per device only grows (candle's own cuDNN path asks for f16 accumulation and allocates a
 //! zeroed workspace on every call). No im2col buffer: the f32 VAE at 1024² would need gigabytes for one. Maps and
-//! filters are NCHW / KCRS, or channels-last NHWC / KRSC ([`conv2d_channels_last`]).
+//! filters are NCHW / KCRS, or channels-last NHWC / KRSC ([`conv2d_channels_last`]). Channels-last convolutions
+//! can add their bias and a skip connection in cuDNN's own epilogue ([`conv2d_channels_last_epilogue`]), so the
+//! output is written once instead of being read back by a separate add pass.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cudnn::{
-    self, sys, ConvDescriptor, ConvForward, Cudnn, CudnnDataType, FilterDescriptor, TensorDescriptor,
+    self, sys, ActivationDescriptor, ConvBiasActivationForward, ConvDescriptor, ConvForward, Cudnn,
+    CudnnDataType, FilterDescriptor, TensorDescriptor,
 };
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr};
+use candle_core::cuda_backend::cudarc::driver::{
+    sys as sys_driver, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DeviceSlice, SyncOnDrop,
+};
 use candle_core::cuda_backend::{CudaDType, DeviceId};
 use candle_core::{
-    bail, CpuStorage, CudaDevice, CudaStorage, CustomOp2, DType, Layout, Result, Shape, Tensor,
+    bail, CpuStorage, CudaDevice, CudaStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor,
 };
 use half::{bf16, f16};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
-/// Device, dtype, TF32 allowed, channels-last, input (N, C, H, W), filter (K, C, R, S), stride, padding.
-type Key = (DeviceId, DType, bool, bool, [usize; 4], [usize; 4], usize, usize);
+/// Device, dtype, TF32 allowed, channels-last, input (N, C, H, W), filter (K, C, R, S), stride, padding, bias
+/// (and skip) in the epilogue.
+type Key = (DeviceId, DType, bool, bool, [usize; 4], [usize; 4], usize, usize, bool);
 
 /// A shape's descriptors and algorithm, for one storage type.
 struct Plan<T> {
@@ -29,8 +36,16 @@ struct Plan<T> {
     x: TensorDescriptor<T>,
     w: FilterDescriptor<T>,
     y: TensorDescriptor<T>,
+    epilogue: Option<Epilogue<T>>,
     algo: sys::cudnnConvolutionFwdAlgo_t,
     workspace: usize,
+}
+
+/// What `cudnnConvolutionBiasActivationForward` needs beyond the convolution: the bias as a (1, K, 1, 1) tensor
+/// and an identity activation.
+struct Epilogue<T> {
+    bias: TensorDescriptor<T>,
+    act: ActivationDescriptor<f32>,
 }
 
 enum AnyPlan {
@@ -76,6 +91,9 @@ struct State {
 
 thread_local! {
     static STATE: RefCell<State> = RefCell::new(State::default());
+    /// Set when cuDNN refused a convolution with its epilogue (`CUDNN_STATUS_NOT_SUPPORTED`, checked before anything
+    /// runs), so [`conv2d_channels_last_epilogue`] takes the separate add instead.
+    static EPILOGUE_REFUSED: Cell<bool> = const { Cell::new(false) };
 }
 
 fn wrap_err(e: impl std::fmt::Debug, what: &str) -> candle_core::Error {
@@ -113,9 +131,23 @@ fn make_plan<T: Storage>(
     let wd = cudnn.create_4d_filter::<T>(format, w.map(i))?;
     let yd = cudnn.create_4d_tensor::<T>(format, op.out_dims(x, w).map(i))?;
     let fwd = ConvForward { conv: &conv, x: &xd, w: &wd, y: &yd };
-    let algo = fwd.pick_algorithm()?;
+    let (algo, epilogue) = if op.epilogue.is_some() {
+        // The identity activation (no activation at all) is only implemented by this algorithm.
+        let bias = cudnn.create_4d_tensor::<T>(format, [1, i(w[0]), 1, 1])?;
+        let act = cudnn.create_activation::<f32>(
+            sys::cudnnActivationMode_t::CUDNN_ACTIVATION_IDENTITY,
+            sys::cudnnNanPropagation_t::CUDNN_NOT_PROPAGATE_NAN,
+            0.0,
+        )?;
+        (
+            sys::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM,
+            Some(Epilogue { bias, act }),
+        )
+    } else {
+        (fwd.pick_algorithm()?, None)
+    };
     let workspace = fwd.get_workspace_size(algo)?;
-    Ok(Plan { conv, x: xd, w: wd, y: yd, algo, workspace })
+    Ok(Plan { conv, x: xd, w: wd, y: yd, epilogue, algo, workspace })
 }
 
 struct Conv {
@@ -123,6 +155,9 @@ struct Conv {
     padding: usize,
     /// Input (N, H, W, C), filter (K, R, S, C) and output (N, H, W, K) in memory, instead of NCHW / KCRS.
     channels_last: bool,
+    /// The bias (the op's third operand) added in cuDNN's epilogue, with this skip connection (the output's
+    /// shape) when there is one.
+    epilogue: Option<Option<Tensor>>,
 }
 
 impl Conv {
@@ -148,10 +183,36 @@ impl Conv {
     }
 }
 
+/// A device buffer by its address: the z operand of a convolution without skip is the output, already borrowed
+/// mutably.
+struct Alias<'a, T> {
+    ptr: sys_driver::CUdeviceptr,
+    len: usize,
+    stream: &'a Arc<CudaStream>,
+    marker: PhantomData<T>,
+}
+
+impl<T> DeviceSlice<T> for Alias<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.stream
+    }
+}
+
+impl<T> DevicePtr<T> for Alias<'_, T> {
+    fn device_ptr<'b>(&'b self, _: &'b CudaStream) -> (sys_driver::CUdeviceptr, SyncOnDrop<'b>) {
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
 fn launch<T: Storage>(
     op: &Conv,
     x: (&CudaStorage, &Layout),
     w: (&CudaStorage, &Layout),
+    bias: Option<(&CudaStorage, &Layout)>,
 ) -> Result<CudaStorage> {
     let dev: &CudaDevice = x.0.device();
     let (Some((xs, _)), Some((ws, _))) = (x.1.contiguous_offsets(), w.1.contiguous_offsets()) else {
@@ -160,9 +221,51 @@ fn launch<T: Storage>(
     let (xdims, wdims) = (op.logical(x.1)?, op.logical(w.1)?);
     let ydims = op.out_dims(xdims, wdims);
     let tf32 = x.0.dtype() == DType::F32 && crate::tf32_allowed();
-    let key: Key = (dev.id(), x.0.dtype(), tf32, op.channels_last, xdims, wdims, op.stride, op.padding);
+    let key: Key = (
+        dev.id(),
+        x.0.dtype(),
+        tf32,
+        op.channels_last,
+        xdims,
+        wdims,
+        op.stride,
+        op.padding,
+        op.epilogue.is_some(),
+    );
     let xv = x.0.as_cuda_slice::<T>()?.slice(xs..);
     let wv = w.0.as_cuda_slice::<T>()?.slice(ws..);
+    let bv = match bias {
+        Some((s, l)) => {
+            let Some((start, _)) = l.contiguous_offsets() else {
+                bail!("cuDNN convolution: the bias must be contiguous")
+            };
+            if l.shape().elem_count() != ydims[1] {
+                bail!("cuDNN convolution: bias {:?} for {} output channels", l.dims(), ydims[1]);
+            }
+            Some(s.as_cuda_slice::<T>()?.slice(start..))
+        }
+        None => None,
+    };
+    let skip = op.epilogue.as_ref().and_then(|r| r.as_ref()).map(|r| r.storage_and_layout());
+    let zv = match &skip {
+        Some((storage, l)) => {
+            let candle_core::Storage::Cuda(s) = &**storage else {
+                bail!("cuDNN convolution: the skip is not on the GPU")
+            };
+            let Some((start, _)) = l.contiguous_offsets() else {
+                bail!("cuDNN convolution: the skip must be contiguous")
+            };
+            if l.dims() != op.physical(ydims) {
+                bail!(
+                    "cuDNN convolution: skip {:?} differs from the output {:?}",
+                    l.dims(),
+                    op.physical(ydims)
+                );
+            }
+            Some(s.as_cuda_slice::<T>()?.slice(start..))
+        }
+        None => None,
+    };
     // SAFETY: cuDNN writes every output element (beta = 0).
     let mut y: CudaSlice<T> = unsafe { dev.alloc::<T>(ydims.iter().product())? };
     STATE.with(|state| -> Result<()> {
@@ -200,6 +303,41 @@ fn launch<T: Storage>(
             }
         }
         let Some(workspace) = state.workspaces.get_mut(&dev.id()) else { bail!("cuDNN workspace missing") };
+        if let (Some(e), Some(bv)) = (&plan.epilogue, &bv) {
+            let fwd = ConvBiasActivationForward {
+                conv: &plan.conv,
+                act: &e.act,
+                x: &plan.x,
+                w: &plan.w,
+                z: &plan.y,
+                bias: &e.bias,
+                y: &plan.y,
+            };
+            // Without a skip (alpha2 = 0) cuDNN does not read z, but wants a buffer of the output's size: the
+            // output itself, as TensorFlow passes it. The input, z and the bias are one pointer type for cuDNN's
+            // wrapper, so each goes by its address.
+            let stream = dev.cuda_stream();
+            let alias = |ptr, len| Alias::<T> { ptr, len, stream: &stream, marker: PhantomData };
+            let src = alias(xv.device_ptr(&stream).0, xv.len());
+            let (z, alpha2) = match &zv {
+                Some(z) => (alias(z.device_ptr(&stream).0, z.len()), T::one()),
+                None => (alias(y.device_ptr(&stream).0, y.len()), T::zero()),
+            };
+            let bias = alias(bv.device_ptr(&stream).0, bv.len());
+            // SAFETY: the descriptors were made for exactly these shapes and this storage type; the buffers are
+            // contiguous at their offsets; z and the bias match the output and (1, K, 1, 1) descriptors, and z
+            // is read only with a skip (then it is the skip, not y).
+            let done = unsafe {
+                fwd.launch(plan.algo, Some(workspace), (T::one(), alpha2), &src, &wv, &z, &bias, &mut y)
+            };
+            return match done {
+                Err(cudnn::CudnnError(sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED)) => {
+                    EPILOGUE_REFUSED.with(|r| r.set(true));
+                    bail!("cuDNN convolution: bias and skip in the epilogue not supported for {key:?}")
+                }
+                other => other.map_err(|e| wrap_err(e, "convolution with bias")),
+            };
+        }
         let fwd = ConvForward { conv: &plan.conv, x: &plan.x, w: &plan.w, y: &plan.y };
         // SAFETY: the descriptors were made for exactly these shapes and this storage type; the buffers are
         // contiguous at their offsets.
@@ -215,7 +353,7 @@ impl CustomOp2 for Conv {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        crate::cuda::cpu_only(self.name())
+        crate::cuda::cpu_only(CustomOp2::name(self))
     }
 
     fn cuda_fwd(
@@ -225,11 +363,53 @@ impl CustomOp2 for Conv {
         w: &CudaStorage,
         wl: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let shape = Shape::from(self.physical(self.out_dims(self.logical(xl)?, self.logical(wl)?)).to_vec());
-        let y = match x.dtype() {
-            DType::F16 => launch::<f16>(self, (x, xl), (w, wl))?,
-            DType::BF16 => launch::<bf16>(self, (x, xl), (w, wl))?,
-            DType::F32 => launch::<f32>(self, (x, xl), (w, wl))?,
+        self.forward((x, xl), (w, wl), None)
+    }
+}
+
+impl CustomOp3 for Conv {
+    fn name(&self) -> &'static str {
+        "sdhive-cudnn-conv2d-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        crate::cuda::cpu_only(CustomOp3::name(self))
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        self.forward((x, xl), (w, wl), Some((b, bl)))
+    }
+}
+
+impl Conv {
+    fn forward(
+        &self,
+        x: (&CudaStorage, &Layout),
+        w: (&CudaStorage, &Layout),
+        bias: Option<(&CudaStorage, &Layout)>,
+    ) -> Result<(CudaStorage, Shape)> {
+        let shape =
+            Shape::from(self.physical(self.out_dims(self.logical(x.1)?, self.logical(w.1)?)).to_vec());
+        let y = match x.0.dtype() {
+            DType::F16 => launch::<f16>(self, x, w, bias)?,
+            DType::BF16 => launch::<bf16>(self, x, w, bias)?,
+            DType::F32 => launch::<f32>(self, x, w, bias)?,
             other => bail!("cuDNN convolution: unsupported dtype {other:?}"),
         };
         Ok((y, shape))
@@ -251,13 +431,40 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Res
             weight.dims()
         );
     }
-    x.apply_op2_no_bwd(weight, &Conv { stride, padding, channels_last: false })
+    x.apply_op2_no_bwd(weight, &Conv { stride, padding, channels_last: false, epilogue: None })
 }
 
 /// [`conv2d`] on channels-last tensors: input (N, H, W, C), filter (K, R, S, C), output (N, Ho, Wo, K). cuDNN's
 /// tensor-core kernels work in this layout, so nothing is transposed on the way (NCHW calls transpose the input,
 /// the filter and the output every time).
 pub fn conv2d_channels_last(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
+    check_channels_last(x, weight, stride, padding)?;
+    x.apply_op2_no_bwd(weight, &Conv { stride, padding, channels_last: true, epilogue: None })
+}
+
+/// [`conv2d_channels_last`] `+ bias (+ skip)`, both added in cuDNN's epilogue: `bias` `(K)`, `skip` the output's
+/// shape. Where cuDNN refuses the fused form for a shape or type, the convolution and one add pass.
+pub fn conv2d_channels_last_epilogue(
+    x: &Tensor,
+    weight: &Tensor,
+    stride: usize,
+    padding: usize,
+    bias: &Tensor,
+    skip: Option<&Tensor>,
+) -> Result<Tensor> {
+    check_channels_last(x, weight, stride, padding)?;
+    let op = Conv { stride, padding, channels_last: true, epilogue: Some(skip.cloned()) };
+    EPILOGUE_REFUSED.with(|r| r.set(false));
+    match x.apply_op3_no_bwd(weight, bias, &op) {
+        Err(_) if EPILOGUE_REFUSED.with(|r| r.take()) => {
+            let y = conv2d_channels_last(x, weight, stride, padding)?;
+            crate::cuda::add_channel(&y, bias, skip, true)
+        }
+        done => done,
+    }
+}
+
+fn check_channels_last(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Result<()> {
     let (_, h, w, c) = x.dims4()?;
     let (_, r, s, wc) = weight.dims4()?;
     if wc != c || h + 2 * padding < r || w + 2 * padding < s || stride == 0 {
@@ -267,5 +474,5 @@ pub fn conv2d_channels_last(x: &Tensor, weight: &Tensor, stride: usize, padding:
             weight.dims()
         );
     }
-    x.apply_op2_no_bwd(weight, &Conv { stride, padding, channels_last: true })
+    Ok(())
 }

@@ -159,10 +159,11 @@ __device__ void add_channel(const T *y, const T *add, const T *residual, T *out,
 // each thread keeps per-channel moments of its VEC channels over its pixels, the block combines them per channel
 // in shared memory (lanes · C moments, dynamic) and then per group, and writes
 // partial[((sample * chunks) + chunk) * groups + g]. The thread layout is (pixel lane, channel vector):
-// blockDim.x = lanes · C / VEC.
+// blockDim.x = lanes · C / VEC. A non-null `shift` (N, C) is added to every pixel of its sample first: the ResNet
+// time embedding, which the convolution before the norm then never has to add in a pass of its own.
 template <typename T>
-__device__ void gn_stats_nhwc(const T *x, float *partial, uint32_t pixels, uint32_t channels, uint32_t groups,
-                              uint32_t chunks) {
+__device__ void gn_stats_nhwc(const T *x, const T *shift, float *partial, uint32_t pixels, uint32_t channels,
+                              uint32_t groups, uint32_t chunks) {
     constexpr uint32_t VEC = 16 / sizeof(T);
     extern __shared__ Moments ch[];
     const uint32_t nvec = channels / VEC, lanes = blockDim.x / nvec;
@@ -171,8 +172,12 @@ __device__ void gn_stats_nhwc(const T *x, float *partial, uint32_t pixels, uint3
     const uint32_t per = (pixels + chunks - 1) / chunks;
     const uint32_t start = blockIdx.x * per, end = min(start + per, pixels);
     Moments m[VEC];
+    float sh[VEC];
 #pragma unroll
-    for (uint32_t j = 0; j < VEC; j++) m[j] = Moments{0.f, 0.f, 0.f};
+    for (uint32_t j = 0; j < VEC; j++) {
+        m[j] = Moments{0.f, 0.f, 0.f};
+        sh[j] = shift != nullptr && lane < lanes ? to_f(shift[sample * channels + v * VEC + j]) : 0.f;
+    }
     if (lane < lanes) {
         const T *base = x + sample * (size_t)pixels * channels + v * VEC;
         // Every channel of the vector has seen the same pixels: one count and one reciprocal for all of them.
@@ -184,7 +189,7 @@ __device__ void gn_stats_nhwc(const T *x, float *partial, uint32_t pixels, uint3
             const float inv = 1.f / n;
 #pragma unroll
             for (uint32_t j = 0; j < VEC; j++) {
-                float val = to_f(e[j]);
+                float val = to_f(e[j]) + sh[j];
                 float d = val - m[j].mean;
                 m[j].mean += d * inv;
                 m[j].m2 += d * (val - m[j].mean);
@@ -238,10 +243,11 @@ __device__ void gn_finalize_nhwc_device(const float *partial, float *stats, uint
     }
 }
 
-// GroupNorm over channels-last maps, pass 3: (x − mean) · rstd · w[c] + b[c] (then SiLU), 16 bytes per thread.
+// GroupNorm over channels-last maps, pass 3: (x (+ shift) − mean) · rstd · w[c] + b[c] (then SiLU), 16 bytes per
+// thread.
 template <typename T>
-__device__ void gn_apply_nhwc(const T *x, const T *w, const T *b, T *out, const float *stats, size_t n,
-                              uint32_t pixels, uint32_t channels, uint32_t groups, int silu) {
+__device__ void gn_apply_nhwc(const T *x, const T *shift, const T *w, const T *b, T *out, const float *stats,
+                              size_t n, uint32_t pixels, uint32_t channels, uint32_t groups, int silu) {
     constexpr uint32_t VEC = 16 / sizeof(T);
     const uint32_t per_group = channels / groups;
     const size_t step = (size_t)gridDim.x * blockDim.x;
@@ -257,7 +263,8 @@ __device__ void gn_apply_nhwc(const T *x, const T *w, const T *b, T *out, const 
 #pragma unroll
         for (uint32_t j = 0; j < VEC; j++) {
             const uint32_t c = c0 + j, g = c / per_group;
-            float val = (to_f(xe[j]) - st[g * 2]) * st[g * 2 + 1] * to_f(w[c]) + to_f(b[c]);
+            const float xv = to_f(xe[j]) + (shift != nullptr ? to_f(shift[sample * channels + c]) : 0.f);
+            float val = (xv - st[g * 2]) * st[g * 2 + 1] * to_f(w[c]) + to_f(b[c]);
             if (silu) val = val / (1.f + expf(-val));
             oe[j] = from_f<T>(val);
         }
@@ -500,15 +507,15 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
                                                uint32_t rows_per_sample) {                                      \
         add_channel<T>(y, add, residual, out, n, channels, inner, add_batch_stride, rows_per_sample);           \
     }                                                                                                           \
-    extern "C" __global__ void gn_stats_nhwc_##S(const T *x, float *partial, uint32_t pixels, uint32_t channels, \
-                                                 uint32_t groups, uint32_t chunks) {                            \
-        gn_stats_nhwc<T>(x, partial, pixels, channels, groups, chunks);                                         \
-    }                                                                                                           \
-    extern "C" __global__ void gn_apply_nhwc_##S(const T *x, const T *w, const T *b, T *out, const float *stats, \
-                                                 size_t n, uint32_t pixels, uint32_t channels, uint32_t groups, \
-                                                 int silu) {                                                    \
-        gn_apply_nhwc<T>(x, w, b, out, stats, n, pixels, channels, groups, silu);                               \
-    }                                                                                                           \
+    extern "C" __global__ void gn_stats_nhwc_##S(const T *x, const T *shift, float *partial, uint32_t pixels, \
+                                                 uint32_t channels, uint32_t groups, uint32_t chunks) {      \
+        gn_stats_nhwc<T>(x, shift, partial, pixels, channels, groups, chunks);                               \
+    }                                                                                                        \
+    extern "C" __global__ void gn_apply_nhwc_##S(const T *x, const T *shift, const T *w, const T *b, T *out, \
+                                                 const float *stats, size_t n, uint32_t pixels, uint32_t channels, \
+                                                 uint32_t groups, int silu) {                                \
+        gn_apply_nhwc<T>(x, shift, w, b, out, stats, n, pixels, channels, groups, silu);                     \
+    }                                                                                                        \
     extern "C" __global__ void transpose_##S(const T *x, T *out, uint32_t m, uint32_t n) {                    \
         transpose_tiles<T>(x, out, m, n);                                                                       \
     }                                                                                                           \

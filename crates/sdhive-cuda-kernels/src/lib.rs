@@ -258,17 +258,19 @@ pub fn channels_last_fits(x: &Tensor) -> bool {
     }
 }
 
-/// GroupNorm over channels-last `(N, …, C)` (groups are runs of consecutive channels), statistics in f32;
-/// `silu` applies SiLU to the result. Call only where [`channels_last_fits`].
+/// GroupNorm over channels-last `(N, …, C)` (groups are runs of consecutive channels), statistics in f32, of
+/// `x + shift` when a contiguous `(N, C)` `shift` is given (added to every pixel of its sample; it is not
+/// materialised); `silu` applies SiLU to the result. Call only where [`channels_last_fits`].
 pub fn group_norm_channels_last(
     x: &Tensor,
+    shift: Option<&Tensor>,
     weight: &Tensor,
     bias: &Tensor,
     groups: usize,
     eps: f64,
     silu: bool,
 ) -> Result<Tensor> {
-    on_cuda!(cuda::group_norm_last(x, weight, bias, groups, eps, silu); x, weight, bias, groups, eps, silu)
+    on_cuda!(cuda::group_norm_last(x, shift, weight, bias, groups, eps, silu); x, shift, weight, bias, groups, eps, silu)
 }
 
 /// `(B, M, N)` → `(B, N, M)`, contiguous (NCHW ↔ channels-last as `(B, C, H·W)` ↔ `(B, H·W, C)`) through shared-memory
@@ -290,6 +292,25 @@ pub fn conv2d_channels_last(x: &Tensor, weight: &Tensor, stride: usize, padding:
     #[cfg(not(feature = "cudnn"))]
     {
         let _ = (x, weight, stride, padding);
+        Err(candle_core::Error::Msg("sdhive-cuda-kernels was built without its cudnn feature".into()))
+    }
+}
+
+/// [`conv2d_channels_last`] `+ bias (+ skip)`, added in cuDNN's epilogue (the output written once, no add pass):
+/// `bias` `(K)`, `skip` the output's shape `(N, Ho, Wo, K)`. Only with the `cudnn` feature.
+pub fn conv2d_channels_last_epilogue(
+    x: &Tensor,
+    weight: &Tensor,
+    stride: usize,
+    padding: usize,
+    bias: &Tensor,
+    skip: Option<&Tensor>,
+) -> Result<Tensor> {
+    #[cfg(feature = "cudnn")]
+    return cudnn::conv2d_channels_last_epilogue(x, weight, stride, padding, bias, skip);
+    #[cfg(not(feature = "cudnn"))]
+    {
+        let _ = (x, weight, stride, padding, bias, skip);
         Err(candle_core::Error::Msg("sdhive-cuda-kernels was built without its cudnn feature".into()))
     }
 }

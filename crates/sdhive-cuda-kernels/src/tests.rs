@@ -312,7 +312,7 @@ fn channels_last_group_norm_matches_the_reference() {
             // With an offset of 300 one f32 input ulp is 3e-5 of the output's unit scale.
             let tol = tol(dtype) * if offset > 0.0 { 2.0 } else { 1.0 };
             for silu in [false, true] {
-                let ours = group_norm_channels_last(&xl, &wd, &bd, groups, 1e-5, silu).unwrap();
+                let ours = group_norm_channels_last(&xl, None, &wd, &bd, groups, 1e-5, silu).unwrap();
                 assert_eq!(ours.dims(), xl.dims());
                 let want = nhwc(&group_norm_reference(&xd, &wd, &bd, groups, 1e-5, silu));
                 let d = rel_diff(&ours, &want);
@@ -327,7 +327,37 @@ fn channels_last_group_norm_matches_the_reference() {
     let wide = Tensor::zeros((1, 2, 2, 4104), DType::F16, &dev).unwrap();
     let ones = Tensor::ones(4104, DType::F16, &dev).unwrap();
     assert!(!channels_last_fits(&wide));
-    assert!(group_norm_channels_last(&wide, &ones, &ones, 8, 1e-5, false).is_err());
+    assert!(group_norm_channels_last(&wide, None, &ones, &ones, 8, 1e-5, false).is_err());
+}
+
+/// The channels-last GroupNorm of `x + shift` (a per-sample, per-channel term: the time embedding), against the
+/// reference on the sum, with a shift large against the values (it moves every group's mean).
+#[test]
+fn channels_last_group_norm_adds_its_shift_first() {
+    let dev = gpu();
+    for (shape, groups) in [((2, 320, 9, 7), 32), ((2, 640, 16, 16), 32), ((1, 1280, 4, 4), 32)] {
+        let x = Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
+        let shift = Tensor::randn(0f32, 3.0, (shape.0, shape.1), &dev).unwrap();
+        let w = Tensor::randn(1f32, 0.2, shape.1, &dev).unwrap();
+        let b = Tensor::randn(0f32, 0.2, shape.1, &dev).unwrap();
+        for dtype in DTYPES {
+            let c = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let (xd, sd, wd, bd) = (c(&x), c(&shift), c(&w), c(&b));
+            let sum = xd.broadcast_add(&sd.reshape((shape.0, shape.1, 1, 1)).unwrap()).unwrap();
+            let want = nhwc(&group_norm_reference(&sum, &wd, &bd, groups, 1e-5, true));
+            let ours = group_norm_channels_last(&nhwc(&xd), Some(&sd), &wd, &bd, groups, 1e-5, true).unwrap();
+            let d = rel_diff(&ours, &want);
+            eprintln!("group_norm channels-last + shift {shape:?} {dtype:?}: rel diff {d:.2e}");
+            // The reference rounds x + shift to the storage type first; the kernel adds in f32.
+            assert!(d <= 2.0 * tol(dtype), "group_norm + shift {shape:?} {dtype:?}: {d}");
+            let unshifted = group_norm_channels_last(&nhwc(&xd), None, &wd, &bd, groups, 1e-5, true).unwrap();
+            assert!(rel_diff(&unshifted, &want) > 0.05, "the shift must change {shape:?} {dtype:?}");
+        }
+    }
+    let x = Tensor::zeros((2, 4, 4, 64), DType::F16, &dev).unwrap();
+    let ones = Tensor::ones(64, DType::F16, &dev).unwrap();
+    let wrong = Tensor::zeros((1, 64), DType::F16, &dev).unwrap();
+    assert!(group_norm_channels_last(&x, Some(&wrong), &ones, &ones, 8, 1e-5, false).is_err());
 }
 
 /// The NCHW ↔ channels-last transpose against candle's permute, on tile-aligned and ragged sizes.
@@ -389,6 +419,45 @@ fn channels_last_conv2d_matches_candle() {
     check_conv("conv2d channels-last", &cases, 0.1, |x, w, stride, pad| {
         nchw(conv2d_channels_last(&nhwc(x), &nhwc(w), stride, pad).unwrap())
     });
+}
+
+/// cuDNN's convolution with bias, and skip, in its epilogue against candle's NCHW convolution plus the adds in
+/// f32: the networks' 3×3 convolutions (a ResNet's conv2 with its skip, conv_in's 4 channels, a strided
+/// downsampler, odd sizes).
+#[cfg(feature = "cudnn")]
+#[test]
+fn channels_last_conv2d_epilogue_matches_candle() {
+    let dev = gpu();
+    let nchw = |t: Tensor| t.permute((0, 3, 1, 2)).unwrap().contiguous().unwrap();
+    for (x_shape, w_shape, stride, pad) in [
+        ((2, 320, 16, 16), (320, 320, 3, 3), 1, 1),
+        ((2, 8, 17, 13), (320, 8, 3, 3), 1, 1),
+        ((2, 640, 9, 7), (640, 640, 3, 3), 2, 1),
+        ((1, 32, 17, 15), (64, 32, 3, 3), 1, 0),
+    ] {
+        let x = Tensor::randn(0f32, 1.0, x_shape, &dev).unwrap();
+        let w = Tensor::randn(0f32, 0.05, w_shape, &dev).unwrap();
+        let bias = Tensor::randn(0f32, 1.0, w_shape.0, &dev).unwrap();
+        for dtype in DTYPES {
+            let c = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let (xd, wd, bd) = (c(&x), c(&w), c(&bias));
+            let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let conv = f(&xd).conv2d(&f(&wd), pad, stride, 1, 1).unwrap();
+            let with_bias = conv.broadcast_add(&f(&bd).reshape((1, w_shape.0, 1, 1)).unwrap()).unwrap();
+            let skip = c(&Tensor::randn(0f32, 1.0, with_bias.dims(), &dev).unwrap());
+            let (xl, wl) = (nhwc(&xd), nhwc(&wd));
+            for with_skip in [false, true] {
+                let skip_l = with_skip.then(|| nhwc(&skip));
+                let want = if with_skip { (&with_bias + f(&skip)).unwrap() } else { with_bias.clone() };
+                let got =
+                    nchw(conv2d_channels_last_epilogue(&xl, &wl, stride, pad, &bd, skip_l.as_ref()).unwrap());
+                assert_eq!(got.dims(), want.dims());
+                let d = rel_diff(&got, &want);
+                eprintln!("conv2d epilogue {x_shape:?} * {w_shape:?} s{stride} p{pad} skip={with_skip} {dtype:?}: rel diff {d:.2e}");
+                assert!(d <= 4.0 * tol(dtype), "conv2d epilogue {x_shape:?} skip={with_skip} {dtype:?}: {d}");
+            }
+        }
+    }
 }
 
 /// Plain attention in f32 from the same (rounded) inputs: split heads, scores, softmax, product, merge.

@@ -40,7 +40,7 @@ impl GroupNorm {
 
     /// This norm (then SiLU) as a convolution's input stage.
     pub(crate) fn as_pre_norm(&self) -> PreNorm<'_> {
-        PreNorm { weight: &self.weight, bias: &self.bias, groups: self.groups, eps: self.eps }
+        PreNorm { weight: &self.weight, bias: &self.bias, groups: self.groups, eps: self.eps, shift: None }
     }
 }
 
@@ -240,15 +240,16 @@ impl ResnetBlock2D {
             (Some(proj), Some(temb)) => Some(ops::linear(proj, &ops::silu(temb)?, None)?),
             _ => None,
         };
+        // The time embedding is added to conv1's output: in conv1's epilogue, or while norm2 reads that output.
+        let (temb1, temb2) = match temb.as_ref() {
+            Some(t) if ops::time_embedding_joins_norm(&self.conv2, &x) => (None, Some(t)),
+            t => (t, None),
+        };
         // norm → SiLU → conv run as one op on the CPU: the activated input never exists whole.
         let h = ops::conv2d(
             &self.conv1,
             &x,
-            ConvExtras {
-                per_sample: temb.as_ref(),
-                pre_norm: Some(self.norm1.as_pre_norm()),
-                ..Default::default()
-            },
+            ConvExtras { per_sample: temb1, pre_norm: Some(self.norm1.as_pre_norm()), ..Default::default() },
         )?;
         let skip = match &self.conv_shortcut {
             Some(c) => ops::conv2d(c, &x, ConvExtras::default())?,
@@ -259,7 +260,7 @@ impl ResnetBlock2D {
             &h,
             ConvExtras {
                 residual: Some(&skip),
-                pre_norm: Some(self.norm2.as_pre_norm()),
+                pre_norm: Some(PreNorm { shift: temb2, ..self.norm2.as_pre_norm() }),
                 ..Default::default()
             },
         )?;

@@ -241,7 +241,7 @@ pub fn group_norm_map(
         MapLayout::ChannelsFirst => group_norm(x, weight, bias, groups, eps),
         MapLayout::ChannelsLast => {
             if gpu::channels_last_fits(x) && gpu::applies(&[x, weight, bias]) {
-                return gpu::group_norm_channels_last(x, weight, bias, groups, eps, silu);
+                return gpu::group_norm_channels_last(x, None, weight, bias, groups, eps, silu);
             }
             let nchw = group_norm_map(
                 &layout.to_nchw(x)?,
@@ -389,6 +389,37 @@ pub(crate) struct PreNorm<'a> {
     pub bias: &'a Tensor,
     pub groups: usize,
     pub eps: f64,
+    /// `(B, Cin)`, added to the input before it is normalised: the time embedding of the ResNet convolution
+    /// before this norm, where [`time_embedding_joins_norm`] says so.
+    pub shift: Option<&'a Tensor>,
+}
+
+/// Whether a ResNet should hand its time embedding to the norm before `conv` (the block's second convolution,
+/// reading `x`-shaped maps) instead of adding it after its first one: on the channels-last GPU path the norm adds
+/// it while reading, so neither convolution needs an add pass (the first adds only its bias, in cuDNN's epilogue).
+/// Elsewhere the first convolution's epilogue adds it for free.
+pub(crate) fn time_embedding_joins_norm(conv: &Conv2d, x: &Tensor) -> bool {
+    conv.layout() == MapLayout::ChannelsLast && gpu::channels_last_fits(x)
+}
+
+/// `x` with its norm's shift added (a `(B, C)` term over every pixel), for the paths whose norm cannot take one.
+fn shift_input<'a>(
+    x: &Tensor,
+    extras: ConvExtras<'a>,
+    layout: MapLayout,
+) -> Result<(Tensor, ConvExtras<'a>)> {
+    match extras.pre_norm {
+        Some(p @ PreNorm { shift: Some(shift), .. }) => {
+            let (b, c) = shift.dims2()?;
+            let shape = match layout {
+                MapLayout::ChannelsFirst => (b, c, 1, 1),
+                MapLayout::ChannelsLast => (b, 1, 1, c),
+            };
+            let x = x.broadcast_add(&shift.reshape(shape)?)?;
+            Ok((x, ConvExtras { pre_norm: Some(PreNorm { shift: None, ..p }), ..extras }))
+        }
+        _ => Ok((x.clone(), extras)),
+    }
 }
 
 /// `conv(x) + extras`, `x` in the convolution's layout.
@@ -396,6 +427,8 @@ pub(crate) fn conv2d(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Te
     if conv.layout() == MapLayout::ChannelsLast {
         return conv2d_channels_last(conv, x, extras);
     }
+    let (x, extras) = shift_input(x, extras, MapLayout::ChannelsFirst)?;
+    let x = &x;
     let tensors = conv_tensors(conv, x, &extras);
     if cpu::applies(&tensors) {
         return cpu::conv2d(x, conv.weight(), conv.bias(), conv.stride(), conv.padding(), extras);
@@ -413,6 +446,7 @@ fn conv_tensors<'a>(conv: &'a Conv2d, x: &'a Tensor, extras: &ConvExtras<'a>) ->
     tensors.extend(extras.residual);
     if let Some(p) = &extras.pre_norm {
         tensors.extend([p.weight, p.bias]);
+        tensors.extend(p.shift);
     }
     tensors
 }
@@ -460,36 +494,48 @@ fn conv2d_gpu(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
 }
 
 /// A convolution of a channels-last map `(B, H, W, C)` with its `(K, R, S, C)` filter: the channels-last
-/// GroupNorm+SiLU and upsampling, cuDNN in NHWC (a 1×1 convolution is one product over the pixel rows, bias and
-/// skip in its epilogue), then one pass adding bias, time embedding and skip connection.
+/// GroupNorm+SiLU (with its shift) and upsampling, cuDNN in NHWC adding bias and skip in its epilogue (a 1×1
+/// convolution is one product over the pixel rows, bias and skip in its epilogue too); a time embedding given
+/// here rather than to the next norm takes one more pass.
 fn conv2d_channels_last(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
     let tensors = conv_tensors(conv, x, &extras);
     if !(gpu::applies(&tensors) && gpu::channels_last_fits(x)) {
         return conv2d_through_nchw(conv, x, extras);
     }
     let x = match &extras.pre_norm {
-        Some(p) => gpu::group_norm_channels_last(x, p.weight, p.bias, p.groups, p.eps, true)?,
+        Some(p) => gpu::group_norm_channels_last(x, p.shift, p.weight, p.bias, p.groups, p.eps, true)?,
         None => x.clone(),
     };
     let x = if extras.upsample { gpu::upsample2x_channels_last(&x)? } else { x };
     let (b, h, w, c) = x.dims4()?;
     let (k, r, s, _) = conv.weight().dims4()?;
     let pointwise = r == 1 && s == 1 && conv.stride() == 1 && conv.padding() == 0;
+    let residual = extras.residual.map(|r| r.contiguous()).transpose()?;
     let y = if pointwise {
         let tokens = x.reshape((b, h * w, c))?;
         let weight = conv.weight().reshape((k, c))?;
         if extras.per_sample.is_none() && gpu::linear_applies(&[&tokens, &weight]) {
-            let residual = extras.residual.map(|r| r.reshape((b, h * w, k))).transpose()?;
+            let residual = residual.map(|r| r.reshape((b, h * w, k))).transpose()?;
             let y =
                 gpu::linear(&tokens, &weight, conv.bias(), residual.as_ref(), Side::Tokens, Side::Tokens)?;
             return y.reshape((b, h, w, k));
         }
         tokens.broadcast_matmul(&weight.t()?)?.reshape((b, h, w, k))?
+    } else if let (Some(bias), None) = (conv.bias(), extras.per_sample) {
+        let (stride, padding) = (conv.stride(), conv.padding());
+        return gpu::conv2d_channels_last_epilogue(
+            &x,
+            conv.weight(),
+            stride,
+            padding,
+            bias,
+            residual.as_ref(),
+        );
     } else {
         gpu::conv2d_channels_last(&x, conv.weight(), conv.stride(), conv.padding())?
     };
-    match (channel_add(conv, &extras)?, extras.residual) {
-        (Some(a), r) => gpu::add_bias_last(&y, &a, r),
+    match (channel_add(conv, &extras)?, residual) {
+        (Some(a), r) => gpu::add_bias_last(&y, &a, r.as_ref()),
         (None, Some(r)) => y + r,
         (None, None) => Ok(y),
     }
@@ -522,8 +568,9 @@ pub(crate) fn conv2d_reference(conv: &Conv2d, x: &Tensor, extras: ConvExtras) ->
     if conv.layout() == MapLayout::ChannelsLast {
         return through_nchw(conv, x, extras, conv2d_reference);
     }
+    let (x, extras) = shift_input(x, extras, MapLayout::ChannelsFirst)?;
     let x = match &extras.pre_norm {
-        Some(p) => group_norm_reference(x, p.weight, p.bias, p.groups, p.eps)?.silu()?,
+        Some(p) => group_norm_reference(&x, p.weight, p.bias, p.groups, p.eps)?.silu()?,
         None => x.clone(),
     };
     let x = if extras.upsample {

@@ -85,7 +85,7 @@ fn conv_case(
     let residual = randn(plain.dims(), 12);
     let groups = if c_in.is_multiple_of(2) { 2 } else { 1 };
     let (nw, nb) = (randn(&[c_in], 13), randn(&[c_in], 14));
-    let pre_norm = PreNorm { weight: &nw, bias: &nb, groups, eps: 1e-5 };
+    let pre_norm = PreNorm { weight: &nw, bias: &nb, groups, eps: 1e-5, shift: None };
     let extras =
         ConvExtras { per_sample: Some(&per_sample), residual: Some(&residual), upsample, pre_norm: None };
     let want = ops::conv2d_reference(&conv, &x, extras).unwrap();
@@ -145,6 +145,40 @@ fn conv2d_matches_reference() {
     conv_case(2, 8, (37, 29), 5, 3, 1, 1, false);
     conv_case(1, 4, (33, 34), 3, 3, 1, 0, false);
     conv_case(1, 3, (17, 19), 4, 3, 1, 1, true);
+}
+
+/// A norm's shift (the time embedding handed to the norm after a ResNet's first convolution) is added to the
+/// input before its statistics, on every path that cannot fuse it: here the CPU one and the reference.
+#[test]
+fn pre_norm_shift_is_added_before_the_norm() {
+    let (batch, c_in, c_out) = (2, 6, 5);
+    let x = randn(&[batch, c_in, 7, 9], 21);
+    let shift = (randn(&[batch, c_in], 22) * 3.0).unwrap();
+    let conv = Conv2d::new(
+        randn(&[c_out, c_in, 3, 3], 23),
+        Some(randn(&[c_out], 24)),
+        1,
+        1,
+        ops::MapLayout::ChannelsFirst,
+    )
+    .unwrap();
+    let (nw, nb) = (randn(&[c_in], 25), randn(&[c_in], 26));
+    let plain = PreNorm { weight: &nw, bias: &nb, groups: 3, eps: 1e-5, shift: None };
+    let shifted_x = x.broadcast_add(&shift.reshape((batch, c_in, 1, 1)).unwrap()).unwrap();
+    let want =
+        ops::conv2d_reference(&conv, &shifted_x, ConvExtras { pre_norm: Some(plain), ..Default::default() })
+            .unwrap();
+    let extras =
+        ConvExtras { pre_norm: Some(PreNorm { shift: Some(&shift), ..plain }), ..Default::default() };
+    let unshifted =
+        ops::conv2d(&conv, &x, ConvExtras { pre_norm: Some(plain), ..Default::default() }).unwrap();
+    assert!(rel_diff(&unshifted, &want) > 1e-2, "the shift must change the result");
+    for (path, got) in [
+        ("cpu", ops::conv2d(&conv, &x, extras).unwrap()),
+        ("reference", ops::conv2d_reference(&conv, &x, extras).unwrap()),
+    ] {
+        assert!(rel_diff(&got, &want) < 1e-5, "{path}: {}", rel_diff(&got, &want));
+    }
 }
 
 #[test]
