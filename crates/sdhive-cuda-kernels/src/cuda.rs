@@ -459,9 +459,9 @@ pub fn group_norm_last(
         bail!("group_norm: weight/bias must have {c} values");
     }
     if let Some(s) = shift {
-        if s.dims() != [dims[0], c] || s.dtype() != x.dtype() || !s.is_contiguous() {
+        if s.dims() != [dims[0], c] || s.dtype() != x.dtype() {
             bail!(
-                "group_norm: shift {:?} {:?} must be contiguous ({}, {c}) {:?}",
+                "group_norm: shift {:?} {:?} must be ({}, {c}) {:?}",
                 s.dims(),
                 s.dtype(),
                 dims[0],
@@ -469,8 +469,19 @@ pub fn group_norm_last(
             );
         }
     }
-    let op = GroupNormLast { groups, eps: eps as f32, silu, shift: shift.cloned() };
-    x.apply_op3_no_bwd(&weight.flatten_all()?, &bias.flatten_all()?, &op)
+    // The normalisation reads weight, bias and shift 16 bytes at a time.
+    let vectors = |t: &Tensor| -> Result<Tensor> {
+        let t = t.flatten_all()?;
+        let aligned = (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
+        if t.is_contiguous() && aligned {
+            Ok(t)
+        } else {
+            t.copy()
+        }
+    };
+    let shift = shift.map(|s| vectors(s)?.reshape(s.dims())).transpose()?;
+    let op = GroupNormLast { groups, eps: eps as f32, silu, shift };
+    x.apply_op3_no_bwd(&vectors(weight)?, &vectors(bias)?, &op)
 }
 
 /// Nearest-neighbour ×2 of channels-last `(N, H, W, C)`.

@@ -182,17 +182,29 @@ __device__ void gn_stats_nhwc(const T *x, const T *shift, float *partial, uint32
         const T *base = x + sample * (size_t)pixels * channels + v * VEC;
         // Every channel of the vector has seen the same pixels: one count and one reciprocal for all of them.
         float n = 0.f;
-        for (uint32_t p = start + lane; p < end; p += lanes) {
-            const uint4 raw = *reinterpret_cast<const uint4 *>(base + (size_t)p * channels);
-            const T *e = reinterpret_cast<const T *>(&raw);
-            n += 1.f;
-            const float inv = 1.f / n;
+        // Four pixels' loads in flight before the first is used: a thread's few pixels would otherwise wait on
+        // memory one after another.
+        constexpr uint32_t AHEAD = 4;
+        for (uint32_t p0 = start + lane; p0 < end; p0 += AHEAD * lanes) {
+            uint4 raw[AHEAD];
 #pragma unroll
-            for (uint32_t j = 0; j < VEC; j++) {
-                float val = to_f(e[j]) + sh[j];
-                float d = val - m[j].mean;
-                m[j].mean += d * inv;
-                m[j].m2 += d * (val - m[j].mean);
+            for (uint32_t u = 0; u < AHEAD; u++) {
+                const uint32_t p = p0 + u * lanes;
+                if (p < end) raw[u] = *reinterpret_cast<const uint4 *>(base + (size_t)p * channels);
+            }
+#pragma unroll
+            for (uint32_t u = 0; u < AHEAD; u++) {
+                if (p0 + u * lanes >= end) break;
+                const T *e = reinterpret_cast<const T *>(&raw[u]);
+                n += 1.f;
+                const float inv = 1.f / n;
+#pragma unroll
+                for (uint32_t j = 0; j < VEC; j++) {
+                    float val = to_f(e[j]) + sh[j];
+                    float d = val - m[j].mean;
+                    m[j].mean += d * inv;
+                    m[j].m2 += d * (val - m[j].mean);
+                }
             }
         }
 #pragma unroll
@@ -258,13 +270,20 @@ __device__ void gn_apply_nhwc(const T *x, const T *shift, const T *w, const T *b
         const float *st = stats + sample * groups * 2;
         const uint4 raw = reinterpret_cast<const uint4 *>(x)[i];
         const T *xe = reinterpret_cast<const T *>(&raw);
+        // Weight, bias and shift of the vector's channels as 16-byte loads too (c0 is a multiple of VEC).
+        const uint4 wraw = reinterpret_cast<const uint4 *>(w + c0)[0];
+        const uint4 braw = reinterpret_cast<const uint4 *>(b + c0)[0];
+        uint4 sraw = make_uint4(0, 0, 0, 0);
+        if (shift != nullptr) sraw = reinterpret_cast<const uint4 *>(shift + sample * channels + c0)[0];
+        const T *we = reinterpret_cast<const T *>(&wraw), *be = reinterpret_cast<const T *>(&braw);
+        const T *se = reinterpret_cast<const T *>(&sraw);
         uint4 res;
         T *oe = reinterpret_cast<T *>(&res);
 #pragma unroll
         for (uint32_t j = 0; j < VEC; j++) {
             const uint32_t c = c0 + j, g = c / per_group;
-            const float xv = to_f(xe[j]) + (shift != nullptr ? to_f(shift[sample * channels + c]) : 0.f);
-            float val = (xv - st[g * 2]) * st[g * 2 + 1] * to_f(w[c]) + to_f(b[c]);
+            const float xv = to_f(xe[j]) + to_f(se[j]);
+            float val = (xv - st[g * 2]) * st[g * 2 + 1] * to_f(we[j]) + to_f(be[j]);
             if (silu) val = val / (1.f + expf(-val));
             oe[j] = from_f<T>(val);
         }

@@ -354,6 +354,18 @@ fn channels_last_group_norm_adds_its_shift_first() {
             assert!(rel_diff(&unshifted, &want) > 0.05, "the shift must change {shape:?} {dtype:?}");
         }
     }
+    // Weight, bias and shift that do not start on a 16-byte boundary (views into larger tensors).
+    let x = Tensor::randn(0f32, 1.0, (2, 64, 5, 5), &dev).unwrap().to_dtype(DType::F16).unwrap();
+    let wide = Tensor::randn(1f32, 0.2, 3 * 64 + 3, &dev).unwrap().to_dtype(DType::F16).unwrap();
+    let (w, b) = (wide.narrow(0, 3, 64).unwrap(), wide.narrow(0, 67, 64).unwrap());
+    let shifts = Tensor::randn(0f32, 1.0, (2, 65), &dev).unwrap().to_dtype(DType::F16).unwrap();
+    let shift = shifts.narrow(1, 1, 64).unwrap();
+    let sum = x.broadcast_add(&shift.reshape((2, 64, 1, 1)).unwrap()).unwrap();
+    let want = nhwc(&group_norm_reference(&sum, &w, &b, 8, 1e-5, false));
+    let ours = group_norm_channels_last(&nhwc(&x), Some(&shift), &w, &b, 8, 1e-5, false).unwrap();
+    let d = rel_diff(&ours, &want);
+    assert!(d <= 2.0 * tol(DType::F16), "group_norm + shift, unaligned operands: {d}");
+
     let x = Tensor::zeros((2, 4, 4, 64), DType::F16, &dev).unwrap();
     let ones = Tensor::ones(64, DType::F16, &dev).unwrap();
     let wrong = Tensor::zeros((1, 64), DType::F16, &dev).unwrap();
