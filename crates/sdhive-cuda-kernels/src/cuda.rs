@@ -476,7 +476,7 @@ pub fn group_norm_last(
         if t.is_contiguous() && aligned {
             Ok(t)
         } else {
-            t.copy()
+            t.force_contiguous()
         }
     };
     let shift = shift.map(|s| vectors(s)?.reshape(s.dims())).transpose()?;

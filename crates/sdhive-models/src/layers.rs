@@ -228,7 +228,7 @@ impl ResnetBlock2D {
         })
     }
 
-    /// `temb` is the already-computed time embedding `(B, T)`; the block applies SiLU itself.
+    /// `temb` is the time embedding `(B, T)` already through SiLU: the UNet activates it once for all its blocks.
     pub fn forward(&self, x: &Tensor, temb: Option<&Tensor>) -> Result<Tensor> {
         self.forward_owned(x.clone(), temb)
     }
@@ -237,7 +237,7 @@ impl ResnetBlock2D {
     /// longer needs it (when the caller holds no other reference): at 256² a VAE input is 67 MB.
     pub fn forward_owned(&self, x: Tensor, temb: Option<&Tensor>) -> Result<Tensor> {
         let temb = match (&self.time_emb_proj, temb) {
-            (Some(proj), Some(temb)) => Some(ops::linear(proj, &ops::silu(temb)?, None)?),
+            (Some(proj), Some(temb)) => Some(ops::linear(proj, temb, None)?),
             _ => None,
         };
         // The time embedding is added to conv1's output: in conv1's epilogue, or while norm2 reads that output.

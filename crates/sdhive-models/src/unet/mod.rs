@@ -268,6 +268,8 @@ impl UNet2DConditionModel {
         let factor = 1usize << n_up;
         let forward_upsample_size = h % factor != 0 || w % factor != 0;
 
+        // Every ResNet projects SiLU(temb): activated once here, not once per block.
+        let temb = &ops::silu(temb)?;
         let layout = self.layout;
         let mut x = layout.from_nchw(&ops::conv2d(&self.conv_in, &sample, ConvExtras::default())?)?;
         let mut skips = vec![x.clone()];
