@@ -91,6 +91,69 @@ macro_rules! normalisation_op {
     };
 }
 
+/// The custom ops of a product with an optional bias, CUDA only: two operands (input, weight) without, three with
+/// the bias third; `$run(op, x, w, bias)` takes both and returns the output with its shape.
+macro_rules! optional_bias_op {
+    ($op:ty, $name:literal, $name_bias:literal, $run:ident) => {
+        impl candle_core::CustomOp2 for $op {
+            fn name(&self) -> &'static str {
+                $name
+            }
+
+            fn cpu_fwd(
+                &self,
+                _: &candle_core::CpuStorage,
+                _: &candle_core::Layout,
+                _: &candle_core::CpuStorage,
+                _: &candle_core::Layout,
+            ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+                $crate::cuda::cpu_only($name)
+            }
+
+            fn cuda_fwd(
+                &self,
+                x: &candle_core::CudaStorage,
+                xl: &candle_core::Layout,
+                w: &candle_core::CudaStorage,
+                wl: &candle_core::Layout,
+            ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+                self.$run((x, xl), (w, wl), None)
+            }
+        }
+
+        impl candle_core::CustomOp3 for $op {
+            fn name(&self) -> &'static str {
+                $name_bias
+            }
+
+            fn cpu_fwd(
+                &self,
+                _: &candle_core::CpuStorage,
+                _: &candle_core::Layout,
+                _: &candle_core::CpuStorage,
+                _: &candle_core::Layout,
+                _: &candle_core::CpuStorage,
+                _: &candle_core::Layout,
+            ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+                $crate::cuda::cpu_only($name_bias)
+            }
+
+            fn cuda_fwd(
+                &self,
+                x: &candle_core::CudaStorage,
+                xl: &candle_core::Layout,
+                w: &candle_core::CudaStorage,
+                wl: &candle_core::Layout,
+                b: &candle_core::CudaStorage,
+                bl: &candle_core::Layout,
+            ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+                self.$run((x, xl), (w, wl), Some((b, bl)))
+            }
+        }
+    };
+}
+pub(crate) use optional_bias_op;
+
 /// The custom op of a one-input kernel, CUDA only: `$launch(op, x, layout)` is generic over the storage type and
 /// `$shape(op, layout)` gives the output's shape.
 macro_rules! single_input_op {

@@ -8,6 +8,7 @@
 //! can add their bias and a skip connection in cuDNN's own epilogue ([`conv2d_channels_last_epilogue`]), so the
 //! output is written once instead of being read back by a separate add pass.
 
+use crate::cuda::contiguous;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cudnn::{
     self, sys, ActivationDescriptor, ConvBiasActivationForward, ConvDescriptor, ConvForward, Cudnn,
@@ -17,9 +18,7 @@ use candle_core::cuda_backend::cudarc::driver::{
     sys as sys_driver, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DeviceSlice, SyncOnDrop,
 };
 use candle_core::cuda_backend::{CudaDType, DeviceId};
-use candle_core::{
-    bail, CpuStorage, CudaDevice, CudaStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor,
-};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -235,34 +234,20 @@ fn launch<T: Storage>(
     let xv = x.0.as_cuda_slice::<T>()?.slice(xs..);
     let wv = w.0.as_cuda_slice::<T>()?.slice(ws..);
     let bv = match bias {
-        Some((s, l)) => {
-            let Some((start, _)) = l.contiguous_offsets() else {
-                bail!("cuDNN convolution: the bias must be contiguous")
-            };
-            if l.shape().elem_count() != ydims[1] {
-                bail!("cuDNN convolution: bias {:?} for {} output channels", l.dims(), ydims[1]);
-            }
-            Some(s.as_cuda_slice::<T>()?.slice(start..))
+        Some((s, l)) if l.shape().elem_count() == ydims[1] => {
+            Some(contiguous::<T>(s, l, "the convolution's bias")?)
         }
+        Some((_, l)) => bail!("cuDNN convolution: bias {:?} for {} output channels", l.dims(), ydims[1]),
         None => None,
     };
     let skip = op.epilogue.as_ref().and_then(|r| r.as_ref()).map(|r| r.storage_and_layout());
     let zv = match &skip {
-        Some((storage, l)) => {
-            let candle_core::Storage::Cuda(s) = &**storage else {
-                bail!("cuDNN convolution: the skip is not on the GPU")
-            };
-            let Some((start, _)) = l.contiguous_offsets() else {
-                bail!("cuDNN convolution: the skip must be contiguous")
-            };
-            if l.dims() != op.physical(ydims) {
-                bail!(
-                    "cuDNN convolution: skip {:?} differs from the output {:?}",
-                    l.dims(),
-                    op.physical(ydims)
-                );
-            }
-            Some(s.as_cuda_slice::<T>()?.slice(start..))
+        Some((storage, l)) if l.dims() == op.physical(ydims) => match &**storage {
+            candle_core::Storage::Cuda(s) => Some(contiguous::<T>(s, l, "the convolution's skip")?),
+            _ => bail!("cuDNN convolution: the skip is not on the GPU"),
+        },
+        Some((_, l)) => {
+            bail!("cuDNN convolution: skip {:?} differs from the output {:?}", l.dims(), op.physical(ydims))
         }
         None => None,
     };
@@ -347,55 +332,7 @@ fn launch<T: Storage>(
     Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
 }
 
-impl CustomOp2 for Conv {
-    fn name(&self) -> &'static str {
-        "sdhive-cudnn-conv2d"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        crate::cuda::cpu_only(CustomOp2::name(self))
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        self.forward((x, xl), (w, wl), None)
-    }
-}
-
-impl CustomOp3 for Conv {
-    fn name(&self) -> &'static str {
-        "sdhive-cudnn-conv2d-bias"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        crate::cuda::cpu_only(CustomOp3::name(self))
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-        b: &CudaStorage,
-        bl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        self.forward((x, xl), (w, wl), Some((b, bl)))
-    }
-}
+crate::cuda::optional_bias_op!(Conv, "sdhive-cudnn-conv2d", "sdhive-cudnn-conv2d-bias", forward);
 
 impl Conv {
     fn forward(

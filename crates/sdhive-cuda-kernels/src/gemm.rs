@@ -12,10 +12,7 @@ use candle_core::cuda_backend::cudarc::cublaslt::sys;
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use candle_core::cuda_backend::{CudaDType, DeviceId};
-use candle_core::{
-    bail, CpuStorage, CudaDevice, CudaStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage,
-    Tensor,
-};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use half::{bf16, f16};
 use std::cell::RefCell;
 use std::collections::hash_map::Entry;
@@ -356,55 +353,7 @@ impl Linear {
     }
 }
 
-impl CustomOp2 for Linear {
-    fn name(&self) -> &'static str {
-        "sdhive-lt-linear"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        crate::cuda::cpu_only(CustomOp2::name(self))
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        self.run((x, xl), (w, wl), None)
-    }
-}
-
-impl CustomOp3 for Linear {
-    fn name(&self) -> &'static str {
-        "sdhive-lt-linear-bias"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        crate::cuda::cpu_only(CustomOp3::name(self))
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-        b: &CudaStorage,
-        bl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        self.run((x, xl), (w, wl), Some((b, bl)))
-    }
-}
+crate::cuda::optional_bias_op!(Linear, "sdhive-lt-linear", "sdhive-lt-linear-bias", run);
 
 /// `x·Wᵀ (+ bias) (+ residual)` with `weight` `(N, K)`: `x` is `(B, S, K)` or `(S, K)` tokens, or `(B, K, S)`
 /// channels-first; the output is tokens `(B, S, N)` (`(S, N)` for 2-D tokens) or channels-first `(B, N, S)`, and
