@@ -402,20 +402,13 @@ pub(crate) fn time_embedding_joins_norm(conv: &Conv2d, x: &Tensor) -> bool {
     conv.layout() == MapLayout::ChannelsLast && gpu::channels_last_fits(x)
 }
 
-/// `x` with its norm's shift added (a `(B, C)` term over every pixel), for the paths whose norm cannot take one.
-fn shift_input<'a>(
-    x: &Tensor,
-    extras: ConvExtras<'a>,
-    layout: MapLayout,
-) -> Result<(Tensor, ConvExtras<'a>)> {
+/// NCHW `x` with its norm's shift added (a `(B, C)` term over every pixel), for the paths whose norm cannot take
+/// one.
+fn shift_input<'a>(x: &Tensor, extras: ConvExtras<'a>) -> Result<(Tensor, ConvExtras<'a>)> {
     match extras.pre_norm {
         Some(p @ PreNorm { shift: Some(shift), .. }) => {
             let (b, c) = shift.dims2()?;
-            let shape = match layout {
-                MapLayout::ChannelsFirst => (b, c, 1, 1),
-                MapLayout::ChannelsLast => (b, 1, 1, c),
-            };
-            let x = x.broadcast_add(&shift.reshape(shape)?)?;
+            let x = x.broadcast_add(&shift.reshape((b, c, 1, 1))?)?;
             Ok((x, ConvExtras { pre_norm: Some(PreNorm { shift: None, ..p }), ..extras }))
         }
         _ => Ok((x.clone(), extras)),
@@ -427,7 +420,7 @@ pub(crate) fn conv2d(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Te
     if conv.layout() == MapLayout::ChannelsLast {
         return conv2d_channels_last(conv, x, extras);
     }
-    let (x, extras) = shift_input(x, extras, MapLayout::ChannelsFirst)?;
+    let (x, extras) = shift_input(x, extras)?;
     let x = &x;
     let tensors = conv_tensors(conv, x, &extras);
     if cpu::applies(&tensors) {
@@ -568,7 +561,7 @@ pub(crate) fn conv2d_reference(conv: &Conv2d, x: &Tensor, extras: ConvExtras) ->
     if conv.layout() == MapLayout::ChannelsLast {
         return through_nchw(conv, x, extras, conv2d_reference);
     }
-    let (x, extras) = shift_input(x, extras, MapLayout::ChannelsFirst)?;
+    let (x, extras) = shift_input(x, extras)?;
     let x = match &extras.pre_norm {
         Some(p) => group_norm_reference(&x, p.weight, p.bias, p.groups, p.eps)?.silu()?,
         None => x.clone(),
