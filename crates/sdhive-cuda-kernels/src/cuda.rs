@@ -34,6 +34,18 @@ pub(crate) fn contiguous<'a, T: CudaDType>(
     }
 }
 
+/// A tensor a custom op holds beside its operands (a residual, a shift), read-locked by `storage_and_layout`, as
+/// a contiguous view of its CUDA buffer.
+pub(crate) fn held_view<'a, T: CudaDType, G: std::ops::Deref<Target = Storage>>(
+    held: &'a (G, &Layout),
+    what: &str,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+    match &*held.0 {
+        Storage::Cuda(s) => contiguous::<T>(s, held.1, what),
+        _ => bail!("sdhive-cuda-kernels: {what} is not on the GPU"),
+    }
+}
+
 pub(crate) fn cpu_only(name: &str) -> Result<(CpuStorage, Shape)> {
     bail!("{name} is a CUDA kernel; the CPU has its own path")
 }
@@ -423,13 +435,7 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
     let ws = contiguous::<T>(w.0, w.1, "group_norm weight")?;
     let bs = contiguous::<T>(b.0, b.1, "group_norm bias")?;
     let shift = op.shift.as_ref().map(|t| t.storage_and_layout());
-    let ss = match &shift {
-        Some((storage, l)) => match &**storage {
-            Storage::Cuda(s) => Some(contiguous::<T>(s, l, "group_norm shift")?),
-            _ => bail!("group_norm: the shift is not on the GPU"),
-        },
-        None => None,
-    };
+    let ss = shift.as_ref().map(|h| held_view::<T, _>(h, "group_norm shift")).transpose()?;
     let null: u64 = 0;
     // SAFETY: every element is written by the stats kernel before the finalize kernel reads it.
     let partial: CudaSlice<f32> = unsafe { dev.alloc::<f32>(samples * chunks * op.groups * 3)? };

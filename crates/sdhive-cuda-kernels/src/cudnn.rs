@@ -8,7 +8,7 @@
 //! can add their bias and a skip connection in cuDNN's own epilogue ([`conv2d_channels_last_epilogue`]), so the
 //! output is written once instead of being read back by a separate add pass.
 
-use crate::cuda::contiguous;
+use crate::cuda::{contiguous, held_view};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cudnn::{
     self, sys, ActivationDescriptor, ConvBiasActivationForward, ConvDescriptor, ConvForward, Cudnn,
@@ -105,6 +105,7 @@ fn make_plan<T: Storage>(
     x: [usize; 4],
     w: [usize; 4],
     tf32: bool,
+    with_bias: bool,
 ) -> std::result::Result<Plan<T>, cudnn::CudnnError> {
     let i = |v: usize| v as i32;
     let (p, s) = (i(op.padding), i(op.stride));
@@ -130,7 +131,7 @@ fn make_plan<T: Storage>(
     let wd = cudnn.create_4d_filter::<T>(format, w.map(i))?;
     let yd = cudnn.create_4d_tensor::<T>(format, op.out_dims(x, w).map(i))?;
     let fwd = ConvForward { conv: &conv, x: &xd, w: &wd, y: &yd };
-    let (algo, epilogue) = if op.epilogue.is_some() {
+    let (algo, epilogue) = if with_bias {
         // The identity activation (no activation at all) is only implemented by this algorithm.
         let bias = cudnn.create_4d_tensor::<T>(format, [1, i(w[0]), 1, 1])?;
         let act = cudnn.create_activation::<f32>(
@@ -154,9 +155,9 @@ struct Conv {
     padding: usize,
     /// Input (N, H, W, C), filter (K, R, S, C) and output (N, H, W, K) in memory, instead of NCHW / KCRS.
     channels_last: bool,
-    /// The bias (the op's third operand) added in cuDNN's epilogue, with this skip connection (the output's
-    /// shape) when there is one.
-    epilogue: Option<Option<Tensor>>,
+    /// Added in cuDNN's epilogue with the bias (the op's third operand; a call with a bias always uses the
+    /// epilogue): a skip connection of the output's shape.
+    skip: Option<Tensor>,
 }
 
 impl Conv {
@@ -220,17 +221,8 @@ fn launch<T: Storage>(
     let (xdims, wdims) = (op.logical(x.1)?, op.logical(w.1)?);
     let ydims = op.out_dims(xdims, wdims);
     let tf32 = x.0.dtype() == DType::F32 && crate::tf32_allowed();
-    let key: Key = (
-        dev.id(),
-        x.0.dtype(),
-        tf32,
-        op.channels_last,
-        xdims,
-        wdims,
-        op.stride,
-        op.padding,
-        op.epilogue.is_some(),
-    );
+    let key: Key =
+        (dev.id(), x.0.dtype(), tf32, op.channels_last, xdims, wdims, op.stride, op.padding, bias.is_some());
     let xv = x.0.as_cuda_slice::<T>()?.slice(xs..);
     let wv = w.0.as_cuda_slice::<T>()?.slice(ws..);
     let bv = match bias {
@@ -240,12 +232,11 @@ fn launch<T: Storage>(
         Some((_, l)) => bail!("cuDNN convolution: bias {:?} for {} output channels", l.dims(), ydims[1]),
         None => None,
     };
-    let skip = op.epilogue.as_ref().and_then(|r| r.as_ref()).map(|r| r.storage_and_layout());
+    let skip = op.skip.as_ref().map(|r| r.storage_and_layout());
     let zv = match &skip {
-        Some((storage, l)) if l.dims() == op.physical(ydims) => match &**storage {
-            candle_core::Storage::Cuda(s) => Some(contiguous::<T>(s, l, "the convolution's skip")?),
-            _ => bail!("cuDNN convolution: the skip is not on the GPU"),
-        },
+        Some(held) if held.1.dims() == op.physical(ydims) => {
+            Some(held_view::<T, _>(held, "the convolution's skip")?)
+        }
         Some((_, l)) => {
             bail!("cuDNN convolution: skip {:?} differs from the output {:?}", l.dims(), op.physical(ydims))
         }
@@ -267,7 +258,7 @@ fn launch<T: Storage>(
         let plan = match state.plans.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
-                let plan = make_plan::<T>(&cudnn, op, xdims, wdims, tf32)
+                let plan = make_plan::<T>(&cudnn, op, xdims, wdims, tf32, bv.is_some())
                     .map_err(|e| wrap_err(e, &format!("plan for {xdims:?} * {wdims:?}")))?;
                 e.insert(T::wrap(plan))
             }
@@ -368,7 +359,7 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Res
             weight.dims()
         );
     }
-    x.apply_op2_no_bwd(weight, &Conv { stride, padding, channels_last: false, epilogue: None })
+    x.apply_op2_no_bwd(weight, &Conv { stride, padding, channels_last: false, skip: None })
 }
 
 /// [`conv2d`] on channels-last tensors: input (N, H, W, C), filter (K, R, S, C), output (N, Ho, Wo, K). cuDNN's
@@ -376,7 +367,7 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Res
 /// the filter and the output every time).
 pub fn conv2d_channels_last(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
     check_channels_last(x, weight, stride, padding)?;
-    x.apply_op2_no_bwd(weight, &Conv { stride, padding, channels_last: true, epilogue: None })
+    x.apply_op2_no_bwd(weight, &Conv { stride, padding, channels_last: true, skip: None })
 }
 
 /// [`conv2d_channels_last`] `+ bias (+ skip)`, both added in cuDNN's epilogue: `bias` `(K)`, `skip` the output's
@@ -390,7 +381,7 @@ pub fn conv2d_channels_last_epilogue(
     skip: Option<&Tensor>,
 ) -> Result<Tensor> {
     check_channels_last(x, weight, stride, padding)?;
-    let op = Conv { stride, padding, channels_last: true, epilogue: Some(skip.cloned()) };
+    let op = Conv { stride, padding, channels_last: true, skip: skip.cloned() };
     EPILOGUE_REFUSED.with(|r| r.set(false));
     match x.apply_op3_no_bwd(weight, bias, &op) {
         Err(_) if EPILOGUE_REFUSED.with(|r| r.take()) => {

@@ -4,7 +4,7 @@
 //! input and on output, so moving between the two layouts costs no copy. Each use replaces a product followed by a
 //! full pass over its output (and, into channels-first, a transpose copy as well).
 
-use crate::cuda::contiguous;
+use crate::cuda::{contiguous, held_view};
 use crate::Side;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cublaslt::result::{self as lt, CublasError};
@@ -12,7 +12,7 @@ use candle_core::cuda_backend::cudarc::cublaslt::sys;
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use candle_core::cuda_backend::{CudaDType, DeviceId};
-use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 use std::cell::RefCell;
 use std::collections::hash_map::Entry;
@@ -238,13 +238,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     let (xv, wv) = (contiguous::<T>(x.0, x.1, "input")?, contiguous::<T>(w.0, w.1, "weight")?);
     let bv = bias.map(|(s, l)| contiguous::<T>(s, l, "bias")).transpose()?;
     let residual = op.residual.as_ref().map(|r| r.storage_and_layout());
-    let rv = match &residual {
-        Some((storage, l)) => match &**storage {
-            Storage::Cuda(s) => Some(contiguous::<T>(s, l, "residual")?),
-            _ => bail!("cuBLASLt linear: the residual is not on the GPU"),
-        },
-        None => None,
-    };
+    let rv = residual.as_ref().map(|h| held_view::<T, _>(h, "the linear's residual")).transpose()?;
     // SAFETY: the product writes every element of D.
     let mut out: CudaSlice<T> = unsafe { dev.alloc::<T>(out_len)? };
     STATE.with(|state| -> Result<()> {

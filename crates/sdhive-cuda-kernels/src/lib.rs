@@ -259,7 +259,7 @@ pub fn channels_last_fits(x: &Tensor) -> bool {
 }
 
 /// GroupNorm over channels-last `(N, …, C)` (groups are runs of consecutive channels), statistics in f32, of
-/// `x + shift` when a contiguous `(N, C)` `shift` is given (added to every pixel of its sample; it is not
+/// `x + shift` when an `(N, C)` `shift` is given (added to every pixel of its sample; it is not
 /// materialised); `silu` applies SiLU to the result. Call only where [`channels_last_fits`].
 pub fn group_norm_channels_last(
     x: &Tensor,

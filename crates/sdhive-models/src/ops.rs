@@ -394,10 +394,11 @@ pub(crate) struct PreNorm<'a> {
     pub shift: Option<&'a Tensor>,
 }
 
-/// Whether a ResNet should hand its time embedding to the norm before `conv` (the block's second convolution,
-/// reading `x`-shaped maps) instead of adding it after its first one: on the channels-last GPU path the norm adds
-/// it while reading, so neither convolution needs an add pass (the first adds only its bias, in cuDNN's epilogue).
-/// Elsewhere the first convolution's epilogue adds it for free.
+/// Whether a ResNet should hand its time embedding to the norm before `conv` (the block's second convolution;
+/// `x`, the block's input, stands for the maps that norm reads: same device, type and layout) instead of adding
+/// it after its first one: on the channels-last GPU path the norm adds it while reading, so neither convolution
+/// needs an add pass (the first adds only its bias, in cuDNN's epilogue). Elsewhere the first convolution's
+/// epilogue adds it for free.
 pub(crate) fn time_embedding_joins_norm(conv: &Conv2d, x: &Tensor) -> bool {
     conv.layout() == MapLayout::ChannelsLast && gpu::channels_last_fits(x)
 }
