@@ -404,8 +404,34 @@ pub fn add_channel(y: &Tensor, add: &Tensor, residual: Option<&Tensor>, last_dim
     }
 }
 
-/// GroupNorm over channels-last `(N, …, C)` maps (three launches: per-chunk moments, per-group statistics, the
-/// normalisation). Needs `C` a multiple of 16 bytes' worth of values, at most [`MAX_LAST_CHANNELS`].
+/// Pixels of one group each thread of `gn_group_nhwc` holds at most (`GN_GROUP_UNITS` in kernels.cu).
+const GROUP_UNITS: usize = 32;
+
+/// The block size of the one-launch channels-last GroupNorm (`gn_group_nhwc`, one block per group and sample)
+/// for this map, or `None` where a group does not fit one block's registers and the three-launch path runs:
+/// `per_group` channels of `elem` bytes in 4-byte units, at most [`GROUP_UNITS`] pixels per thread. 512 threads
+/// where each then holds at most 16 pixels, else 1024: on an H100 the one launch takes 3-17 us at the SD1.5
+/// UNet's maps against 12-25 us for the three (`xtask/bench/group_norm_shapes.cu`), and loses beyond 64×64·320.
+pub(crate) fn group_norm_block_per_group(
+    pixels: usize,
+    channels: usize,
+    groups: usize,
+    elem: usize,
+) -> Option<usize> {
+    let unit = 4 / elem;
+    let per_group = channels / groups;
+    if unit == 0 || !per_group.is_multiple_of(unit) {
+        return None;
+    }
+    let upp = per_group / unit;
+    let threads = if pixels <= 16 * (512 / upp) { 512 } else { 1024 };
+    let rows = threads / upp;
+    (rows > 0 && rows * GROUP_UNITS >= pixels).then_some(threads)
+}
+
+/// GroupNorm over channels-last `(N, …, C)` maps: one launch where a block holds a group (see
+/// [`group_norm_block_per_group`]), else three (per-chunk moments, per-group statistics, the normalisation). Needs
+/// `C` a multiple of 16 bytes' worth of values, at most [`MAX_LAST_CHANNELS`].
 struct GroupNormLast {
     groups: usize,
     eps: f32,
@@ -426,10 +452,6 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
     let channels = dims[dims.len() - 1];
     let n = x.1.shape().elem_count();
     let pixels = n / (samples * channels);
-    let nvec = channels / (16 / std::mem::size_of::<T>());
-    let lanes = (THREADS as usize / nvec).max(1);
-    // Enough blocks to fill the GPU even for one sample of a 512² VAE map, each thread reading a handful of pixels.
-    let chunks = pixels.div_ceil(lanes * 8).clamp(1, 1024);
     let sfx = suffix(x.0.dtype())?;
     let xs = contiguous::<T>(x.0, x.1, "group_norm input")?;
     let ws = contiguous::<T>(w.0, w.1, "group_norm weight")?;
@@ -437,6 +459,45 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
     let shift = op.shift.as_ref().map(|t| t.storage_and_layout());
     let ss = shift.as_ref().map(|h| held_view::<T, _>(h, "group_norm shift")).transpose()?;
     let null: u64 = 0;
+    // The kernels' first arguments: the input and the shift (a null pointer without one); those that normalise
+    // go on with weight, bias and output.
+    macro_rules! input_and_shift {
+        ($a:ident) => {
+            $a.arg(&xs);
+            match &ss {
+                Some(s) => $a.arg(s),
+                None => $a.arg(&null),
+            };
+        };
+    }
+    macro_rules! normalisation_operands {
+        ($a:ident, $out:expr) => {
+            input_and_shift!($a);
+            $a.arg(&ws);
+            $a.arg(&bs);
+            $a.arg($out);
+        };
+    }
+    if let Some(threads) = group_norm_block_per_group(pixels, channels, op.groups, std::mem::size_of::<T>()) {
+        // SAFETY: written in full by the kernel.
+        let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
+        let func = dev.get_or_load_custom_func(&format!("gn_group_nhwc_{sfx}"), MODULE, PTX)?;
+        let mut a = func.builder();
+        normalisation_operands!(a, &out);
+        builder_arg!(a, pixels as u32, channels as u32, op.groups as u32, op.eps, i32::from(op.silu));
+        let cfg = LaunchConfig {
+            grid_dim: (op.groups as u32, samples as u32, 1),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature; `threads` covers every pixel of a group.
+        unsafe { a.launch(cfg) }.w()?;
+        return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
+    }
+    let nvec = channels / (16 / std::mem::size_of::<T>());
+    let lanes = (THREADS as usize / nvec).max(1);
+    // Enough blocks to fill the GPU even for one sample of a 512² VAE map, each thread reading a handful of pixels.
+    let chunks = pixels.div_ceil(lanes * 8).clamp(1, 1024);
     // SAFETY: every element is written by the stats kernel before the finalize kernel reads it.
     let partial: CudaSlice<f32> = unsafe { dev.alloc::<f32>(samples * chunks * op.groups * 3)? };
     // SAFETY: written in full by the finalize kernel.
@@ -445,11 +506,7 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
     let func = dev.get_or_load_custom_func(&format!("gn_stats_nhwc_{sfx}"), MODULE, PTX)?;
     let mut a = func.builder();
-    a.arg(&xs);
-    match &ss {
-        Some(s) => a.arg(s),
-        None => a.arg(&null),
-    };
+    input_and_shift!(a);
     a.arg(&partial);
     builder_arg!(a, pixels as u32, channels as u32, op.groups as u32, chunks as u32);
     let vec = 16 / std::mem::size_of::<T>();
@@ -474,14 +531,7 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
     unsafe { a.launch(cfg) }.w()?;
     let func = dev.get_or_load_custom_func(&format!("gn_apply_nhwc_{sfx}"), MODULE, PTX)?;
     let mut a = func.builder();
-    a.arg(&xs);
-    match &ss {
-        Some(s) => a.arg(s),
-        None => a.arg(&null),
-    };
-    a.arg(&ws);
-    a.arg(&bs);
-    a.arg(&out);
+    normalisation_operands!(a, &out);
     a.arg(&stats);
     builder_arg!(a, n, pixels as u32, channels as u32, op.groups as u32, i32::from(op.silu));
     let vectors = n / (16 / std::mem::size_of::<T>());

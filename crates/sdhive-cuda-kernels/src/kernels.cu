@@ -291,6 +291,107 @@ __device__ void gn_apply_nhwc(const T *x, const T *shift, const T *w, const T *b
     }
 }
 
+// The sum of `v` over the block (at most 1024 threads, a multiple of 32), for every thread. `red` holds 32 floats
+// and `total` one; consecutive calls may share them.
+__device__ __forceinline__ float block_sum(float v, float *red, float *total) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float t = lane < blockDim.x / 32 ? red[lane] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffff, t, o);
+        if (lane == 0) *total = t;
+    }
+    __syncthreads();
+    return *total;
+}
+
+// Most pixels of one group a thread of gn_group_nhwc keeps in registers (one 4-byte unit each); the host takes
+// that kernel only where ⌊blockDim / units per pixel⌋ · GN_GROUP_UNITS rows cover the map.
+#define GN_GROUP_UNITS 32
+
+// GroupNorm over channels-last (N, H·W, C) maps in one launch, one block per (group, sample), for maps whose
+// groups fit in one block's registers: the block loads its group's values once, 4 bytes at a time (a group's
+// C/groups channels of a pixel are contiguous; the host takes this kernel where 4 bytes divide that run), sums them,
+// sums the squared deviations from their mean, and writes the normalised values from the same registers. Where
+// the three-launch path spends three launches and two reads, this spends one of each, and the statistics are two
+// exact passes rather than merged moments. Thread t owns unit t % upp (upp units per pixel) of pixels t / upp,
+// t / upp + rows, ... (rows = blockDim / upp), so its channels, weights, biases and shifts are fixed and read
+// once, and consecutive threads read consecutive bytes of a pixel's run; the last blockDim % upp threads idle.
+// `shift` as in gn_stats_nhwc.
+template <typename T>
+__device__ void gn_group_nhwc(const T *x, const T *shift, const T *w, const T *b, T *out, uint32_t pixels,
+                              uint32_t channels, uint32_t groups, float eps, int silu) {
+    constexpr uint32_t E = 4 / sizeof(T);
+    __shared__ float red[32];
+    __shared__ float total;
+    const uint32_t g = blockIdx.x, sample = blockIdx.y;
+    const uint32_t per_group = channels / groups, upp = per_group / E, rows = blockDim.x / upp;
+    const uint32_t u = threadIdx.x % upp, p0 = threadIdx.x / upp;
+    const bool active = p0 < rows;
+    const uint32_t c0 = g * per_group + u * E;
+    const T *xs = x + (size_t)sample * pixels * channels + c0;
+    float sh[E], wv[E], bv[E];
+#pragma unroll
+    for (uint32_t j = 0; j < E; j++) {
+        sh[j] = shift != nullptr ? to_f(shift[(size_t)sample * channels + c0 + j]) : 0.f;
+        wv[j] = to_f(w[c0 + j]);
+        bv[j] = to_f(b[c0 + j]);
+    }
+    uint32_t raw[GN_GROUP_UNITS];
+    float acc = 0.f;
+#pragma unroll
+    for (uint32_t k = 0; k < GN_GROUP_UNITS; k++) {
+        const uint32_t p = p0 + k * rows;
+        if (!active || p >= pixels) break;
+        raw[k] = *reinterpret_cast<const uint32_t *>(xs + (size_t)p * channels);
+    }
+#pragma unroll
+    for (uint32_t k = 0; k < GN_GROUP_UNITS; k++) {
+        if (!active || p0 + k * rows >= pixels) break;
+        const T *e = reinterpret_cast<const T *>(&raw[k]);
+#pragma unroll
+        for (uint32_t j = 0; j < E; j++) acc += to_f(e[j]) + sh[j];
+    }
+    const float count = (float)pixels * per_group;
+    const float mean = block_sum(acc, red, &total) / count;
+    acc = 0.f;
+#pragma unroll
+    for (uint32_t k = 0; k < GN_GROUP_UNITS; k++) {
+        if (!active || p0 + k * rows >= pixels) break;
+        const T *e = reinterpret_cast<const T *>(&raw[k]);
+#pragma unroll
+        for (uint32_t j = 0; j < E; j++) {
+            const float d = to_f(e[j]) + sh[j] - mean;
+            acc += d * d;
+        }
+    }
+    const float rstd = rsqrtf(block_sum(acc, red, &total) / count + eps);
+    float scale[E], offset[E];
+#pragma unroll
+    for (uint32_t j = 0; j < E; j++) {
+        scale[j] = rstd * wv[j];
+        offset[j] = bv[j] + (sh[j] - mean) * scale[j];
+    }
+    T *os = out + (size_t)sample * pixels * channels + c0;
+#pragma unroll
+    for (uint32_t k = 0; k < GN_GROUP_UNITS; k++) {
+        const uint32_t p = p0 + k * rows;
+        if (!active || p >= pixels) break;
+        const T *e = reinterpret_cast<const T *>(&raw[k]);
+        uint32_t res;
+        T *oe = reinterpret_cast<T *>(&res);
+#pragma unroll
+        for (uint32_t j = 0; j < E; j++) {
+            float val = fmaf(to_f(e[j]), scale[j], offset[j]);
+            if (silu) val = val / (1.f + expf(-val));
+            oe[j] = from_f<T>(val);
+        }
+        *reinterpret_cast<uint32_t *>(os + (size_t)p * channels) = res;
+    }
+}
+
 // Nearest-neighbour ×2 upsampling of channels-last (N, H, W, C) maps, 16 bytes per thread: output pixel (y, x)
 // copies input pixel (y / 2, x / 2).
 template <typename T>
@@ -431,9 +532,13 @@ template <typename T> __device__ void geglu(const T *x, const T *bias, T *out, s
     }
 }
 
-// LayerNorm over rows of `cols` values, one warp per row: Welford moments, then (x − mean) / sqrt(var + eps) · w + b.
-// Rows whose length and pointers allow it move 16 bytes per load and store, and take each 16-byte group's moments
-// in two passes over registers before merging them with Chan's formula.
+// LayerNorm over rows of `cols` values, one warp per row: (x − mean) / sqrt(var + eps) · w + b. Rows whose length
+// and pointers allow 16-byte loads and stores, and that fit LN_REGS vectors per lane (2048 f16/bf16 values, 1024
+// f32: every row the networks have), stay in registers: the mean and then the squared deviations from it, each
+// summed across the warp, and the write from the same registers, one read of the row in all. Other rows take
+// Welford moments and a second read.
+constexpr uint32_t LN_REGS = 8;
+
 template <typename T>
 __device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint32_t rows, uint32_t cols, float eps) {
     constexpr uint32_t VEC = 16 / sizeof(T);
@@ -444,48 +549,59 @@ __device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint
     T *o = out + row * cols;
     const uintptr_t addr = reinterpret_cast<uintptr_t>(r) | reinterpret_cast<uintptr_t>(o) |
                            reinterpret_cast<uintptr_t>(w) | reinterpret_cast<uintptr_t>(b);
-    const bool vec = cols % VEC == 0 && addr % 16 == 0;
-    Moments m{0.f, 0.f, 0.f};
-    if (vec) {
-        for (uint32_t c = lane; c < cols / VEC; c += 32) {
-            const uint4 packed = reinterpret_cast<const uint4 *>(r)[c];
-            const T *e = reinterpret_cast<const T *>(&packed);
-            float mean = 0.f, m2 = 0.f;
+    const uint32_t nvec = cols / VEC;
+    if (cols % VEC == 0 && addr % 16 == 0 && nvec <= 32 * LN_REGS) {
+        uint4 v[LN_REGS];
+        float sum = 0.f;
 #pragma unroll
-            for (uint32_t j = 0; j < VEC; j++) mean += to_f(e[j]);
-            mean *= 1.f / VEC;
+        for (uint32_t k = 0; k < LN_REGS; k++) {
+            const uint32_t c = lane + 32 * k;
+            if (c >= nvec) break;
+            v[k] = reinterpret_cast<const uint4 *>(r)[c];
+            const T *e = reinterpret_cast<const T *>(&v[k]);
+#pragma unroll
+            for (uint32_t j = 0; j < VEC; j++) sum += to_f(e[j]);
+        }
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, off);
+        const float mean = sum / cols;
+        float m2 = 0.f;
+#pragma unroll
+        for (uint32_t k = 0; k < LN_REGS; k++) {
+            if (lane + 32 * k >= nvec) break;
+            const T *e = reinterpret_cast<const T *>(&v[k]);
 #pragma unroll
             for (uint32_t j = 0; j < VEC; j++) {
                 const float d = to_f(e[j]) - mean;
                 m2 += d * d;
             }
-            m = combine(m, Moments{(float)VEC, mean, m2});
         }
-    } else {
-        for (uint32_t c = lane; c < cols; c += 32) {
-            float v = to_f(r[c]);
-            m.n += 1.f;
-            float d = v - m.mean;
-            m.mean += d / m.n;
-            m.m2 += d * (v - m.mean);
-        }
-    }
-    for (int off = 16; off > 0; off >>= 1) m = combine(m, shfl_xor(m, off));
-    const float rstd = rsqrtf(m.m2 / m.n + eps);
-    if (vec) {
-        for (uint32_t c = lane; c < cols / VEC; c += 32) {
-            const uint4 xv = reinterpret_cast<const uint4 *>(r)[c], wv = reinterpret_cast<const uint4 *>(w)[c],
-                        bv = reinterpret_cast<const uint4 *>(b)[c];
-            const T *xe = reinterpret_cast<const T *>(&xv), *we = reinterpret_cast<const T *>(&wv),
+        for (int off = 16; off > 0; off >>= 1) m2 += __shfl_xor_sync(0xffffffff, m2, off);
+        const float rstd = rsqrtf(m2 / cols + eps);
+#pragma unroll
+        for (uint32_t k = 0; k < LN_REGS; k++) {
+            const uint32_t c = lane + 32 * k;
+            if (c >= nvec) break;
+            const uint4 wv = reinterpret_cast<const uint4 *>(w)[c], bv = reinterpret_cast<const uint4 *>(b)[c];
+            const T *xe = reinterpret_cast<const T *>(&v[k]), *we = reinterpret_cast<const T *>(&wv),
                     *be = reinterpret_cast<const T *>(&bv);
             uint4 ov;
             T *oe = reinterpret_cast<T *>(&ov);
 #pragma unroll
-            for (uint32_t j = 0; j < VEC; j++) oe[j] = from_f<T>((to_f(xe[j]) - m.mean) * rstd * to_f(we[j]) + to_f(be[j]));
+            for (uint32_t j = 0; j < VEC; j++) oe[j] = from_f<T>((to_f(xe[j]) - mean) * rstd * to_f(we[j]) + to_f(be[j]));
             reinterpret_cast<uint4 *>(o)[c] = ov;
         }
         return;
     }
+    Moments m{0.f, 0.f, 0.f};
+    for (uint32_t c = lane; c < cols; c += 32) {
+        float v = to_f(r[c]);
+        m.n += 1.f;
+        float d = v - m.mean;
+        m.mean += d / m.n;
+        m.m2 += d * (v - m.mean);
+    }
+    for (int off = 16; off > 0; off >>= 1) m = combine(m, shfl_xor(m, off));
+    const float rstd = rsqrtf(m.m2 / m.n + eps);
     for (uint32_t c = lane; c < cols; c += 32) o[c] = from_f<T>((to_f(r[c]) - m.mean) * rstd * to_f(w[c]) + to_f(b[c]));
 }
 
@@ -535,6 +651,11 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
                                                  uint32_t groups, int silu) {                                \
         gn_apply_nhwc<T>(x, shift, w, b, out, stats, n, pixels, channels, groups, silu);                     \
     }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(1024) gn_group_nhwc_##S(                                     \
+        const T *x, const T *shift, const T *w, const T *b, T *out, uint32_t pixels, uint32_t channels,       \
+        uint32_t groups, float eps, int silu) {                                                               \
+        gn_group_nhwc<T>(x, shift, w, b, out, pixels, channels, groups, eps, silu);                           \
+    }                                                                                                         \
     extern "C" __global__ void transpose_##S(const T *x, T *out, uint32_t m, uint32_t n) {                    \
         transpose_tiles<T>(x, out, m, n);                                                                       \
     }                                                                                                           \

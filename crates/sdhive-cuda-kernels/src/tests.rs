@@ -215,9 +215,15 @@ fn other_devices_and_layouts_do_not_apply() {
 #[test]
 fn layer_norm_matches_the_reference() {
     let dev = gpu();
-    for (shape, offset) in
-        [((2, 77, 768), 0.0), ((3, 4096, 320), 0.0), ((1, 5, 1280), 200.0), ((2, 3, 33), 1.0)]
-    {
+    // Rows of 768, 320 and 1280 values stay in registers (1280 f32 values do not); 33 values are no whole 16-byte
+    // vectors; 2568 f16 values are more than the registers take.
+    for (shape, offset) in [
+        ((2, 77, 768), 0.0),
+        ((3, 4096, 320), 0.0),
+        ((1, 5, 1280), 200.0),
+        ((2, 3, 33), 1.0),
+        ((1, 3, 2568), 0.5),
+    ] {
         let x = (Tensor::randn(0f32, 1.0, shape, &dev).unwrap() + offset).unwrap();
         let cols = x.dims()[x.rank() - 1];
         let w = Tensor::randn(1f32, 0.2, cols, &dev).unwrap();
@@ -294,12 +300,18 @@ fn nhwc(x: &Tensor) -> Tensor {
 #[test]
 fn channels_last_group_norm_matches_the_reference() {
     let dev = gpu();
+    // Which of the two paths each case takes: every dtype must see both.
+    let mut paths = std::collections::HashSet::new();
     for (shape, groups, offset) in [
         ((2, 320, 9, 7), 32, 0.0),
         ((1, 128, 64, 48), 32, 0.0),
         ((2, 1280, 4, 4), 32, 0.0),
         ((2, 2560, 8, 8), 32, 0.0),
         ((2, 64, 40, 40), 16, 300.0),
+        // Groups too large for one block's registers: the three-launch path.
+        ((2, 640, 64, 64), 32, 0.0),
+        // Three channels per group: no whole 4-byte units in f16/bf16 (three launches), one launch in f32.
+        ((1, 96, 6, 6), 32, 1.0),
     ] {
         let x = (Tensor::randn(0f32, 1.0, shape, &dev).unwrap() + offset).unwrap();
         let w = Tensor::randn(1f32, 0.2, shape.1, &dev).unwrap();
@@ -309,6 +321,13 @@ fn channels_last_group_norm_matches_the_reference() {
                 (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap(), b.to_dtype(dtype).unwrap());
             let xl = nhwc(&xd);
             assert!(channels_last_fits(&xl), "{shape:?} {dtype:?}");
+            let one_launch = crate::cuda::group_norm_block_per_group(
+                shape.2 * shape.3,
+                shape.1,
+                groups,
+                dtype.size_in_bytes(),
+            );
+            paths.insert((dtype, one_launch.is_some()));
             // With an offset of 300 one f32 input ulp is 3e-5 of the output's unit scale.
             let tol = tol(dtype) * if offset > 0.0 { 2.0 } else { 1.0 };
             for silu in [false, true] {
@@ -323,6 +342,9 @@ fn channels_last_group_norm_matches_the_reference() {
             }
         }
     }
+    for dtype in DTYPES {
+        assert!(paths.contains(&(dtype, true)) && paths.contains(&(dtype, false)), "{dtype:?}: {paths:?}");
+    }
     // Wider than the shared-memory moments allow: refused, not run out of bounds.
     let wide = Tensor::zeros((1, 2, 2, 4104), DType::F16, &dev).unwrap();
     let ones = Tensor::ones(4104, DType::F16, &dev).unwrap();
@@ -335,7 +357,10 @@ fn channels_last_group_norm_matches_the_reference() {
 #[test]
 fn channels_last_group_norm_adds_its_shift_first() {
     let dev = gpu();
-    for (shape, groups) in [((2, 320, 9, 7), 32), ((2, 640, 16, 16), 32), ((1, 1280, 4, 4), 32)] {
+    // The last shape takes the three-launch path, the others one launch.
+    for (shape, groups) in
+        [((2, 320, 9, 7), 32), ((2, 640, 16, 16), 32), ((1, 1280, 4, 4), 32), ((2, 640, 64, 64), 32)]
+    {
         let x = Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
         let shift = Tensor::randn(0f32, 3.0, (shape.0, shape.1), &dev).unwrap();
         let w = Tensor::randn(1f32, 0.2, shape.1, &dev).unwrap();
@@ -629,4 +654,19 @@ fn linear_matches_the_reference() {
     assert!(
         linear(&x, &w.t().unwrap().contiguous().unwrap(), None, None, Side::Tokens, Side::Tokens).is_err()
     );
+}
+
+/// Which channels-last GroupNorms take one launch: the SD1.5 UNet's maps up to 64×64·320 in f16, not 64×64·640,
+/// and no group whose width is not whole 4-byte units.
+#[test]
+fn one_launch_group_norm_takes_the_groups_a_block_holds() {
+    use crate::cuda::group_norm_block_per_group as rule;
+    assert_eq!(rule(4096, 320, 32, 2), Some(1024));
+    assert_eq!(rule(4096, 640, 32, 2), None);
+    assert_eq!(rule(1024, 320, 32, 2), Some(512));
+    assert_eq!(rule(1024, 640, 32, 2), Some(1024));
+    assert_eq!(rule(64, 2560, 32, 2), Some(512));
+    assert_eq!(rule(36, 96, 32, 2), None, "three f16 channels per group");
+    assert_eq!(rule(36, 96, 32, 4), Some(512));
+    assert_eq!(rule(4, 4100 * 32, 32, 2), None, "more units per pixel than threads");
 }
