@@ -4,7 +4,8 @@
 # sdhive-candle-tests) sit in CARRY with the diffusers wheels and bench_cuda_diffusers.py; run from the repository
 # root (the committed fixtures are read from tests/fixtures). Logs go to $OUT (default /tmp/out).
 #   bash gpu_proof.sh CARRY [parts…]
-# parts: version kernels parity generate placement memory hive levers unoptimised bench ncu nsys diffusers
+# parts: version kernels parity generate placement memory hive vulkan-stop levers unoptimised bench ncu nsys
+# diffusers
 # (default: all).
 # `kernels` runs sdhive-cuda-kernels-tests; `levers` times the SD1.5 UNet step and VAE decode (and the SDXL step)
 # with sdhive-bench-base (a build before the levers, when the tar has it), without the fused kernels
@@ -14,11 +15,14 @@
 # --cudnn build: with cuDNN; SDHIVE_CUDNN=0 turns it off). `placement` and
 # `memory` use the full-size SD1.5 with deterministic random weights (xtask/fixtures/gen_sd15_random.py, numpy);
 # `hive` also wants CARRY/sd-worker-vulkan.xz and sd-worker-vulkan-engine.xz, and the Vulkan loader and
-# vulkaninfo as Debian packages in CARRY/debs.
+# vulkaninfo as Debian packages in CARRY/debs. `vulkan-stop` runs the stable-diffusion.cpp engine's
+# stop-inside-an-image test on the GPU through ggml's Vulkan backend: CARRY/stop_mid_image.xz is its test binary
+# (`cargo test -p sd-worker-vulkan -p sdhive-sdcpp --features sd-worker-vulkan/vulkan,sdhive-sdcpp/vulkan
+# --no-run`, stripped), with the loader in CARRY/debs.
 set -u -o pipefail
 CARRY=${1:?usage: gpu_proof.sh CARRY [parts…]}
 shift
-PARTS=${*:-version kernels parity generate placement memory hive levers unoptimised bench ncu nsys diffusers}
+PARTS=${*:-version kernels parity generate placement memory hive vulkan-stop levers unoptimised bench ncu nsys diffusers}
 OUT=${OUT:-/tmp/out}
 B=/tmp/sdhive-bin
 L=$OUT/proof.log
@@ -33,6 +37,16 @@ export SDHIVE_FIXTURES=$PWD/tests/fixtures RUST_LOG=${RUST_LOG:-info} PYTHONUNBU
 TIMEFORMAT='wall %R s'
 step() { echo "=== $(date -u +%T) $*" | tee -a "$L"; }
 has() { [[ " $PARTS " == *" $1 "* ]]; }
+# The Vulkan loader from CARRY/debs and NVIDIA's Vulkan driver through its EGL library: the container's ICD
+# manifest names libGLX_nvidia, which hands out no vkCreateInstance without a display (seen on the H100 machines
+# on 2026-11-22), while the same driver's libEGL_nvidia serves Vulkan headless.
+vulkan_setup() {
+    for d in "$CARRY"/debs/*.deb; do dpkg -x "$d" /; done
+    ldconfig
+    printf '{"file_format_version":"1.0.1","ICD":{"library_path":"libEGL_nvidia.so.0","api_version":"1.4.312"}}\n' \
+        >/tmp/nvidia_egl_icd.json
+    export VK_DRIVER_FILES=/tmp/nvidia_egl_icd.json
+}
 sd15_random() {
     [ -f /tmp/sd15r/model_index.json ] && return
     step "write the full-size random SD1.5 (numpy)"
@@ -186,11 +200,7 @@ fi
 
 if has hive; then
     step "hive on this machine: detection, the worker it runs, the Vulkan worker when CUDA is excluded"
-    for d in "$CARRY"/debs/*.deb; do dpkg -x "$d" /; done
-    ldconfig
-    # NVIDIA's container runtime puts its Vulkan ICD outside the loader's default search path.
-    icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-    [ -f "$icd" ] && export VK_DRIVER_FILES=$icd
+    vulkan_setup
     W=/tmp/hive-bin
     mkdir -p "$W"
     cp "$B/hive" "$B"/sd-worker-cuda* "$W/"
@@ -210,6 +220,19 @@ if has hive; then
     "$W/hive" devices --exclude cuda 2>&1 | tee -a "$L"
     sd15_random
     timeout 300 python3 xtask/bench/gpu_hive.py "$W" /tmp/sd15r 2>&1 | tee -a "$L"
+fi
+
+if has vulkan-stop && [ -f "$CARRY/stop_mid_image.xz" ]; then
+    step "stop inside an image: stable-diffusion.cpp on ggml's Vulkan backend (the GPU), random SD1.5 64², 4 steps"
+    vulkan_setup
+    sd15_random
+    xz -dc "$CARRY/stop_mid_image.xz" >/tmp/stop_mid_image && chmod +x /tmp/stop_mid_image
+    SDHIVE_SD15_RANDOM=/tmp/sd15r SDHIVE_STOP_TEST_DEVICE=Vulkan0 RUST_LOG=sdcpp=info timeout 300 \
+        /tmp/stop_mid_image --include-ignored --nocapture --test-threads 1 >/tmp/vulkan_stop.log 2>&1
+    echo "exit status $?" >>/tmp/vulkan_stop.log
+    cp /tmp/vulkan_stop.log "$OUT/vulkan_stop.log"
+    grep -E "stop test on|total params|generate_image completed|test result|panicked|exit status" /tmp/vulkan_stop.log |
+        sed 's/\x1b\[[0-9;]*m//g' | tee -a "$L"
 fi
 
 if has bench; then

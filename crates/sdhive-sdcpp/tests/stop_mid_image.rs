@@ -1,7 +1,8 @@
 //! Stopping stable-diffusion.cpp inside an image: the full-size SD1.5 with deterministic random weights (written
-//! by `cargo xtask random-model`; its folder in `SDHIVE_SD15_RANDOM`) on ggml's CPU backend, 64², so that any
-//! machine can run it. Ignored by default because it needs that 2 GB model; `cargo xtask vulkan` writes the
-//! model and runs it.
+//! by `cargo xtask random-model`; its folder in `SDHIVE_SD15_RANDOM`) at 64², on ggml's CPU backend so that any
+//! machine can run it, or on the ggml device `SDHIVE_STOP_TEST_DEVICE` names (`Vulkan0` in a build with the
+//! `vulkan` feature, on a GPU: docs/gpu.md). Ignored by default because it needs that 2 GB model; `cargo xtask
+//! vulkan` writes the model and runs it.
 
 use sdhive_engine::{Control, Engine, EngineError, GenerateRequest, Placement, Sampler};
 use sdhive_modelsource::{ModelLocation, ResolvedModel};
@@ -14,10 +15,25 @@ fn engine() -> SdCppEngine {
         .expect("SDHIVE_SD15_RANDOM must name the folder `cargo xtask random-model` writes");
     let model =
         ResolvedModel { name: "sd15-random".into(), location: ModelLocation::DiffusersDir(dir.clone()) };
+    // stable-diffusion.cpp's own log (why a load failed, which device it took) at RUST_LOG=sdcpp=info.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    let device = match std::env::var("SDHIVE_STOP_TEST_DEVICE") {
+        Ok(wanted) => {
+            let found = sdhive_sdcpp::device::find(&wanted).unwrap_or_else(|| {
+                panic!("no ggml device {wanted}; ggml found {:?}", sdhive_sdcpp::device::list())
+            });
+            eprintln!("stop test on ggml device {} ({})", found.name, found.description);
+            found.name
+        }
+        Err(_) => "CPU".into(),
+    };
     let opts = LoadOptions {
-        ggml_device: "CPU".into(),
-        backend_name: "cpu".into(),
-        device_name: "cpu".into(),
+        backend_name: device.to_lowercase(),
+        device_name: device.to_lowercase(),
+        ggml_device: device,
         weight_type: Some(WeightType::F16),
         placement: Placement::default(),
         threads: None,
