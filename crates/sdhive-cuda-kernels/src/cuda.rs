@@ -407,30 +407,37 @@ pub fn add_channel(y: &Tensor, add: &Tensor, residual: Option<&Tensor>, last_dim
 /// Pixels of one group each thread of `gn_group_nhwc` holds at most (`GN_GROUP_UNITS` in kernels.cu).
 const GROUP_UNITS: usize = 32;
 
-/// The block size of the one-launch channels-last GroupNorm (`gn_group_nhwc`, one block per group and sample)
-/// for this map, or `None` where a group does not fit one block's registers and the three-launch path runs:
-/// `per_group` channels of `elem` bytes in 4-byte units, at most [`GROUP_UNITS`] pixels per thread. 512 threads
-/// where each then holds at most 16 pixels, else 1024: on an H100 the one launch takes 3-17 us at the SD1.5
-/// UNet's maps against 12-25 us for the three (`xtask/bench/group_norm_shapes.cu`), and loses beyond 64×64·320.
-pub(crate) fn group_norm_block_per_group(
+/// How the one-launch channels-last GroupNorm (`gn_group_nhwc_c{cluster}`: one cluster of `cluster` blocks of
+/// `threads` per group and sample) takes this map, or `None` where a group does not fit two blocks' registers and
+/// the three-launch path runs: `per_group` channels of `elem` bytes in 4-byte units, at most [`GROUP_UNITS`]
+/// pixels per thread. One block while 1024 threads would hold at most 12 pixels each (512 threads where those hold
+/// at most 16), else a cluster of two 1024-thread blocks. On an H100 (`xtask/bench/group_norm_shapes.cu`) the
+/// one launch takes 3-23 us at the SD1.5 UNet's maps against 12-38 us for the three.
+pub(crate) fn group_norm_one_launch(
     pixels: usize,
     channels: usize,
     groups: usize,
     elem: usize,
-) -> Option<usize> {
+) -> Option<(usize, usize)> {
     let unit = 4 / elem;
     let per_group = channels / groups;
     if unit == 0 || !per_group.is_multiple_of(unit) {
         return None;
     }
     let upp = per_group / unit;
-    let threads = if pixels <= 16 * (512 / upp) { 512 } else { 1024 };
-    let rows = threads / upp;
-    (rows > 0 && rows * GROUP_UNITS >= pixels).then_some(threads)
+    let per_thread = |threads: usize, cluster: usize| pixels.div_ceil((threads / upp) * cluster);
+    let (threads, cluster) = if 512 / upp > 0 && per_thread(512, 1) <= 16 {
+        (512, 1)
+    } else if 1024 / upp > 0 && per_thread(1024, 1) <= 12 {
+        (1024, 1)
+    } else {
+        (1024, 2)
+    };
+    (threads / upp > 0 && per_thread(threads, cluster) <= GROUP_UNITS).then_some((threads, cluster))
 }
 
-/// GroupNorm over channels-last `(N, …, C)` maps: one launch where a block holds a group (see
-/// [`group_norm_block_per_group`]), else three (per-chunk moments, per-group statistics, the normalisation). Needs
+/// GroupNorm over channels-last `(N, …, C)` maps: one launch where one or two blocks hold a group (see
+/// [`group_norm_one_launch`]), else three (per-chunk moments, per-group statistics, the normalisation). Needs
 /// `C` a multiple of 16 bytes' worth of values, at most [`MAX_LAST_CHANNELS`].
 struct GroupNormLast {
     groups: usize,
@@ -478,19 +485,22 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
             $a.arg($out);
         };
     }
-    if let Some(threads) = group_norm_block_per_group(pixels, channels, op.groups, std::mem::size_of::<T>()) {
+    if let Some((threads, cluster)) =
+        group_norm_one_launch(pixels, channels, op.groups, std::mem::size_of::<T>())
+    {
         // SAFETY: written in full by the kernel.
         let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
-        let func = dev.get_or_load_custom_func(&format!("gn_group_nhwc_{sfx}"), MODULE, PTX)?;
+        let func = dev.get_or_load_custom_func(&format!("gn_group_nhwc_c{cluster}_{sfx}"), MODULE, PTX)?;
         let mut a = func.builder();
         normalisation_operands!(a, &out);
         builder_arg!(a, pixels as u32, channels as u32, op.groups as u32, op.eps, i32::from(op.silu));
         let cfg = LaunchConfig {
-            grid_dim: (op.groups as u32, samples as u32, 1),
+            grid_dim: ((op.groups * cluster) as u32, samples as u32, 1),
             block_dim: (threads as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the arguments match the kernel's signature; `threads` covers every pixel of a group.
+        // SAFETY: the arguments match the kernel's signature; `cluster` blocks of `threads` cover every pixel of
+        // a group, and the grid is whole clusters.
         unsafe { a.launch(cfg) }.w()?;
         return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
     }

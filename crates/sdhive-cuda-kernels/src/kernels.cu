@@ -2,6 +2,7 @@
 // tensor per op (several of them candle's strided broadcast kernels). Arithmetic is in f32 whatever the storage
 // type; every kernel is instantiated for float, __half and __nv_bfloat16 (suffixes f32, f16, bf16).
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <math.h>
@@ -308,28 +309,49 @@ __device__ __forceinline__ float block_sum(float v, float *red, float *total) {
 }
 
 // Most pixels of one group a thread of gn_group_nhwc keeps in registers (one 4-byte unit each); the host takes
-// that kernel only where ⌊blockDim / units per pixel⌋ · GN_GROUP_UNITS rows cover the map.
+// that kernel only where ⌊blockDim / units per pixel⌋ · CLUSTER · GN_GROUP_UNITS rows cover the map.
 #define GN_GROUP_UNITS 32
 
-// GroupNorm over channels-last (N, H·W, C) maps in one launch, one block per (group, sample), for maps whose
-// groups fit in one block's registers: the block loads its group's values once, 4 bytes at a time (a group's
-// C/groups channels of a pixel are contiguous; the host takes this kernel where 4 bytes divide that run), sums them,
-// sums the squared deviations from their mean, and writes the normalised values from the same registers. Where
-// the three-launch path spends three launches and two reads, this spends one of each, and the statistics are two
-// exact passes rather than merged moments. Thread t owns unit t % upp (upp units per pixel) of pixels t / upp,
-// t / upp + rows, ... (rows = blockDim / upp), so its channels, weights, biases and shifts are fixed and read
-// once, and consecutive threads read consecutive bytes of a pixel's run; the last blockDim % upp threads idle.
-// `shift` as in gn_stats_nhwc.
-template <typename T>
+// The sum of `v` over the CLUSTER blocks of a thread block cluster, for every thread: block sums through
+// block_sum, then each block adds up the others' totals in their shared memory (the same order everywhere, so
+// every block gets the same float). The second cluster-wide wait keeps `total` until every block has read it.
+template <int CLUSTER> __device__ __forceinline__ float cluster_sum(float v, float *red, float *total) {
+    const float mine = block_sum(v, red, total);
+    if constexpr (CLUSTER == 1) {
+        return mine;
+    } else {
+        namespace cg = cooperative_groups;
+        cg::cluster_group cluster = cg::this_cluster();
+        cluster.sync();
+        float sum = 0.f;
+#pragma unroll
+        for (int r = 0; r < CLUSTER; r++) sum += *cluster.map_shared_rank(total, r);
+        cluster.sync();
+        return sum;
+    }
+}
+
+// GroupNorm over channels-last (N, H·W, C) maps in one launch, one cluster of CLUSTER blocks per (group, sample),
+// for maps whose groups fit in the cluster's registers: the blocks load their share of the group's values once, 4
+// bytes at a time (a group's C/groups channels of a pixel are contiguous; the host takes this kernel where 4
+// bytes divide that run), sum them, sum the squared deviations from their mean (each sum over the cluster through
+// distributed shared memory), and write the normalised values from the same registers. Where the three-launch
+// path spends three launches and two reads, this spends one of each, and the statistics are two exact passes
+// rather than merged moments. Thread t owns unit t % upp (upp units per pixel) of the pixels p0 = t / upp of
+// every rows-pixel slab (rows = blockDim / upp) whose index is its block's rank modulo CLUSTER, so its channels,
+// weights, biases and shifts are fixed and read once, and consecutive threads read consecutive bytes of a pixel's
+// run; the last blockDim % upp threads idle. More blocks per group (a larger cluster) put fewer pixels on each
+// thread, for larger maps. `shift` as in gn_stats_nhwc.
+template <typename T, int CLUSTER>
 __device__ void gn_group_nhwc(const T *x, const T *shift, const T *w, const T *b, T *out, uint32_t pixels,
                               uint32_t channels, uint32_t groups, float eps, int silu) {
     constexpr uint32_t E = 4 / sizeof(T);
     __shared__ float red[32];
     __shared__ float total;
-    const uint32_t g = blockIdx.x, sample = blockIdx.y;
+    const uint32_t g = blockIdx.x / CLUSTER, rank = blockIdx.x % CLUSTER, sample = blockIdx.y;
     const uint32_t per_group = channels / groups, upp = per_group / E, rows = blockDim.x / upp;
-    const uint32_t u = threadIdx.x % upp, p0 = threadIdx.x / upp;
-    const bool active = p0 < rows;
+    const uint32_t u = threadIdx.x % upp, p0 = threadIdx.x / upp + rank * rows, step = rows * CLUSTER;
+    const bool active = threadIdx.x / upp < rows;
     const uint32_t c0 = g * per_group + u * E;
     const T *xs = x + (size_t)sample * pixels * channels + c0;
     float sh[E], wv[E], bv[E];
@@ -343,23 +365,23 @@ __device__ void gn_group_nhwc(const T *x, const T *shift, const T *w, const T *b
     float acc = 0.f;
 #pragma unroll
     for (uint32_t k = 0; k < GN_GROUP_UNITS; k++) {
-        const uint32_t p = p0 + k * rows;
+        const uint32_t p = p0 + k * step;
         if (!active || p >= pixels) break;
         raw[k] = *reinterpret_cast<const uint32_t *>(xs + (size_t)p * channels);
     }
 #pragma unroll
     for (uint32_t k = 0; k < GN_GROUP_UNITS; k++) {
-        if (!active || p0 + k * rows >= pixels) break;
+        if (!active || p0 + k * step >= pixels) break;
         const T *e = reinterpret_cast<const T *>(&raw[k]);
 #pragma unroll
         for (uint32_t j = 0; j < E; j++) acc += to_f(e[j]) + sh[j];
     }
     const float count = (float)pixels * per_group;
-    const float mean = block_sum(acc, red, &total) / count;
+    const float mean = cluster_sum<CLUSTER>(acc, red, &total) / count;
     acc = 0.f;
 #pragma unroll
     for (uint32_t k = 0; k < GN_GROUP_UNITS; k++) {
-        if (!active || p0 + k * rows >= pixels) break;
+        if (!active || p0 + k * step >= pixels) break;
         const T *e = reinterpret_cast<const T *>(&raw[k]);
 #pragma unroll
         for (uint32_t j = 0; j < E; j++) {
@@ -367,7 +389,7 @@ __device__ void gn_group_nhwc(const T *x, const T *shift, const T *w, const T *b
             acc += d * d;
         }
     }
-    const float rstd = rsqrtf(block_sum(acc, red, &total) / count + eps);
+    const float rstd = rsqrtf(cluster_sum<CLUSTER>(acc, red, &total) / count + eps);
     float scale[E], offset[E];
 #pragma unroll
     for (uint32_t j = 0; j < E; j++) {
@@ -377,7 +399,7 @@ __device__ void gn_group_nhwc(const T *x, const T *shift, const T *w, const T *b
     T *os = out + (size_t)sample * pixels * channels + c0;
 #pragma unroll
     for (uint32_t k = 0; k < GN_GROUP_UNITS; k++) {
-        const uint32_t p = p0 + k * rows;
+        const uint32_t p = p0 + k * step;
         if (!active || p >= pixels) break;
         const T *e = reinterpret_cast<const T *>(&raw[k]);
         uint32_t res;
@@ -628,6 +650,13 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
     }
 }
 
+#define GN_GROUP(T, S, C)                                                                                       \
+    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(1024) gn_group_nhwc_c##C##_##S(        \
+        const T *x, const T *shift, const T *w, const T *b, T *out, uint32_t pixels, uint32_t channels,       \
+        uint32_t groups, float eps, int silu) {                                                               \
+        gn_group_nhwc<T, C>(x, shift, w, b, out, pixels, channels, groups, eps, silu);                        \
+    }
+
 #define INSTANTIATE(T, S)                                                                                       \
     extern "C" __global__ void gn_stats_##S(const T *x, float *partial, uint32_t group_elems, uint32_t chunks) { \
         gn_stats<T>(x, partial, group_elems, chunks);                                                           \
@@ -651,11 +680,8 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
                                                  uint32_t groups, int silu) {                                \
         gn_apply_nhwc<T>(x, shift, w, b, out, stats, n, pixels, channels, groups, silu);                     \
     }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(1024) gn_group_nhwc_##S(                                     \
-        const T *x, const T *shift, const T *w, const T *b, T *out, uint32_t pixels, uint32_t channels,       \
-        uint32_t groups, float eps, int silu) {                                                               \
-        gn_group_nhwc<T>(x, shift, w, b, out, pixels, channels, groups, eps, silu);                           \
-    }                                                                                                         \
+    GN_GROUP(T, S, 1)                                                                                        \
+    GN_GROUP(T, S, 2)                                                                                        \
     extern "C" __global__ void transpose_##S(const T *x, T *out, uint32_t m, uint32_t n) {                    \
         transpose_tiles<T>(x, out, m, n);                                                                       \
     }                                                                                                           \

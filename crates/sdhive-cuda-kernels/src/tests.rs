@@ -308,8 +308,11 @@ fn channels_last_group_norm_matches_the_reference() {
         ((2, 1280, 4, 4), 32, 0.0),
         ((2, 2560, 8, 8), 32, 0.0),
         ((2, 64, 40, 40), 16, 300.0),
-        // Groups too large for one block's registers: the three-launch path.
+        // Two blocks per group in f16/bf16 (a cluster summing through distributed shared memory); too large
+        // for two in f32: the three-launch path.
         ((2, 640, 64, 64), 32, 0.0),
+        // Too large for two blocks in every dtype: the three launches.
+        ((1, 320, 128, 128), 32, 0.0),
         // Three channels per group: no whole 4-byte units in f16/bf16 (three launches), one launch in f32.
         ((1, 96, 6, 6), 32, 1.0),
     ] {
@@ -321,12 +324,8 @@ fn channels_last_group_norm_matches_the_reference() {
                 (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap(), b.to_dtype(dtype).unwrap());
             let xl = nhwc(&xd);
             assert!(channels_last_fits(&xl), "{shape:?} {dtype:?}");
-            let one_launch = crate::cuda::group_norm_block_per_group(
-                shape.2 * shape.3,
-                shape.1,
-                groups,
-                dtype.size_in_bytes(),
-            );
+            let one_launch =
+                crate::cuda::group_norm_one_launch(shape.2 * shape.3, shape.1, groups, dtype.size_in_bytes());
             paths.insert((dtype, one_launch.is_some()));
             // With an offset of 300 one f32 input ulp is 3e-5 of the output's unit scale.
             let tol = tol(dtype) * if offset > 0.0 { 2.0 } else { 1.0 };
@@ -357,7 +356,7 @@ fn channels_last_group_norm_matches_the_reference() {
 #[test]
 fn channels_last_group_norm_adds_its_shift_first() {
     let dev = gpu();
-    // The last shape takes the three-launch path, the others one launch.
+    // One launch each, the last as two blocks per group in f16/bf16 and as three launches in f32.
     for (shape, groups) in
         [((2, 320, 9, 7), 32), ((2, 640, 16, 16), 32), ((1, 1280, 4, 4), 32), ((2, 640, 64, 64), 32)]
     {
@@ -656,17 +655,21 @@ fn linear_matches_the_reference() {
     );
 }
 
-/// Which channels-last GroupNorms take one launch: the SD1.5 UNet's maps up to 64×64·320 in f16, not 64×64·640,
-/// and no group whose width is not whole 4-byte units.
+/// Which channels-last GroupNorms take one launch, and how: every map of the SD1.5 UNet in f16 (64×64·640 and ·960
+/// as clusters of two blocks), not SDXL's 128×128·320, and no group whose width is not whole 4-byte units.
 #[test]
-fn one_launch_group_norm_takes_the_groups_a_block_holds() {
-    use crate::cuda::group_norm_block_per_group as rule;
-    assert_eq!(rule(4096, 320, 32, 2), Some(1024));
-    assert_eq!(rule(4096, 640, 32, 2), None);
-    assert_eq!(rule(1024, 320, 32, 2), Some(512));
-    assert_eq!(rule(1024, 640, 32, 2), Some(1024));
-    assert_eq!(rule(64, 2560, 32, 2), Some(512));
+fn one_launch_group_norm_takes_the_groups_its_blocks_hold() {
+    use crate::cuda::group_norm_one_launch as rule;
+    assert_eq!(rule(4096, 320, 32, 2), Some((1024, 2)));
+    assert_eq!(rule(4096, 640, 32, 2), Some((1024, 2)));
+    assert_eq!(rule(4096, 960, 32, 2), Some((1024, 2)));
+    assert_eq!(rule(16384, 320, 32, 2), None);
+    assert_eq!(rule(1024, 320, 32, 2), Some((512, 1)));
+    assert_eq!(rule(1024, 640, 32, 2), Some((1024, 1)));
+    assert_eq!(rule(1024, 1280, 32, 2), Some((1024, 2)));
+    assert_eq!(rule(64, 2560, 32, 2), Some((512, 1)));
+    assert_eq!(rule(4096, 640, 32, 4), None, "f32 units are single values");
     assert_eq!(rule(36, 96, 32, 2), None, "three f16 channels per group");
-    assert_eq!(rule(36, 96, 32, 4), Some(512));
+    assert_eq!(rule(36, 96, 32, 4), Some((512, 1)));
     assert_eq!(rule(4, 4100 * 32, 32, 2), None, "more units per pixel than threads");
 }
