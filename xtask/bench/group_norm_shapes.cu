@@ -12,8 +12,8 @@
 #include <vector>
 #include <algorithm>
 // The crate instantiates clusters of 1 and 2 blocks; the larger ones are measured here.
-GN_GROUP(__half, f16, 4)
-GN_GROUP(__half, f16, 8)
+GN_CLUSTER_GROUP(__half, f16, 4)
+GN_CLUSTER_GROUP(__half, f16, 8)
 __global__ void fill(__half *p, size_t n, unsigned seed, float offset) {
   size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
   if (i < n) { unsigned x = (unsigned)i * 2654435761u ^ seed; x ^= x >> 13; x *= 0x5bd1e995; x ^= x >> 15; p[i] = __float2half(((x & 0xffff) / 65535.f - 0.5f) * 4.f + offset); }

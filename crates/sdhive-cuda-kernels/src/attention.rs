@@ -37,7 +37,7 @@ fn smem_bytes(dp: usize) -> usize {
 }
 
 /// The compute capability the PTX was built for (build.rs).
-fn built_for() -> u32 {
+pub(crate) fn built_for() -> u32 {
     env!("SDHIVE_CUDA_COMPUTE_CAP").parse().unwrap_or(0)
 }
 

@@ -404,6 +404,11 @@ pub fn add_channel(y: &Tensor, add: &Tensor, residual: Option<&Tensor>, last_dim
     }
 }
 
+/// Whether the PTX has thread block clusters (built for sm_90 or later; kernels.cu has no cluster kernel below).
+pub(crate) fn clusters_built() -> bool {
+    crate::attention::built_for() >= 90
+}
+
 /// Pixels of one group each thread of `gn_group_nhwc` holds at most (`GN_GROUP_UNITS` in kernels.cu).
 const GROUP_UNITS: usize = 32;
 
@@ -411,13 +416,15 @@ const GROUP_UNITS: usize = 32;
 /// `threads` per group and sample) takes this map, or `None` where a group does not fit two blocks' registers and
 /// the three-launch path runs: `per_group` channels of `elem` bytes in 4-byte units, at most [`GROUP_UNITS`]
 /// pixels per thread. One block while 1024 threads would hold at most 12 pixels each (512 threads where those hold
-/// at most 16), else a cluster of two 1024-thread blocks. On an H100 (`xtask/bench/group_norm_shapes.cu`) the
-/// one launch takes 3-23 us at the SD1.5 UNet's maps against 12-38 us for the three.
+/// at most 16), else a cluster of two 1024-thread blocks where the build has clusters (`clusters`: sm_90 and
+/// later). On an H100 (`xtask/bench/group_norm_shapes.cu`) the one launch takes 3-23 us at the SD1.5 UNet's maps
+/// against 12-38 us for the three.
 pub(crate) fn group_norm_one_launch(
     pixels: usize,
     channels: usize,
     groups: usize,
     elem: usize,
+    clusters: bool,
 ) -> Option<(usize, usize)> {
     let unit = 4 / elem;
     let per_group = channels / groups;
@@ -431,7 +438,7 @@ pub(crate) fn group_norm_one_launch(
     } else if 1024 / upp > 0 && per_thread(1024, 1) <= 12 {
         (1024, 1)
     } else {
-        (1024, 2)
+        (1024, if clusters { 2 } else { 1 })
     };
     (threads / upp > 0 && per_thread(threads, cluster) <= GROUP_UNITS).then_some((threads, cluster))
 }
@@ -486,7 +493,7 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
         };
     }
     if let Some((threads, cluster)) =
-        group_norm_one_launch(pixels, channels, op.groups, std::mem::size_of::<T>())
+        group_norm_one_launch(pixels, channels, op.groups, std::mem::size_of::<T>(), clusters_built())
     {
         // SAFETY: written in full by the kernel.
         let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };

@@ -320,6 +320,7 @@ template <int CLUSTER> __device__ __forceinline__ float cluster_sum(float v, flo
     if constexpr (CLUSTER == 1) {
         return mine;
     } else {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
         namespace cg = cooperative_groups;
         cg::cluster_group cluster = cg::this_cluster();
         cluster.sync();
@@ -328,6 +329,7 @@ template <int CLUSTER> __device__ __forceinline__ float cluster_sum(float v, flo
         for (int r = 0; r < CLUSTER; r++) sum += *cluster.map_shared_rank(total, r);
         cluster.sync();
         return sum;
+#endif
     }
 }
 
@@ -650,12 +652,21 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
     }
 }
 
-#define GN_GROUP(T, S, C)                                                                                       \
-    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(1024) gn_group_nhwc_c##C##_##S(        \
+#define GN_GROUP_KERNEL(T, S, C, ATTR)                                                                          \
+    extern "C" __global__ void ATTR __launch_bounds__(1024) gn_group_nhwc_c##C##_##S(                          \
         const T *x, const T *shift, const T *w, const T *b, T *out, uint32_t pixels, uint32_t channels,       \
         uint32_t groups, float eps, int silu) {                                                               \
         gn_group_nhwc<T, C>(x, shift, w, b, out, pixels, channels, groups, eps, silu);                        \
     }
+#define GN_GROUP(T, S) GN_GROUP_KERNEL(T, S, 1, )
+
+// Thread block clusters exist from sm_90 (Hopper) on; builds for older GPUs have no cluster kernels, and the host
+// never asks for one there (cuda.rs).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define GN_CLUSTER_GROUP(T, S, C) GN_GROUP_KERNEL(T, S, C, __cluster_dims__(C, 1, 1))
+#else
+#define GN_CLUSTER_GROUP(T, S, C)
+#endif
 
 #define INSTANTIATE(T, S)                                                                                       \
     extern "C" __global__ void gn_stats_##S(const T *x, float *partial, uint32_t group_elems, uint32_t chunks) { \
@@ -680,8 +691,8 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
                                                  uint32_t groups, int silu) {                                \
         gn_apply_nhwc<T>(x, shift, w, b, out, stats, n, pixels, channels, groups, silu);                     \
     }                                                                                                        \
-    GN_GROUP(T, S, 1)                                                                                        \
-    GN_GROUP(T, S, 2)                                                                                        \
+    GN_GROUP(T, S)                                                                                           \
+    GN_CLUSTER_GROUP(T, S, 2)                                                                                \
     extern "C" __global__ void transpose_##S(const T *x, T *out, uint32_t m, uint32_t n) {                    \
         transpose_tiles<T>(x, out, m, n);                                                                       \
     }                                                                                                           \

@@ -324,8 +324,13 @@ fn channels_last_group_norm_matches_the_reference() {
                 (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap(), b.to_dtype(dtype).unwrap());
             let xl = nhwc(&xd);
             assert!(channels_last_fits(&xl), "{shape:?} {dtype:?}");
-            let one_launch =
-                crate::cuda::group_norm_one_launch(shape.2 * shape.3, shape.1, groups, dtype.size_in_bytes());
+            let one_launch = crate::cuda::group_norm_one_launch(
+                shape.2 * shape.3,
+                shape.1,
+                groups,
+                dtype.size_in_bytes(),
+                crate::cuda::clusters_built(),
+            );
             paths.insert((dtype, one_launch.is_some()));
             // With an offset of 300 one f32 input ulp is 3e-5 of the output's unit scale.
             let tol = tol(dtype) * if offset > 0.0 { 2.0 } else { 1.0 };
@@ -660,16 +665,20 @@ fn linear_matches_the_reference() {
 #[test]
 fn one_launch_group_norm_takes_the_groups_its_blocks_hold() {
     use crate::cuda::group_norm_one_launch as rule;
-    assert_eq!(rule(4096, 320, 32, 2), Some((1024, 2)));
-    assert_eq!(rule(4096, 640, 32, 2), Some((1024, 2)));
-    assert_eq!(rule(4096, 960, 32, 2), Some((1024, 2)));
-    assert_eq!(rule(16384, 320, 32, 2), None);
-    assert_eq!(rule(1024, 320, 32, 2), Some((512, 1)));
-    assert_eq!(rule(1024, 640, 32, 2), Some((1024, 1)));
-    assert_eq!(rule(1024, 1280, 32, 2), Some((1024, 2)));
-    assert_eq!(rule(64, 2560, 32, 2), Some((512, 1)));
-    assert_eq!(rule(4096, 640, 32, 4), None, "f32 units are single values");
-    assert_eq!(rule(36, 96, 32, 2), None, "three f16 channels per group");
-    assert_eq!(rule(36, 96, 32, 4), Some((512, 1)));
-    assert_eq!(rule(4, 4100 * 32, 32, 2), None, "more units per pixel than threads");
+    assert_eq!(rule(4096, 320, 32, 2, true), Some((1024, 2)));
+    assert_eq!(rule(4096, 640, 32, 2, true), Some((1024, 2)));
+    assert_eq!(rule(4096, 960, 32, 2, true), Some((1024, 2)));
+    assert_eq!(rule(16384, 320, 32, 2, true), None);
+    assert_eq!(rule(1024, 320, 32, 2, true), Some((512, 1)));
+    assert_eq!(rule(1024, 640, 32, 2, true), Some((1024, 1)));
+    assert_eq!(rule(1024, 1280, 32, 2, true), Some((1024, 2)));
+    assert_eq!(rule(64, 2560, 32, 2, true), Some((512, 1)));
+    assert_eq!(rule(4096, 640, 32, 4, true), None, "f32 units are single values");
+    assert_eq!(rule(36, 96, 32, 2, true), None, "three f16 channels per group");
+    assert_eq!(rule(36, 96, 32, 4, true), Some((512, 1)));
+    assert_eq!(rule(4, 4100 * 32, 32, 2, true), None, "more units per pixel than threads");
+    // A build for GPUs before sm_90 has no clusters: one block where it holds the group, else three launches.
+    assert_eq!(rule(1024, 1280, 32, 2, false), Some((1024, 1)));
+    assert_eq!(rule(4096, 320, 32, 2, false), Some((1024, 1)));
+    assert_eq!(rule(4096, 640, 32, 2, false), None);
 }
