@@ -1,6 +1,7 @@
 //! The fused attention kernel of `attention.cu` as a candle custom op over the projections' `(B, S, H·D)` q, k and v:
 //! layout checks, the instantiation for the head dimension and storage type, the launch.
 
+use crate::cuda::built_for;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
@@ -34,11 +35,6 @@ fn block_shape(dp: usize) -> (usize, usize) {
 fn smem_bytes(dp: usize) -> usize {
     let (keys, rows) = block_shape(dp);
     (2 * 2 * keys).max(rows) * (dp + 8) * 2
-}
-
-/// The compute capability the PTX was built for (build.rs).
-pub(crate) fn built_for() -> u32 {
-    env!("SDHIVE_CUDA_COMPUTE_CAP").parse().unwrap_or(0)
 }
 
 /// Whether the build targets GPUs with the kernel's instructions (mma.sync with bf16, cp.async: sm_80).

@@ -404,9 +404,14 @@ pub fn add_channel(y: &Tensor, add: &Tensor, residual: Option<&Tensor>, last_dim
     }
 }
 
+/// The compute capability the PTX was built for (build.rs).
+pub(crate) fn built_for() -> u32 {
+    env!("SDHIVE_CUDA_COMPUTE_CAP").parse().unwrap_or(0)
+}
+
 /// Whether the PTX has thread block clusters (built for sm_90 or later; kernels.cu has no cluster kernel below).
 pub(crate) fn clusters_built() -> bool {
-    crate::attention::built_for() >= 90
+    built_for() >= 90
 }
 
 /// Pixels of one group each thread of `gn_group_nhwc` holds at most (`GN_GROUP_UNITS` in kernels.cu).
