@@ -174,11 +174,12 @@ fn softmax_of_masked_rows() {
     }
 }
 
-/// Halves of 48 take the 16-byte path, 45 the element-wise one; with and without the projection's bias.
+/// Halves of 48 and 1280 take the 16-byte path (1280 over several blocks of a grid sized per vector), 45 the
+/// element-wise one; with and without the projection's bias.
 #[test]
 fn geglu_matches_the_reference() {
     let dev = gpu();
-    for half in [48, 45] {
+    for half in [48, 45, 1280] {
         let x = Tensor::randn(0f32, 2.0, (2, 5, 2 * half), &dev).unwrap();
         let bias = Tensor::randn(0f32, 1.0, 2 * half, &dev).unwrap();
         for dtype in DTYPES {
