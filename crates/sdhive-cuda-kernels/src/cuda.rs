@@ -689,6 +689,77 @@ pub fn upsample2x_last(x: &Tensor) -> Result<Tensor> {
     x.apply_op1_no_bwd(&Upsample2xLast)
 }
 
+/// Two channels-last maps joined along their channels (the UNet's skip connections): one launch that moves
+/// each output row's 16-byte vectors from the one input or the other.
+struct ConcatLast;
+
+fn concat_last_launch<T: CudaDType + DeviceRepr>(
+    _: &ConcatLast,
+    a: (&CudaStorage, &Layout),
+    b: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    let dev: &CudaDevice = a.0.device();
+    let (ca, cb) = (last_dim(a.1), last_dim(b.1));
+    let rows = a.1.shape().elem_count() / ca.max(1);
+    let vec = per_vector::<T>();
+    let av = contiguous::<T>(a.0, a.1, "first concatenated map")?;
+    let bv = contiguous::<T>(b.0, b.1, "second concatenated map")?;
+    // SAFETY: written in full by the kernel.
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(rows * (ca + cb))? };
+    let func = dev.get_or_load_custom_func("concat_rows_vec", MODULE, PTX)?;
+    let mut k = func.builder();
+    k.arg(&av);
+    k.arg(&bv);
+    k.arg(&out);
+    builder_arg!(k, (ca / vec) as u32, (cb / vec) as u32, rows);
+    let cfg = LaunchConfig {
+        grid_dim: (grid_for(rows * (ca + cb) / vec), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature; both inputs hold `rows` rows of whole vectors.
+    unsafe { k.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+fn last_dim(l: &Layout) -> usize {
+    l.dims().last().copied().unwrap_or(0)
+}
+
+impl CustomOp2 for ConcatLast {
+    fn name(&self) -> &'static str {
+        "sdhive-concat-channels-last"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        cpu_only(self.name())
+    }
+
+    fn cuda_fwd(
+        &self,
+        a: &CudaStorage,
+        al: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let out = by_dtype!(a.dtype(), concat_last_launch(self, (a, al), (b, bl)))?;
+        let mut dims = al.dims().to_vec();
+        if let Some(c) = dims.last_mut() {
+            *c += last_dim(bl);
+        }
+        Ok((out, Shape::from(dims)))
+    }
+}
+
+pub fn concat_last(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let (da, db) = (a.dims(), b.dims());
+    let same_rows = da.len() == db.len() && da.len() >= 2 && da[..da.len() - 1] == db[..db.len() - 1];
+    if !same_rows || a.dtype() != b.dtype() || !channels_last_fits(a) || !channels_last_fits(b) {
+        bail!("concat (channels-last): {da:?} and {db:?} do not suit the 16-byte kernel");
+    }
+    a.apply_op2_no_bwd(b, &ConcatLast)
+}
+
 /// Batched transpose of `(B, M, N)` to `(B, N, M)`.
 struct Transpose;
 

@@ -435,6 +435,19 @@ __device__ void upsample2x_nhwc(const T *x, T *out, uint32_t h, uint32_t w, uint
     }
 }
 
+// Concatenation of two channels-last maps along their channels: each output row is a row of `a` (va 16-byte
+// vectors) followed by the same row of `b` (vb vectors), one vector per thread. Bytes are moved, not values, so
+// one kernel serves every dtype.
+__device__ void concat_rows(const uint4 *a, const uint4 *b, uint4 *out, uint32_t va, uint32_t vb, size_t rows) {
+    const uint32_t vt = va + vb;
+    const size_t step = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < rows * vt; i += step) {
+        const size_t r = i / vt;
+        const uint32_t v = (uint32_t)(i - r * vt);
+        out[i] = v < va ? a[r * va + v] : b[r * vb + (v - va)];
+    }
+}
+
 // Batched transpose of (B, M, N) to (B, N, M) through 32×32 tiles in shared memory, so reads and writes are both
 // coalesced: NCHW ↔ channels-last at a network's edges (M, N = C, H·W or H·W, C). Block (32, 8), grid
 // (⌈N / 32⌉, ⌈M / 32⌉, B).
@@ -715,6 +728,11 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
                                           uint32_t out_h, uint32_t out_w, size_t n) {                           \
         im2col_k_l<T>(x, col, channels, h, w, kh, kw, stride, pad, out_h, out_w, n);                            \
     }
+
+extern "C" __global__ void concat_rows_vec(const uint4 *a, const uint4 *b, uint4 *out, uint32_t va, uint32_t vb,
+                                           size_t rows) {
+    concat_rows(a, b, out, va, vb, rows);
+}
 
 extern "C" __global__ void gn_finalize_nhwc(const float *partial, float *stats, uint32_t samples, uint32_t groups,
                                             uint32_t chunks, float eps) {

@@ -1,7 +1,8 @@
 //! Fused CUDA kernels for the networks' hot operations: GroupNorm (+SiLU), LayerNorm, per-channel
 //! bias / time-embedding / residual adds, row softmax, GEGLU, the im2col of the convolutions, and multi-head
 //! attention that never materialises its scores; cuDNN convolutions and cuBLASLt linears; the channels-last
-//! (NHWC) variants of the map operations, and the NCHW ↔ NHWC transpose at a network's edges. Each replaces a chain of candle ops that made one pass
+//! (NHWC) variants of the map operations (the skip connections' channel concatenation among them), and the NCHW ↔
+//! NHWC transpose at a network's edges. Each replaces a chain of candle ops that made one pass
 //! over the tensor per op (several through candle's strided broadcast kernels). [`applies`] says when a call can
 //! take the element-wise ones: every tensor contiguous on one CUDA device, in f32, f16 or bf16;
 //! [`attention_applies`] the same for the attention. The callers (sdhive-models' ops) keep candle's ops as the
@@ -282,6 +283,12 @@ pub fn transpose_last2(x: &Tensor) -> Result<Tensor> {
 /// Nearest-neighbour ×2 upsampling of channels-last `(N, H, W, C)`. Call only where [`channels_last_fits`].
 pub fn upsample2x_channels_last(x: &Tensor) -> Result<Tensor> {
     on_cuda!(cuda::upsample2x_last(x); x)
+}
+
+/// Channels-last `a` and `b` joined along their channels (`torch.cat(dim=-1)`), in one launch. Call only where
+/// both [`channels_last_fits`] and their other dimensions match.
+pub fn concat_channels_last(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    on_cuda!(cuda::concat_last(a, b); a, b)
 }
 
 /// A convolution without bias on channels-last maps through cuDNN: input `(N, H, W, C)`, filter `(K, R, S, C)`,

@@ -445,6 +445,29 @@ fn channels_last_adds_and_upsampling_match_candle() {
     }
 }
 
+/// The skip connections' concatenation moves bytes: exactly `Tensor::cat` on the channels, over one block and
+/// over many; inputs that do not suit it are refused.
+#[test]
+fn channels_last_concat_is_cat() {
+    let dev = gpu();
+    for ((a, b), dims) in [((16, 8), (2, 3, 5)), ((320, 640), (2, 16, 16)), ((1280, 1280), (2, 8, 8))] {
+        let (n, h, w) = dims;
+        let x = Tensor::randn(0f32, 1.0, (n, h, w, a), &dev).unwrap();
+        let y = Tensor::randn(0f32, 1.0, (n, h, w, b), &dev).unwrap();
+        for dtype in DTYPES {
+            let (x, y) = (x.to_dtype(dtype).unwrap(), y.to_dtype(dtype).unwrap());
+            let ours = concat_channels_last(&x, &y).unwrap();
+            assert_eq!(ours.dims(), &[n, h, w, a + b]);
+            let want = Tensor::cat(&[&x, &y], 3).unwrap();
+            assert_eq!(rel_diff(&ours, &want), 0.0, "concat {a}+{b} {dtype:?}");
+        }
+    }
+    let x = Tensor::zeros((2, 3, 5, 16), DType::F16, &dev).unwrap();
+    assert!(concat_channels_last(&x, &Tensor::zeros((2, 3, 4, 16), DType::F16, &dev).unwrap()).is_err());
+    assert!(concat_channels_last(&x, &Tensor::zeros((2, 3, 5, 12), DType::F16, &dev).unwrap()).is_err());
+    assert!(concat_channels_last(&x, &Tensor::zeros((2, 3, 5, 16), DType::F32, &dev).unwrap()).is_err());
+}
+
 /// cuDNN in NHWC with KRSC filters against candle's NCHW convolution in f32: padded, strided, odd sizes, and the
 /// channel counts of the networks' first layers.
 #[cfg(feature = "cudnn")]

@@ -316,6 +316,20 @@ pub(crate) fn group_norm_reference(
         .broadcast_add(&bias.reshape(wshape)?)
 }
 
+/// `torch.cat([a, b], dim=channels)` of two 4-D maps in `layout`: channels-last maps on the GPU join in one
+/// launch (candle's cat copies each input in a strided pass of its own).
+pub fn cat_channels(layout: MapLayout, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let same_pixels = a.rank() == 4 && b.rank() == 4 && a.dims()[..3] == b.dims()[..3];
+    if layout == MapLayout::ChannelsLast
+        && same_pixels
+        && gpu::channels_last_fits(a)
+        && gpu::channels_last_fits(b)
+    {
+        return gpu::concat_channels_last(a, b);
+    }
+    Tensor::cat(&[a, b], layout.channel_dim())
+}
+
 /// LayerNorm over the last dimension, two-pass in f32: candle's fused kernel uses
 /// `E[x²] − E[x]²`, which cancels badly on CLIP's large-magnitude outlier channels.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
