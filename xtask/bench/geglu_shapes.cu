@@ -14,39 +14,32 @@ __global__ void fill(__half *p, size_t n, unsigned seed) {
   size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
   if (i < n) { unsigned x = (unsigned)i * 2654435761u ^ seed; x ^= x >> 13; x *= 0x5bd1e995; x ^= x >> 15; p[i] = __float2half(((x & 0xffff) / 65535.f - 0.5f) * 4.f); }
 }
+// Eight outputs of row r at column j, as the kernel computes them.
+__device__ __forceinline__ uint4 geglu8(const __half *x, const __half *bias, size_t r, uint32_t j, uint32_t half) {
+  const uint4 hv = *reinterpret_cast<const uint4 *>(x + r * 2 * half + j);
+  const uint4 gv = *reinterpret_cast<const uint4 *>(x + r * 2 * half + half + j);
+  const uint4 hb = *reinterpret_cast<const uint4 *>(bias + j);
+  const uint4 gb = *reinterpret_cast<const uint4 *>(bias + half + j);
+  const __half *he = (const __half *)&hv, *ge = (const __half *)&gv, *hbe = (const __half *)&hb, *gbe = (const __half *)&gb;
+  uint4 ov; __half *oe = (__half *)&ov;
+#pragma unroll
+  for (int k = 0; k < 8; k++) { float h = __half2float(he[k]) + __half2float(hbe[k]), g = __half2float(ge[k]) + __half2float(gbe[k]);
+    oe[k] = __float2half(h * 0.5f * g * (1.f + erff(g * 0.70710678118654752f))); }
+  return ov;
+}
 // 32-bit indices, exact grid.
 __global__ void geglu32(const __half *x, const __half *bias, __half *out, uint32_t rows, uint32_t half) {
   const uint32_t per_row = half / 8, n = rows * per_row;
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
     const uint32_t r = i / per_row, j = (i - r * per_row) * 8;
-    const uint4 hv = *reinterpret_cast<const uint4 *>(x + (size_t)r * 2 * half + j);
-    const uint4 gv = *reinterpret_cast<const uint4 *>(x + (size_t)r * 2 * half + half + j);
-    const uint4 hb = *reinterpret_cast<const uint4 *>(bias + j);
-    const uint4 gb = *reinterpret_cast<const uint4 *>(bias + half + j);
-    const __half *he = (const __half *)&hv, *ge = (const __half *)&gv, *hbe = (const __half *)&hb, *gbe = (const __half *)&gb;
-    uint4 ov; __half *oe = (__half *)&ov;
-#pragma unroll
-    for (int k = 0; k < 8; k++) { float h = __half2float(he[k]) + __half2float(hbe[k]), g = __half2float(ge[k]) + __half2float(gbe[k]);
-      oe[k] = __float2half(h * 0.5f * g * (1.f + erff(g * 0.70710678118654752f))); }
-    reinterpret_cast<uint4 *>(out)[i] = ov;
+    reinterpret_cast<uint4 *>(out)[i] = geglu8(x, bias, r, j, half);
   }
 }
 // 2-D: blockIdx.y picks the row, no division.
 __global__ void geglu2d(const __half *x, const __half *bias, __half *out, uint32_t rows, uint32_t half) {
   const uint32_t per_row = half / 8, r = blockIdx.y;
-  for (uint32_t v = blockIdx.x * blockDim.x + threadIdx.x; v < per_row; v += gridDim.x * blockDim.x) {
-    const uint32_t j = v * 8;
-    const uint4 hv = *reinterpret_cast<const uint4 *>(x + (size_t)r * 2 * half + j);
-    const uint4 gv = *reinterpret_cast<const uint4 *>(x + (size_t)r * 2 * half + half + j);
-    const uint4 hb = *reinterpret_cast<const uint4 *>(bias + j);
-    const uint4 gb = *reinterpret_cast<const uint4 *>(bias + half + j);
-    const __half *he = (const __half *)&hv, *ge = (const __half *)&gv, *hbe = (const __half *)&hb, *gbe = (const __half *)&gb;
-    uint4 ov; __half *oe = (__half *)&ov;
-#pragma unroll
-    for (int k = 0; k < 8; k++) { float h = __half2float(he[k]) + __half2float(hbe[k]), g = __half2float(ge[k]) + __half2float(gbe[k]);
-      oe[k] = __float2half(h * 0.5f * g * (1.f + erff(g * 0.70710678118654752f))); }
-    *reinterpret_cast<uint4 *>(out + (size_t)r * half + j) = ov;
-  }
+  for (uint32_t v = blockIdx.x * blockDim.x + threadIdx.x; v < per_row; v += gridDim.x * blockDim.x)
+    *reinterpret_cast<uint4 *>(out + (size_t)r * half + v * 8) = geglu8(x, bias, r, v * 8, half);
 }
 __global__ void copyref(const uint4 *x, uint4 *out, uint32_t rows, uint32_t per_row) {
   const uint32_t n = rows * per_row;
