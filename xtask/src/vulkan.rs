@@ -91,10 +91,10 @@ pub fn run() -> Result<()> {
         .arg(&out)
         .env("VK_ICD_FILENAMES", &lavapipe.manifest)
         .env("GGML_VK_VISIBLE_DEVICES", "0")
-        // lavapipe emulates f16 arithmetic: ggml's f16 shaders take twice as long to compile there (10 min
-        // against 5 on 2 cores) and round worse (mean 2.4 levels against 0.08). The kernels with f32
-        // arithmetic are those ggml runs on GPUs without shaderFloat16; the f16 ones are checked on NVIDIA's
-        // driver (docs/gpu.md).
+        // lavapipe emulates f16 arithmetic: with ggml's f16 shaders this image takes twice as long there (10 min
+        // against 5 on 2 cores with an empty shader cache, LLVM compiling them the largest part) and rounds worse
+        // (mean 2.4 levels against 0.08). The kernels with f32 arithmetic are those ggml runs on GPUs without
+        // shaderFloat16; the f16 ones are checked on NVIDIA's driver (docs/gpu.md).
         .env("GGML_VK_DISABLE_F16", "1")
         .current_dir(&root)
         .status()
