@@ -540,7 +540,8 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
         unsafe { a.launch(cfg) }.w()?;
         return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
     }
-    let nvec = channels / (16 / std::mem::size_of::<T>());
+    let vec = per_vector::<T>();
+    let nvec = channels / vec;
     let lanes = (THREADS as usize / nvec).max(1);
     // Enough blocks to fill the GPU even for one sample of a 512² VAE map, each thread reading a handful of pixels.
     let chunks = pixels.div_ceil(lanes * 8).clamp(1, 1024);
@@ -555,7 +556,6 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
     input_and_shift!(a);
     a.arg(&partial);
     builder_arg!(a, pixels as u32, channels as u32, op.groups as u32, chunks as u32);
-    let vec = 16 / std::mem::size_of::<T>();
     let cfg = LaunchConfig {
         grid_dim: (chunks as u32, samples as u32, 1),
         block_dim: ((lanes * nvec) as u32, 1, 1),
@@ -580,7 +580,7 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
     normalisation_operands!(a, &out);
     a.arg(&stats);
     builder_arg!(a, n, pixels as u32, channels as u32, op.groups as u32, i32::from(op.silu));
-    let vectors = n / (16 / std::mem::size_of::<T>());
+    let vectors = n / vec;
     let cfg =
         LaunchConfig { grid_dim: (grid_for(vectors), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: as above.
@@ -669,7 +669,7 @@ fn upsample_last_launch<T: CudaDType + DeviceRepr>(
     a.arg(&xs);
     a.arg(&out);
     builder_arg!(a, h as u32, w as u32, c as u32, n);
-    let vectors = n / (16 / std::mem::size_of::<T>());
+    let vectors = n / per_vector::<T>();
     let cfg =
         LaunchConfig { grid_dim: (grid_for(vectors), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the arguments match the kernel's signature.

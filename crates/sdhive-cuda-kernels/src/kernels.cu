@@ -292,16 +292,21 @@ __device__ void gn_apply_nhwc(const T *x, const T *shift, const T *w, const T *b
     }
 }
 
+// The sum of `v` over the warp, for every lane.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+
 // The sum of `v` over the block (at most 1024 threads, a multiple of 32), for every thread. `red` holds 32 floats
 // and `total` one; consecutive calls may share them.
 __device__ __forceinline__ float block_sum(float v, float *red, float *total) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    v = warp_sum(v);
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (lane == 0) red[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        float t = lane < blockDim.x / 32 ? red[lane] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffff, t, o);
+        const float t = warp_sum(lane < blockDim.x / 32 ? red[lane] : 0.f);
         if (lane == 0) *total = t;
     }
     __syncthreads();
@@ -353,7 +358,8 @@ __device__ void gn_group_nhwc(const T *x, const T *shift, const T *w, const T *b
     const uint32_t g = blockIdx.x / CLUSTER, rank = blockIdx.x % CLUSTER, sample = blockIdx.y;
     const uint32_t per_group = channels / groups, upp = per_group / E, rows = blockDim.x / upp;
     const uint32_t u = threadIdx.x % upp, p0 = threadIdx.x / upp + rank * rows, step = rows * CLUSTER;
-    const bool active = threadIdx.x / upp < rows;
+    // Pixels p0, p0 + step, … below `pixels` are this thread's; none for the idle threads.
+    const uint32_t held = threadIdx.x / upp < rows && p0 < pixels ? (pixels - p0 + step - 1) / step : 0;
     const uint32_t c0 = g * per_group + u * E;
     const T *xs = x + (size_t)sample * pixels * channels + c0;
     float sh[E], wv[E], bv[E];
@@ -367,13 +373,12 @@ __device__ void gn_group_nhwc(const T *x, const T *shift, const T *w, const T *b
     float acc = 0.f;
 #pragma unroll
     for (uint32_t k = 0; k < GN_GROUP_UNITS; k++) {
-        const uint32_t p = p0 + k * step;
-        if (!active || p >= pixels) break;
-        raw[k] = *reinterpret_cast<const uint32_t *>(xs + (size_t)p * channels);
+        if (k >= held) break;
+        raw[k] = *reinterpret_cast<const uint32_t *>(xs + (size_t)(p0 + k * step) * channels);
     }
 #pragma unroll
     for (uint32_t k = 0; k < GN_GROUP_UNITS; k++) {
-        if (!active || p0 + k * step >= pixels) break;
+        if (k >= held) break;
         const T *e = reinterpret_cast<const T *>(&raw[k]);
 #pragma unroll
         for (uint32_t j = 0; j < E; j++) acc += to_f(e[j]) + sh[j];
@@ -383,7 +388,7 @@ __device__ void gn_group_nhwc(const T *x, const T *shift, const T *w, const T *b
     acc = 0.f;
 #pragma unroll
     for (uint32_t k = 0; k < GN_GROUP_UNITS; k++) {
-        if (!active || p0 + k * step >= pixels) break;
+        if (k >= held) break;
         const T *e = reinterpret_cast<const T *>(&raw[k]);
 #pragma unroll
         for (uint32_t j = 0; j < E; j++) {
@@ -401,8 +406,7 @@ __device__ void gn_group_nhwc(const T *x, const T *shift, const T *w, const T *b
     T *os = out + (size_t)sample * pixels * channels + c0;
 #pragma unroll
     for (uint32_t k = 0; k < GN_GROUP_UNITS; k++) {
-        const uint32_t p = p0 + k * step;
-        if (!active || p >= pixels) break;
+        if (k >= held) break;
         const T *e = reinterpret_cast<const T *>(&raw[k]);
         uint32_t res;
         T *oe = reinterpret_cast<T *>(&res);
@@ -412,7 +416,7 @@ __device__ void gn_group_nhwc(const T *x, const T *shift, const T *w, const T *b
             if (silu) val = val / (1.f + expf(-val));
             oe[j] = from_f<T>(val);
         }
-        *reinterpret_cast<uint32_t *>(os + (size_t)p * channels) = res;
+        *reinterpret_cast<uint32_t *>(os + (size_t)(p0 + k * step) * channels) = res;
     }
 }
 
@@ -599,8 +603,7 @@ __device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint
 #pragma unroll
             for (uint32_t j = 0; j < VEC; j++) sum += to_f(e[j]);
         }
-        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, off);
-        const float mean = sum / cols;
+        const float mean = warp_sum(sum) / cols;
         float m2 = 0.f;
 #pragma unroll
         for (uint32_t k = 0; k < LN_REGS; k++) {
@@ -612,8 +615,7 @@ __device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint
                 m2 += d * d;
             }
         }
-        for (int off = 16; off > 0; off >>= 1) m2 += __shfl_xor_sync(0xffffffff, m2, off);
-        const float rstd = rsqrtf(m2 / cols + eps);
+        const float rstd = rsqrtf(warp_sum(m2) / cols + eps);
 #pragma unroll
         for (uint32_t k = 0; k < LN_REGS; k++) {
             const uint32_t c = lane + 32 * k;

@@ -286,7 +286,7 @@ pub fn upsample2x_channels_last(x: &Tensor) -> Result<Tensor> {
 }
 
 /// Channels-last `a` and `b` joined along their channels (`torch.cat(dim=-1)`), in one launch. Call only where
-/// both [`channels_last_fits`] and their other dimensions match.
+/// both [`channels_last_fits`]; other dimensions or dtypes that differ are refused.
 pub fn concat_channels_last(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     on_cuda!(cuda::concat_last(a, b); a, b)
 }

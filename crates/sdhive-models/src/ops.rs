@@ -317,14 +317,9 @@ pub(crate) fn group_norm_reference(
 }
 
 /// `torch.cat([a, b], dim=channels)` of two 4-D maps in `layout`: channels-last maps on the GPU join in one
-/// launch (candle's cat copies each input in a strided pass of its own).
+/// launch (candle's cat copies each input in a strided pass of its own; the kernel checks the other dimensions).
 pub fn cat_channels(layout: MapLayout, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let same_pixels = a.rank() == 4 && b.rank() == 4 && a.dims()[..3] == b.dims()[..3];
-    if layout == MapLayout::ChannelsLast
-        && same_pixels
-        && gpu::channels_last_fits(a)
-        && gpu::channels_last_fits(b)
-    {
+    if layout == MapLayout::ChannelsLast && gpu::channels_last_fits(a) && gpu::channels_last_fits(b) {
         return gpu::concat_channels_last(a, b);
     }
     Tensor::cat(&[a, b], layout.channel_dim())
