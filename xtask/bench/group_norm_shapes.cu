@@ -49,10 +49,10 @@ int main() {
       return ms * 1e3f / 500.f;
     };
     auto old_path = [&]() {
-      gn_stats_nhwc_f16<<<dim3(chunks, s.n), lanes * nvec, lanes * nvec * 8 * 12, st>>>(x, sh, partial, s.pixels, s.channels, groups, chunks);
+      gn_stats_nhwc_f16<<<dim3(chunks, s.n), lanes * nvec, lanes * nvec * 8 * 12, st>>>(x, sh, s.channels, partial, s.pixels, s.channels, groups, chunks);
       gn_finalize_nhwc<<<(s.n * groups + 7) / 8, 256, 0, st>>>(partial, stats, s.n, groups, chunks, eps);
       size_t vec = n / 8; unsigned grid = (unsigned)std::min<size_t>((vec + 255) / 256, 65535);
-      gn_apply_nhwc_f16<<<grid, 256, 0, st>>>(x, sh, w, b, o1, stats, n, s.pixels, s.channels, groups, 1);
+      gn_apply_nhwc_f16<<<grid, 256, 0, st>>>(x, sh, s.channels, w, b, o1, stats, n, s.pixels, s.channels, groups, 1);
     };
     old_path(); cudaStreamSynchronize(st);
     std::vector<__half> ref(n), got(n);
@@ -61,13 +61,13 @@ int main() {
     printf("%-15s old %6.2f us", s.what, to);
     const int upp = (s.channels / groups) / 2;
     float best = to;
-    typedef void (*Group)(const __half *, const __half *, const __half *, const __half *, __half *, uint32_t, uint32_t, uint32_t, float, int);
+    typedef void (*Group)(const __half *, const __half *, uint32_t, const __half *, const __half *, __half *, uint32_t, uint32_t, uint32_t, float, int);
     const Group kernels[4] = {gn_group_nhwc_c1_f16, gn_group_nhwc_c2_f16, gn_group_nhwc_c4_f16, gn_group_nhwc_c8_f16};
     for (int ci = 0; ci < 4; ci++) {
       const int cluster = 1 << ci;
       for (int threads : {256, 512, 1024}) {
         if ((threads / upp) * cluster * GN_GROUP_UNITS < s.pixels) { printf(" | c%d/%d -", cluster, threads); continue; }
-        auto call = [&]() { kernels[ci]<<<dim3(groups * cluster, s.n), threads, 0, st>>>(x, sh, w, b, o2, s.pixels, s.channels, groups, eps, 1); };
+        auto call = [&]() { kernels[ci]<<<dim3(groups * cluster, s.n), threads, 0, st>>>(x, sh, s.channels, w, b, o2, s.pixels, s.channels, groups, eps, 1); };
         cudaMemsetAsync(o2, 0, n * 2, st); call(); cudaStreamSynchronize(st);
         cudaError_t err = cudaGetLastError();
         if (err != cudaSuccess) { printf(" | c%d/%d %s", cluster, threads, cudaGetErrorString(err)); continue; }

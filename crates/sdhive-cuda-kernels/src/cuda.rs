@@ -46,6 +46,27 @@ pub(crate) fn held_view<'a, T: CudaDType, G: std::ops::Deref<Target = Storage>>(
     }
 }
 
+/// A held `(N, C)` matrix whose rows are contiguous but may lie further apart than `C` (columns of a wider
+/// table), as a view from its first to its last element and the distance between its rows.
+fn held_rows_view<'a, T: CudaDType, G: std::ops::Deref<Target = Storage>>(
+    held: &'a (G, &Layout),
+    what: &str,
+) -> Result<(candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>, usize)> {
+    let l = held.1;
+    let (dims, strides) = (l.dims(), l.stride());
+    let Storage::Cuda(s) = &*held.0 else { bail!("sdhive-cuda-kernels: {what} is not on the GPU") };
+    match (dims, strides) {
+        ([n, c], [rs, 1]) if *n > 0 && *c > 0 => {
+            let start = l.start_offset();
+            let end = start + (n - 1) * rs + c;
+            Ok((s.as_cuda_slice::<T>()?.slice(start..end), if *n == 1 { *c } else { *rs }))
+        }
+        _ => {
+            bail!("sdhive-cuda-kernels: {what} must be a matrix of contiguous rows, not {dims:?} {strides:?}")
+        }
+    }
+}
+
 pub(crate) fn cpu_only(name: &str) -> Result<(CpuStorage, Shape)> {
     bail!("{name} is a CUDA kernel; the CPU has its own path")
 }
@@ -479,7 +500,7 @@ struct GroupNormLast {
     groups: usize,
     eps: f32,
     silu: bool,
-    /// `(N, C)`, added to every pixel of its sample before the statistics.
+    /// `(N, C)`, added to every pixel of its sample before the statistics; its rows may be further apart than C.
     shift: Option<Tensor>,
 }
 
@@ -500,17 +521,19 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
     let ws = contiguous::<T>(w.0, w.1, "group_norm weight")?;
     let bs = contiguous::<T>(b.0, b.1, "group_norm bias")?;
     let shift = op.shift.as_ref().map(|t| t.storage_and_layout());
-    let ss = shift.as_ref().map(|h| held_view::<T, _>(h, "group_norm shift")).transpose()?;
+    let ss = shift.as_ref().map(|h| held_rows_view::<T, _>(h, "group_norm shift")).transpose()?;
     let null: u64 = 0;
+    let shift_stride = ss.as_ref().map_or(0, |(_, stride)| *stride as u32);
     // The kernels' first arguments: the input and the shift (a null pointer without one); those that normalise
     // go on with weight, bias and output.
     macro_rules! input_and_shift {
         ($a:ident) => {
             $a.arg(&xs);
             match &ss {
-                Some(s) => $a.arg(s),
+                Some((s, _)) => $a.arg(s),
                 None => $a.arg(&null),
             };
+            $a.arg(&shift_stride);
         };
     }
     macro_rules! normalisation_operands {
@@ -634,17 +657,23 @@ pub fn group_norm_last(
             );
         }
     }
-    // The normalisation reads weight, bias and shift 16 bytes at a time.
+    // The normalisation reads weight, bias and shift 16 bytes at a time: each must start on a 16-byte boundary
+    // and the shift's rows lie a whole number of vectors apart.
+    let aligned = |t: &Tensor| (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
     let vectors = |t: &Tensor| -> Result<Tensor> {
         let t = t.flatten_all()?;
-        let aligned = (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
-        if t.is_contiguous() && aligned {
+        if t.is_contiguous() && aligned(&t) {
             Ok(t)
         } else {
             t.force_contiguous()
         }
     };
-    let shift = shift.map(|s| vectors(s)?.reshape(s.dims())).transpose()?;
+    let shift = shift
+        .map(|s| match s.stride() {
+            [rs, 1] if rs.is_multiple_of(16 / s.dtype().size_in_bytes()) && aligned(s) => Ok(s.clone()),
+            _ => s.force_contiguous(),
+        })
+        .transpose()?;
     let op = GroupNormLast { groups, eps: eps as f32, silu, shift };
     x.apply_op3_no_bwd(&vectors(weight)?, &vectors(bias)?, &op)
 }

@@ -160,11 +160,12 @@ __device__ void add_channel(const T *y, const T *add, const T *residual, T *out,
 // each thread keeps per-channel moments of its VEC channels over its pixels, the block combines them per channel
 // in shared memory (lanes · C moments, dynamic) and then per group, and writes
 // partial[((sample * chunks) + chunk) * groups + g]. The thread layout is (pixel lane, channel vector):
-// blockDim.x = lanes · C / VEC. A non-null `shift` (N, C) is added to every pixel of its sample first: the ResNet
-// time embedding, which the convolution before the norm then never has to add in a pass of its own.
+// blockDim.x = lanes · C / VEC. A non-null `shift` (N rows of C, `shift_stride` apart) is added to every pixel of
+// its sample first: the ResNet time embedding, which the convolution before the norm then never has to add in a
+// pass of its own. Its rows are strided because they are columns of the UNet's table of every ResNet's projection.
 template <typename T>
-__device__ void gn_stats_nhwc(const T *x, const T *shift, float *partial, uint32_t pixels, uint32_t channels,
-                              uint32_t groups, uint32_t chunks) {
+__device__ void gn_stats_nhwc(const T *x, const T *shift, uint32_t shift_stride, float *partial, uint32_t pixels,
+                              uint32_t channels, uint32_t groups, uint32_t chunks) {
     constexpr uint32_t VEC = 16 / sizeof(T);
     extern __shared__ Moments ch[];
     const uint32_t nvec = channels / VEC, lanes = blockDim.x / nvec;
@@ -177,7 +178,7 @@ __device__ void gn_stats_nhwc(const T *x, const T *shift, float *partial, uint32
 #pragma unroll
     for (uint32_t j = 0; j < VEC; j++) {
         m[j] = Moments{0.f, 0.f, 0.f};
-        sh[j] = shift != nullptr && lane < lanes ? to_f(shift[sample * channels + v * VEC + j]) : 0.f;
+        sh[j] = shift != nullptr && lane < lanes ? to_f(shift[sample * shift_stride + v * VEC + j]) : 0.f;
     }
     if (lane < lanes) {
         const T *base = x + sample * (size_t)pixels * channels + v * VEC;
@@ -259,8 +260,9 @@ __device__ void gn_finalize_nhwc_device(const float *partial, float *stats, uint
 // GroupNorm over channels-last maps, pass 3: (x (+ shift) − mean) · rstd · w[c] + b[c] (then SiLU), 16 bytes per
 // thread.
 template <typename T>
-__device__ void gn_apply_nhwc(const T *x, const T *shift, const T *w, const T *b, T *out, const float *stats,
-                              size_t n, uint32_t pixels, uint32_t channels, uint32_t groups, int silu) {
+__device__ void gn_apply_nhwc(const T *x, const T *shift, uint32_t shift_stride, const T *w, const T *b, T *out,
+                              const float *stats, size_t n, uint32_t pixels, uint32_t channels, uint32_t groups,
+                              int silu) {
     constexpr uint32_t VEC = 16 / sizeof(T);
     const uint32_t per_group = channels / groups;
     const size_t step = (size_t)gridDim.x * blockDim.x;
@@ -275,7 +277,7 @@ __device__ void gn_apply_nhwc(const T *x, const T *shift, const T *w, const T *b
         const uint4 wraw = reinterpret_cast<const uint4 *>(w + c0)[0];
         const uint4 braw = reinterpret_cast<const uint4 *>(b + c0)[0];
         uint4 sraw = make_uint4(0, 0, 0, 0);
-        if (shift != nullptr) sraw = reinterpret_cast<const uint4 *>(shift + sample * channels + c0)[0];
+        if (shift != nullptr) sraw = reinterpret_cast<const uint4 *>(shift + sample * shift_stride + c0)[0];
         const T *we = reinterpret_cast<const T *>(&wraw), *be = reinterpret_cast<const T *>(&braw);
         const T *se = reinterpret_cast<const T *>(&sraw);
         uint4 res;
@@ -350,8 +352,8 @@ template <int CLUSTER> __device__ __forceinline__ float cluster_sum(float v, flo
 // run; the last blockDim % upp threads idle. More blocks per group (a larger cluster) put fewer pixels on each
 // thread, for larger maps. `shift` as in gn_stats_nhwc.
 template <typename T, int CLUSTER>
-__device__ void gn_group_nhwc(const T *x, const T *shift, const T *w, const T *b, T *out, uint32_t pixels,
-                              uint32_t channels, uint32_t groups, float eps, int silu) {
+__device__ void gn_group_nhwc(const T *x, const T *shift, uint32_t shift_stride, const T *w, const T *b, T *out,
+                              uint32_t pixels, uint32_t channels, uint32_t groups, float eps, int silu) {
     constexpr uint32_t E = 4 / sizeof(T);
     __shared__ float red[32];
     __shared__ float total;
@@ -365,7 +367,7 @@ __device__ void gn_group_nhwc(const T *x, const T *shift, const T *w, const T *b
     float sh[E], wv[E], bv[E];
 #pragma unroll
     for (uint32_t j = 0; j < E; j++) {
-        sh[j] = shift != nullptr ? to_f(shift[(size_t)sample * channels + c0 + j]) : 0.f;
+        sh[j] = shift != nullptr ? to_f(shift[(size_t)sample * shift_stride + c0 + j]) : 0.f;
         wv[j] = to_f(w[c0 + j]);
         bv[j] = to_f(b[c0 + j]);
     }
@@ -669,9 +671,9 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
 
 #define GN_GROUP_KERNEL(T, S, C, ATTR)                                                                          \
     extern "C" __global__ void ATTR __launch_bounds__(1024) gn_group_nhwc_c##C##_##S(                          \
-        const T *x, const T *shift, const T *w, const T *b, T *out, uint32_t pixels, uint32_t channels,       \
-        uint32_t groups, float eps, int silu) {                                                               \
-        gn_group_nhwc<T, C>(x, shift, w, b, out, pixels, channels, groups, eps, silu);                        \
+        const T *x, const T *shift, uint32_t shift_stride, const T *w, const T *b, T *out, uint32_t pixels,   \
+        uint32_t channels, uint32_t groups, float eps, int silu) {                                            \
+        gn_group_nhwc<T, C>(x, shift, shift_stride, w, b, out, pixels, channels, groups, eps, silu);          \
     }
 #define GN_GROUP(T, S) GN_GROUP_KERNEL(T, S, 1, )
 
@@ -697,14 +699,15 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
                                                uint32_t rows_per_sample) {                                      \
         add_channel<T>(y, add, residual, out, n, channels, inner, add_batch_stride, rows_per_sample);           \
     }                                                                                                           \
-    extern "C" __global__ void gn_stats_nhwc_##S(const T *x, const T *shift, float *partial, uint32_t pixels, \
-                                                 uint32_t channels, uint32_t groups, uint32_t chunks) {      \
-        gn_stats_nhwc<T>(x, shift, partial, pixels, channels, groups, chunks);                               \
+    extern "C" __global__ void gn_stats_nhwc_##S(const T *x, const T *shift, uint32_t shift_stride,          \
+                                                 float *partial, uint32_t pixels, uint32_t channels,         \
+                                                 uint32_t groups, uint32_t chunks) {                         \
+        gn_stats_nhwc<T>(x, shift, shift_stride, partial, pixels, channels, groups, chunks);                 \
     }                                                                                                        \
-    extern "C" __global__ void gn_apply_nhwc_##S(const T *x, const T *shift, const T *w, const T *b, T *out, \
-                                                 const float *stats, size_t n, uint32_t pixels, uint32_t channels, \
-                                                 uint32_t groups, int silu) {                                \
-        gn_apply_nhwc<T>(x, shift, w, b, out, stats, n, pixels, channels, groups, silu);                     \
+    extern "C" __global__ void gn_apply_nhwc_##S(const T *x, const T *shift, uint32_t shift_stride, const T *w, \
+                                                 const T *b, T *out, const float *stats, size_t n,           \
+                                                 uint32_t pixels, uint32_t channels, uint32_t groups, int silu) { \
+        gn_apply_nhwc<T>(x, shift, shift_stride, w, b, out, stats, n, pixels, channels, groups, silu);       \
     }                                                                                                        \
     GN_GROUP(T, S)                                                                                           \
     GN_CLUSTER_GROUP(T, S, 2)                                                                                \

@@ -382,6 +382,22 @@ fn channels_last_group_norm_adds_its_shift_first() {
             assert!(d <= 2.0 * tol(dtype), "group_norm + shift {shape:?} {dtype:?}: {d}");
             let unshifted = group_norm_channels_last(&nhwc(&xd), None, &wd, &bd, groups, 1e-5, true).unwrap();
             assert!(rel_diff(&unshifted, &want) > 0.05, "the shift must change {shape:?} {dtype:?}");
+            // The same shift as columns of a wider table (the UNet's table of every ResNet's time projection):
+            // rows 24 + C + 40 values apart, read in place, the same result to the bit.
+            let pad = |n: usize| Tensor::zeros((shape.0, n), dtype, &dev).unwrap();
+            let table = Tensor::cat(&[&pad(24), &sd, &pad(40)], 1).unwrap();
+            let columns = table.narrow(1, 24, shape.1).unwrap();
+            let strided =
+                group_norm_channels_last(&nhwc(&xd), Some(&columns), &wd, &bd, groups, 1e-5, true).unwrap();
+            let gap = (strided.to_dtype(DType::F32).unwrap() - ours.to_dtype(DType::F32).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert_eq!(gap, 0.0, "group_norm + shift read from a table {shape:?} {dtype:?}");
         }
     }
     // Weight, bias and shift that do not start on a 16-byte boundary (views into larger tensors).

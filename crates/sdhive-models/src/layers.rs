@@ -74,6 +74,28 @@ pub fn linear(vb: VarBuilder, in_dim: usize, out_dim: usize, bias: bool) -> Resu
     }
 }
 
+/// Linears of one input dimension as one, their outputs side by side in the order given (weights stacked along
+/// the output dimension): what several products of the same input cost as one. Biases must be all present or all
+/// absent. `None` for no linears.
+pub fn stack_linears_opt(parts: &[Linear]) -> Result<Option<Linear>> {
+    if parts.is_empty() {
+        return Ok(None);
+    }
+    let weights: Vec<&Tensor> = parts.iter().map(Linear::weight).collect();
+    let biases: Vec<&Tensor> = parts.iter().filter_map(Linear::bias).collect();
+    let bias = match biases.len() {
+        0 => None,
+        n if n == parts.len() => Some(Tensor::cat(&biases, 0)?),
+        _ => candle_core::bail!("stacking linears: {} of {} have a bias", biases.len(), parts.len()),
+    };
+    Ok(Some(Linear::new(Tensor::cat(&weights, 0)?, bias)))
+}
+
+/// [`stack_linears_opt`] of at least one linear.
+pub fn stack_linears(parts: &[Linear]) -> Result<Linear> {
+    stack_linears_opt(parts)?.ok_or_else(|| candle_core::Error::Msg("stacking no linears".into()))
+}
+
 /// A biased 2-D convolution (groups and dilation 1) whose filter matches the layout of the maps it reads:
 /// `(K, C, R, S)` for NCHW, `(K, R, S, C)` for channels-last.
 #[derive(Debug, Clone)]
@@ -184,11 +206,21 @@ fn conv2d_in(
 pub struct ResnetBlock2D {
     norm1: GroupNorm,
     conv1: Conv2d,
-    time_emb_proj: Option<Linear>,
+    time_emb_proj: Option<TimeProjection>,
     norm2: GroupNorm,
     conv2: Conv2d,
     conv_shortcut: Option<Conv2d>,
     output_scale_factor: f64,
+}
+
+/// Where a ResNet's time-embedding projection comes from.
+#[derive(Debug, Clone)]
+enum TimeProjection {
+    /// Its own `time_emb_proj`, applied to the activated embedding it is given.
+    Own(Linear),
+    /// Columns `offset..offset + out_channels` of the table it is given: the UNet stacked every block's projection
+    /// into one product per call ([`ResnetBlock2D::hand_over_time_projection`]).
+    Table { offset: usize },
 }
 
 /// Shape parameters of one [`ResnetBlock2D`].
@@ -207,7 +239,7 @@ impl ResnetBlock2D {
         let norm1 = GroupNorm::new(vb.pp("norm1"), s.groups, s.in_channels, s.eps)?;
         let conv1 = conv2d(vb.pp("conv1"), s.in_channels, s.out_channels, 3, 1, 1)?;
         let time_emb_proj = match s.temb_channels {
-            Some(t) => Some(linear(vb.pp("time_emb_proj"), t, s.out_channels, true)?),
+            Some(t) => Some(TimeProjection::Own(linear(vb.pp("time_emb_proj"), t, s.out_channels, true)?)),
             None => None,
         };
         let norm2 = GroupNorm::new(vb.pp("norm2"), s.groups, s.out_channels, s.eps)?;
@@ -228,28 +260,54 @@ impl ResnetBlock2D {
         })
     }
 
-    /// `temb` is the time embedding `(B, T)` already through SiLU: the UNet activates it once for all its blocks.
+    /// `temb` is the time embedding `(B, T)` already through SiLU (the UNet activates it once for all its
+    /// blocks), or, once the block has handed its projection over, the table of every block's projection of it.
     pub fn forward(&self, x: &Tensor, temb: Option<&Tensor>) -> Result<Tensor> {
         self.forward_owned(x.clone(), temb)
+    }
+
+    /// Gives up the time-embedding projection (weight `(C, T)` and bias) so the caller can stack it with other
+    /// blocks' into one product; from then on [`Self::forward`] reads its `C` columns at `offset` of the
+    /// product's `(B, ΣC)` output instead of projecting. `None` for a block without one (or already handed over).
+    pub fn hand_over_time_projection(&mut self, offset: usize) -> Option<Linear> {
+        match self.time_emb_proj.take() {
+            Some(TimeProjection::Own(proj)) => {
+                self.time_emb_proj = Some(TimeProjection::Table { offset });
+                Some(proj)
+            }
+            other => {
+                self.time_emb_proj = other;
+                None
+            }
+        }
     }
 
     /// [`Self::forward`] taking the input by value, so it is freed as soon as the block no
     /// longer needs it (when the caller holds no other reference): at 256² a VAE input is 67 MB.
     pub fn forward_owned(&self, x: Tensor, temb: Option<&Tensor>) -> Result<Tensor> {
         let temb = match (&self.time_emb_proj, temb) {
-            (Some(proj), Some(temb)) => Some(ops::linear(proj, temb, None)?),
+            (Some(TimeProjection::Own(proj)), Some(temb)) => Some(ops::linear(proj, temb, None)?),
+            (Some(TimeProjection::Table { offset }), Some(table)) => {
+                Some(table.narrow(1, *offset, self.conv2.out_channels())?)
+            }
             _ => None,
         };
-        // The time embedding is added to conv1's output: in conv1's epilogue, or while norm2 reads that output.
-        let (temb1, temb2) = match temb.as_ref() {
+        // The time embedding is added to conv1's output: in conv1's epilogue, or while norm2 reads that output
+        // (which takes the table's columns in place).
+        let (temb1, temb2) = match temb {
             Some(t) if ops::time_embedding_joins_norm(&self.conv2, &x) => (None, Some(t)),
-            t => (t, None),
+            Some(t) => (Some(t.contiguous()?), None),
+            None => (None, None),
         };
         // norm → SiLU → conv run as one op on the CPU: the activated input never exists whole.
         let h = ops::conv2d(
             &self.conv1,
             &x,
-            ConvExtras { per_sample: temb1, pre_norm: Some(self.norm1.as_pre_norm()), ..Default::default() },
+            ConvExtras {
+                per_sample: temb1.as_ref(),
+                pre_norm: Some(self.norm1.as_pre_norm()),
+                ..Default::default()
+            },
         )?;
         let skip = match &self.conv_shortcut {
             Some(c) => ops::conv2d(c, &x, ConvExtras::default())?,
@@ -260,7 +318,7 @@ impl ResnetBlock2D {
             &h,
             ConvExtras {
                 residual: Some(&skip),
-                pre_norm: Some(PreNorm { shift: temb2, ..self.norm2.as_pre_norm() }),
+                pre_norm: Some(PreNorm { shift: temb2.as_ref(), ..self.norm2.as_pre_norm() }),
                 ..Default::default()
             },
         )?;
@@ -323,5 +381,48 @@ impl Upsample2D {
         }
         let x = layout.from_nchw(&layout.to_nchw(x)?.upsample_nearest2d(th, tw)?)?;
         ops::conv2d(&self.conv, &x, ConvExtras::default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::loading::random_var_builder;
+    use candle_core::{DType, Device};
+
+    /// A ResNet that handed its time projection over reads its columns of the stacked product (another block's
+    /// before them) and gives what its own projection gave; stacking refuses a mix of biased and bias-free parts.
+    #[test]
+    fn handed_over_time_projection_reads_its_columns() {
+        let dev = Device::Cpu;
+        let vb = random_var_builder(DType::F32, &dev);
+        let spec = |c| ResnetSpec {
+            in_channels: 8,
+            out_channels: c,
+            temb_channels: Some(12),
+            groups: 4,
+            eps: 1e-5,
+            output_scale_factor: 1.0,
+        };
+        let x = Tensor::randn(0f32, 1.0, (2, 8, 6, 6), &dev).expect("x");
+        let temb = Tensor::randn(0f32, 1.0, (2, 12), &dev).expect("temb");
+        let own = ResnetBlock2D::new(vb.pp("a"), spec(16)).expect("resnet");
+        let want = own.forward(&x, Some(&temb)).expect("own");
+
+        let mut other = ResnetBlock2D::new(vb.pp("b"), spec(8)).expect("resnet");
+        let mut tabled = own.clone();
+        let first = other.hand_over_time_projection(0).expect("b's projection");
+        let second = tabled.hand_over_time_projection(8).expect("a's projection");
+        assert!(tabled.hand_over_time_projection(0).is_none(), "handed over once");
+        let table =
+            ops::linear(&stack_linears(&[first, second.clone()]).expect("stack"), &temb, None).expect("t");
+        assert_eq!(table.dims(), &[2, 24]);
+        let got = tabled.forward(&x, Some(&table)).expect("from the table");
+        let gap = (got - &want).and_then(|d| d.abs()?.max_all()?.to_scalar::<f32>()).expect("gap");
+        assert!(gap < 1e-5, "{gap}");
+
+        let bare = Linear::new(second.weight().clone(), None);
+        assert!(stack_linears(&[second, bare]).is_err());
+        assert!(stack_linears_opt(&[]).expect("none").is_none());
     }
 }

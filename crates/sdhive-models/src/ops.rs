@@ -442,6 +442,9 @@ pub(crate) fn conv2d(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Te
     conv2d_reference(conv, x, extras)
 }
 
+/// The operands a convolution's kernels read whole (contiguous). Not the norm's shift: the NCHW paths add it to
+/// the input first ([`shift_input`]), and the channels-last GroupNorm reads it in place, strided rows included
+/// (the UNet hands its ResNets columns of one table).
 fn conv_tensors<'a>(conv: &'a Conv2d, x: &'a Tensor, extras: &ConvExtras<'a>) -> Vec<&'a Tensor> {
     let mut tensors = vec![x, conv.weight()];
     tensors.extend(conv.bias());
@@ -449,7 +452,6 @@ fn conv_tensors<'a>(conv: &'a Conv2d, x: &'a Tensor, extras: &ConvExtras<'a>) ->
     tensors.extend(extras.residual);
     if let Some(p) = &extras.pre_norm {
         tensors.extend([p.weight, p.bias]);
-        tensors.extend(p.shift);
     }
     tensors
 }
@@ -502,7 +504,11 @@ fn conv2d_gpu(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
 /// here rather than to the next norm takes one more pass.
 fn conv2d_channels_last(conv: &Conv2d, x: &Tensor, extras: ConvExtras) -> Result<Tensor> {
     let tensors = conv_tensors(conv, x, &extras);
-    if !(gpu::applies(&tensors) && gpu::channels_last_fits(x)) {
+    let shift_fits = extras
+        .pre_norm
+        .and_then(|p| p.shift)
+        .is_none_or(|s| s.device().same_device(x.device()) && s.dtype() == x.dtype());
+    if !(gpu::applies(&tensors) && gpu::channels_last_fits(x) && shift_fits) {
         return conv2d_through_nchw(conv, x, extras);
     }
     let x = match &extras.pre_norm {

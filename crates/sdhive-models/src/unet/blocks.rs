@@ -82,6 +82,14 @@ impl DownBlock {
         Ok(Self { resnets, attentions, downsampler })
     }
 
+    pub fn resnets_mut(&mut self) -> impl Iterator<Item = &mut ResnetBlock2D> {
+        self.resnets.iter_mut()
+    }
+
+    pub fn transformers_mut(&mut self) -> impl Iterator<Item = &mut Transformer2DModel> {
+        self.attentions.iter_mut()
+    }
+
     /// Returns the block output and the skip states it hands to the up path.
     pub fn forward(&self, x: &Tensor, temb: &Tensor, context: &Tensor) -> Result<(Tensor, Vec<Tensor>)> {
         let mut x = x.clone();
@@ -129,6 +137,14 @@ impl MidBlock {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self { first, layers })
+    }
+
+    pub fn resnets_mut(&mut self) -> impl Iterator<Item = &mut ResnetBlock2D> {
+        std::iter::once(&mut self.first).chain(self.layers.iter_mut().map(|(_, r)| r))
+    }
+
+    pub fn transformers_mut(&mut self) -> impl Iterator<Item = &mut Transformer2DModel> {
+        self.layers.iter_mut().map(|(t, _)| t)
     }
 
     pub fn forward(&self, x: &Tensor, temb: &Tensor, context: &Tensor) -> Result<Tensor> {
@@ -188,6 +204,14 @@ impl UpBlock {
 
     pub fn num_resnets(&self) -> usize {
         self.resnets.len()
+    }
+
+    pub fn resnets_mut(&mut self) -> impl Iterator<Item = &mut ResnetBlock2D> {
+        self.resnets.iter_mut()
+    }
+
+    pub fn transformers_mut(&mut self) -> impl Iterator<Item = &mut Transformer2DModel> {
+        self.attentions.iter_mut()
     }
 
     /// `skips` are consumed from the back, newest first, as diffusers pops them.

@@ -5,6 +5,7 @@ mod blocks;
 mod config;
 mod embeddings;
 mod graphed;
+mod tables;
 mod transformer;
 
 pub use config::{
@@ -49,6 +50,7 @@ pub struct UNet2DConditionModel {
     down_blocks: Vec<DownBlock>,
     mid_block: MidBlock,
     up_blocks: Vec<UpBlock>,
+    tables: tables::ConditioningTables,
     conv_norm_out: GroupNorm,
     conv_out: Conv2d,
     config: UNet2DConditionConfig,
@@ -91,19 +93,20 @@ impl UNet2DConditionModel {
                 downsample_padding: cfg.downsample_padding,
                 mid_block_scale_factor: cfg.mid_block_scale_factor,
             };
-            let down_blocks = plan
+            let mut down_blocks = plan
                 .down
                 .iter()
                 .enumerate()
                 .map(|(i, p)| DownBlock::new(vb.pp(format!("down_blocks.{i}")), p, &common))
                 .collect::<candle_core::Result<Vec<_>>>()?;
-            let mid_block = MidBlock::new(vb.pp("mid_block"), &plan.mid, &common)?;
-            let up_blocks = plan
+            let mut mid_block = MidBlock::new(vb.pp("mid_block"), &plan.mid, &common)?;
+            let mut up_blocks = plan
                 .up
                 .iter()
                 .enumerate()
                 .map(|(i, p)| UpBlock::new(vb.pp(format!("up_blocks.{i}")), p, &common))
                 .collect::<candle_core::Result<Vec<_>>>()?;
+            let tables = tables::ConditioningTables::stack(&mut down_blocks, &mut mid_block, &mut up_blocks)?;
             let conv_norm_out = GroupNorm::new(vb.pp("conv_norm_out"), plan.groups, c0, cfg.norm_eps)?;
             let conv_out = conv2d_nchw(
                 vb.pp("conv_out"),
@@ -121,6 +124,7 @@ impl UNet2DConditionModel {
                 down_blocks,
                 mid_block,
                 up_blocks,
+                tables,
                 conv_norm_out,
                 conv_out,
                 config: cfg.clone(),
@@ -268,8 +272,10 @@ impl UNet2DConditionModel {
         let factor = 1usize << n_up;
         let forward_upsample_size = h % factor != 0 || w % factor != 0;
 
-        // Every ResNet projects SiLU(temb): activated once here, not once per block.
-        let temb = &ops::silu(temb)?;
+        // Every ResNet projects SiLU(temb) and every transformer block projects the context to its k and v: the
+        // activation once here, each set of projections as one product.
+        let temb = &self.tables.time(&ops::silu(temb)?)?;
+        let context = self.tables.context(&context)?;
         let layout = self.layout;
         let mut x = layout.from_nchw(&ops::conv2d(&self.conv_in, &sample, ConvExtras::default())?)?;
         let mut skips = vec![x.clone()];

@@ -1,21 +1,39 @@
 //! The UNet's spatial transformer: diffusers `Transformer2DModel` (continuous input) with its
 //! `BasicTransformerBlock`s (self-attention, cross-attention, GEGLU feed-forward).
 
-use crate::layers::{conv2d, linear, Conv2d, GroupNorm, LayerNorm};
+use crate::layers::{conv2d, linear, stack_linears, Conv2d, GroupNorm, LayerNorm};
 use crate::ops::{self, MapLayout};
-use candle_core::{Result, Tensor};
+use candle_core::{bail, Result, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
 
 /// diffusers `Attention` as used by the UNet: bias-free q/k/v, biased `to_out.0`.
 #[derive(Debug, Clone)]
 pub struct CrossAttention {
-    to_q: Linear,
-    to_k: Linear,
-    to_v: Linear,
+    projections: Projections,
     to_out: Linear,
     heads: usize,
+    inner: usize,
     scale: f64,
     upcast: bool,
+}
+
+/// The input projections, stacked at load so that what one call needs of the same input is one product: the
+/// attention reads q, k and v as column ranges of it, in place.
+#[derive(Debug, Clone)]
+enum Projections {
+    /// Self-attention: `to_q`, `to_k`, `to_v` of the tokens, weight `(3·inner, C)`.
+    Tokens(Linear),
+    /// Attention to a context: `to_q` of the tokens, and k and v of the context.
+    Context { to_q: Linear, kv: ContextKv },
+}
+
+#[derive(Debug, Clone)]
+enum ContextKv {
+    /// `to_k` and `to_v` stacked, weight `(2·inner, Cctx)`, applied to the context it is given.
+    Own(Linear),
+    /// Columns `offset..offset + 2·inner` of the table it is given instead of the context: the UNet stacked
+    /// every block's k and v projections into one product per call ([`CrossAttention::hand_over_context_kv`]).
+    Table { offset: usize },
 }
 
 impl CrossAttention {
@@ -29,21 +47,46 @@ impl CrossAttention {
         upcast: bool,
     ) -> Result<Self> {
         let inner = heads * head_dim;
-        let ctx = context_dim.unwrap_or(query_dim);
+        let part = |name: &str, dim: usize| linear(vb.pp(name), dim, inner, false);
+        let projections = match context_dim {
+            None => Projections::Tokens(stack_linears(&[
+                part("to_q", query_dim)?,
+                part("to_k", query_dim)?,
+                part("to_v", query_dim)?,
+            ])?),
+            Some(ctx) => Projections::Context {
+                to_q: part("to_q", query_dim)?,
+                kv: ContextKv::Own(stack_linears(&[part("to_k", ctx)?, part("to_v", ctx)?])?),
+            },
+        };
         Ok(Self {
-            to_q: linear(vb.pp("to_q"), query_dim, inner, false)?,
-            to_k: linear(vb.pp("to_k"), ctx, inner, false)?,
-            to_v: linear(vb.pp("to_v"), ctx, inner, false)?,
+            projections,
             to_out: linear(vb.pp("to_out.0"), inner, query_dim, true)?,
             heads,
+            inner,
             scale: (head_dim as f64).powf(-0.5),
             upcast,
         })
     }
 
-    /// `x` `(B, S, C)`; `context` `(B, T, Cctx)` or `None` to attend to `x` itself.
+    /// `x` `(B, S, C)`; `context` `(B, T, Cctx)` for attention to a context, `None` for self-attention.
     pub fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
         self.forward_residual(x, context, None)
+    }
+
+    /// Gives up the k and v projections of the context (one weight `(2·inner, Cctx)`, k's rows first) so the
+    /// caller can stack them with other blocks' into one product; from then on the `context` given to
+    /// [`Self::forward`] must be that product's `(B, T, Σ)` output, whose `2·inner` columns at `offset` this
+    /// block reads. `None` for self-attention (or when already handed over).
+    pub fn hand_over_context_kv(&mut self, offset: usize) -> Option<Linear> {
+        let Projections::Context { kv, .. } = &mut self.projections else { return None };
+        match std::mem::replace(kv, ContextKv::Table { offset }) {
+            ContextKv::Own(l) => Some(l),
+            table => {
+                *kv = table;
+                None
+            }
+        }
     }
 
     /// [`Self::forward`] plus `residual` (`(B, S, C)`), added by the output projection.
@@ -53,10 +96,23 @@ impl CrossAttention {
         context: Option<&Tensor>,
         residual: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let ctx = context.unwrap_or(x);
-        let q = ops::linear(&self.to_q, x, None)?;
-        let k = ops::linear(&self.to_k, ctx, None)?;
-        let v = ops::linear(&self.to_v, ctx, None)?;
+        let n = self.inner;
+        let (q, kv) = match (&self.projections, context) {
+            (Projections::Tokens(qkv), None) => {
+                let qkv = ops::linear(qkv, x, None)?;
+                (qkv.narrow(D::Minus1, 0, n)?, qkv.narrow(D::Minus1, n, 2 * n)?)
+            }
+            (Projections::Context { to_q, kv }, Some(context)) => {
+                let kv = match kv {
+                    ContextKv::Own(l) => ops::linear(l, context, None)?,
+                    ContextKv::Table { offset } => context.narrow(D::Minus1, *offset, 2 * n)?,
+                };
+                (ops::linear(to_q, x, None)?, kv)
+            }
+            (Projections::Tokens(_), Some(_)) => bail!("self-attention takes no context"),
+            (Projections::Context { .. }, None) => bail!("cross-attention needs a context"),
+        };
+        let (k, v) = (kv.narrow(D::Minus1, 0, n)?, kv.narrow(D::Minus1, n, n)?);
         let o = ops::multi_head_attention(&q, &k, &v, self.heads, self.scale, self.upcast)?;
         ops::linear(&self.to_out, &o, residual)
     }
@@ -209,11 +265,72 @@ impl Transformer2DModel {
     }
 }
 
+impl Transformer2DModel {
+    /// The blocks' attentions to the context, for stacking their k and v projections.
+    pub(crate) fn context_attentions_mut(&mut self) -> impl Iterator<Item = &mut CrossAttention> {
+        self.blocks.iter_mut().map(|b| &mut b.attn2)
+    }
+}
+
 impl Projection {
     fn weight_bias(&self) -> (&Tensor, Option<&Tensor>) {
         match self {
             Projection::Conv(c) => (c.weight(), c.bias()),
             Projection::Linear(l) => (l.weight(), l.bias()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layers::stack_linears;
+    use crate::loading::random_var_builder;
+    use candle_core::{DType, Device};
+
+    fn max_gap(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b).and_then(|d| d.abs()?.max_all()?.to_scalar::<f32>()).expect("gap")
+    }
+
+    /// A block that handed its k and v over reads them from the columns of a wider table (another block's
+    /// before them) and gives what its own projections gave; self-attention's stacked q/k/v gives diffusers'
+    /// three products' result, checked against them computed one by one.
+    #[test]
+    fn handed_over_context_projection_reads_its_columns() {
+        let dev = Device::Cpu;
+        let vb = random_var_builder(DType::F32, &dev);
+        let x = Tensor::randn(0f32, 1.0, (2, 5, 16), &dev).expect("x");
+        let ctx = Tensor::randn(0f32, 1.0, (2, 7, 24), &dev).expect("ctx");
+        let own = CrossAttention::new(vb.pp("a"), 16, Some(24), 2, 8, false).expect("attention");
+        let want = own.forward(&x, Some(&ctx)).expect("own");
+
+        let mut other = CrossAttention::new(vb.pp("b"), 16, Some(24), 2, 8, false).expect("attention");
+        let mut tabled = own.clone();
+        let first = other.hand_over_context_kv(0).expect("kv of b");
+        let offset = first.weight().dim(0).expect("rows");
+        let second = tabled.hand_over_context_kv(offset).expect("kv of a");
+        assert!(tabled.hand_over_context_kv(0).is_none(), "handed over once");
+        let table = ops::linear(&stack_linears(&[first, second]).expect("stack"), &ctx, None).expect("table");
+        let got = tabled.forward(&x, Some(&table)).expect("from the table");
+        assert!(max_gap(&got, &want) < 1e-5, "{}", max_gap(&got, &want));
+
+        let selfish = CrossAttention::new(vb.pp("s"), 16, None, 2, 8, false).expect("self-attention");
+        let part = |n: &str| linear(vb.pp("s").pp(n), 16, 16, false).expect("part");
+        let (q, k, v) = (part("to_q"), part("to_k"), part("to_v"));
+        let (q, k, v) = (ops::linear(&q, &x, None), ops::linear(&k, &x, None), ops::linear(&v, &x, None));
+        let o = ops::multi_head_attention(
+            &q.expect("q"),
+            &k.expect("k"),
+            &v.expect("v"),
+            2,
+            8f64.powf(-0.5),
+            false,
+        )
+        .expect("attention");
+        let want =
+            ops::linear(&linear(vb.pp("s").pp("to_out.0"), 16, 16, true).expect("out"), &o, None).expect("o");
+        let got = selfish.forward(&x, None).expect("stacked");
+        assert!(max_gap(&got, &want) < 1e-5, "{}", max_gap(&got, &want));
+        assert!(selfish.forward(&x, Some(&ctx)).is_err(), "self-attention refuses a context");
     }
 }

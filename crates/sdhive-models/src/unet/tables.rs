@@ -1,0 +1,69 @@
+//! The products of the UNet's conditioning that every block would otherwise make on its own: each ResNet's
+//! projection of the time embedding and each transformer block's k and v of the text context. Both inputs are
+//! the same for every block of a call, so their weights are stacked at load into one matrix each, and a call
+//! makes two products (one tall weight each) instead of one small product per block; the blocks read their
+//! columns of the results in place.
+
+use super::blocks::{DownBlock, MidBlock, UpBlock};
+use crate::layers::stack_linears_opt;
+use crate::ops;
+use candle_core::{Result, Tensor};
+use candle_nn::Linear;
+
+#[derive(Debug, Clone)]
+pub(crate) struct ConditioningTables {
+    /// Every ResNet's `time_emb_proj`, weight `(ΣC, T)`.
+    time: Option<Linear>,
+    /// Every transformer block's `attn2.to_k` and `attn2.to_v`, weight `(Σ2·inner, Cctx)`.
+    context: Option<Linear>,
+}
+
+impl ConditioningTables {
+    /// Takes the projections over from the blocks, telling each where its columns will be.
+    pub fn stack(down: &mut [DownBlock], mid: &mut MidBlock, up: &mut [UpBlock]) -> Result<Self> {
+        let mut time = Vec::new();
+        let mut offset = 0;
+        let resnets = down
+            .iter_mut()
+            .flat_map(DownBlock::resnets_mut)
+            .chain(mid.resnets_mut())
+            .chain(up.iter_mut().flat_map(UpBlock::resnets_mut));
+        for resnet in resnets {
+            if let Some(proj) = resnet.hand_over_time_projection(offset) {
+                offset += proj.weight().dim(0)?;
+                time.push(proj);
+            }
+        }
+        let mut context = Vec::new();
+        let mut offset = 0;
+        let transformers = down
+            .iter_mut()
+            .flat_map(DownBlock::transformers_mut)
+            .chain(mid.transformers_mut())
+            .chain(up.iter_mut().flat_map(UpBlock::transformers_mut));
+        for attention in transformers.flat_map(|t| t.context_attentions_mut()) {
+            if let Some(kv) = attention.hand_over_context_kv(offset) {
+                offset += kv.weight().dim(0)?;
+                context.push(kv);
+            }
+        }
+        Ok(Self { time: stack_linears_opt(&time)?, context: stack_linears_opt(&context)? })
+    }
+
+    /// What the ResNets take for the activated time embedding `(B, T)`: the `(B, ΣC)` table of their projections.
+    pub fn time(&self, activated: &Tensor) -> Result<Tensor> {
+        match &self.time {
+            Some(l) => ops::linear(l, activated, None),
+            None => Ok(activated.clone()),
+        }
+    }
+
+    /// What the transformer blocks take for the text context `(B, T, Cctx)`: the `(B, T, Σ2·inner)` table of
+    /// their k and v.
+    pub fn context(&self, context: &Tensor) -> Result<Tensor> {
+        match &self.context {
+            Some(l) => ops::linear(l, context, None),
+            None => Ok(context.clone()),
+        }
+    }
+}
