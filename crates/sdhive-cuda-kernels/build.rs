@@ -1,6 +1,8 @@
 //! With the `cuda` feature, compiles each `src/*.cu` to PTX for `CUDA_COMPUTE_CAP` (default 90) with the nvcc on
 //! PATH (`cargo xtask build-cuda` provides one); the library embeds the PTX and learns the capability through
-//! `SDHIVE_CUDA_COMPUTE_CAP`. Without the feature, nothing to do.
+//! `SDHIVE_CUDA_COMPUTE_CAP`. For 9.0 the attention is compiled a second time for the arch-specific compute_90a,
+//! whose PTX holds the Hopper (wgmma) kernels and loads only on 9.0 devices; other builds get an empty file there.
+//! Without the feature, nothing to do.
 
 const SOURCES: [&str; 2] = ["kernels", "attention"];
 
@@ -17,14 +19,24 @@ fn main() {
     let cap: String = cap.chars().filter(char::is_ascii_digit).collect();
     println!("cargo:rustc-env=SDHIVE_CUDA_COMPUTE_CAP={cap}");
     for source in SOURCES {
-        let status = std::process::Command::new("nvcc")
-            .args(["--ptx", "-O3", "-std=c++17"])
-            .arg(format!("-arch=compute_{cap}"))
-            .arg("-o")
-            .arg(out_dir.join(format!("{source}.ptx")))
-            .arg(format!("src/{source}.cu"))
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run nvcc (needed by the cuda feature; see docs/gpu.md): {e}"));
-        assert!(status.success(), "nvcc failed to compile src/{source}.cu ({status})");
+        nvcc(source, &format!("compute_{cap}"), &out_dir.join(format!("{source}.ptx")));
     }
+    let hopper = out_dir.join("attention_sm90a.ptx");
+    if cap == "90" {
+        nvcc("attention", "compute_90a", &hopper);
+    } else {
+        std::fs::write(&hopper, "").expect("writing an empty attention_sm90a.ptx into OUT_DIR");
+    }
+}
+
+fn nvcc(source: &str, arch: &str, out: &std::path::Path) {
+    let status = std::process::Command::new("nvcc")
+        .args(["--ptx", "-O3", "-std=c++17"])
+        .arg(format!("-arch={arch}"))
+        .arg("-o")
+        .arg(out)
+        .arg(format!("src/{source}.cu"))
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run nvcc (needed by the cuda feature; see docs/gpu.md): {e}"));
+    assert!(status.success(), "nvcc failed to compile src/{source}.cu for {arch} ({status})");
 }

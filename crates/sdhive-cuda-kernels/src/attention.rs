@@ -13,6 +13,15 @@ use half::{bf16, f16};
 
 const MODULE: &str = "sdhive_attention";
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
+/// The same source for compute_90a (empty unless built for 9.0): the Hopper kernels.
+const HOPPER_MODULE: &str = "sdhive_attention_sm90a";
+const HOPPER_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention_sm90a.ptx"));
+/// The Hopper kernel's head dimension, query rows per block (two warpgroups of 64), threads, and dynamic shared
+/// memory (three stages of a 64-key K tile of 48 columns and a V tile of 40): attention.cu's `hopper` constants.
+const HOPPER_D: usize = 40;
+const HOPPER_ROWS: usize = 128;
+const HOPPER_THREADS: u32 = 256;
+const HOPPER_SMEM: usize = 3 * 64 * (48 + 40) * 2;
 /// The head dimensions the kernels are instantiated for (a head of D values runs in the smallest DP ≥ D).
 const PADDED_DIMS: [usize; 8] = [16, 32, 48, 64, 80, 96, 128, 160];
 
@@ -40,6 +49,25 @@ fn smem_bytes(dp: usize) -> usize {
 /// Whether the build targets GPUs with the kernel's instructions (mma.sync with bf16, cp.async: sm_80).
 pub fn built_for_sm80() -> bool {
     built_for() >= 80
+}
+
+/// Which kernel runs attention with head dimension `d` on `dev`: the Hopper (wgmma) kernel for heads of 40 where the
+/// build has it and the device is compute capability 9.0 (its sm_90a PTX loads nowhere else), else the mma.sync
+/// kernel for the padded head dimension.
+pub fn kernel_for(dev: &CudaDevice, d: usize, dtype: DType) -> Result<String> {
+    let sfx = match dtype {
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        other => bail!("fused attention: unsupported dtype {other:?}"),
+    };
+    if d == HOPPER_D
+        && !HOPPER_PTX.is_empty()
+        && dev.cuda_stream().context().compute_capability().w()? == (9, 0)
+    {
+        return Ok(format!("attention_wgmma_d{d}_{sfx}"));
+    }
+    let Some(dp) = padded_dim(d) else { bail!("fused attention: head dimension {d} is over 160") };
+    Ok(format!("flash_attention_d{dp}_{sfx}"))
 }
 
 /// Why the fused kernel cannot take these projections, or `None` when it can.
@@ -111,17 +139,18 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
     let (b, sq, c) = q.1.shape().dims3()?;
     let sk = k.1.shape().dims3()?.1;
     let d = c / op.heads;
-    let Some(dp) = padded_dim(d) else { bail!("fused attention: head dimension {d} is over 160") };
-    let sfx = match q.0.dtype() {
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        other => bail!("fused attention: unsupported dtype {other:?}"),
+    let kernel = kernel_for(dev, d, q.0.dtype())?;
+    let hopper = kernel.starts_with("attention_wgmma");
+    let (func, smem, rows, threads) = if hopper {
+        let func = dev.get_or_load_custom_func(&kernel, HOPPER_MODULE, HOPPER_PTX)?;
+        (func, HOPPER_SMEM, HOPPER_ROWS, HOPPER_THREADS)
+    } else {
+        let Some(dp) = padded_dim(d) else { bail!("fused attention: head dimension {d} is over 160") };
+        (dev.get_or_load_custom_func(&kernel, MODULE, PTX)?, smem_bytes(dp), block_shape(dp).1, 128)
     };
     let (qs, ks, vs) = (view::<T>(q.0, q.1)?, view::<T>(k.0, k.1)?, view::<T>(v.0, v.1)?);
     // SAFETY: every element is written by the kernel (each (row, head) by its block, all D columns).
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(b * sq * c)? };
-    let func = dev.get_or_load_custom_func(&format!("flash_attention_d{dp}_{sfx}"), MODULE, PTX)?;
-    let smem = smem_bytes(dp);
     // Above 48 KiB a kernel must opt in to its dynamic shared memory (only head dimensions 81–96 get there).
     if smem > 48 * 1024 {
         func.set_attribute(
@@ -151,8 +180,8 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
         op.scale * std::f32::consts::LOG2_E
     );
     let cfg = LaunchConfig {
-        grid_dim: (sq.div_ceil(block_shape(dp).1) as u32, op.heads as u32, b as u32),
-        block_dim: (128, 1, 1),
+        grid_dim: (sq.div_ceil(rows) as u32, op.heads as u32, b as u32),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: smem as u32,
     };
     // SAFETY: the arguments match the kernel's signature; `unsupported` checked the strides and alignment, and

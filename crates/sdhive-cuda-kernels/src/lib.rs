@@ -166,6 +166,27 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, scale: f64) -
     on_cuda!(attention::attention(q, k, v, heads, scale); q, k, v, heads, scale)
 }
 
+/// The name of the kernel [`attention`] launches for heads of `head_dim` in `dtype` on `device` (the Hopper kernel
+/// or the mma.sync one), so tests can see which one ran.
+pub fn attention_kernel(
+    device: &candle_core::Device,
+    head_dim: usize,
+    dtype: candle_core::DType,
+) -> Result<String> {
+    #[cfg(feature = "cuda")]
+    {
+        match device {
+            candle_core::Device::Cuda(dev) => attention::kernel_for(dev, head_dim, dtype),
+            _ => candle_core::bail!("the fused attention runs on CUDA devices only"),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (device, head_dim, dtype);
+        candle_core::bail!("built without the cuda feature")
+    }
+}
+
 /// Whether calls on `device` may be recorded as CUDA graphs and replayed ([`capture_graph`]): a CUDA device.
 /// `SDHIVE_CUDA_GRAPHS=0` turns it off (every call then launches its kernels one by one).
 pub fn graphs_on(device: &candle_core::Device) -> bool {

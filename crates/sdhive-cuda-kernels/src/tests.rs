@@ -621,6 +621,26 @@ fn attention_matches_the_reference() {
     }
 }
 
+/// On a compute capability 9.0 device a build for 9.0 runs heads of 40 on the Hopper (wgmma) kernel, which the
+/// test above then checked against the reference at those heads; other heads, builds and devices keep the
+/// mma.sync kernels.
+#[test]
+fn heads_of_40_take_the_hopper_kernel_on_hopper() {
+    let dev = gpu();
+    let Device::Cuda(cuda) = &dev else { panic!("not a CUDA device") };
+    let hopper = crate::cuda::built_for() == 90
+        && cuda.cuda_stream().context().compute_capability().unwrap() == (9, 0);
+    for dtype in [DType::F16, DType::BF16] {
+        let name = attention_kernel(&dev, 40, dtype).unwrap();
+        let sfx = if dtype == DType::F16 { "f16" } else { "bf16" };
+        let want =
+            if hopper { format!("attention_wgmma_d40_{sfx}") } else { format!("flash_attention_d48_{sfx}") };
+        assert_eq!(name, want);
+        assert_eq!(attention_kernel(&dev, 64, dtype).unwrap(), format!("flash_attention_d64_{sfx}"));
+    }
+    eprintln!("heads of 40 run {}", attention_kernel(&dev, 40, DType::F16).unwrap());
+}
+
 #[test]
 fn attention_declines_what_it_cannot_take() {
     let dev = gpu();
