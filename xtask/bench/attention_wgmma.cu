@@ -1,15 +1,16 @@
-// A Hopper-native (wgmma) fused attention forward for SD1.5's head dimension 40, against the mma.sync kernel of
-// crates/sdhive-cuda-kernels/src/attention.cu (its DP 48 instance: two 16-row atoms per warp over 32-key tiles),
-// f16, q/k/v/o in the projections' (B, S, H·D) layout. For each shape: max and mean absolute error of both kernels
-// against an f32 reference (two passes over the keys, as in attention_shapes.cu), then time per call (3 warm-up
-// launches, mean of 20 timed with CUDA events) and TFLOP/s at 4·B·H·Sq·Sk·D. Not part of the build. Build here,
-// run on the H100 machine (driver only):
+// The Hopper-native (wgmma) fused attention forward of crates/sdhive-cuda-kernels/src/attention.cu (`hopper`
+// there) for head dimensions 40, 64 and 80, against the mma.sync kernel attention.cu instantiates for each (its DP
+// 48 instance: two 16-row atoms per warp over 32-key tiles; DP 64 and 80: one atom over 64-key tiles), f16, q/k/v/o
+// in the projections' (B, S, H·D) layout, and once per D with q, k, v packed in one (B, S, 3·H·D) buffer (the row
+// stride three heads' widths). For each shape: max and mean absolute error of both kernels against an f32 reference
+// (two passes over the keys, as in attention_shapes.cu), then time per call (3 warm-up launches, mean of 20 timed
+// with CUDA events) and TFLOP/s at 4·B·H·Sq·Sk·D. Not part of the build. Build here, run on the H100 machine (driver
+// only):
 //   nvcc -O3 -arch=sm_90a -std=c++17 xtask/bench/attention_wgmma.cu -o attention_wgmma && ./attention_wgmma
 //
-// The kernel and its design: `hopper` in attention.cu. Before its block shape was chosen this harness also timed
-// 128-key tiles, three warpgroups and one warpgroup per block (attention.cu's notes on the instantiation).
-// H100 (SXM, 1980 MHz max): self 190 us against 272 us for mma_sync (1.43x), cross 15.9 against 14.8 us (two
-// 64-key tiles for 77 keys against three of 32), (2, 1000, 333, 3) 9.5 against 17.6 us; errors as mma_sync's.
+// The kernel and its design: `hopper` in attention.cu. Before the block shapes were chosen this harness also timed
+// other warpgroup counts, blocks per SM and Q in registers or shared memory (attention.cu's notes on the
+// instantiations). H100 (SXM, 1980 MHz max), f16: see attention.cu's notes; errors as mma_sync's everywhere.
 
 #define SDHIVE_ATTENTION_NO_INSTANCES
 #include "../../crates/sdhive-cuda-kernels/src/attention.cu"
@@ -17,21 +18,55 @@
 #include <cstdlib>
 #include <vector>
 
-extern "C" __global__ void __launch_bounds__(128, 4)
-    flash_mma_sync(const __half *q, const __half *k, const __half *v, __half *o, int sq, int sk, int d, int heads,
-                   long long q_bs, long long q_ss, long long k_bs, long long k_ss, long long v_bs, long long v_ss,
-                   float s) {
-    flash_attention<__half, 48, 32, 4, 2>(q, k, v, o, sq, sk, d, heads, q_bs, q_ss, k_bs, k_ss, v_bs, v_ss, s);
+#define SDHIVE_ARGS                                                                                               \
+    const __half *q, const __half *k, const __half *v, __half *o, int sq, int sk, int d, int heads, long long q_bs, \
+        long long q_ss, long long k_bs, long long k_ss, long long v_bs, long long v_ss, float c
+#define SDHIVE_PASS q, k, v, o, sq, sk, d, heads, q_bs, q_ss, k_bs, k_ss, v_bs, v_ss, c
+using Kernel = void (*)(SDHIVE_ARGS);
+
+// The kernels as attention.cu instantiates them (FLASH_BOTH and HOPPER_BOTH there), without the storage-type pair.
+extern "C" __global__ void __launch_bounds__(128, 4) mma_sync_d48(SDHIVE_ARGS) {
+    flash_attention<__half, 48, 32, 4, 2>(SDHIVE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(128, 5) mma_sync_d64(SDHIVE_ARGS) {
+    flash_attention<__half, 64, 64, 4, 1>(SDHIVE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(128) mma_sync_d80(SDHIVE_ARGS) {
+    flash_attention<__half, 80, 64, 4, 1>(SDHIVE_PASS);
+}
+template <int D, int NWG, int BLOCKS> __global__ void __launch_bounds__(128 * NWG, BLOCKS) wgmma(SDHIVE_ARGS) {
+    SDHIVE_SM90A((hopper::attention<__half, D, NWG>(q, k, v, o, sq, sk, heads, q_bs, q_ss, k_bs, k_ss, v_bs, v_ss, c)));
 }
 
-// The kernel as attention.cu instantiates it (HOPPER there), here without the storage-type pair.
-constexpr int WG_THREADS = 256, WG_ROWS = 128;
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 2)
-    attention_wgmma(const __half *q, const __half *k, const __half *v, __half *o, int sq, int sk, int heads,
-                    long long q_bs, long long q_ss, long long k_bs, long long k_ss, long long v_bs, long long v_ss,
-                    float c) {
-    SDHIVE_SM90A(hopper::attention<__half, 2>(q, k, v, o, sq, sk, heads, q_bs, q_ss, k_bs, k_ss, v_bs, v_ss, c));
+struct Impl { const char *name; Kernel fn; int threads, rows, smem; };
+// flash_attention's two stages of K and V tiles of BK keys × DP + 8 columns.
+template <int DP, int BK, int ROWS> Impl mma_sync(Kernel fn) {
+    return {"mma_sync", fn, 128, ROWS, 2 * 2 * BK * (DP + 8) * 2};
 }
+// hopper's three stages of a 64-key K tile of KC chunks and V tile of D / 8, and Q's tiles where Tiles::Q_SHARED
+// (D 80): written out, as `hopper` exists only in the sm_90a pass.
+template <int D, int NWG, int BLOCKS> Impl wg() {
+    constexpr int KC = (D + 15) / 16 * 2;
+    return {"wgmma", wgmma<D, NWG, BLOCKS>, 128 * NWG, 64 * NWG,
+            3 * 64 * (KC + D / 8) * 16 + (D == 80 ? NWG * 64 * KC * 16 : 0)};
+}
+struct Case { int d; Impl impls[2]; };
+static Case cases[] = {
+    {40, {mma_sync<48, 32, 128>(mma_sync_d48), wg<40, 2, 2>()}},
+    {64, {mma_sync<64, 64, 64>(mma_sync_d64), wg<64, 3, 1>()}},
+    {80, {mma_sync<80, 64, 64>(mma_sync_d80), wg<80, 2, 2>()}},
+};
+// SD1.5's heads of 40 (64x64 maps) and 80 (32x32), SDXL's of 64; ragged: row and key counts off every tile size.
+struct Shape { int d; const char *what; int b, sq, sk, h; bool packed; };
+static const Shape shapes[] = {
+    {40, "self", 2, 4096, 4096, 8, false},  {40, "cross", 2, 4096, 77, 8, false},
+    {40, "ragged", 2, 1000, 333, 3, false}, {40, "self", 2, 4096, 4096, 8, true},
+    {64, "self", 2, 4096, 4096, 10, false}, {64, "self", 2, 1024, 1024, 20, false},
+    {64, "cross", 2, 4096, 77, 10, false},  {64, "ragged", 2, 1000, 333, 5, false},
+    {64, "self", 2, 1024, 1024, 20, true},  {80, "self", 2, 1024, 1024, 8, false},
+    {80, "cross", 2, 1024, 77, 8, false},   {80, "ragged", 1, 777, 50, 3, false},
+    {80, "self", 2, 1024, 1024, 8, true},
+};
 
 __global__ void fill(__half *p, size_t n, unsigned seed) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
@@ -44,17 +79,18 @@ __global__ void fill(__half *p, size_t n, unsigned seed) {
     }
 }
 
-// fp32 reference: one thread per (row, head, batch), two passes over the keys.
-__global__ void naive(const __half *q, const __half *k, const __half *v, float *o, int sq, int sk, int h_, int d,
+// fp32 reference with the kernels' strides, output contiguous (B, Sq, H·D): one thread per (row, head, batch), two
+// passes over the keys.
+__global__ void naive(const __half *q, const __half *k, const __half *v, float *o, int sq, int sk, int heads, int d,
+                      long long q_bs, long long q_ss, long long k_bs, long long k_ss, long long v_bs, long long v_ss,
                       float scale) {
     int r = blockIdx.x * blockDim.x + threadIdx.x;
     int h = blockIdx.y, b = blockIdx.z;
     if (r >= sq) return;
-    long long hs = (long long)h_ * d;
-    const __half *qr = q + (b * (long long)sq + r) * hs + h * d;
+    const __half *qr = q + b * q_bs + r * q_ss + h * d;
     float m = -1e30f;
     for (int j = 0; j < sk; ++j) {
-        const __half *kr = k + (b * (long long)sk + j) * hs + h * d;
+        const __half *kr = k + b * k_bs + j * k_ss + h * d;
         float s = 0;
         for (int c = 0; c < d; ++c) s += __half2float(qr[c]) * __half2float(kr[c]);
         m = fmaxf(m, s * scale);
@@ -63,15 +99,15 @@ __global__ void naive(const __half *q, const __half *k, const __half *v, float *
     for (int c = 0; c < d; ++c) acc[c] = 0;
     float l = 0;
     for (int j = 0; j < sk; ++j) {
-        const __half *kr = k + (b * (long long)sk + j) * hs + h * d;
-        const __half *vr = v + (b * (long long)sk + j) * hs + h * d;
+        const __half *kr = k + b * k_bs + j * k_ss + h * d;
+        const __half *vr = v + b * v_bs + j * v_ss + h * d;
         float s = 0;
         for (int c = 0; c < d; ++c) s += __half2float(qr[c]) * __half2float(kr[c]);
         float p = expf(s * scale - m);
         l += p;
         for (int c = 0; c < d; ++c) acc[c] += p * __half2float(vr[c]);
     }
-    float *orow = o + (b * (long long)sq + r) * hs + h * d;
+    float *orow = o + (b * (long long)sq + r) * heads * d + h * d;
     for (int c = 0; c < d; ++c) orow[c] = acc[c] / l;
 }
 
@@ -85,54 +121,67 @@ static bool check(const char *what) {
 struct Result { bool ok; double us, max_err, mean_err; };
 
 int main() {
-    // attention.cu's hopper::D and its three stages of a 64-key K tile of 48 columns and a V tile of 40.
-    const int D = 40, smem_sync = 2 * 2 * 32 * (48 + 8) * 2, smem_wg = 3 * 64 * (48 + 40) * 2;
-    cudaFuncSetAttribute(attention_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_wg);
-    {
-        cudaFuncAttributes at;
-        int nb = 0;
-        cudaFuncGetAttributes(&at, flash_mma_sync);
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, flash_mma_sync, 128, smem_sync);
-        printf("mma_sync  (128 threads)  regs %3d  spill %zu B  smem %6d B  blocks/SM %d\n", at.numRegs,
-               at.localSizeBytes, smem_sync, nb);
-        cudaFuncGetAttributes(&at, attention_wgmma);
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, attention_wgmma, WG_THREADS, smem_wg);
-        printf("wgmma     (%d threads)  regs %3d  spill %zu B  smem %6d B  blocks/SM %d\n", WG_THREADS, at.numRegs,
-               at.localSizeBytes, smem_wg, nb);
+    for (auto &c : cases) {
+        for (auto &k : c.impls) {
+            cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem);
+            cudaFuncAttributes at;
+            int nb = 0;
+            cudaFuncGetAttributes(&at, k.fn);
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k.fn, k.threads, k.smem);
+            printf("D %d %-12s (%d threads, %3d rows)  regs %3d  spill %zu B  smem %6d B  blocks/SM %d\n", c.d, k.name,
+                   k.threads, k.rows, at.numRegs, at.localSizeBytes, k.smem, nb);
+        }
     }
     if (!check("setup")) return 1;
 
-    struct Shape { const char *what; int b, sq, sk, h; } shapes[] = {
-        {"self", 2, 4096, 4096, 8}, {"cross", 2, 4096, 77, 8}, {"ragged", 2, 1000, 333, 3}};
     for (auto &s : shapes) {
-        const size_t nq = (size_t)s.b * s.sq * s.h * D, nk = (size_t)s.b * s.sk * s.h * D;
+        const Case *cp = nullptr;
+        for (auto &c : cases)
+            if (c.d == s.d) cp = &c;
+        const int D = s.d;
+        // Packed: q, k, v are the thirds of each row of one (B, S, 3·H·D) buffer, as a fused QKV projection writes
+        // them.
+        const long long hs = (long long)s.h * D, row = s.packed ? 3 * hs : hs;
+        const size_t nq = (size_t)s.b * s.sq * hs, nk = (size_t)s.b * s.sk * hs;
         __half *q, *k, *v, *o;
-        cudaMalloc(&q, nq * 2);
-        cudaMalloc(&k, nk * 2);
-        cudaMalloc(&v, nk * 2);
+        if (s.packed) {
+            cudaMalloc(&q, 3 * nq * 2);
+            fill<<<(3 * nq + 255) / 256, 256>>>(q, 3 * nq, 1);
+            k = q + hs;
+            v = q + 2 * hs;
+        } else {
+            cudaMalloc(&q, nq * 2);
+            cudaMalloc(&k, nk * 2);
+            cudaMalloc(&v, nk * 2);
+            fill<<<(nq + 255) / 256, 256>>>(q, nq, 1);
+            fill<<<(nk + 255) / 256, 256>>>(k, nk, 2);
+            fill<<<(nk + 255) / 256, 256>>>(v, nk, 3);
+        }
         cudaMalloc(&o, nq * 2);
-        fill<<<(nq + 255) / 256, 256>>>(q, nq, 1);
-        fill<<<(nk + 255) / 256, 256>>>(k, nk, 2);
-        fill<<<(nk + 255) / 256, 256>>>(v, nk, 3);
+        const long long q_bs = s.sq * row, k_bs = s.sk * row;
         float *of;
         cudaMalloc(&of, nq * 4);
         std::vector<float> exact(nq);
         std::vector<__half> got(nq);
-        naive<<<dim3((s.sq + 127) / 128, s.h, s.b), 128>>>(q, k, v, of, s.sq, s.sk, s.h, D, 1.f / sqrtf((float)D));
+        naive<<<dim3((s.sq + 127) / 128, s.h, s.b), 128>>>(q, k, v, of, s.sq, s.sk, s.h, D, q_bs, row, k_bs, row, k_bs,
+                                                           row, 1.f / sqrtf((float)D));
         if (!check("reference")) return 1;
         cudaMemcpy(exact.data(), of, nq * 4, cudaMemcpyDeviceToHost);
         cudaFree(of);
         const double flop = 4.0 * s.b * s.h * (double)s.sq * s.sk * D;
         const float scale_log2 = 1.f / sqrtf((float)D) * 1.4426950408889634f;
-        const long long hs = (long long)s.h * D;
 
         // One launch for the errors (output first filled with NaN: an element left unwritten counts as wrong),
         // then 3 warm-up launches and 20 timed.
-        auto measure = [&](const char *name, auto launch) {
+        auto measure = [&](const Impl &k_) {
             Result r{false, 0, 0, 0};
+            auto launch = [&]() {
+                k_.fn<<<dim3((s.sq + k_.rows - 1) / k_.rows, s.h, s.b), k_.threads, k_.smem>>>(
+                    q, k, v, o, s.sq, s.sk, D, s.h, q_bs, row, k_bs, row, k_bs, row, scale_log2);
+            };
             cudaMemset(o, 0xff, nq * 2);
             launch();
-            if (!check(name)) return r;
+            if (!check(k_.name)) return r;
             cudaMemcpy(got.data(), o, nq * 2, cudaMemcpyDeviceToHost);
             double sum = 0;
             for (size_t i = 0; i < nq; ++i) {
@@ -156,24 +205,25 @@ int main() {
             cudaEventDestroy(e0);
             cudaEventDestroy(e1);
             r.us = ms * 1e3 / reps;
-            r.ok = check(name);
+            r.ok = check(k_.name);
             return r;
         };
-        const Result a = measure("mma_sync", [&]() {
-            flash_mma_sync<<<dim3((s.sq + 127) / 128, s.h, s.b), 128, smem_sync>>>(
-                q, k, v, o, s.sq, s.sk, D, s.h, s.sq * hs, hs, s.sk * hs, hs, s.sk * hs, hs, scale_log2);
-        });
-        const Result w = measure("wgmma", [&]() {
-            attention_wgmma<<<dim3((s.sq + WG_ROWS - 1) / WG_ROWS, s.h, s.b), WG_THREADS, smem_wg>>>(
-                q, k, v, o, s.sq, s.sk, s.h, s.sq * hs, hs, s.sk * hs, hs, s.sk * hs, hs, scale_log2);
-        });
-        printf("%-6s B %d Sq %4d Sk %4d H %d | mma_sync %7.1f us %5.1f TFLOP/s err max %.2e mean %.2e | wgmma %7.1f us "
-               "%5.1f TFLOP/s err max %.2e mean %.2e | %.2fx%s\n",
-               s.what, s.b, s.sq, s.sk, s.h, a.us, flop / (a.us * 1e-6) / 1e12, a.max_err, a.mean_err, w.us,
-               flop / (w.us * 1e-6) / 1e12, w.max_err, w.mean_err, a.us / w.us, a.ok && w.ok ? "" : "  (CUDA ERROR)");
+        printf("D %d %-6s B %d Sq %4d Sk %4d H %2d%s", D, s.what, s.b, s.sq, s.sk, s.h, s.packed ? " packed" : "");
+        double first = 0;
+        for (auto &k_ : cp->impls) {
+            const Result r = measure(k_);
+            if (first == 0) first = r.us;
+            printf(" | %s %7.1f us %5.1f TFLOP/s err max %.2e mean %.2e", k_.name, r.us, flop / (r.us * 1e-6) / 1e12,
+                   r.max_err, r.mean_err);
+            if (&k_ != &cp->impls[0]) printf(" %.2fx", first / r.us);
+            if (!r.ok) printf(" (CUDA ERROR)");
+        }
+        printf("\n");
         cudaFree(q);
-        cudaFree(k);
-        cudaFree(v);
+        if (!s.packed) {
+            cudaFree(k);
+            cudaFree(v);
+        }
         cudaFree(o);
     }
     return 0;

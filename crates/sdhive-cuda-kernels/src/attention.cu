@@ -308,15 +308,16 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
 }
 
 
-// Hopper (sm_90a) kernel for heads of 40 (SD1.5's 64x64 maps, where most of its attention time goes), after
-// FlashAttention 3's intra-warpgroup pipelining without TMA or warp specialisation: warpgroup-wide asynchronous
-// products (wgmma) instead of per-warp mma.sync, so the tensor cores run one tile's P·V while the warps do the next
-// tile's softmax.
-// - A block is two warpgroups of 128 threads; each owns 64 query rows (wgmma's M) and keeps its scores,
+// Hopper (sm_90a) kernel for heads of 40 (SD1.5's 64x64 maps, where most of its attention time goes), 64 (SDXL)
+// and 80 (SD1.5's 32x32 maps), after FlashAttention 3's intra-warpgroup pipelining without TMA or warp
+// specialisation: warpgroup-wide asynchronous products (wgmma) instead of per-warp mma.sync, so the tensor cores
+// run one tile's P·V while the warps do the next tile's softmax.
+// - A block is NWG warpgroups of 128 threads; each owns 64 query rows (wgmma's M) and keeps its scores,
 //   probabilities, running max and sum and output in registers. All threads stage 64-key tiles of K and V with
 //   cp.async into a three-stage shared ring: tile j+2 is requested while tile j is consumed, one barrier per tile.
-// - S = Q Kᵀ: m64n64k16 with Q as the register A operand (loaded once from global memory; D 40 zero-padded to 48,
-//   three k-steps), K from shared memory as B, K-major. O += P V: m64n40k16 with P straight from the score
+// - S = Q Kᵀ: m64n64k16 with Q as the A operand, loaded once (D zero-padded to whole k-steps of 16, 40 to 48): from
+//   global memory into registers, or for D 80 into shared memory (Tiles::Q_SHARED); K from shared memory as B,
+//   K-major. O += P V: m64nDk16 with P straight from the score
 //   accumulators as the register A operand (the m64nN accumulator layout pairs into the A fragment layout), V
 //   from shared memory as B read transposed (MN-major).
 // - Per key tile: issue S of tile j+1 and P·V of tile j back to back, wait for S only, do tile j+1's softmax while
@@ -326,18 +327,26 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
 namespace hopper {
 
-constexpr int D = 40;
-constexpr int KC = 6;  // 16-byte chunks per key of a K tile: D padded to 48, the extent of three k-steps
-constexpr int VC = 5;  // chunks per key of a V tile: exactly D, the N of the P·V product
-constexpr int BN = 64; // keys per tile
+constexpr int BN = 64; // keys per tile: the N of S = Q Kᵀ
 constexpr int STAGES = 3;
-constexpr int K_BYTES = BN * KC * 16, V_BYTES = BN * VC * 16, STAGE = K_BYTES + V_BYTES;
+
+// 16-byte chunks per key of a K tile, KC (D padded to whole k-steps), and of a V tile, VC (exactly D: P·V's N need
+// only be a multiple of 8, so no output columns are computed past D). Q as a register operand costs 2·KC registers
+// per thread: at D 80 that makes 137 and one two-warpgroup block per SM; read from shared memory (a 64 × KC chunk
+// tile per warpgroup after the stages, laid out as K) it makes 120 and two, 1.23x faster at (8, 1024, 8, 80).
+template <int D> struct Tiles {
+    static_assert(D == 40 || D == 64 || D == 80, "the P·V product is written out for N 40, 64 and 80");
+    static constexpr int KC = (D + 15) / 16 * 2, VC = D / 8;
+    static constexpr int K_BYTES = BN * KC * 16, V_BYTES = BN * VC * 16, STAGE = K_BYTES + V_BYTES;
+    static constexpr bool Q_SHARED = D == 80;
+};
 
 // Shared operands use no swizzle: the unit is the core matrix, 8 rows of 16 bytes stored in 128 contiguous bytes.
 // A tile of keys × d is [key group of 8][d chunk][key % 8][8 values], byte (key, chunk) = ((key/8)·C + chunk)·128
 // + (key%8)·16 with C chunks per key, and the same bytes serve both products:
 //  - K as B of S = Q Kᵀ (n = key, k = d, d contiguous: K-major): LBO, between core matrices adjacent in k (the next
 //    d chunk) = 128; SBO, between those adjacent in n (the next key group) = KC·128. k-step s starts 256 B on.
+//  - Q as A of S = Q Kᵀ, when in shared memory: as K, with query rows for keys.
 //  - V as B of O = P V (k = key, n = d, d contiguous: MN-major, transposed read): LBO, between core matrices
 //    adjacent in k (the next key group) = VC·128; SBO, between those adjacent in n (the next d chunk) = 128.
 //    k-step s (keys 16s..16s+15) starts two key groups on: 2·VC·128 B.
@@ -364,49 +373,73 @@ template <typename R, int N> __device__ __forceinline__ void fence_regs(R (&r)[N
     }
 }
 
+// An m64nN f32 accumulator is N/2 registers per thread, all named in the instruction.
+#define SDHIVE_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define SDHIVE_ACC8(i) SDHIVE_ACC4(i), SDHIVE_ACC4(i + 4)
+#define SDHIVE_ACC32 SDHIVE_ACC8(0), SDHIVE_ACC8(8), SDHIVE_ACC8(16), SDHIVE_ACC8(24)
+#define SDHIVE_R20 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19"
+#define SDHIVE_R32 SDHIVE_R20 ", %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define SDHIVE_R40 SDHIVE_R32 ", %32, %33, %34, %35, %36, %37, %38, %39"
 #define SDHIVE_WGMMA_QK(TY)                                                                                       \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                     \
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                      \
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
-                 "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n" \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),       \
-                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),     \
-                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),     \
-                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                          \
+                 "{" SDHIVE_R32 "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                  \
+                 : SDHIVE_ACC32                                                                                   \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(SCALE_D))
-#define SDHIVE_WGMMA_PV(TY)                                                                                       \
+#define SDHIVE_WGMMA_QK_SS(TY)                                                                                    \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                     \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                      \
+                 "{" SDHIVE_R32 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                                 \
+                 : SDHIVE_ACC32                                                                                   \
+                 : "l"(da), "l"(desc), "n"(SCALE_D))
+#define SDHIVE_WGMMA_PV(TY, N, REGS, A, DESC, ...)                                                                \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                                       \
-                 "wgmma.mma_async.sync.aligned.m64n40k16.f32." TY "." TY " "                                      \
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19}, "   \
-                 "{%20, %21, %22, %23}, %24, p, 1, 1, 1;\n}\n"                                                    \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),       \
-                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19])                                \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " "                                  \
+                 "{" REGS "}, {" A "}, " DESC ", p, 1, 1, 1;\n}\n"                                                \
+                 : __VA_ARGS__                                                                                    \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc))
+#define SDHIVE_WGMMA_PV_N(TY)                                                                                     \
+    if constexpr (N == 40)                                                                                        \
+        SDHIVE_WGMMA_PV(TY, 40, SDHIVE_R20, "%20, %21, %22, %23", "%24", SDHIVE_ACC8(0), SDHIVE_ACC8(8),          \
+                        SDHIVE_ACC4(16));                                                                         \
+    else if constexpr (N == 64)                                                                                   \
+        SDHIVE_WGMMA_PV(TY, 64, SDHIVE_R32, "%32, %33, %34, %35", "%36", SDHIVE_ACC32);                           \
+    else                                                                                                          \
+        SDHIVE_WGMMA_PV(TY, 80, SDHIVE_R40, "%40, %41, %42, %43", "%44", SDHIVE_ACC32, SDHIVE_ACC8(32))
 
-// D(64×64, f32) (+)= A(64×16, registers) · B(16×64, K-major); SCALE_D 0 ignores D's old value. And D(64×40) +=
-// A(64×16) · B(16×40, MN-major, transposed read).
+// D(64×64, f32) (+)= A(64×16, registers) · B(16×64, K-major); SCALE_D 0 ignores D's old value. And D(64×N) +=
+// A(64×16) · B(16×N, MN-major, transposed read) for N 40, 64 or 80.
 template <typename T> struct Wgmma;
 template <> struct Wgmma<__half> {
     template <int SCALE_D> static __device__ __forceinline__ void qk(float *d, const uint32_t *a, uint64_t desc) {
         SDHIVE_WGMMA_QK("f16");
     }
-    static __device__ __forceinline__ void pv(float *d, const uint32_t *a, uint64_t desc) { SDHIVE_WGMMA_PV("f16"); }
+    template <int SCALE_D> static __device__ __forceinline__ void qk(float *d, uint64_t da, uint64_t desc) {
+        SDHIVE_WGMMA_QK_SS("f16");
+    }
+    template <int N> static __device__ __forceinline__ void pv(float *d, const uint32_t *a, uint64_t desc) {
+        SDHIVE_WGMMA_PV_N("f16");
+    }
 };
 template <> struct Wgmma<__nv_bfloat16> {
     template <int SCALE_D> static __device__ __forceinline__ void qk(float *d, const uint32_t *a, uint64_t desc) {
         SDHIVE_WGMMA_QK("bf16");
     }
-    static __device__ __forceinline__ void pv(float *d, const uint32_t *a, uint64_t desc) { SDHIVE_WGMMA_PV("bf16"); }
+    template <int SCALE_D> static __device__ __forceinline__ void qk(float *d, uint64_t da, uint64_t desc) {
+        SDHIVE_WGMMA_QK_SS("bf16");
+    }
+    template <int N> static __device__ __forceinline__ void pv(float *d, const uint32_t *a, uint64_t desc) {
+        SDHIVE_WGMMA_PV_N("bf16");
+    }
 };
 
 // Requests keys k0..k0+BN-1 of K and V into one stage (keys past sk zero-filled: V's must not be garbage, as
 // 0·NaN is NaN) and commits one cp.async group, empty when k0 is past the end so that group counting stays
 // uniform. Eight consecutive threads fill one 128-byte core matrix.
-template <typename T, int THREADS>
+template <typename T, int D, int THREADS>
 __device__ __forceinline__ void load_tile(uint32_t stage, const T *kh, const T *vh, int k0, int sk, long long k_ss,
                                           long long v_ss) {
+    constexpr int KC = Tiles<D>::KC, VC = Tiles<D>::VC, K_BYTES = Tiles<D>::K_BYTES;
     if (k0 < sk) {
         const int valid = sk - k0;
         for (int i = threadIdx.x; i < 2 * BN * VC; i += THREADS) {
@@ -474,14 +507,16 @@ template <typename T, int N> __device__ __forceinline__ void pack_p(uint32_t (&p
     for (int i = 0; i < N / 2; ++i) p[i] = pack_f2<T>(s[2 * i], s[2 * i + 1]);
 }
 
-// NWG warpgroups of 64 query rows per block. q, k, v with any batch and row strides (rows 16-byte aligned), the
-// output contiguous (B, Sq, H·D), as flash_attention.
-template <typename T, int NWG>
+// Head dimension D, NWG warpgroups of 64 query rows per block. q, k, v with any batch and row strides (rows 16-byte
+// aligned), the output contiguous (B, Sq, H·D), as flash_attention.
+template <typename T, int D, int NWG>
 __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                           T *__restrict__ o, int sq, int sk, int heads, long long q_bs,
                                           long long q_ss, long long k_bs, long long k_ss, long long v_bs,
                                           long long v_ss, float c) {
-    constexpr int THREADS = 128 * NWG, NS = BN / 2;
+    constexpr int KC = Tiles<D>::KC, VC = Tiles<D>::VC, K_BYTES = Tiles<D>::K_BYTES, STAGE = Tiles<D>::STAGE;
+    constexpr int THREADS = 128 * NWG, NS = BN / 2, KS = KC / 2, NA = D / 2;
+    constexpr bool QS = Tiles<D>::Q_SHARED;
     const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int b = blockIdx.z, h = blockIdx.y;
     const int r0 = blockIdx.x * 64 * NWG + (tid / 128) * 64 + ((tid / 32) % 4) * 16 + g, r1 = r0 + 8;
@@ -489,24 +524,38 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
     const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(flash_smem));
     const int nt = (sk + BN - 1) / BN;
 
-    load_tile<T, THREADS>(base, kh, vh, 0, sk, k_ss, v_ss);
-    load_tile<T, THREADS>(base + STAGE, kh, vh, BN, sk, k_ss, v_ss);
+    // A shared Q tile joins tile 0's cp.async group, so the prologue's wait covers it; chunks past D and rows past
+    // sq are zero-filled.
+    const uint32_t qs = base + STAGES * STAGE + (tid / 128) * 64 * KC * 16;
+    if constexpr (QS) {
+        for (int i = tid % 128; i < 64 * KC; i += 128) {
+            const int c = (i / 8) % KC, row = blockIdx.x * 64 * NWG + (tid / 128) * 64 + (i / (8 * KC)) * 8 + i % 8;
+            const bool ok = c < VC && row < sq;
+            const T *src = q + (ok ? b * q_bs + (long long)row * q_ss + h * D + c * 8 : 0);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(qs + i * 16), "l"(src),
+                         "r"(ok ? 16 : 0));
+        }
+    }
+    load_tile<T, D, THREADS>(base, kh, vh, 0, sk, k_ss, v_ss);
+    load_tile<T, D, THREADS>(base + STAGE, kh, vh, BN, sk, k_ss, v_ss);
 
-    // K's pad chunk (d 40..47) meets Q's zero columns but must not hold NaN or Inf bit patterns: zeroed once in
+    // K's pad chunk (d D..KC·8-1) meets Q's zero columns but must not hold NaN or Inf bit patterns: zeroed once in
     // every stage; cp.async never writes it.
-    for (int i = tid; i < STAGES * BN; i += THREADS) {
-        const int st = i / BN, kg = (i % BN) / 8, r = i % 8;
-        *reinterpret_cast<uint4 *>(flash_smem + st * STAGE + ((kg * KC + KC - 1) * 8 + r) * 16) =
-            make_uint4(0, 0, 0, 0);
+    if constexpr (D % 16 != 0) {
+        for (int i = tid; i < STAGES * BN; i += THREADS) {
+            const int st = i / BN, kg = (i % BN) / 8, r = i % 8;
+            *reinterpret_cast<uint4 *>(flash_smem + st * STAGE + ((kg * KC + KC - 1) * 8 + r) * 16) =
+                make_uint4(0, 0, 0, 0);
+        }
     }
 
-    // Q's A fragments straight from global memory, once: k-step s holds columns 16s + 2t (+1) in a[0] (row g) and
-    // a[1] (row g+8), 16s + 8 + 2t (+1) in a[2], a[3]; columns past D and rows past sq are zeros.
-    uint32_t qa[3][4];
-    {
+    // Otherwise Q's A fragments straight from global memory, once: k-step s holds columns 16s + 2t (+1) in a[0]
+    // (row g) and a[1] (row g+8), 16s + 8 + 2t (+1) in a[2], a[3]; columns past D and rows past sq are zeros.
+    uint32_t qa[KS][4];
+    if constexpr (!QS) {
         const T *q0 = q + b * q_bs + (long long)r0 * q_ss + h * D, *q1 = q0 + 8 * q_ss;
 #pragma unroll
-        for (int s = 0; s < 3; ++s)
+        for (int s = 0; s < KS; ++s)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int col = 16 * s + 8 * half + 2 * t;
@@ -516,23 +565,33 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
             }
     }
 
-    float sc[NS], acc[20];
+    float sc[NS], acc[NA];
     uint32_t p[NS / 2];
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f, a0, a1;
 #pragma unroll
-    for (int i = 0; i < 20; ++i) acc[i] = 0.f;
+    for (int i = 0; i < NA; ++i) acc[i] = 0.f;
 
     // S = Q Kᵀ for the tile in `stage`, issued and committed, not waited for.
     auto issue_s = [&](uint32_t stage) {
-        Wgmma<T>::template qk<0>(sc, qa[0], smem_desc(stage, 128, KC * 128));
-        Wgmma<T>::template qk<1>(sc, qa[1], smem_desc(stage + 256, 128, KC * 128));
-        Wgmma<T>::template qk<1>(sc, qa[2], smem_desc(stage + 512, 128, KC * 128));
+        if constexpr (QS) {
+            Wgmma<T>::template qk<0>(sc, smem_desc(qs, 128, KC * 128), smem_desc(stage, 128, KC * 128));
+#pragma unroll
+            for (int s = 1; s < KS; ++s)
+                Wgmma<T>::template qk<1>(sc, smem_desc(qs + 256 * s, 128, KC * 128),
+                                         smem_desc(stage + 256 * s, 128, KC * 128));
+        } else {
+            Wgmma<T>::template qk<0>(sc, qa[0], smem_desc(stage, 128, KC * 128));
+#pragma unroll
+            for (int s = 1; s < KS; ++s)
+                Wgmma<T>::template qk<1>(sc, qa[s], smem_desc(stage + 256 * s, 128, KC * 128));
+        }
         wgmma_commit();
     };
     auto issue_pv = [&](int j) {
         const uint32_t vs = base + (j % STAGES) * STAGE + K_BYTES;
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) Wgmma<T>::pv(acc, p + 4 * kk, smem_desc(vs + kk * 2 * VC * 128, VC * 128, 128));
+        for (int kk = 0; kk < BN / 16; ++kk)
+            Wgmma<T>::template pv<D>(acc, p + 4 * kk, smem_desc(vs + kk * 2 * VC * 128, VC * 128, 128));
         wgmma_commit();
     };
 
@@ -556,7 +615,7 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
         asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
-        load_tile<T, THREADS>(base + ((j + 2) % STAGES) * STAGE, kh, vh, (j + 2) * BN, sk, k_ss, v_ss);
+        load_tile<T, D, THREADS>(base + ((j + 2) % STAGES) * STAGE, kh, vh, (j + 2) * BN, sk, k_ss, v_ss);
 
         wgmma_fence(); // p and acc were written by ordinary instructions
         issue_s(base + ((j + 1) % STAGES) * STAGE);
@@ -568,7 +627,7 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
         fence_regs(acc);
         fence_regs(p);
 #pragma unroll
-        for (int i = 0; i < 20; i += 4) {
+        for (int i = 0; i < NA; i += 4) {
             acc[i] *= a0;
             acc[i + 1] *= a0;
             acc[i + 2] *= a1;
@@ -590,7 +649,7 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
     const float i0 = 1.f / l0, i1 = 1.f / l1;
     T *o0 = o + ((long long)b * sq + r0) * heads * D + h * D, *o1 = o0 + 8LL * heads * D;
 #pragma unroll
-    for (int j = 0; j < 5; ++j) {
+    for (int j = 0; j < D / 8; ++j) {
         const int col = 8 * j + 2 * t;
         if (r0 < sq) *reinterpret_cast<uint32_t *>(o0 + col) = pack_f2<T>(acc[4 * j] * i0, acc[4 * j + 1] * i0);
         if (r1 < sq) *reinterpret_cast<uint32_t *>(o1 + col) = pack_f2<T>(acc[4 * j + 2] * i1, acc[4 * j + 3] * i1);
@@ -633,23 +692,35 @@ FLASH_BOTH(128, 32, 4, 1, (128))
 FLASH_BOTH(160, 32, 4, 1, (128))
 #endif
 
-// The Hopper kernel: two warpgroups (128 query rows) per block, two blocks per SM (126 registers, 33 KiB of
-// shared memory each); `HOPPER_*` in attention.rs must match. `xtask/bench/attention_wgmma.cu` on an H100 at SD1.5's
-// (2, 4096, 8, 40) self-attention: 190 us against 272 us for the mma.sync kernel above; 128-key tiles (179
-// registers, one block per SM) 235 us, three warpgroups 217 us, one warpgroup per block 302 us.
+// The Hopper kernels: (head dimension, warpgroups of 64 query rows per block, resident blocks per SM), the registers
+// capped for those blocks without spills; dynamic shared memory 3 · 64 · (KC + VC) · 16 bytes, plus NWG · 64 · KC · 16
+// with Q in shared memory; `HOPPER_*` in attention.rs must match. `xtask/bench/attention_wgmma.cu` on an H100, against
+// the mma.sync kernel above:
+// - D 40 (106 registers, 33 KiB): SD1.5's (2, 4096, 8, 40) self-attention 197 us against 276 us; 128-key tiles
+//   (179 registers, one block per SM) 235 us, three warpgroups 217 us, one warpgroup per block 302 us.
+// - D 64 (125 registers, 48 KiB): three warpgroups in the only block of an SM: SDXL's (2, 4096, 10, 64) 394 us
+//   against 490 us, (2, 1024, 20, 64) 57 against 67 us. Two blocks of two warpgroups take 399 and 64 us, one block
+//   of four 365 and 71 us: at batch 2 the block count decides the last wave (at (8, 1024, 20, 64) two blocks of two
+//   take 195 us, three warpgroups 216 us). One warpgroup per block: 710 us.
+// - D 80 (120 registers, 80 KiB, Q in shared memory): SD1.5's (2, 1024, 8, 80) 30 against 47 us, (8, 1024, 8, 80) 97
+//   against 133 us; Q in registers (137, one block per SM) 30 and 119 us.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define SDHIVE_SM90A(...) __VA_ARGS__
 #else
 #define SDHIVE_SM90A(...) __trap()
 #endif
-#define HOPPER(T, SFX)                                                                                            \
-    extern "C" __global__ void __launch_bounds__(256, 2) attention_wgmma_d40_##SFX(                               \
+#define HOPPER(D, NWG, BLOCKS, T, SFX)                                                                            \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, BLOCKS) attention_wgmma_d##D##_##SFX(                 \
         const T *q, const T *k, const T *v, T *o, int sq, int sk, int d, int heads, long long q_bs, long long q_ss, \
         long long k_bs, long long k_ss, long long v_bs, long long v_ss, float scale_log2) {                        \
-        SDHIVE_SM90A(hopper::attention<T, 2>(q, k, v, o, sq, sk, heads, q_bs, q_ss, k_bs, k_ss, v_bs, v_ss,       \
-                                             scale_log2));                                                        \
+        SDHIVE_SM90A(hopper::attention<T, D, NWG>(q, k, v, o, sq, sk, heads, q_bs, q_ss, k_bs, k_ss, v_bs, v_ss,  \
+                                                  scale_log2));                                                   \
     }
+#define HOPPER_BOTH(D, NWG, BLOCKS)                                                                               \
+    HOPPER(D, NWG, BLOCKS, __half, f16)                                                                           \
+    HOPPER(D, NWG, BLOCKS, __nv_bfloat16, bf16)
 #ifndef SDHIVE_ATTENTION_NO_INSTANCES
-HOPPER(__half, f16)
-HOPPER(__nv_bfloat16, bf16)
+HOPPER_BOTH(40, 2, 2)
+HOPPER_BOTH(64, 3, 1)
+HOPPER_BOTH(80, 2, 2)
 #endif

@@ -16,17 +16,26 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
 /// The same source for compute_90a (empty unless built for 9.0): the Hopper kernels.
 const HOPPER_MODULE: &str = "sdhive_attention_sm90a";
 const HOPPER_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention_sm90a.ptx"));
-/// The Hopper kernel's head dimension, query rows per block (two warpgroups of 64), threads, and dynamic shared
-/// memory (three stages of a 64-key K tile of 48 columns and a V tile of 40): attention.cu's `hopper` constants.
-const HOPPER_D: usize = 40;
-const HOPPER_ROWS: usize = 128;
-const HOPPER_THREADS: u32 = 256;
-const HOPPER_SMEM: usize = 3 * 64 * (48 + 40) * 2;
 /// The head dimensions the kernels are instantiated for (a head of D values runs in the smallest DP ≥ D).
 const PADDED_DIMS: [usize; 8] = [16, 32, 48, 64, 80, 96, 128, 160];
 
 fn padded_dim(d: usize) -> Option<usize> {
     PADDED_DIMS.iter().copied().find(|&p| p >= d)
+}
+
+/// The Hopper kernels' block shapes (attention.cu's `HOPPER_BOTH` table): for head dimension `d`, the warpgroups
+/// of 64 query rows per block and the dynamic shared memory, three stages of a 64-key K tile (D padded to whole
+/// k-steps of 16) and V tile (D columns), plus each warpgroup's Q tile where Q is read from shared memory (D 80).
+fn hopper_shape(d: usize) -> Option<(usize, usize)> {
+    let (warpgroups, q_shared) = match d {
+        40 => (2, false),
+        64 => (3, false),
+        80 => (2, true),
+        _ => return None,
+    };
+    let (kc, vc) = (d.div_ceil(16) * 2, d / 8);
+    let q_tiles = if q_shared { warpgroups * 64 * kc * 16 } else { 0 };
+    Some((warpgroups, 3 * 64 * (kc + vc) * 16 + q_tiles))
 }
 
 /// The instantiation's block shape for padded head dimension `dp` (the table at the end of attention.cu): keys
@@ -51,16 +60,16 @@ pub fn built_for_sm80() -> bool {
     built_for() >= 80
 }
 
-/// Which kernel runs attention with head dimension `d` on `dev`: the Hopper (wgmma) kernel for heads of 40 where the
-/// build has it and the device is compute capability 9.0 (its sm_90a PTX loads nowhere else), else the mma.sync
-/// kernel for the padded head dimension.
+/// Which kernel runs attention with head dimension `d` on `dev`: a Hopper (wgmma) kernel for heads of 40, 64 and 80
+/// where the build has them and the device is compute capability 9.0 (their sm_90a PTX loads nowhere else), else
+/// the mma.sync kernel for the padded head dimension.
 pub fn kernel_for(dev: &CudaDevice, d: usize, dtype: DType) -> Result<String> {
     let sfx = match dtype {
         DType::F16 => "f16",
         DType::BF16 => "bf16",
         other => bail!("fused attention: unsupported dtype {other:?}"),
     };
-    if d == HOPPER_D
+    if hopper_shape(d).is_some()
         && !HOPPER_PTX.is_empty()
         && dev.cuda_stream().context().compute_capability().w()? == (9, 0)
     {
@@ -140,10 +149,10 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
     let sk = k.1.shape().dims3()?.1;
     let d = c / op.heads;
     let kernel = kernel_for(dev, d, q.0.dtype())?;
-    let hopper = kernel.starts_with("attention_wgmma");
-    let (func, smem, rows, threads) = if hopper {
+    let hopper = hopper_shape(d).filter(|_| kernel.starts_with("attention_wgmma"));
+    let (func, smem, rows, threads) = if let Some((warpgroups, smem)) = hopper {
         let func = dev.get_or_load_custom_func(&kernel, HOPPER_MODULE, HOPPER_PTX)?;
-        (func, HOPPER_SMEM, HOPPER_ROWS, HOPPER_THREADS)
+        (func, smem, 64 * warpgroups, 128 * warpgroups as u32)
     } else {
         let Some(dp) = padded_dim(d) else { bail!("fused attention: head dimension {d} is over 160") };
         (dev.get_or_load_custom_func(&kernel, MODULE, PTX)?, smem_bytes(dp), block_shape(dp).1, 128)
@@ -151,7 +160,8 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
     let (qs, ks, vs) = (view::<T>(q.0, q.1)?, view::<T>(k.0, k.1)?, view::<T>(v.0, v.1)?);
     // SAFETY: every element is written by the kernel (each (row, head) by its block, all D columns).
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(b * sq * c)? };
-    // Above 48 KiB a kernel must opt in to its dynamic shared memory (only head dimensions 81–96 get there).
+    // Above 48 KiB a kernel must opt in to its dynamic shared memory (mma.sync at head dimensions 81–96, the Hopper
+    // kernels at 64 and 80).
     if smem > 48 * 1024 {
         func.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

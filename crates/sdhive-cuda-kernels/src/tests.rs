@@ -569,8 +569,9 @@ fn candle_nn_free_softmax(x: &Tensor) -> Tensor {
 }
 
 /// The networks' head layouts (SD1.5's 40/80/160, SDXL's 64) and the rest of the instantiations, query and key
-/// counts off the blocks' row (64, 128 at head dimension 40) and key-tile boundaries, cross-attention to 77 tokens, a single key, large logits
-/// (the running max must keep exp from overflowing), and q/k/v read in place from one packed projection.
+/// counts off the blocks' row (64; 128 and 192 for the Hopper kernels) and key-tile boundaries, cross-attention to
+/// 77 tokens, a single key, large logits (the running max must keep exp from overflowing), and q/k/v read in place
+/// from one packed projection.
 #[test]
 fn attention_matches_the_reference() {
     let dev = gpu();
@@ -586,6 +587,8 @@ fn attention_matches_the_reference() {
         (1, 90, 1, 2, 40, 1.0, false),
         (2, 128, 200, 2, 64, 6.0, false),
         (1, 129, 77, 8, 40, 6.0, true),
+        (1, 300, 150, 4, 80, 6.0, true),
+        (2, 50, 1, 2, 64, 1.0, false),
     ] {
         let c = heads * d;
         let (q, k, v) = if packed {
@@ -621,22 +624,26 @@ fn attention_matches_the_reference() {
     }
 }
 
-/// On a compute capability 9.0 device a build for 9.0 runs heads of 40 on the Hopper (wgmma) kernel, which the
-/// test above then checked against the reference at those heads; other heads, builds and devices keep the
-/// mma.sync kernels.
+/// On a compute capability 9.0 device a build for 9.0 runs heads of 40, 64 and 80 on the Hopper (wgmma) kernels,
+/// which the test above then checked against the reference at those heads; other heads, builds and devices keep
+/// the mma.sync kernels.
 #[test]
-fn heads_of_40_take_the_hopper_kernel_on_hopper() {
+fn heads_of_40_64_and_80_take_the_hopper_kernels_on_hopper() {
     let dev = gpu();
     let Device::Cuda(cuda) = &dev else { panic!("not a CUDA device") };
     let hopper = crate::cuda::built_for() == 90
         && cuda.cuda_stream().context().compute_capability().unwrap() == (9, 0);
     for dtype in [DType::F16, DType::BF16] {
-        let name = attention_kernel(&dev, 40, dtype).unwrap();
         let sfx = if dtype == DType::F16 { "f16" } else { "bf16" };
-        let want =
-            if hopper { format!("attention_wgmma_d40_{sfx}") } else { format!("flash_attention_d48_{sfx}") };
-        assert_eq!(name, want);
-        assert_eq!(attention_kernel(&dev, 64, dtype).unwrap(), format!("flash_attention_d64_{sfx}"));
+        for (d, padded) in [(40, 48), (64, 64), (80, 80)] {
+            let want = if hopper {
+                format!("attention_wgmma_d{d}_{sfx}")
+            } else {
+                format!("flash_attention_d{padded}_{sfx}")
+            };
+            assert_eq!(attention_kernel(&dev, d, dtype).unwrap(), want);
+        }
+        assert_eq!(attention_kernel(&dev, 160, dtype).unwrap(), format!("flash_attention_d160_{sfx}"));
     }
     eprintln!("heads of 40 run {}", attention_kernel(&dev, 40, DType::F16).unwrap());
 }
