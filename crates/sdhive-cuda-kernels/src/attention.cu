@@ -410,28 +410,21 @@ template <typename R, int N> __device__ __forceinline__ void fence_regs(R (&r)[N
 // D(64×64, f32) (+)= A(64×16, registers) · B(16×64, K-major); SCALE_D 0 ignores D's old value. And D(64×N) +=
 // A(64×16) · B(16×N, MN-major, transposed read) for N 40, 64 or 80.
 template <typename T> struct Wgmma;
-template <> struct Wgmma<__half> {
-    template <int SCALE_D> static __device__ __forceinline__ void qk(float *d, const uint32_t *a, uint64_t desc) {
-        SDHIVE_WGMMA_QK("f16");
-    }
-    template <int SCALE_D> static __device__ __forceinline__ void qk(float *d, uint64_t da, uint64_t desc) {
-        SDHIVE_WGMMA_QK_SS("f16");
-    }
-    template <int N> static __device__ __forceinline__ void pv(float *d, const uint32_t *a, uint64_t desc) {
-        SDHIVE_WGMMA_PV_N("f16");
-    }
-};
-template <> struct Wgmma<__nv_bfloat16> {
-    template <int SCALE_D> static __device__ __forceinline__ void qk(float *d, const uint32_t *a, uint64_t desc) {
-        SDHIVE_WGMMA_QK("bf16");
-    }
-    template <int SCALE_D> static __device__ __forceinline__ void qk(float *d, uint64_t da, uint64_t desc) {
-        SDHIVE_WGMMA_QK_SS("bf16");
-    }
-    template <int N> static __device__ __forceinline__ void pv(float *d, const uint32_t *a, uint64_t desc) {
-        SDHIVE_WGMMA_PV_N("bf16");
-    }
-};
+#define SDHIVE_WGMMA_FOR(T, TY)                                                                                   \
+    template <> struct Wgmma<T> {                                                                                 \
+        template <int SCALE_D>                                                                                    \
+        static __device__ __forceinline__ void qk(float *d, const uint32_t *a, uint64_t desc) {                   \
+            SDHIVE_WGMMA_QK(TY);                                                                                  \
+        }                                                                                                         \
+        template <int SCALE_D> static __device__ __forceinline__ void qk(float *d, uint64_t da, uint64_t desc) {  \
+            SDHIVE_WGMMA_QK_SS(TY);                                                                               \
+        }                                                                                                         \
+        template <int N> static __device__ __forceinline__ void pv(float *d, const uint32_t *a, uint64_t desc) {  \
+            SDHIVE_WGMMA_PV_N(TY);                                                                                \
+        }                                                                                                         \
+    };
+SDHIVE_WGMMA_FOR(__half, "f16")
+SDHIVE_WGMMA_FOR(__nv_bfloat16, "bf16")
 
 // Requests keys k0..k0+BN-1 of K and V into one stage (keys past sk zero-filled: V's must not be garbage, as
 // 0·NaN is NaN) and commits one cp.async group, empty when k0 is past the end so that group counting stays

@@ -21,33 +21,20 @@ pub(crate) struct ConditioningTables {
 impl ConditioningTables {
     /// Takes the projections over from the blocks, telling each where its columns will be.
     pub fn stack(down: &mut [DownBlock], mid: &mut MidBlock, up: &mut [UpBlock]) -> Result<Self> {
-        let mut time = Vec::new();
-        let mut offset = 0;
         let resnets = down
             .iter_mut()
             .flat_map(DownBlock::resnets_mut)
             .chain(mid.resnets_mut())
             .chain(up.iter_mut().flat_map(UpBlock::resnets_mut));
-        for resnet in resnets {
-            if let Some(proj) = resnet.hand_over_time_projection(offset) {
-                offset += proj.weight().dim(0)?;
-                time.push(proj);
-            }
-        }
-        let mut context = Vec::new();
-        let mut offset = 0;
+        let time = stack_handed_over(resnets, |r, offset| r.hand_over_time_projection(offset))?;
         let transformers = down
             .iter_mut()
             .flat_map(DownBlock::transformers_mut)
             .chain(mid.transformers_mut())
             .chain(up.iter_mut().flat_map(UpBlock::transformers_mut));
-        for attention in transformers.flat_map(|t| t.context_attentions_mut()) {
-            if let Some(kv) = attention.hand_over_context_kv(offset) {
-                offset += kv.weight().dim(0)?;
-                context.push(kv);
-            }
-        }
-        Ok(Self { time: stack_linears_opt(&time)?, context: stack_linears_opt(&context)? })
+        let attentions = transformers.flat_map(|t| t.context_attentions_mut());
+        let context = stack_handed_over(attentions, |a, offset| a.hand_over_context_kv(offset))?;
+        Ok(Self { time, context })
     }
 
     /// What the ResNets take for the activated time embedding `(B, T)`: the `(B, ΣC)` table of their projections.
@@ -66,4 +53,21 @@ impl ConditioningTables {
             None => Ok(context.clone()),
         }
     }
+}
+
+/// The linears `hand_over` takes from each module, stacked in that order, each module told the column its
+/// outputs will start at.
+fn stack_handed_over<'a, M: 'a>(
+    modules: impl Iterator<Item = &'a mut M>,
+    hand_over: impl Fn(&mut M, usize) -> Option<Linear>,
+) -> Result<Option<Linear>> {
+    let mut parts = Vec::new();
+    let mut offset = 0;
+    for module in modules {
+        if let Some(part) = hand_over(module, offset) {
+            offset += part.weight().dim(0)?;
+            parts.push(part);
+        }
+    }
+    stack_linears_opt(&parts)
 }
