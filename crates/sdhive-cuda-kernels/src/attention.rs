@@ -1,5 +1,6 @@
-//! The fused attention kernel of `attention.cu` as a candle custom op over the projections' `(B, S, H·D)` q, k and v:
-//! layout checks, the instantiation for the head dimension and storage type, the launch.
+//! The fused attention kernels of `attention.cu` as a candle custom op over the projections' `(B, S, H·D)` q, k and
+//! v: layout checks, the instantiation for the head dimension, storage type and device (the Hopper kernels from the
+//! compute_90a PTX on compute capability 9.0), the launch.
 
 use crate::cuda::built_for;
 use candle_core::backend::BackendStorage;
