@@ -61,23 +61,43 @@ pub fn built_for_sm80() -> bool {
     built_for() >= 80
 }
 
-/// Which kernel runs attention with head dimension `d` on `dev`: a Hopper (wgmma) kernel for heads of 40, 64 and 80
-/// where the build has them and the device is compute capability 9.0 (their sm_90a PTX loads nowhere else), else
-/// the mma.sync kernel for the padded head dimension.
-pub fn kernel_for(dev: &CudaDevice, d: usize, dtype: DType) -> Result<String> {
-    let sfx = match dtype {
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        other => bail!("fused attention: unsupported dtype {other:?}"),
-    };
-    if hopper_shape(d).is_some()
-        && !HOPPER_PTX.is_empty()
-        && dev.cuda_stream().context().compute_capability().w()? == (9, 0)
-    {
-        return Ok(format!("attention_wgmma_d{d}_{sfx}"));
+/// The kernel for one head dimension on one device.
+enum Kernel {
+    /// A Hopper (wgmma) kernel: `warpgroups` of 64 query rows per block, `smem` bytes of dynamic shared memory.
+    Hopper { d: usize, warpgroups: usize, smem: usize },
+    /// The mma.sync kernel for padded head dimension `dp`.
+    MmaSync { dp: usize },
+}
+
+impl Kernel {
+    /// A Hopper kernel for heads of 40, 64 and 80 where the build has them and the device is compute capability 9.0
+    /// (their sm_90a PTX loads nowhere else), else the mma.sync kernel for the padded head dimension.
+    fn for_head(dev: &CudaDevice, d: usize) -> Result<Self> {
+        if let Some((warpgroups, smem)) = hopper_shape(d) {
+            if !HOPPER_PTX.is_empty() && dev.cuda_stream().context().compute_capability().w()? == (9, 0) {
+                return Ok(Kernel::Hopper { d, warpgroups, smem });
+            }
+        }
+        let Some(dp) = padded_dim(d) else { bail!("fused attention: head dimension {d} is over 160") };
+        Ok(Kernel::MmaSync { dp })
     }
-    let Some(dp) = padded_dim(d) else { bail!("fused attention: head dimension {d} is over 160") };
-    Ok(format!("flash_attention_d{dp}_{sfx}"))
+
+    fn name(&self, dtype: DType) -> Result<String> {
+        let sfx = match dtype {
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            other => bail!("fused attention: unsupported dtype {other:?}"),
+        };
+        Ok(match self {
+            Kernel::Hopper { d, .. } => format!("attention_wgmma_d{d}_{sfx}"),
+            Kernel::MmaSync { dp } => format!("flash_attention_d{dp}_{sfx}"),
+        })
+    }
+}
+
+/// The name of the kernel that runs attention with head dimension `d` in `dtype` on `dev` ([`Kernel::for_head`]).
+pub fn kernel_for(dev: &CudaDevice, d: usize, dtype: DType) -> Result<String> {
+    Kernel::for_head(dev, d)?.name(dtype)
 }
 
 /// Why the fused kernel cannot take these projections, or `None` when it can.
@@ -149,14 +169,16 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
     let (b, sq, c) = q.1.shape().dims3()?;
     let sk = k.1.shape().dims3()?.1;
     let d = c / op.heads;
-    let kernel = kernel_for(dev, d, q.0.dtype())?;
-    let hopper = hopper_shape(d).filter(|_| kernel.starts_with("attention_wgmma"));
-    let (func, smem, rows, threads) = if let Some((warpgroups, smem)) = hopper {
-        let func = dev.get_or_load_custom_func(&kernel, HOPPER_MODULE, HOPPER_PTX)?;
-        (func, smem, 64 * warpgroups, 128 * warpgroups as u32)
-    } else {
-        let Some(dp) = padded_dim(d) else { bail!("fused attention: head dimension {d} is over 160") };
-        (dev.get_or_load_custom_func(&kernel, MODULE, PTX)?, smem_bytes(dp), block_shape(dp).1, 128)
+    let kernel = Kernel::for_head(dev, d)?;
+    let name = kernel.name(q.0.dtype())?;
+    let (func, smem, rows, threads) = match kernel {
+        Kernel::Hopper { warpgroups, smem, .. } => {
+            let func = dev.get_or_load_custom_func(&name, HOPPER_MODULE, HOPPER_PTX)?;
+            (func, smem, 64 * warpgroups, 128 * warpgroups as u32)
+        }
+        Kernel::MmaSync { dp } => {
+            (dev.get_or_load_custom_func(&name, MODULE, PTX)?, smem_bytes(dp), block_shape(dp).1, 128)
+        }
     };
     let (qs, ks, vs) = (view::<T>(q.0, q.1)?, view::<T>(k.0, k.1)?, view::<T>(v.0, v.1)?);
     // SAFETY: every element is written by the kernel (each (row, head) by its block, all D columns).

@@ -96,6 +96,38 @@ pub fn stack_linears(parts: &[Linear]) -> Result<Linear> {
     stack_linears_opt(parts)?.ok_or_else(|| candle_core::Error::Msg("stacking no linears".into()))
 }
 
+/// A block's linear of an input many blocks share (the UNet's time embedding, its text context): the block's own,
+/// or, once handed over for stacking with the others' ([`stack_linears_opt`]), a column range of the stacked
+/// product's output, which the caller then gives the block in place of the input.
+#[derive(Debug, Clone)]
+pub enum StackableLinear {
+    Own(Linear),
+    Table { offset: usize },
+}
+
+impl StackableLinear {
+    /// Gives the linear up for stacking, its outputs to start at column `offset` of the stacked product; `None`
+    /// when already handed over.
+    pub fn hand_over(&mut self, offset: usize) -> Option<Linear> {
+        match std::mem::replace(self, StackableLinear::Table { offset }) {
+            StackableLinear::Own(l) => Some(l),
+            table => {
+                *self = table;
+                None
+            }
+        }
+    }
+
+    /// The projection of `input` (`width` outputs): the block's own product, or the `width` columns at its offset
+    /// of `input`, then the stacked product's output.
+    pub fn apply(&self, input: &Tensor, width: usize) -> Result<Tensor> {
+        match self {
+            StackableLinear::Own(l) => ops::linear(l, input, None),
+            StackableLinear::Table { offset } => input.narrow(candle_core::D::Minus1, *offset, width),
+        }
+    }
+}
+
 /// A biased 2-D convolution (groups and dilation 1) whose filter matches the layout of the maps it reads:
 /// `(K, C, R, S)` for NCHW, `(K, R, S, C)` for channels-last.
 #[derive(Debug, Clone)]
@@ -206,21 +238,11 @@ fn conv2d_in(
 pub struct ResnetBlock2D {
     norm1: GroupNorm,
     conv1: Conv2d,
-    time_emb_proj: Option<TimeProjection>,
+    time_emb_proj: Option<StackableLinear>,
     norm2: GroupNorm,
     conv2: Conv2d,
     conv_shortcut: Option<Conv2d>,
     output_scale_factor: f64,
-}
-
-/// Where a ResNet's time-embedding projection comes from.
-#[derive(Debug, Clone)]
-enum TimeProjection {
-    /// Its own `time_emb_proj`, applied to the activated embedding it is given.
-    Own(Linear),
-    /// Columns `offset..offset + out_channels` of the table it is given: the UNet stacked every block's projection
-    /// into one product per call ([`ResnetBlock2D::hand_over_time_projection`]).
-    Table { offset: usize },
 }
 
 /// Shape parameters of one [`ResnetBlock2D`].
@@ -239,7 +261,7 @@ impl ResnetBlock2D {
         let norm1 = GroupNorm::new(vb.pp("norm1"), s.groups, s.in_channels, s.eps)?;
         let conv1 = conv2d(vb.pp("conv1"), s.in_channels, s.out_channels, 3, 1, 1)?;
         let time_emb_proj = match s.temb_channels {
-            Some(t) => Some(TimeProjection::Own(linear(vb.pp("time_emb_proj"), t, s.out_channels, true)?)),
+            Some(t) => Some(StackableLinear::Own(linear(vb.pp("time_emb_proj"), t, s.out_channels, true)?)),
             None => None,
         };
         let norm2 = GroupNorm::new(vb.pp("norm2"), s.groups, s.out_channels, s.eps)?;
@@ -270,26 +292,14 @@ impl ResnetBlock2D {
     /// blocks' into one product; from then on [`Self::forward`] reads its `C` columns at `offset` of the
     /// product's `(B, ΣC)` output instead of projecting. `None` for a block without one (or already handed over).
     pub fn hand_over_time_projection(&mut self, offset: usize) -> Option<Linear> {
-        match self.time_emb_proj.take() {
-            Some(TimeProjection::Own(proj)) => {
-                self.time_emb_proj = Some(TimeProjection::Table { offset });
-                Some(proj)
-            }
-            other => {
-                self.time_emb_proj = other;
-                None
-            }
-        }
+        self.time_emb_proj.as_mut()?.hand_over(offset)
     }
 
     /// [`Self::forward`] taking the input by value, so it is freed as soon as the block no
     /// longer needs it (when the caller holds no other reference): at 256² a VAE input is 67 MB.
     pub fn forward_owned(&self, x: Tensor, temb: Option<&Tensor>) -> Result<Tensor> {
         let temb = match (&self.time_emb_proj, temb) {
-            (Some(TimeProjection::Own(proj)), Some(temb)) => Some(ops::linear(proj, temb, None)?),
-            (Some(TimeProjection::Table { offset }), Some(table)) => {
-                Some(table.narrow(1, *offset, self.conv2.out_channels())?)
-            }
+            (Some(proj), Some(temb)) => Some(proj.apply(temb, self.conv2.out_channels())?),
             _ => None,
         };
         // The time embedding is added to conv1's output: in conv1's epilogue, or while norm2 reads that output

@@ -39,19 +39,21 @@ impl ConditioningTables {
 
     /// What the ResNets take for the activated time embedding `(B, T)`: the `(B, ΣC)` table of their projections.
     pub fn time(&self, activated: &Tensor) -> Result<Tensor> {
-        match &self.time {
-            Some(l) => ops::linear(l, activated, None),
-            None => Ok(activated.clone()),
-        }
+        table(&self.time, activated)
     }
 
     /// What the transformer blocks take for the text context `(B, T, Cctx)`: the `(B, T, Σ2·inner)` table of
     /// their k and v.
     pub fn context(&self, context: &Tensor) -> Result<Tensor> {
-        match &self.context {
-            Some(l) => ops::linear(l, context, None),
-            None => Ok(context.clone()),
-        }
+        table(&self.context, context)
+    }
+}
+
+/// The stacked product of `input`, or `input` itself where no block handed a linear over.
+fn table(stacked: &Option<Linear>, input: &Tensor) -> Result<Tensor> {
+    match stacked {
+        Some(l) => ops::linear(l, input, None),
+        None => Ok(input.clone()),
     }
 }
 

@@ -1,7 +1,7 @@
 //! The UNet's spatial transformer: diffusers `Transformer2DModel` (continuous input) with its
 //! `BasicTransformerBlock`s (self-attention, cross-attention, GEGLU feed-forward).
 
-use crate::layers::{conv2d, linear, stack_linears, Conv2d, GroupNorm, LayerNorm};
+use crate::layers::{conv2d, linear, stack_linears, Conv2d, GroupNorm, LayerNorm, StackableLinear};
 use crate::ops::{self, MapLayout};
 use candle_core::{bail, Result, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
@@ -23,17 +23,10 @@ pub struct CrossAttention {
 enum Projections {
     /// Self-attention: `to_q`, `to_k`, `to_v` of the tokens, weight `(3·inner, C)`.
     Tokens(Linear),
-    /// Attention to a context: `to_q` of the tokens, and k and v of the context.
-    Context { to_q: Linear, kv: ContextKv },
-}
-
-#[derive(Debug, Clone)]
-enum ContextKv {
-    /// `to_k` and `to_v` stacked, weight `(2·inner, Cctx)`, applied to the context it is given.
-    Own(Linear),
-    /// Columns `offset..offset + 2·inner` of the table it is given instead of the context: the UNet stacked
-    /// every block's k and v projections into one product per call ([`CrossAttention::hand_over_context_kv`]).
-    Table { offset: usize },
+    /// Attention to a context: `to_q` of the tokens, and `to_k` and `to_v` of the context stacked (weight
+    /// `(2·inner, Cctx)`), which the UNet takes over into one product for all its blocks
+    /// ([`CrossAttention::hand_over_context_kv`]).
+    Context { to_q: Linear, kv: StackableLinear },
 }
 
 impl CrossAttention {
@@ -56,7 +49,7 @@ impl CrossAttention {
             ])?),
             Some(ctx) => Projections::Context {
                 to_q: part("to_q", query_dim)?,
-                kv: ContextKv::Own(stack_linears(&[part("to_k", ctx)?, part("to_v", ctx)?])?),
+                kv: StackableLinear::Own(stack_linears(&[part("to_k", ctx)?, part("to_v", ctx)?])?),
             },
         };
         Ok(Self {
@@ -80,13 +73,7 @@ impl CrossAttention {
     /// block reads. `None` for self-attention (or when already handed over).
     pub fn hand_over_context_kv(&mut self, offset: usize) -> Option<Linear> {
         let Projections::Context { kv, .. } = &mut self.projections else { return None };
-        match std::mem::replace(kv, ContextKv::Table { offset }) {
-            ContextKv::Own(l) => Some(l),
-            table => {
-                *kv = table;
-                None
-            }
-        }
+        kv.hand_over(offset)
     }
 
     /// [`Self::forward`] plus `residual` (`(B, S, C)`), added by the output projection.
@@ -103,11 +90,7 @@ impl CrossAttention {
                 (qkv.narrow(D::Minus1, 0, n)?, qkv.narrow(D::Minus1, n, 2 * n)?)
             }
             (Projections::Context { to_q, kv }, Some(context)) => {
-                let kv = match kv {
-                    ContextKv::Own(l) => ops::linear(l, context, None)?,
-                    ContextKv::Table { offset } => context.narrow(D::Minus1, *offset, 2 * n)?,
-                };
-                (ops::linear(to_q, x, None)?, kv)
+                (ops::linear(to_q, x, None)?, kv.apply(context, 2 * n)?)
             }
             (Projections::Tokens(_), Some(_)) => bail!("self-attention takes no context"),
             (Projections::Context { .. }, None) => bail!("cross-attention needs a context"),
@@ -238,6 +221,11 @@ impl Transformer2DModel {
         Ok(Self { norm, proj_in, blocks, proj_out, layout: MapLayout::of(&vb) })
     }
 
+    /// The blocks' attentions to the context, for stacking their k and v projections.
+    pub(crate) fn context_attentions_mut(&mut self) -> impl Iterator<Item = &mut CrossAttention> {
+        self.blocks.iter_mut().map(|b| &mut b.attn2)
+    }
+
     /// `x` a map in the network's layout.
     pub fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
         let (w_in, b_in) = self.proj_in.weight_bias();
@@ -262,13 +250,6 @@ impl Transformer2DModel {
             tokens = block.forward(&tokens, context)?;
         }
         ops::tokens_to_image(&tokens, w_out, b_out, (h, w), Some(x))
-    }
-}
-
-impl Transformer2DModel {
-    /// The blocks' attentions to the context, for stacking their k and v projections.
-    pub(crate) fn context_attentions_mut(&mut self) -> impl Iterator<Item = &mut CrossAttention> {
-        self.blocks.iter_mut().map(|b| &mut b.attn2)
     }
 }
 
