@@ -428,26 +428,47 @@ SDHIVE_WGMMA_FOR(__nv_bfloat16, "bf16")
 
 // Requests keys k0..k0+BN-1 of K and V into one stage (keys past sk zero-filled: V's must not be garbage, as
 // 0·NaN is NaN) and commits one cp.async group, empty when k0 is past the end so that group counting stays
-// uniform. Eight consecutive threads fill one 128-byte core matrix.
-template <typename T, int D, int THREADS>
-__device__ __forceinline__ void load_tile(uint32_t stage, const T *kh, const T *vh, int k0, int sk, long long k_ss,
-                                          long long v_ss) {
-    constexpr int KC = Tiles<D>::KC, VC = Tiles<D>::VC, K_BYTES = Tiles<D>::K_BYTES;
-    if (k0 < sk) {
-        const int valid = sk - k0;
-        for (int i = threadIdx.x; i < 2 * BN * VC; i += THREADS) {
+// uniform. Eight consecutive threads fill one 128-byte core matrix. A thread copies the same chunks of every tile,
+// so their offsets are worked out once, before the key loop: recomputed per tile, the index arithmetic (divisions by
+// VC, 64-bit products, a loop of runtime trip count) cost about as many instructions as the softmax. Per chunk: the
+// source element offset from the tile's first row (32 bits: a 64-key tile spans less than 2^32 elements for any row
+// stride below 2^26), and the destination byte offset in the stage with the key at bit 16 and K or V at bit 24.
+template <typename T, int D, int THREADS> struct TileLoader {
+    static constexpr int KC = Tiles<D>::KC, VC = Tiles<D>::VC, K_BYTES = Tiles<D>::K_BYTES;
+    static constexpr int N = 2 * BN * VC, R = (N + THREADS - 1) / THREADS;
+    static_assert(Tiles<D>::STAGE < (1 << 16), "stage offsets in 16 bits");
+    uint32_t src[R], dst[R];
+
+    __device__ __forceinline__ TileLoader(long long k_ss, long long v_ss) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int i = threadIdx.x + r * THREADS;
             const bool is_v = i >= BN * VC;
             const int j = is_v ? i - BN * VC : i;
             const int u = j / 8, kg = u / VC, c = u % VC, key = kg * 8 + j % 8;
-            const bool ok = key < valid;
-            const T *src = is_v ? vh + (ok ? (long long)(k0 + key) * v_ss + c * 8 : 0)
-                                : kh + (ok ? (long long)(k0 + key) * k_ss + c * 8 : 0);
-            const uint32_t dst = stage + (is_v ? K_BYTES + j * 16 : ((kg * KC + c) * 8 + j % 8) * 16);
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+            src[r] = (uint32_t)(key * (is_v ? v_ss : k_ss) + c * 8);
+            dst[r] = (is_v ? K_BYTES + j * 16 : ((kg * KC + c) * 8 + j % 8) * 16) | key << 16 | (uint32_t)is_v << 24;
         }
     }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
+
+    __device__ __forceinline__ void load(uint32_t stage, const T *kh, const T *vh, int k0, int sk, long long k_ss,
+                                         long long v_ss) const {
+        if (k0 < sk) {
+            const int valid = sk - k0;
+            const T *kt = kh + k0 * k_ss, *vt = vh + k0 * v_ss;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (N % THREADS != 0 && r == R - 1 && threadIdx.x + r * THREADS >= N) break;
+                const uint32_t d = dst[r];
+                const bool ok = (int)((d >> 16) & 0xff) < valid;
+                const T *from = (d >> 24 ? vt : kt) + (ok ? src[r] : 0u);
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(stage + (d & 0xffff)),
+                             "l"(from), "r"(ok ? 16 : 0));
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+};
 
 // Online softmax of one score tile in place (exp2 domain, the scale in one fused multiply-add per score). In the
 // m64nN accumulator s[i] is row g + 8·((i/2)%2) of the warp's 16, column 8·(i/4) + 2t + i%2; a row's values live
@@ -529,8 +550,9 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
                          "r"(ok ? 16 : 0));
         }
     }
-    load_tile<T, D, THREADS>(base, kh, vh, 0, sk, k_ss, v_ss);
-    load_tile<T, D, THREADS>(base + STAGE, kh, vh, BN, sk, k_ss, v_ss);
+    const TileLoader<T, D, THREADS> loader(k_ss, v_ss);
+    loader.load(base, kh, vh, 0, sk, k_ss, v_ss);
+    loader.load(base + STAGE, kh, vh, BN, sk, k_ss, v_ss);
 
     // K's pad chunk (d D..KC·8-1) meets Q's zero columns but must not hold NaN or Inf bit patterns: zeroed once in
     // every stage; cp.async never writes it.
@@ -608,7 +630,7 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
         asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
-        load_tile<T, D, THREADS>(base + ((j + 2) % STAGES) * STAGE, kh, vh, (j + 2) * BN, sk, k_ss, v_ss);
+        loader.load(base + ((j + 2) % STAGES) * STAGE, kh, vh, (j + 2) * BN, sk, k_ss, v_ss);
 
         wgmma_fence(); // p and acc were written by ordinary instructions
         issue_s(base + ((j + 1) % STAGES) * STAGE);
@@ -686,16 +708,17 @@ FLASH_BOTH(160, 32, 4, 1, (128))
 #endif
 
 // The Hopper kernels: (head dimension, warpgroups of 64 query rows per block, resident blocks per SM), the registers
-// capped for those blocks without spills; dynamic shared memory 3 · 64 · (KC + VC) · 16 bytes, plus NWG · 64 · KC · 16
-// with Q in shared memory; `HOPPER_*` in attention.rs must match. `xtask/bench/attention_wgmma.cu` on an H100, against
-// the mma.sync kernel above:
-// - D 40 (106 registers, 33 KiB): SD1.5's (2, 4096, 8, 40) self-attention 197 us against 276 us; 128-key tiles
+// capped for those blocks (D 80 spills 12 bytes, one L1-resident reload per key tile); dynamic shared memory
+// 3 · 64 · (KC + VC) · 16 bytes, plus NWG · 64 · KC · 16 with Q in shared memory; `HOPPER_*` in attention.rs must
+// match. `xtask/bench/attention_wgmma.cu` on an H100, against the mma.sync kernel above (the alternatives were
+// measured before the tile loader's offsets were precomputed, which took D 40 from 197 to 174 us):
+// - D 40 (121 registers, 33 KiB): SD1.5's (2, 4096, 8, 40) self-attention 174 us against 272 us; 128-key tiles
 //   (179 registers, one block per SM) 235 us, three warpgroups 217 us, one warpgroup per block 302 us.
-// - D 64 (125 registers, 48 KiB): three warpgroups in the only block of an SM: SDXL's (2, 4096, 10, 64) 394 us
-//   against 490 us, (2, 1024, 20, 64) 57 against 67 us. Two blocks of two warpgroups take 399 and 64 us, one block
+// - D 64 (140 registers, 48 KiB): three warpgroups in the only block of an SM: SDXL's (2, 4096, 10, 64) 378 us
+//   against 487 us, (2, 1024, 20, 64) 54 against 67 us. Two blocks of two warpgroups take 399 and 64 us, one block
 //   of four 365 and 71 us: at batch 2 the block count decides the last wave (at (8, 1024, 20, 64) two blocks of two
 //   take 195 us, three warpgroups 216 us). One warpgroup per block: 710 us.
-// - D 80 (120 registers, 80 KiB, Q in shared memory): SD1.5's (2, 1024, 8, 80) 30 against 47 us, (8, 1024, 8, 80) 97
+// - D 80 (128 registers, 80 KiB, Q in shared memory): SD1.5's (2, 1024, 8, 80) 28 against 47 us, (8, 1024, 8, 80) 97
 //   against 133 us; Q in registers (137, one block per SM) 30 and 119 us.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define SDHIVE_SM90A(...) __VA_ARGS__

@@ -71,10 +71,15 @@ enum Kernel {
 
 impl Kernel {
     /// A Hopper kernel for heads of 40, 64 and 80 where the build has them and the device is compute capability 9.0
-    /// (their sm_90a PTX loads nowhere else), else the mma.sync kernel for the padded head dimension.
-    fn for_head(dev: &CudaDevice, d: usize) -> Result<Self> {
+    /// (their sm_90a PTX loads nowhere else), else the mma.sync kernel for the padded head dimension. The Hopper
+    /// kernels address a 64-key tile of K and V in 32-bit element offsets, so their rows (`key_stride` elements
+    /// apart, the larger of the two) must lie less than 2^26 apart.
+    fn for_head(dev: &CudaDevice, d: usize, key_stride: usize) -> Result<Self> {
         if let Some((warpgroups, smem)) = hopper_shape(d) {
-            if !HOPPER_PTX.is_empty() && dev.cuda_stream().context().compute_capability().w()? == (9, 0) {
+            if !HOPPER_PTX.is_empty()
+                && key_stride < 1 << 26
+                && dev.cuda_stream().context().compute_capability().w()? == (9, 0)
+            {
                 return Ok(Kernel::Hopper { d, warpgroups, smem });
             }
         }
@@ -95,9 +100,10 @@ impl Kernel {
     }
 }
 
-/// The name of the kernel that runs attention with head dimension `d` in `dtype` on `dev` ([`Kernel::for_head`]).
-pub fn kernel_for(dev: &CudaDevice, d: usize, dtype: DType) -> Result<String> {
-    Kernel::for_head(dev, d)?.name(dtype)
+/// The name of the kernel that runs attention with head dimension `d` in `dtype` on `dev` ([`Kernel::for_head`]),
+/// for keys and values whose rows lie `key_stride` elements apart.
+pub fn kernel_for(dev: &CudaDevice, d: usize, dtype: DType, key_stride: usize) -> Result<String> {
+    Kernel::for_head(dev, d, key_stride)?.name(dtype)
 }
 
 /// Why the fused kernel cannot take these projections, or `None` when it can.
@@ -169,7 +175,7 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
     let (b, sq, c) = q.1.shape().dims3()?;
     let sk = k.1.shape().dims3()?.1;
     let d = c / op.heads;
-    let kernel = Kernel::for_head(dev, d)?;
+    let kernel = Kernel::for_head(dev, d, k.1.stride()[1].max(v.1.stride()[1]))?;
     let name = kernel.name(q.0.dtype())?;
     let (func, smem, rows, threads) = match kernel {
         Kernel::Hopper { warpgroups, smem, .. } => {

@@ -463,12 +463,14 @@ pub(crate) fn clusters_built() -> bool {
 const GROUP_UNITS: usize = 32;
 
 /// How the one-launch channels-last GroupNorm (`gn_group_nhwc_c{cluster}`: one cluster of `cluster` blocks of
-/// `threads` per group and sample) takes this map, or `None` where a group does not fit two blocks' registers and
-/// the three-launch path runs: `per_group` channels of `elem` bytes in 4-byte units, at most [`GROUP_UNITS`]
-/// pixels per thread. One block while 1024 threads would hold at most 12 pixels each (512 threads where those hold
-/// at most 16), else a cluster of two 1024-thread blocks where the build has clusters (`clusters`: sm_90 and
-/// later). On an H100 (`xtask/bench/group_norm_shapes.cu`) the one launch takes 3-23 us at the SD1.5 UNet's maps
-/// against 12-38 us for the three.
+/// `threads` per group and sample) takes this map, or `None` where the two-launch path ([`group_norm_slabs`])
+/// runs: `per_group` channels of `elem` bytes in 4-byte units, at most [`GROUP_UNITS`] pixels per thread. One
+/// block while 512 threads would hold at most 16 pixels each (1024 threads at most 12), else, where the build has
+/// clusters (`clusters`: sm_90 and later) and the map has at most 1024 pixels, a cluster of two 1024-thread
+/// blocks holding at most 16 each. On an H100 (`xtask/bench/group_norm_shapes.cu`, graphs of 50 calls) one block
+/// takes 3.4-7.5 us at the SD1.5 UNet's 32²-8² maps against 8-9.5 us for the two launches, and two blocks 10.0
+/// and 12.0 us at 32²·1280 and ·1920 against 11.8 and 13.0; at 64² maps and SDXL's 32²·2560 the two launches
+/// win (64²·320: 11.5 against 15.6 us; 32²·2560: 16.3 against 21.4).
 pub(crate) fn group_norm_one_launch(
     pixels: usize,
     channels: usize,
@@ -487,15 +489,85 @@ pub(crate) fn group_norm_one_launch(
         (512, 1)
     } else if 1024 / upp > 0 && per_thread(1024, 1) <= 12 {
         (1024, 1)
+    } else if clusters && pixels <= 1024 && per_thread(1024, 2) <= 16 {
+        (1024, 2)
     } else {
-        (1024, if clusters { 2 } else { 1 })
+        return None;
     };
     (threads / upp > 0 && per_thread(threads, cluster) <= GROUP_UNITS).then_some((threads, cluster))
 }
 
+/// Most threads of a `gn_slab_moments_nhwc` block, 16-byte vectors each holds, groups per chunk, and vectors
+/// each `gn_slab_apply_nhwc` thread holds (GN_SLAB_* in kernels.cu).
+const SLAB_THREADS: usize = 512;
+const SLAB_HOLD: usize = 8;
+const SLAB_GROUPS: usize = 32;
+const SLAB_APPLY_HOLD: usize = 4;
+
+/// How the two-launch channels-last GroupNorm splits a map (kernels.cu's gn_slab_*): `chunk` channels of whole
+/// groups per block, the pixels of a sample in `slabs` for the moments (blocks of `threads`) and in
+/// `apply_blocks` for the normalisation (blocks of `apply_threads`).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct SlabPlan {
+    pub chunk: usize,
+    pub slabs: usize,
+    pub threads: usize,
+    pub apply_blocks: usize,
+    pub apply_threads: usize,
+}
+
+/// The split of a map of `samples` × `pixels` × `channels` (`elem` bytes each) in `groups` for the two-launch
+/// GroupNorm, or `None` where a chunk of whole groups is wider than a block's threads have vectors for. A chunk is
+/// the least common multiple of a vector's and a group's channels, doubled up to 64 bytes per pixel where the
+/// channels allow (shorter runs waste most of each 32-byte memory sector); the slabs are the fewest that keep
+/// every thread at [`SLAB_HOLD`] vectors, doubled while the moments launch has fewer than 256 blocks and its
+/// blocks keep two warps' worth of work. `xtask/bench/group_norm_shapes.cu` on an H100: 64²·320 in 11.5 us
+/// against 19.8 for the three launches before them and 15.6 for two-block clusters; SDXL's 128²·320 in 33 against
+/// 56 us.
+pub(crate) fn group_norm_slabs(
+    samples: usize,
+    pixels: usize,
+    channels: usize,
+    groups: usize,
+    elem: usize,
+) -> Option<SlabPlan> {
+    let vec = 16 / elem;
+    let per_group = channels / groups;
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    let mut chunk = vec / gcd(vec, per_group) * per_group;
+    while chunk * elem < 64 && channels.is_multiple_of(2 * chunk) && 2 * chunk / per_group <= SLAB_GROUPS {
+        chunk *= 2;
+    }
+    let vpc = chunk / vec;
+    if vpc > SLAB_THREADS || !channels.is_multiple_of(chunk) {
+        return None;
+    }
+    let rows = |slabs: usize| pixels.div_ceil(slabs).div_ceil(SLAB_HOLD);
+    let mut slabs = 1;
+    while rows(slabs) * vpc > SLAB_THREADS {
+        slabs *= 2;
+    }
+    while (channels / chunk) * slabs * samples < 256 && rows(slabs * 2) * vpc >= 64 {
+        slabs *= 2;
+    }
+    let apply_threads = vpc.next_multiple_of(32).max(128);
+    Some(SlabPlan {
+        chunk,
+        slabs,
+        threads: (rows(slabs) * vpc).next_multiple_of(32),
+        apply_blocks: pixels.div_ceil((apply_threads / vpc) * SLAB_APPLY_HOLD),
+        apply_threads,
+    })
+}
+
 /// GroupNorm over channels-last `(N, …, C)` maps: one launch where one or two blocks hold a group (see
-/// [`group_norm_one_launch`]), else three (per-chunk moments, per-group statistics, the normalisation). Needs
-/// `C` a multiple of 16 bytes' worth of values, at most [`MAX_LAST_CHANNELS`].
+/// [`group_norm_one_launch`]), else two (per-slab moments, then the normalisation; see [`group_norm_slabs`]).
+/// Needs `C` a multiple of 16 bytes' worth of values, at most [`MAX_LAST_CHANNELS`].
 struct GroupNormLast {
     groups: usize,
     eps: f32,
@@ -563,58 +635,58 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
         unsafe { a.launch(cfg) }.w()?;
         return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
     }
-    let vec = per_vector::<T>();
-    let nvec = channels / vec;
-    let lanes = (THREADS as usize / nvec).max(1);
-    // Enough blocks to fill the GPU even for one sample of a 512² VAE map, each thread reading a handful of pixels.
-    let chunks = pixels.div_ceil(lanes * 8).clamp(1, 1024);
-    // SAFETY: every element is written by the stats kernel before the finalize kernel reads it.
-    let partial: CudaSlice<f32> = unsafe { dev.alloc::<f32>(samples * chunks * op.groups * 3)? };
-    // SAFETY: written in full by the finalize kernel.
-    let stats: CudaSlice<f32> = unsafe { dev.alloc::<f32>(samples * op.groups * 2)? };
+    let Some(plan) = group_norm_slabs(samples, pixels, channels, op.groups, std::mem::size_of::<T>()) else {
+        bail!("group_norm (channels-last): a chunk of whole groups of {channels} channels is wider than a block")
+    };
+    let chunks = (channels / plan.chunk) as u32;
+    // SAFETY: every (sample, slab, group) triple is written by the moments kernel before the apply kernel reads
+    // it.
+    let partial: CudaSlice<f32> = unsafe { dev.alloc::<f32>(samples * plan.slabs * op.groups * 3)? };
     // SAFETY: written in full by the apply kernel.
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
-    let func = dev.get_or_load_custom_func(&format!("gn_stats_nhwc_{sfx}"), MODULE, PTX)?;
+    let func = dev.get_or_load_custom_func(&format!("gn_slab_moments_nhwc_{sfx}"), MODULE, PTX)?;
     let mut a = func.builder();
     input_and_shift!(a);
     a.arg(&partial);
-    builder_arg!(a, pixels as u32, channels as u32, op.groups as u32, chunks as u32);
+    builder_arg!(a, pixels as u32, channels as u32, op.groups as u32, plan.chunk as u32, plan.slabs as u32);
+    let vec = per_vector::<T>();
     let cfg = LaunchConfig {
-        grid_dim: (chunks as u32, samples as u32, 1),
-        block_dim: ((lanes * nvec) as u32, 1, 1),
-        // One (count, mean, M2) per channel and lane.
-        shared_mem_bytes: (lanes * nvec * vec * 12) as u32,
+        grid_dim: (chunks, plan.slabs as u32, samples as u32),
+        block_dim: (plan.threads as u32, 1, 1),
+        // Every thread's vector of sums, then one float per thread (at least per channel of the chunk).
+        shared_mem_bytes: ((plan.threads * vec + plan.threads.max(plan.chunk)) * 4) as u32,
     };
-    // SAFETY: the arguments match the kernel's signature; the buffers hold the sizes computed above.
+    // SAFETY: the arguments match the kernel's signature; the plan's slabs cover every pixel within the threads'
+    // hold, and `partial` holds every slab's moments.
     unsafe { a.launch(cfg) }.w()?;
-    let func = dev.get_or_load_custom_func("gn_finalize_nhwc", MODULE, PTX)?;
-    let mut a = func.builder();
-    a.arg(&partial);
-    a.arg(&stats);
-    builder_arg!(a, samples as u32, op.groups as u32, chunks as u32, op.eps);
-    // One warp per (sample, group).
-    let warps = (samples * op.groups) as u32;
-    let cfg =
-        LaunchConfig { grid_dim: (warps.div_ceil(8), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: as above.
-    unsafe { a.launch(cfg) }.w()?;
-    let func = dev.get_or_load_custom_func(&format!("gn_apply_nhwc_{sfx}"), MODULE, PTX)?;
+    let func = dev.get_or_load_custom_func(&format!("gn_slab_apply_nhwc_{sfx}"), MODULE, PTX)?;
     let mut a = func.builder();
     normalisation_operands!(a, &out);
-    a.arg(&stats);
-    builder_arg!(a, n, pixels as u32, channels as u32, op.groups as u32, i32::from(op.silu));
-    let vectors = n / vec;
-    let cfg =
-        LaunchConfig { grid_dim: (grid_for(vectors), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: as above.
+    a.arg(&partial);
+    builder_arg!(
+        a,
+        pixels as u32,
+        channels as u32,
+        op.groups as u32,
+        plan.chunk as u32,
+        plan.slabs as u32,
+        op.eps,
+        i32::from(op.silu)
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (chunks, plan.apply_blocks as u32, samples as u32),
+        block_dim: (plan.apply_threads as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: as above; the apply blocks cover every pixel within the threads' hold.
     unsafe { a.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
 normalisation_op!(GroupNormLast, "sdhive-group-norm-channels-last", group_norm_last_launch);
 
-/// The most channels the channels-last GroupNorm takes: its per-channel moments of one pixel lane fill 48 KiB of
-/// shared memory (the networks' widest map is 2560 channels, an up block's input).
+/// The most channels the channels-last kernels take (the networks' widest map is 2560 channels, an up block's
+/// input); a GroupNorm's chunk of whole groups must also fit one block ([`group_norm_slabs`]).
 pub const MAX_LAST_CHANNELS: usize = 4096;
 
 /// Whether channels-last `x` suits the 16-byte kernels: its last dimension whole 16-byte vectors, at most

@@ -155,145 +155,6 @@ __device__ void add_channel(const T *y, const T *add, const T *residual, T *out,
     }
 }
 
-// GroupNorm over channels-last (N, H·W, C) maps, where a group's values are short runs of C/groups channels in
-// every pixel row. Pass 1: block (chunk, sample) reads a run of pixel rows whole, 16 bytes per thread (coalesced);
-// each thread keeps per-channel moments of its VEC channels over its pixels, the block combines them per channel
-// in shared memory (lanes · C moments, dynamic) and then per group, and writes
-// partial[((sample * chunks) + chunk) * groups + g]. The thread layout is (pixel lane, channel vector):
-// blockDim.x = lanes · C / VEC. A non-null `shift` (N rows of C, `shift_stride` apart) is added to every pixel of
-// its sample first: the ResNet time embedding, which the convolution before the norm then never has to add in a
-// pass of its own. Its rows are strided because they are columns of the UNet's table of every ResNet's projection.
-template <typename T>
-__device__ void gn_stats_nhwc(const T *x, const T *shift, uint32_t shift_stride, float *partial, uint32_t pixels,
-                              uint32_t channels, uint32_t groups, uint32_t chunks) {
-    constexpr uint32_t VEC = 16 / sizeof(T);
-    extern __shared__ Moments ch[];
-    const uint32_t nvec = channels / VEC, lanes = blockDim.x / nvec;
-    const uint32_t v = threadIdx.x % nvec, lane = threadIdx.x / nvec;
-    const size_t sample = blockIdx.y;
-    const uint32_t per = (pixels + chunks - 1) / chunks;
-    const uint32_t start = blockIdx.x * per, end = min(start + per, pixels);
-    Moments m[VEC];
-    float sh[VEC];
-#pragma unroll
-    for (uint32_t j = 0; j < VEC; j++) {
-        m[j] = Moments{0.f, 0.f, 0.f};
-        sh[j] = shift != nullptr && lane < lanes ? to_f(shift[sample * shift_stride + v * VEC + j]) : 0.f;
-    }
-    if (lane < lanes) {
-        const T *base = x + sample * (size_t)pixels * channels + v * VEC;
-        // Every channel of the vector has seen the same pixels: one count and one reciprocal for all of them.
-        float n = 0.f;
-        // Four pixels' loads in flight before the first is used: a thread's few pixels would otherwise wait on
-        // memory one after another.
-        constexpr uint32_t AHEAD = 4;
-        for (uint32_t p0 = start + lane; p0 < end; p0 += AHEAD * lanes) {
-            uint4 raw[AHEAD];
-#pragma unroll
-            for (uint32_t u = 0; u < AHEAD; u++) {
-                const uint32_t p = p0 + u * lanes;
-                if (p < end) raw[u] = *reinterpret_cast<const uint4 *>(base + (size_t)p * channels);
-            }
-#pragma unroll
-            for (uint32_t u = 0; u < AHEAD; u++) {
-                if (p0 + u * lanes >= end) break;
-                const T *e = reinterpret_cast<const T *>(&raw[u]);
-                n += 1.f;
-                const float inv = 1.f / n;
-#pragma unroll
-                for (uint32_t j = 0; j < VEC; j++) {
-                    float val = to_f(e[j]) + sh[j];
-                    float d = val - m[j].mean;
-                    m[j].mean += d * inv;
-                    m[j].m2 += d * (val - m[j].mean);
-                }
-            }
-        }
-#pragma unroll
-        for (uint32_t j = 0; j < VEC; j++) m[j].n = n;
-    }
-    // Lane 0 of every channel vector gathers the other lanes' moments of the same channels.
-    if (lane < lanes && lane > 0) {
-#pragma unroll
-        for (uint32_t j = 0; j < VEC; j++) ch[(lane * nvec + v) * VEC + j] = m[j];
-    }
-    __syncthreads();
-    if (lane == 0) {
-        for (uint32_t l = 1; l < lanes; l++) {
-#pragma unroll
-            for (uint32_t j = 0; j < VEC; j++) m[j] = combine(m[j], ch[(l * nvec + v) * VEC + j]);
-        }
-#pragma unroll
-        for (uint32_t j = 0; j < VEC; j++) ch[v * VEC + j] = m[j];
-    }
-    __syncthreads();
-    const uint32_t per_group = channels / groups;
-    for (uint32_t g = threadIdx.x; g < groups; g += blockDim.x) {
-        Moments t{0.f, 0.f, 0.f};
-        for (uint32_t c = g * per_group; c < (g + 1) * per_group; c++) t = combine(t, ch[c]);
-        float *p = partial + ((sample * chunks + blockIdx.x) * groups + g) * 3;
-        p[0] = t.n;
-        p[1] = t.mean;
-        p[2] = t.m2;
-    }
-}
-
-// GroupNorm over channels-last maps, pass 2: one warp per (sample, group) combines its chunks' moments into
-// stats[(sample * groups + g) * 2 ..] = (mean, 1 / sqrt(var + eps)).
-__device__ void gn_finalize_nhwc_device(const float *partial, float *stats, uint32_t samples, uint32_t groups,
-                                        uint32_t chunks, float eps) {
-    const uint32_t i = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
-    if (i >= samples * groups) return;
-    const uint32_t sample = i / groups, g = i % groups;
-    Moments m{0.f, 0.f, 0.f};
-    for (uint32_t k = lane; k < chunks; k += 32) {
-        const float *p = partial + (((size_t)sample * chunks + k) * groups + g) * 3;
-        m = combine(m, Moments{p[0], p[1], p[2]});
-    }
-    for (int o = 16; o > 0; o >>= 1) m = combine(m, shfl_xor(m, o));
-    if (lane == 0) {
-        stats[i * 2] = m.mean;
-        stats[i * 2 + 1] = rsqrtf(m.m2 / m.n + eps);
-    }
-}
-
-// GroupNorm over channels-last maps, pass 3: (x (+ shift) − mean) · rstd · w[c] + b[c] (then SiLU), 16 bytes per
-// thread.
-template <typename T>
-__device__ void gn_apply_nhwc(const T *x, const T *shift, uint32_t shift_stride, const T *w, const T *b, T *out,
-                              const float *stats, size_t n, uint32_t pixels, uint32_t channels, uint32_t groups,
-                              int silu) {
-    constexpr uint32_t VEC = 16 / sizeof(T);
-    const uint32_t per_group = channels / groups;
-    const size_t step = (size_t)gridDim.x * blockDim.x;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n / VEC; i += step) {
-        const size_t e = i * VEC;
-        const uint32_t c0 = (uint32_t)(e % channels);
-        const size_t sample = e / channels / pixels;
-        const float *st = stats + sample * groups * 2;
-        const uint4 raw = reinterpret_cast<const uint4 *>(x)[i];
-        const T *xe = reinterpret_cast<const T *>(&raw);
-        // Weight, bias and shift of the vector's channels as 16-byte loads too (c0 is a multiple of VEC).
-        const uint4 wraw = reinterpret_cast<const uint4 *>(w + c0)[0];
-        const uint4 braw = reinterpret_cast<const uint4 *>(b + c0)[0];
-        uint4 sraw = make_uint4(0, 0, 0, 0);
-        if (shift != nullptr) sraw = reinterpret_cast<const uint4 *>(shift + sample * shift_stride + c0)[0];
-        const T *we = reinterpret_cast<const T *>(&wraw), *be = reinterpret_cast<const T *>(&braw);
-        const T *se = reinterpret_cast<const T *>(&sraw);
-        uint4 res;
-        T *oe = reinterpret_cast<T *>(&res);
-#pragma unroll
-        for (uint32_t j = 0; j < VEC; j++) {
-            const uint32_t c = c0 + j, g = c / per_group;
-            const float xv = to_f(xe[j]) + to_f(se[j]);
-            float val = (xv - st[g * 2]) * st[g * 2 + 1] * to_f(we[j]) + to_f(be[j]);
-            if (silu) val = val / (1.f + expf(-val));
-            oe[j] = from_f<T>(val);
-        }
-        reinterpret_cast<uint4 *>(out)[i] = res;
-    }
-}
-
 // The sum of `v` over the warp, for every lane.
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
@@ -344,13 +205,13 @@ template <int CLUSTER> __device__ __forceinline__ float cluster_sum(float v, flo
 // for maps whose groups fit in the cluster's registers: the blocks load their share of the group's values once, 4
 // bytes at a time (a group's C/groups channels of a pixel are contiguous; the host takes this kernel where 4
 // bytes divide that run), sum them, sum the squared deviations from their mean (each sum over the cluster through
-// distributed shared memory), and write the normalised values from the same registers. Where the three-launch
-// path spends three launches and two reads, this spends one of each, and the statistics are two exact passes
-// rather than merged moments. Thread t owns unit t % upp (upp units per pixel) of the pixels p0 = t / upp of
+// distributed shared memory), and write the normalised values from the same registers. Where the two-launch path
+// (gn_slab_*) reads the map twice, this reads it once; for small maps that and the one launch outweigh its
+// narrower loads. Thread t owns unit t % upp (upp units per pixel) of the pixels p0 = t / upp of
 // every rows-pixel slab (rows = blockDim / upp) whose index is its block's rank modulo CLUSTER, so its channels,
 // weights, biases and shifts are fixed and read once, and consecutive threads read consecutive bytes of a pixel's
 // run; the last blockDim % upp threads idle. More blocks per group (a larger cluster) put fewer pixels on each
-// thread, for larger maps. `shift` as in gn_stats_nhwc.
+// thread, for larger maps. `shift` as in gn_slab_moments_nhwc.
 template <typename T, int CLUSTER>
 __device__ void gn_group_nhwc(const T *x, const T *shift, uint32_t shift_stride, const T *w, const T *b, T *out,
                               uint32_t pixels, uint32_t channels, uint32_t groups, float eps, int silu) {
@@ -419,6 +280,203 @@ __device__ void gn_group_nhwc(const T *x, const T *shift, uint32_t shift_stride,
             oe[j] = from_f<T>(val);
         }
         *reinterpret_cast<uint32_t *>(os + (size_t)(p0 + k * step) * channels) = res;
+    }
+}
+
+// Most threads of a gn_slab_* block, values (16-byte vectors) each thread holds, and groups per chunk; the host
+// takes those kernels only where the map fits them (`group_norm_slabs` in cuda.rs).
+#define GN_SLAB_THREADS 512
+#define GN_SLAB_HOLD 8
+#define GN_SLAB_GROUPS 32
+#define GN_SLAB_APPLY_HOLD 4
+
+// x · sigmoid(x) through the fast exponential and division (a few ulps of f32, far below the storage types'
+// rounding): the exact forms cost a normalisation over a 64² map more than its memory traffic.
+__device__ __forceinline__ float silu_fast(float v) { return __fdividef(v, 1.f + __expf(-v)); }
+
+// Where a gn_slab_* thread works: channels c0.. (one 16-byte vector of the chunk) of pixels p0, p0 + rows, … of
+// its block's slab, `held` of them. Thread t owns vector t % vpc (vpc = chunk / VEC) and row t / vpc; the last
+// blockDim % vpc threads (blocks are whole warps) hold nothing.
+struct SlabThread {
+    uint32_t v, rows, p0, held, c0;
+};
+
+template <uint32_t VEC>
+__device__ __forceinline__ SlabThread slab_thread(uint32_t pixels, uint32_t chunk, uint32_t slab, uint32_t slabs,
+                                                  uint32_t hold) {
+    const uint32_t vpc = chunk / VEC, rows = blockDim.x / vpc, r = threadIdx.x / vpc;
+    const uint32_t share = (pixels + slabs - 1) / slabs, begin = slab * share;
+    const uint32_t end = min(pixels, begin + share), p0 = begin + r;
+    const uint32_t held = r < rows && p0 < end ? min(hold, (end - p0 + rows - 1) / rows) : 0;
+    return SlabThread{threadIdx.x % vpc, rows, p0, held, blockIdx.x * chunk + (threadIdx.x % vpc) * VEC};
+}
+
+// The block's sums of v[0..VEC) per group of its chunk, into part[0..chunk / per_group). `red` takes every
+// thread's values (rows × chunk, as thread t's are channels (t % vpc) · VEC.. of row t / vpc); slice q of the
+// threads then sums every Q-th row of a channel into csum (Q × chunk), and warp g the Q × per_group entries of
+// group g. Leaves `part` visible to the block.
+template <uint32_t VEC>
+__device__ __forceinline__ void gn_block_group_sums(const float (&v)[VEC], float *red, float *csum, float *part,
+                                                    uint32_t chunk, uint32_t rows, uint32_t per_group) {
+#pragma unroll
+    for (uint32_t j = 0; j < VEC; j++) red[threadIdx.x * VEC + j] = v[j];
+    __syncthreads();
+    const uint32_t slices = max(1u, blockDim.x / chunk);
+    for (uint32_t i = threadIdx.x; i < slices * chunk; i += blockDim.x) {
+        const uint32_t c = i % chunk, q = i / chunk;
+        float s = 0.f;
+        for (uint32_t r = q; r < rows; r += slices) s += red[r * chunk + c];
+        csum[q * chunk + c] = s;
+    }
+    __syncthreads();
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    for (uint32_t g = warp; g < chunk / per_group; g += warps) {
+        float s = 0.f;
+        for (uint32_t e = lane; e < slices * per_group; e += 32)
+            s += csum[(e / per_group) * chunk + g * per_group + e % per_group];
+        s = warp_sum(s);
+        if (lane == 0) part[g] = s;
+    }
+    __syncthreads();
+}
+
+// GroupNorm over channels-last (N, H·W, C) maps in two launches with every load and store 16 bytes wide, for maps
+// too large for one block's registers per group. The channels split into chunks of whole groups (`chunk`: a
+// multiple of a vector's and a group's channels) and the pixels into `slabs`. Pass 1, block (chunk, slab,
+// sample): its threads load their vectors once, and the block takes each group's mean over the slab, then the
+// squared deviations from it (two exact passes over the registers), and writes (count, mean, M2) to
+// partial[((sample · slabs + slab) · groups + g) · 3]. A non-null `shift` (N rows of C, `shift_stride` apart)
+// is added to every pixel of its sample first: the ResNet time embedding, which the convolution before the norm
+// then never has to add in a pass of its own. Its rows are strided because they are columns of the UNet's table
+// of every ResNet's projection.
+template <typename T>
+__device__ void gn_slab_moments_nhwc(const T *x, const T *shift, uint32_t shift_stride, float *partial,
+                                     uint32_t pixels, uint32_t channels, uint32_t groups, uint32_t chunk,
+                                     uint32_t slabs) {
+    constexpr uint32_t VEC = 16 / sizeof(T);
+    // blockDim · VEC floats of `red`, then max(blockDim, chunk) of `csum` (gn_block_group_sums), sized by the host.
+    extern __shared__ float dyn[];
+    float *red = dyn, *csum = dyn + blockDim.x * VEC;
+    __shared__ float part[GN_SLAB_GROUPS], mean_g[GN_SLAB_GROUPS];
+    const uint32_t slab = blockIdx.y, sample = blockIdx.z, per_group = channels / groups;
+    const SlabThread t = slab_thread<VEC>(pixels, chunk, slab, slabs, GN_SLAB_HOLD);
+    const uint4 *xs = reinterpret_cast<const uint4 *>(x + (size_t)sample * pixels * channels + t.c0);
+    const size_t pitch = channels / VEC;
+    float sh[VEC];
+    uint4 s = make_uint4(0, 0, 0, 0);
+    if (shift != nullptr) s = *reinterpret_cast<const uint4 *>(shift + (size_t)sample * shift_stride + t.c0);
+#pragma unroll
+    for (uint32_t j = 0; j < VEC; j++) sh[j] = to_f(reinterpret_cast<const T *>(&s)[j]);
+    uint4 raw[GN_SLAB_HOLD];
+#pragma unroll
+    for (uint32_t k = 0; k < GN_SLAB_HOLD; k++) {
+        if (k >= t.held) break;
+        raw[k] = xs[(size_t)(t.p0 + k * t.rows) * pitch];
+    }
+    float acc[VEC];
+#pragma unroll
+    for (uint32_t j = 0; j < VEC; j++) acc[j] = 0.f;
+#pragma unroll
+    for (uint32_t k = 0; k < GN_SLAB_HOLD; k++) {
+        if (k >= t.held) break;
+        const T *e = reinterpret_cast<const T *>(&raw[k]);
+#pragma unroll
+        for (uint32_t j = 0; j < VEC; j++) acc[j] += to_f(e[j]) + sh[j];
+    }
+    const uint32_t share = (pixels + slabs - 1) / slabs, begin = min(pixels, slab * share);
+    const float count = (float)(min(pixels, begin + share) - begin) * per_group;
+    const uint32_t gpc = chunk / per_group;
+    gn_block_group_sums<VEC>(acc, red, csum, part, chunk, t.rows, per_group);
+    for (uint32_t g = threadIdx.x; g < gpc; g += blockDim.x) mean_g[g] = count > 0.f ? part[g] / count : 0.f;
+    __syncthreads();
+    // The mean less the shift, so that x − it is the shifted value's deviation.
+    float mean[VEC];
+#pragma unroll
+    for (uint32_t j = 0; j < VEC; j++) {
+        mean[j] = mean_g[(t.v * VEC + j) / per_group] - sh[j];
+        acc[j] = 0.f;
+    }
+#pragma unroll
+    for (uint32_t k = 0; k < GN_SLAB_HOLD; k++) {
+        if (k >= t.held) break;
+        const T *e = reinterpret_cast<const T *>(&raw[k]);
+#pragma unroll
+        for (uint32_t j = 0; j < VEC; j++) {
+            const float d = to_f(e[j]) - mean[j];
+            acc[j] += d * d;
+        }
+    }
+    gn_block_group_sums<VEC>(acc, red, csum, part, chunk, t.rows, per_group);
+    for (uint32_t g = threadIdx.x; g < gpc; g += blockDim.x) {
+        float *p = partial + (((size_t)sample * slabs + slab) * groups + blockIdx.x * gpc + g) * 3;
+        p[0] = count;
+        p[1] = mean_g[g];
+        p[2] = part[g];
+    }
+}
+
+// Pass 2, block (chunk, block of pixels, sample): every thread loads its vectors (at most GN_SLAB_APPLY_HOLD
+// pixels; the grid's y blocks split the pixels) and its channels' weights, biases and shifts, while one warp per
+// group of the chunk merges the slabs' moments (a lane per slab, Chan's formula) into the mean and
+// 1 / sqrt(var + eps); then it normalises them (+ SiLU).
+template <typename T>
+__device__ void gn_slab_apply_nhwc(const T *x, const T *shift, uint32_t shift_stride, const T *w, const T *b, T *out,
+                                   const float *partial, uint32_t pixels, uint32_t channels, uint32_t groups,
+                                   uint32_t chunk, uint32_t slabs, float eps, int silu) {
+    constexpr uint32_t VEC = 16 / sizeof(T);
+    __shared__ float stat[2][GN_SLAB_GROUPS];
+    const uint32_t sample = blockIdx.z, per_group = channels / groups, gpc = chunk / per_group;
+    const SlabThread t = slab_thread<VEC>(pixels, chunk, blockIdx.y, gridDim.y, GN_SLAB_APPLY_HOLD);
+    const uint4 *xs = reinterpret_cast<const uint4 *>(x + (size_t)sample * pixels * channels + t.c0);
+    const size_t pitch = channels / VEC;
+    uint4 raw[GN_SLAB_APPLY_HOLD];
+#pragma unroll
+    for (uint32_t k = 0; k < GN_SLAB_APPLY_HOLD; k++) {
+        if (k >= t.held) break;
+        raw[k] = xs[(size_t)(t.p0 + k * t.rows) * pitch];
+    }
+    uint4 sraw = make_uint4(0, 0, 0, 0), wraw = sraw, braw = sraw;
+    if (t.held > 0) {
+        if (shift != nullptr) sraw = *reinterpret_cast<const uint4 *>(shift + (size_t)sample * shift_stride + t.c0);
+        wraw = *reinterpret_cast<const uint4 *>(w + t.c0);
+        braw = *reinterpret_cast<const uint4 *>(b + t.c0);
+    }
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (uint32_t g = warp; g < gpc; g += blockDim.x / 32) {
+        Moments m{0.f, 0.f, 0.f};
+        for (uint32_t k = lane; k < slabs; k += 32) {
+            const float *p = partial + (((size_t)sample * slabs + k) * groups + blockIdx.x * gpc + g) * 3;
+            m = combine(m, Moments{p[0], p[1], p[2]});
+        }
+        for (int o = 16; o > 0; o >>= 1) m = combine(m, shfl_xor(m, o));
+        if (lane == 0) {
+            stat[0][g] = m.mean;
+            stat[1][g] = rsqrtf(m.m2 / m.n + eps);
+        }
+    }
+    __syncthreads();
+    const T *se = reinterpret_cast<const T *>(&sraw), *we = reinterpret_cast<const T *>(&wraw);
+    const T *be = reinterpret_cast<const T *>(&braw);
+    float scale[VEC], offset[VEC];
+#pragma unroll
+    for (uint32_t j = 0; j < VEC; j++) {
+        const uint32_t g = (t.v * VEC + j) / per_group;
+        scale[j] = stat[1][g] * to_f(we[j]);
+        offset[j] = to_f(be[j]) + (to_f(se[j]) - stat[0][g]) * scale[j];
+    }
+    uint4 *os = reinterpret_cast<uint4 *>(out + (size_t)sample * pixels * channels + t.c0);
+#pragma unroll
+    for (uint32_t k = 0; k < GN_SLAB_APPLY_HOLD; k++) {
+        if (k >= t.held) break;
+        const T *e = reinterpret_cast<const T *>(&raw[k]);
+        uint4 res;
+        T *oe = reinterpret_cast<T *>(&res);
+#pragma unroll
+        for (uint32_t j = 0; j < VEC; j++) {
+            const float val = fmaf(to_f(e[j]), scale[j], offset[j]);
+            oe[j] = from_f<T>(silu ? silu_fast(val) : val);
+        }
+        os[(size_t)(t.p0 + k * t.rows) * pitch] = res;
     }
 }
 
@@ -699,18 +757,20 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
                                                uint32_t rows_per_sample) {                                      \
         add_channel<T>(y, add, residual, out, n, channels, inner, add_batch_stride, rows_per_sample);           \
     }                                                                                                           \
-    extern "C" __global__ void gn_stats_nhwc_##S(const T *x, const T *shift, uint32_t shift_stride,          \
-                                                 float *partial, uint32_t pixels, uint32_t channels,         \
-                                                 uint32_t groups, uint32_t chunks) {                         \
-        gn_stats_nhwc<T>(x, shift, shift_stride, partial, pixels, channels, groups, chunks);                 \
-    }                                                                                                        \
-    extern "C" __global__ void gn_apply_nhwc_##S(const T *x, const T *shift, uint32_t shift_stride, const T *w, \
-                                                 const T *b, T *out, const float *stats, size_t n,           \
-                                                 uint32_t pixels, uint32_t channels, uint32_t groups, int silu) { \
-        gn_apply_nhwc<T>(x, shift, shift_stride, w, b, out, stats, n, pixels, channels, groups, silu);       \
-    }                                                                                                        \
     GN_GROUP(T, S)                                                                                           \
     GN_CLUSTER_GROUP(T, S, 2)                                                                                \
+    extern "C" __global__ void __launch_bounds__(GN_SLAB_THREADS) gn_slab_moments_nhwc_##S(                  \
+        const T *x, const T *shift, uint32_t shift_stride, float *partial, uint32_t pixels, uint32_t channels, \
+        uint32_t groups, uint32_t chunk, uint32_t slabs) {                                                   \
+        gn_slab_moments_nhwc<T>(x, shift, shift_stride, partial, pixels, channels, groups, chunk, slabs);    \
+    }                                                                                                        \
+    extern "C" __global__ void gn_slab_apply_nhwc_##S(                                                       \
+        const T *x, const T *shift, uint32_t shift_stride, const T *w, const T *b, T *out, const float *partial, \
+        uint32_t pixels, uint32_t channels, uint32_t groups, uint32_t chunk, uint32_t slabs, float eps,       \
+        int silu) {                                                                                          \
+        gn_slab_apply_nhwc<T>(x, shift, shift_stride, w, b, out, partial, pixels, channels, groups, chunk,   \
+                              slabs, eps, silu);                                                             \
+    }                                                                                                        \
     extern "C" __global__ void transpose_##S(const T *x, T *out, uint32_t m, uint32_t n) {                    \
         transpose_tiles<T>(x, out, m, n);                                                                       \
     }                                                                                                           \
@@ -737,11 +797,6 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
 extern "C" __global__ void concat_rows_vec(const uint4 *a, const uint4 *b, uint4 *out, uint32_t va, uint32_t vb,
                                            size_t rows) {
     concat_rows(a, b, out, va, vb, rows);
-}
-
-extern "C" __global__ void gn_finalize_nhwc(const float *partial, float *stats, uint32_t samples, uint32_t groups,
-                                            uint32_t chunks, float eps) {
-    gn_finalize_nhwc_device(partial, stats, samples, groups, chunks, eps);
 }
 
 INSTANTIATE(float, f32)

@@ -167,22 +167,23 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, scale: f64) -
 }
 
 /// The name of the kernel [`attention`] launches for heads of `head_dim` in `dtype` on `device` (the Hopper kernel
-/// or the mma.sync one), so tests can see which one ran.
+/// or the mma.sync one) when key and value rows lie `key_stride` elements apart, so tests can see which one ran.
 pub fn attention_kernel(
     device: &candle_core::Device,
     head_dim: usize,
     dtype: candle_core::DType,
+    key_stride: usize,
 ) -> Result<String> {
     #[cfg(feature = "cuda")]
     {
         match device {
-            candle_core::Device::Cuda(dev) => attention::kernel_for(dev, head_dim, dtype),
+            candle_core::Device::Cuda(dev) => attention::kernel_for(dev, head_dim, dtype, key_stride),
             _ => candle_core::bail!("the fused attention runs on CUDA devices only"),
         }
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (device, head_dim, dtype);
+        let _ = (device, head_dim, dtype, key_stride);
         candle_core::bail!("built without the cuda feature")
     }
 }

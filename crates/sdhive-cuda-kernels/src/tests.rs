@@ -309,12 +309,15 @@ fn channels_last_group_norm_matches_the_reference() {
         ((2, 1280, 4, 4), 32, 0.0),
         ((2, 2560, 8, 8), 32, 0.0),
         ((2, 64, 40, 40), 16, 300.0),
-        // Two blocks per group in f16/bf16 (a cluster summing through distributed shared memory); too large
-        // for two in f32: the three-launch path.
+        // Two blocks per group in f16/bf16 (a cluster summing through distributed shared memory), the two
+        // launches in f32.
+        ((2, 1280, 32, 32), 32, 0.0),
+        // The two launches in every dtype: a 64² map, SDXL's 128² map of two samples (16 slabs of 1024 pixels
+        // per sample in f16), and the VAE's 4-channel groups (chunks of eight groups).
         ((2, 640, 64, 64), 32, 0.0),
-        // Too large for two blocks in every dtype: the three launches.
-        ((1, 320, 128, 128), 32, 0.0),
-        // Three channels per group: no whole 4-byte units in f16/bf16 (three launches), one launch in f32.
+        ((2, 320, 128, 128), 32, 0.0),
+        ((1, 128, 96, 96), 32, 0.0),
+        // Three channels per group: no whole 4-byte units in f16/bf16 (two launches), one launch in f32.
         ((1, 96, 6, 6), 32, 1.0),
     ] {
         let x = (Tensor::randn(0f32, 1.0, shape, &dev).unwrap() + offset).unwrap();
@@ -362,7 +365,7 @@ fn channels_last_group_norm_matches_the_reference() {
 #[test]
 fn channels_last_group_norm_adds_its_shift_first() {
     let dev = gpu();
-    // One launch each, the last as two blocks per group in f16/bf16 and as three launches in f32.
+    // One launch each but the last, which takes the two launches.
     for (shape, groups) in
         [((2, 320, 9, 7), 32), ((2, 640, 16, 16), 32), ((1, 1280, 4, 4), 32), ((2, 640, 64, 64), 32)]
     {
@@ -625,8 +628,8 @@ fn attention_matches_the_reference() {
 }
 
 /// On a compute capability 9.0 device a build for 9.0 runs heads of 40, 64 and 80 on the Hopper (wgmma) kernels,
-/// which the test above then checked against the reference at those heads; other heads, builds and devices keep
-/// the mma.sync kernels.
+/// which the test above then checked against the reference at those heads; other heads, builds and devices, and
+/// key rows too far apart for the Hopper kernels' 32-bit tile offsets, keep the mma.sync kernels.
 #[test]
 fn heads_of_40_64_and_80_take_the_hopper_kernels_on_hopper() {
     let dev = gpu();
@@ -641,11 +644,15 @@ fn heads_of_40_64_and_80_take_the_hopper_kernels_on_hopper() {
             } else {
                 format!("flash_attention_d{padded}_{sfx}")
             };
-            assert_eq!(attention_kernel(&dev, d, dtype).unwrap(), want);
+            assert_eq!(attention_kernel(&dev, d, dtype, 3 * 8 * d).unwrap(), want);
+            // Rows 2^26 elements apart overflow the Hopper tile loader's 32-bit offsets: mma.sync.
+            let far = attention_kernel(&dev, d, dtype, 1 << 26).unwrap();
+            assert_eq!(far, format!("flash_attention_d{padded}_{sfx}"));
         }
-        assert_eq!(attention_kernel(&dev, 160, dtype).unwrap(), format!("flash_attention_d160_{sfx}"));
+        let d160 = attention_kernel(&dev, 160, dtype, 3 * 8 * 160).unwrap();
+        assert_eq!(d160, format!("flash_attention_d160_{sfx}"));
     }
-    eprintln!("heads of 40 run {}", attention_kernel(&dev, 40, DType::F16).unwrap());
+    eprintln!("heads of 40 run {}", attention_kernel(&dev, 40, DType::F16, 3 * 320).unwrap());
 }
 
 #[test]
@@ -727,25 +734,45 @@ fn linear_matches_the_reference() {
     );
 }
 
-/// Which channels-last GroupNorms take one launch, and how: every map of the SD1.5 UNet in f16 (64×64·640 and ·960
-/// as clusters of two blocks), not SDXL's 128×128·320, and no group whose width is not whole 4-byte units.
+/// Which channels-last GroupNorms take one launch, and how: the SD1.5 UNet's maps of 32² and less in f16, 32²·1280
+/// as clusters of two blocks; not the 64² maps or SDXL's 128²·320 and 32²·2560 (the two launches are faster
+/// there), and no group whose width is not whole 4-byte units.
 #[test]
 fn one_launch_group_norm_takes_the_groups_its_blocks_hold() {
     use crate::cuda::group_norm_one_launch as rule;
-    assert_eq!(rule(4096, 320, 32, 2, true), Some((1024, 2)));
-    assert_eq!(rule(4096, 640, 32, 2, true), Some((1024, 2)));
-    assert_eq!(rule(4096, 960, 32, 2, true), Some((1024, 2)));
+    assert_eq!(rule(4096, 320, 32, 2, true), None);
+    assert_eq!(rule(4096, 640, 32, 2, true), None);
     assert_eq!(rule(16384, 320, 32, 2, true), None);
     assert_eq!(rule(1024, 320, 32, 2, true), Some((512, 1)));
     assert_eq!(rule(1024, 640, 32, 2, true), Some((1024, 1)));
     assert_eq!(rule(1024, 1280, 32, 2, true), Some((1024, 2)));
+    assert_eq!(rule(1024, 2560, 32, 2, true), None, "21 pixels per thread of two blocks");
     assert_eq!(rule(64, 2560, 32, 2, true), Some((512, 1)));
-    assert_eq!(rule(4096, 640, 32, 4, true), None, "f32 units are single values");
+    // f32 units are single values: twice the units of f16, so two blocks where f16 takes one.
+    assert_eq!(rule(1024, 640, 32, 4, true), Some((1024, 2)));
+    assert_eq!(rule(4096, 640, 32, 4, true), None);
     assert_eq!(rule(36, 96, 32, 2, true), None, "three f16 channels per group");
     assert_eq!(rule(36, 96, 32, 4, true), Some((512, 1)));
     assert_eq!(rule(4, 4100 * 32, 32, 2, true), None, "more units per pixel than threads");
-    // A build for GPUs before sm_90 has no clusters: one block where it holds the group, else three launches.
-    assert_eq!(rule(1024, 1280, 32, 2, false), Some((1024, 1)));
-    assert_eq!(rule(4096, 320, 32, 2, false), Some((1024, 1)));
-    assert_eq!(rule(4096, 640, 32, 2, false), None);
+    // A build for GPUs before sm_90 has no clusters: one block where it holds the group, else two launches.
+    assert_eq!(rule(1024, 640, 32, 2, false), Some((1024, 1)));
+    assert_eq!(rule(1024, 1280, 32, 2, false), None);
+}
+
+/// How the two-launch GroupNorm splits maps: chunks of whole groups at least 64 bytes per pixel where the channels
+/// allow, enough slabs that a thread holds at most eight vectors and the moments launch has 256 blocks, and none
+/// where a chunk of whole groups needs more vectors than a block has threads.
+#[test]
+fn slab_group_norm_splits_maps_into_chunks_of_whole_groups() {
+    use crate::cuda::{group_norm_slabs as plan, SlabPlan};
+    // SD1.5's 64²·320 in f16: chunks of four groups (40 channels, 80 bytes); 16 slabs of 256 pixels.
+    let p = SlabPlan { chunk: 40, slabs: 16, threads: 160, apply_blocks: 41, apply_threads: 128 };
+    assert_eq!(plan(2, 4096, 320, 32, 2), Some(p));
+    // The same map in f32: 20-channel chunks, twice as many, so 8 slabs fill the GPU.
+    assert_eq!(plan(2, 4096, 320, 32, 4).map(|p| (p.chunk, p.slabs, p.threads)), Some((20, 8, 320)));
+    // The VAE's 512²·128 (4 channels per group): chunks of eight groups (64 bytes); 256 slabs of 1024 pixels.
+    let p = SlabPlan { chunk: 32, slabs: 256, threads: 512, apply_blocks: 2048, apply_threads: 128 };
+    assert_eq!(plan(1, 512 * 512, 128, 32, 2), Some(p));
+    // 513 channels per group: a chunk of 4104 channels is 513 vectors, more than a block's 512 threads.
+    assert_eq!(plan(1, 4, 4104, 8, 2), None);
 }
