@@ -489,7 +489,7 @@ pub(crate) fn group_norm_one_launch(
         (512, 1)
     } else if 1024 / upp > 0 && per_thread(1024, 1) <= 12 {
         (1024, 1)
-    } else if clusters && pixels <= 1024 && per_thread(1024, 2) <= 16 {
+    } else if clusters && pixels <= 1024 && 1024 / upp > 0 && per_thread(1024, 2) <= 16 {
         (1024, 2)
     } else {
         return None;
