@@ -503,6 +503,8 @@ const SLAB_THREADS: usize = 512;
 const SLAB_HOLD: usize = 8;
 const SLAB_GROUPS: usize = 32;
 const SLAB_APPLY_HOLD: usize = 4;
+/// Most slabs per sample (what each normalisation block merges per group).
+const SLAB_MAX: usize = 64;
 
 /// How the two-launch channels-last GroupNorm splits a map (kernels.cu's gn_slab_*): `chunk` channels of whole
 /// groups per block, the pixels of a sample in `slabs` for the moments (blocks of `threads`) and in
@@ -517,13 +519,14 @@ pub(crate) struct SlabPlan {
 }
 
 /// The split of a map of `samples` × `pixels` × `channels` (`elem` bytes each) in `groups` for the two-launch
-/// GroupNorm, or `None` where a chunk of whole groups is wider than a block's threads have vectors for. A chunk is
-/// the least common multiple of a vector's and a group's channels, doubled up to 64 bytes per pixel where the
+/// GroupNorm, or `None` where a chunk of whole groups is wider than a block's threads have vectors for (or a map
+/// is beyond what a grid's 65535 rows of 1024-thread normalisation blocks cover, some 67 million pixels). A chunk
+/// is the least common multiple of a vector's and a group's channels, doubled up to 64 bytes per pixel where the
 /// channels allow (shorter runs waste most of each 32-byte memory sector); the slabs are the fewest that keep
 /// every thread at [`SLAB_HOLD`] vectors, doubled while the moments launch has fewer than 256 blocks and its
-/// blocks keep two warps' worth of work. `xtask/bench/group_norm_shapes.cu` on an H100: 64²·320 in 11.5 us
-/// against 19.8 for the three launches before them and 15.6 for two-block clusters; SDXL's 128²·320 in 33 against
-/// 56 us.
+/// blocks keep two warps' worth of work, and at most [`SLAB_MAX`] (a block then takes its slab in steps).
+/// `xtask/bench/group_norm_shapes.cu` on an H100: 64²·320 in 11.8 us against 19.8 for the three launches before
+/// them and 15.6 for two-block clusters; SDXL's 128²·320 in 33 against 56 us.
 pub(crate) fn group_norm_slabs(
     samples: usize,
     pixels: usize,
@@ -555,12 +558,20 @@ pub(crate) fn group_norm_slabs(
     while (channels / chunk) * slabs * samples < 256 && rows(slabs * 2) * vpc >= 64 {
         slabs *= 2;
     }
-    let apply_threads = vpc.next_multiple_of(32).max(128);
+    // Every normalisation block merges all slabs of its groups: past 64 a block takes its slab in steps instead.
+    let slabs = slabs.min(SLAB_MAX);
+    // Blocks of 128 threads for the normalisation, larger where a map would need more than a grid's 65535 rows
+    // of them.
+    let apply_blocks = |threads: usize| pixels.div_ceil((threads / vpc) * SLAB_APPLY_HOLD);
+    let apply_threads = [128, 256, 512, 1024]
+        .into_iter()
+        .map(|t: usize| t.max(vpc.next_multiple_of(32)))
+        .find(|&t| t <= 1024 && apply_blocks(t) <= 65_535)?;
     Some(SlabPlan {
         chunk,
         slabs,
-        threads: (rows(slabs) * vpc).next_multiple_of(32),
-        apply_blocks: pixels.div_ceil((apply_threads / vpc) * SLAB_APPLY_HOLD),
+        threads: (rows(slabs).min(SLAB_THREADS / vpc) * vpc).next_multiple_of(32),
+        apply_blocks: apply_blocks(apply_threads),
         apply_threads,
     })
 }

@@ -294,21 +294,24 @@ __device__ void gn_group_nhwc(const T *x, const T *shift, uint32_t shift_stride,
 // rounding): the exact forms cost a normalisation over a 64² map more than its memory traffic.
 __device__ __forceinline__ float silu_fast(float v) { return __fdividef(v, 1.f + __expf(-v)); }
 
-// Where a gn_slab_* thread works: channels c0.. (one 16-byte vector of the chunk) of pixels p0, p0 + rows, … of
-// its block's slab, `held` of them. Thread t owns vector t % vpc (vpc = chunk / VEC) and row t / vpc; the last
-// blockDim % vpc threads (blocks are whole warps) hold nothing.
+// Where a gn_slab_* thread works in pixels [begin, end) of its sample: channels c0.. (one 16-byte vector of the
+// chunk) of pixels p0, p0 + rows, …, `held` of them (at most `hold`). Thread t owns vector t % vpc (vpc = chunk /
+// VEC) and row t / vpc; the last blockDim % vpc threads (blocks are whole warps) hold nothing.
 struct SlabThread {
     uint32_t v, rows, p0, held, c0;
 };
 
 template <uint32_t VEC>
-__device__ __forceinline__ SlabThread slab_thread(uint32_t pixels, uint32_t chunk, uint32_t slab, uint32_t slabs,
-                                                  uint32_t hold) {
-    const uint32_t vpc = chunk / VEC, rows = blockDim.x / vpc, r = threadIdx.x / vpc;
-    const uint32_t share = (pixels + slabs - 1) / slabs, begin = slab * share;
-    const uint32_t end = min(pixels, begin + share), p0 = begin + r;
+__device__ __forceinline__ SlabThread slab_thread(uint32_t chunk, uint32_t begin, uint32_t end, uint32_t hold) {
+    const uint32_t vpc = chunk / VEC, rows = blockDim.x / vpc, r = threadIdx.x / vpc, p0 = begin + r;
     const uint32_t held = r < rows && p0 < end ? min(hold, (end - p0 + rows - 1) / rows) : 0;
     return SlabThread{threadIdx.x % vpc, rows, p0, held, blockIdx.x * chunk + (threadIdx.x % vpc) * VEC};
+}
+
+// Block `index` of `blocks` splitting `pixels`: its [begin, end).
+__device__ __forceinline__ uint2 share_of(uint32_t pixels, uint32_t index, uint32_t blocks) {
+    const uint32_t share = (pixels + blocks - 1) / blocks, begin = min(pixels, index * share);
+    return make_uint2(begin, min(pixels, begin + share));
 }
 
 // The block's sums of v[0..VEC) per group of its chunk, into part[0..chunk / per_group). `red` takes every
@@ -343,8 +346,9 @@ __device__ __forceinline__ void gn_block_group_sums(const float (&v)[VEC], float
 // GroupNorm over channels-last (N, H·W, C) maps in two launches with every load and store 16 bytes wide, for maps
 // too large for one block's registers per group. The channels split into chunks of whole groups (`chunk`: a
 // multiple of a vector's and a group's channels) and the pixels into `slabs`. Pass 1, block (chunk, slab,
-// sample): its threads load their vectors once, and the block takes each group's mean over the slab, then the
-// squared deviations from it (two exact passes over the registers), and writes (count, mean, M2) to
+// sample): in steps of what its registers hold (GN_SLAB_HOLD vectors a thread), its threads load their vectors
+// once, the block takes each group's mean over the step, then the squared deviations from it (two exact passes
+// over the registers), and merges the steps (Chan's formula); it writes (count, mean, M2) to
 // partial[((sample · slabs + slab) · groups + g) · 3]. A non-null `shift` (N rows of C, `shift_stride` apart)
 // is added to every pixel of its sample first: the ResNet time embedding, which the convolution before the norm
 // then never has to add in a pass of its own. Its rows are strided because they are columns of the UNet's table
@@ -358,60 +362,70 @@ __device__ void gn_slab_moments_nhwc(const T *x, const T *shift, uint32_t shift_
     extern __shared__ float dyn[];
     float *red = dyn, *csum = dyn + blockDim.x * VEC;
     __shared__ float part[GN_SLAB_GROUPS], mean_g[GN_SLAB_GROUPS];
-    const uint32_t slab = blockIdx.y, sample = blockIdx.z, per_group = channels / groups;
-    const SlabThread t = slab_thread<VEC>(pixels, chunk, slab, slabs, GN_SLAB_HOLD);
-    const uint4 *xs = reinterpret_cast<const uint4 *>(x + (size_t)sample * pixels * channels + t.c0);
+    const uint32_t slab = blockIdx.y, sample = blockIdx.z, per_group = channels / groups, gpc = chunk / per_group;
+    const uint2 range = share_of(pixels, slab, slabs);
+    const T *xs = x + (size_t)sample * pixels * channels;
     const size_t pitch = channels / VEC;
-    float sh[VEC];
-    uint4 s = make_uint4(0, 0, 0, 0);
-    if (shift != nullptr) s = *reinterpret_cast<const uint4 *>(shift + (size_t)sample * shift_stride + t.c0);
+    // The slab in steps of what the block's registers hold, each step's moments merged into the running ones of
+    // thread g (group g of the chunk).
+    Moments run{0.f, 0.f, 0.f};
+    const uint32_t step = blockDim.x / (chunk / VEC) * GN_SLAB_HOLD;
+    for (uint32_t begin = range.x; begin < range.y; begin += step) {
+        const uint32_t end = min(range.y, begin + step);
+        const SlabThread t = slab_thread<VEC>(chunk, begin, end, GN_SLAB_HOLD);
+        const uint4 *xv = reinterpret_cast<const uint4 *>(xs + t.c0);
+        float sh[VEC];
+        uint4 s = make_uint4(0, 0, 0, 0);
+        if (shift != nullptr) s = *reinterpret_cast<const uint4 *>(shift + (size_t)sample * shift_stride + t.c0);
 #pragma unroll
-    for (uint32_t j = 0; j < VEC; j++) sh[j] = to_f(reinterpret_cast<const T *>(&s)[j]);
-    uint4 raw[GN_SLAB_HOLD];
+        for (uint32_t j = 0; j < VEC; j++) sh[j] = to_f(reinterpret_cast<const T *>(&s)[j]);
+        uint4 raw[GN_SLAB_HOLD];
 #pragma unroll
-    for (uint32_t k = 0; k < GN_SLAB_HOLD; k++) {
-        if (k >= t.held) break;
-        raw[k] = xs[(size_t)(t.p0 + k * t.rows) * pitch];
-    }
-    float acc[VEC];
+        for (uint32_t k = 0; k < GN_SLAB_HOLD; k++) {
+            if (k >= t.held) break;
+            raw[k] = xv[(size_t)(t.p0 + k * t.rows) * pitch];
+        }
+        float acc[VEC];
 #pragma unroll
-    for (uint32_t j = 0; j < VEC; j++) acc[j] = 0.f;
+        for (uint32_t j = 0; j < VEC; j++) acc[j] = 0.f;
 #pragma unroll
-    for (uint32_t k = 0; k < GN_SLAB_HOLD; k++) {
-        if (k >= t.held) break;
-        const T *e = reinterpret_cast<const T *>(&raw[k]);
+        for (uint32_t k = 0; k < GN_SLAB_HOLD; k++) {
+            if (k >= t.held) break;
+            const T *e = reinterpret_cast<const T *>(&raw[k]);
 #pragma unroll
-        for (uint32_t j = 0; j < VEC; j++) acc[j] += to_f(e[j]) + sh[j];
-    }
-    const uint32_t share = (pixels + slabs - 1) / slabs, begin = min(pixels, slab * share);
-    const float count = (float)(min(pixels, begin + share) - begin) * per_group;
-    const uint32_t gpc = chunk / per_group;
-    gn_block_group_sums<VEC>(acc, red, csum, part, chunk, t.rows, per_group);
-    for (uint32_t g = threadIdx.x; g < gpc; g += blockDim.x) mean_g[g] = count > 0.f ? part[g] / count : 0.f;
-    __syncthreads();
-    // The mean less the shift, so that x − it is the shifted value's deviation.
-    float mean[VEC];
-#pragma unroll
-    for (uint32_t j = 0; j < VEC; j++) {
-        mean[j] = mean_g[(t.v * VEC + j) / per_group] - sh[j];
-        acc[j] = 0.f;
-    }
-#pragma unroll
-    for (uint32_t k = 0; k < GN_SLAB_HOLD; k++) {
-        if (k >= t.held) break;
-        const T *e = reinterpret_cast<const T *>(&raw[k]);
+            for (uint32_t j = 0; j < VEC; j++) acc[j] += to_f(e[j]) + sh[j];
+        }
+        const float count = (float)(end - begin) * per_group;
+        gn_block_group_sums<VEC>(acc, red, csum, part, chunk, t.rows, per_group);
+        for (uint32_t g = threadIdx.x; g < gpc; g += blockDim.x) mean_g[g] = part[g] / count;
+        __syncthreads();
+        // The mean less the shift, so that x − it is the shifted value's deviation.
+        float mean[VEC];
 #pragma unroll
         for (uint32_t j = 0; j < VEC; j++) {
-            const float d = to_f(e[j]) - mean[j];
-            acc[j] += d * d;
+            mean[j] = mean_g[(t.v * VEC + j) / per_group] - sh[j];
+            acc[j] = 0.f;
         }
+#pragma unroll
+        for (uint32_t k = 0; k < GN_SLAB_HOLD; k++) {
+            if (k >= t.held) break;
+            const T *e = reinterpret_cast<const T *>(&raw[k]);
+#pragma unroll
+            for (uint32_t j = 0; j < VEC; j++) {
+                const float d = to_f(e[j]) - mean[j];
+                acc[j] += d * d;
+            }
+        }
+        gn_block_group_sums<VEC>(acc, red, csum, part, chunk, t.rows, per_group);
+        if (threadIdx.x < gpc) run = combine(run, Moments{count, mean_g[threadIdx.x], part[threadIdx.x]});
+        // The next step rewrites mean_g and part.
+        __syncthreads();
     }
-    gn_block_group_sums<VEC>(acc, red, csum, part, chunk, t.rows, per_group);
-    for (uint32_t g = threadIdx.x; g < gpc; g += blockDim.x) {
-        float *p = partial + (((size_t)sample * slabs + slab) * groups + blockIdx.x * gpc + g) * 3;
-        p[0] = count;
-        p[1] = mean_g[g];
-        p[2] = part[g];
+    if (threadIdx.x < gpc) {
+        float *p = partial + (((size_t)sample * slabs + slab) * groups + blockIdx.x * gpc + threadIdx.x) * 3;
+        p[0] = run.n;
+        p[1] = run.mean;
+        p[2] = run.m2;
     }
 }
 
@@ -426,7 +440,8 @@ __device__ void gn_slab_apply_nhwc(const T *x, const T *shift, uint32_t shift_st
     constexpr uint32_t VEC = 16 / sizeof(T);
     __shared__ float stat[2][GN_SLAB_GROUPS];
     const uint32_t sample = blockIdx.z, per_group = channels / groups, gpc = chunk / per_group;
-    const SlabThread t = slab_thread<VEC>(pixels, chunk, blockIdx.y, gridDim.y, GN_SLAB_APPLY_HOLD);
+    const uint2 range = share_of(pixels, blockIdx.y, gridDim.y);
+    const SlabThread t = slab_thread<VEC>(chunk, range.x, range.y, GN_SLAB_APPLY_HOLD);
     const uint4 *xs = reinterpret_cast<const uint4 *>(x + (size_t)sample * pixels * channels + t.c0);
     const size_t pitch = channels / VEC;
     uint4 raw[GN_SLAB_APPLY_HOLD];

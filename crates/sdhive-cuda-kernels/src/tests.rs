@@ -760,8 +760,8 @@ fn one_launch_group_norm_takes_the_groups_its_blocks_hold() {
 }
 
 /// How the two-launch GroupNorm splits maps: chunks of whole groups at least 64 bytes per pixel where the channels
-/// allow, enough slabs that a thread holds at most eight vectors and the moments launch has 256 blocks, and none
-/// where a chunk of whole groups needs more vectors than a block has threads.
+/// allow, enough slabs that a thread holds at most eight vectors and the moments launch has 256 blocks but at most
+/// 64 per sample, and none where a chunk of whole groups needs more vectors than a block has threads.
 #[test]
 fn slab_group_norm_splits_maps_into_chunks_of_whole_groups() {
     use crate::cuda::{group_norm_slabs as plan, SlabPlan};
@@ -770,9 +770,13 @@ fn slab_group_norm_splits_maps_into_chunks_of_whole_groups() {
     assert_eq!(plan(2, 4096, 320, 32, 2), Some(p));
     // The same map in f32: 20-channel chunks, twice as many, so 8 slabs fill the GPU.
     assert_eq!(plan(2, 4096, 320, 32, 4).map(|p| (p.chunk, p.slabs, p.threads)), Some((20, 8, 320)));
-    // The VAE's 512²·128 (4 channels per group): chunks of eight groups (64 bytes); 256 slabs of 1024 pixels.
-    let p = SlabPlan { chunk: 32, slabs: 256, threads: 512, apply_blocks: 2048, apply_threads: 128 };
+    // The VAE's 512²·128 (4 channels per group): chunks of eight groups (64 bytes); 64 slabs of 4096 pixels, each
+    // taken in four steps of 1024.
+    let p = SlabPlan { chunk: 32, slabs: 64, threads: 512, apply_blocks: 2048, apply_threads: 128 };
     assert_eq!(plan(1, 512 * 512, 128, 32, 2), Some(p));
     // 513 channels per group: a chunk of 4104 channels is 513 vectors, more than a block's 512 threads.
     assert_eq!(plan(1, 4, 4104, 8, 2), None);
+    // A 4096² VAE map: 32768 normalisation blocks of 128 threads would do, 131072 exceed the grid: 512 threads.
+    let huge = plan(1, 4096 * 4096, 128, 32, 2).unwrap();
+    assert_eq!((huge.apply_threads, huge.apply_blocks), (512, 32768));
 }
