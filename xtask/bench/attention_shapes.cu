@@ -9,11 +9,13 @@
 #include <cstdlib>
 #include <vector>
 #include <cstring>
+#include <algorithm>
 
 #define INST(NAME, DP, BK, W, BOUNDS) INSTA(NAME, DP, BK, W, 1, BOUNDS)
-#define INSTA(NAME, DP, BK, W, A, BOUNDS) \
+#define INSTA(NAME, DP, BK, W, A, BOUNDS) INSTS(NAME, DP, BK, W, A, 1, BOUNDS)
+#define INSTS(NAME, DP, BK, W, A, S, BOUNDS) \
   extern "C" __global__ void __launch_bounds__ BOUNDS NAME(const __half *q, const __half *k, const __half *v, __half *o, int sq, int sk, int d, int heads, long long q_bs, long long q_ss, long long k_bs, long long k_ss, long long v_bs, long long v_ss, float s) { \
-    flash_attention<__half, DP, BK, W, A>(q, k, v, o, sq, sk, d, heads, q_bs, q_ss, k_bs, k_ss, v_bs, v_ss, s); }
+    flash_attention<__half, DP, BK, W, A, S>(q, k, v, o, sq, sk, d, heads, q_bs, q_ss, k_bs, k_ss, v_bs, v_ss, s); }
 
 INST(d48_w4_b5, 48, 64, 4, (128, 5))
 INST(d48_w4_b4, 48, 64, 4, (128, 4))
@@ -41,6 +43,10 @@ INST(d80_w2, 80, 64, 2, (64))
 INST(d80_w2_k32, 80, 32, 2, (64))
 INST(d48_w2_k32, 48, 32, 2, (64))
 INSTA(d48_a2_k32_w2, 48, 32, 2, 2, (64, 8))
+INSTS(d160_w2_s4, 160, 32, 2, 1, 4, (256))
+INSTS(d160_w4_s2, 160, 32, 4, 1, 2, (256))
+INSTS(d160_w2_s2, 160, 32, 2, 1, 2, (128))
+INSTS(d160_w2_s4_k16, 160, 16, 2, 1, 4, (256))
 
 typedef void (*K)(const __half *, const __half *, const __half *, __half *, int, int, int, int, long long, long long, long long, long long, long long, long long, float);
 
@@ -62,7 +68,15 @@ __global__ void naive(const __half *q, const __half *k, const __half *v, float *
   float *orow = o + (b * (long long)sq + r) * hs + h * d; for (int c = 0; c < d; ++c) orow[c] = acc[c] / l;
 }
 
-struct Var { const char *name; K k; int dp, bk, warps, atoms = 1; };
+struct Var { const char *name; K k; int dp, bk, warps, atoms = 1, split = 1; };
+
+// attention.rs's smem_bytes: two stages of SPLIT·BK keys of K and V, the query tile from the second stage on, or
+// the later key groups' hand-over if larger.
+static int smem_of(const Var &v) {
+  int keys = v.bk * v.split, rows = 16 * v.warps * v.atoms, ld = v.dp + 8;
+  int stages = std::max(4 * keys, 2 * keys + rows) * ld * 2, merge = (v.split - 1) * rows / 16 * (v.dp / 8 + 1) * 512;
+  return std::max(stages, merge);
+}
 
 int main() {
   Var vars[] = {{"d48_w4_b5", d48_w4_b5, 48, 64, 4}, {"d48_w4_b4", d48_w4_b4, 48, 64, 4}, {"d48_w8_b2", d48_w8_b2, 48, 64, 8}, {"d48_w8_b3", d48_w8_b3, 48, 64, 8},
@@ -73,15 +87,19 @@ int main() {
                 {"d80_w4", d80_w4, 80, 64, 4}, {"d80_w8", d80_w8, 80, 64, 8},
                 {"d160_w4", d160_w4, 160, 32, 4}, {"d160_w8", d160_w8, 160, 32, 8},
                 {"d160_w2", d160_w2, 160, 32, 2}, {"d160_w1", d160_w1, 160, 32, 1}, {"d80_w2", d80_w2, 80, 64, 2}, {"d80_w2_k32", d80_w2_k32, 80, 32, 2},
-                {"d48_w2_k32", d48_w2_k32, 48, 32, 2}, {"d48_a2_k32_w2", d48_a2_k32_w2, 48, 32, 2, 2}};
+                {"d48_w2_k32", d48_w2_k32, 48, 32, 2}, {"d48_a2_k32_w2", d48_a2_k32_w2, 48, 32, 2, 2},
+                {"d160_w2_s4", d160_w2_s4, 160, 32, 2, 1, 4}, {"d160_w4_s2", d160_w4_s2, 160, 32, 4, 1, 2},
+                {"d160_w2_s2", d160_w2_s2, 160, 32, 2, 1, 2}, {"d160_w2_s4_k16", d160_w2_s4_k16, 160, 16, 2, 1, 4}};
   struct Shape { const char *what; int b, sq, sk, h, d; } shapes[] = {
       {"sd15 self 64x64", 2, 4096, 4096, 8, 40}, {"sd15 cross 64x64", 2, 4096, 77, 8, 40},
       {"sd15 self 32x32", 2, 1024, 1024, 8, 80}, {"sd15 cross 32x32", 2, 1024, 77, 8, 80}, {"sd15 self 16x16", 2, 256, 256, 8, 160}, {"sd15 cross 16x16", 2, 256, 77, 8, 160}, {"sd15 self 8x8", 2, 64, 64, 8, 160}, {"sd15 cross 8x8", 2, 64, 77, 8, 160},
+      {"24x24 self", 2, 576, 576, 8, 160}, {"32x32 self", 2, 1024, 1024, 8, 160}, {"d160 keys 300", 1, 64, 300, 2, 160}, {"d160 one key", 1, 90, 1, 2, 160},
       {"sdxl self 64x64", 2, 4096, 4096, 10, 64}, {"sdxl self 32x32", 2, 1024, 1024, 20, 64}, {"sdxl cross 64x64", 2, 4096, 77, 10, 64}};
   for (auto &v : vars) {
     cudaFuncAttributes at; cudaFuncGetAttributes(&at, v.k);
-    int smem = 2 * 2 * v.bk * (v.dp + 8) * 2; int nb = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, v.k, v.warps * 32, smem);
+    int smem = smem_of(v); int nb = 0;
+    if (smem > 48 * 1024) cudaFuncSetAttribute(v.k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, v.k, v.warps * v.split * 32, smem);
     printf("%-14s regs %3d spill %3zu B  blocks/SM %d\n", v.name, at.numRegs, at.localSizeBytes, nb);
   }
   for (auto &s : shapes) {
@@ -96,12 +114,11 @@ int main() {
     double flop = 4.0 * s.b * s.h * (double)s.sq * s.sk * s.d;
     for (auto &var : vars) {
       if (var.dp != dp) continue;
-      int smem = 2 * 2 * var.bk * (var.dp + 8) * 2;
-      if (smem > 48 * 1024) cudaFuncSetAttribute(var.k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      int smem = smem_of(var);
       int rows = 16 * var.warps * var.atoms; dim3 grid((s.sq + rows - 1) / rows, s.h, s.b);
       long long hs = (long long)s.h * s.d;
       float scale = 1.f / sqrtf((float)s.d) * 1.4426950408889634f;
-      auto launch = [&]() { var.k<<<grid, var.warps * 32, smem>>>(q, k, v, o, s.sq, s.sk, s.d, s.h, s.sq * hs, hs, s.sk * hs, hs, s.sk * hs, hs, scale); };
+      auto launch = [&]() { var.k<<<grid, var.warps * var.split * 32, smem>>>(q, k, v, o, s.sq, s.sk, s.d, s.h, s.sq * hs, hs, s.sk * hs, hs, s.sk * hs, hs, scale); };
       cudaMemset(o, 0, nq * 2);
       for (int i = 0; i < 20; ++i) launch();
       cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);

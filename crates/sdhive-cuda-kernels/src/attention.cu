@@ -6,7 +6,10 @@
 // place; the output is written contiguous (B, Sq, H·D), ready for the out-projection: no split or merge copies.
 // A block of WARPS warps owns 16·WARPS·ATOMS query rows of one (batch, head); each warp owns ATOMS atoms of 16 rows
 // and keeps their scores, probabilities, running max and sum and output in registers. Key tiles are copied to shared memory
-// asynchronously (cp.async), the next one while the block works on the current one. Probabilities are rounded to
+// asynchronously (cp.async), the next one while the block works on the current one. With SPLIT key groups, SPLIT
+// sets of such warps share the rows and each takes its own BK keys of every SPLIT·BK-key stage; the groups' maxima,
+// sums and outputs are merged through shared memory at the end (small grids: a shorter key loop per warp, more
+// warps per SM). Probabilities are rounded to
 // the storage type before the product with V, as every fp16 flash kernel does. The head dimension D (a multiple
 // of 8, at most 160) is zero-padded to DP, a multiple of 16, for the scores; the product with V skips the output
 // columns past D (SD1.5's D 40 in DP 48: five 8-wide tiles, not six). Scores are masked only in the last key
@@ -30,20 +33,9 @@ __device__ __forceinline__ __half cvt(float v, __half) { return __float2half(v);
 __device__ __forceinline__ __nv_bfloat16 cvt(float v, __nv_bfloat16) { return __float2bfloat16(v); }
 
 // Copies `rows` rows of D values (16-byte chunks; rows past `valid` and columns past `d` as zeros) from global
-// rows `stride` apart into shared rows LD apart.
-template <typename T, int DP, int LD>
-__device__ __forceinline__ void stage(T *dst, const T *src, int rows, int valid, int d, long long stride) {
-    constexpr int CH = DP / 8;
-    for (int i = threadIdx.x; i < rows * CH; i += blockDim.x) {
-        int r = i / CH, c = (i % CH) * 8;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (r < valid && c < d) val = *reinterpret_cast<const uint4 *>(src + r * stride + c);
-        *reinterpret_cast<uint4 *>(dst + r * LD + c) = val;
-    }
-}
-
-// The same copy without waiting for it: cp.async with a zero fill where the source is out of range (no byte is
-// read then; the base address stands in). Completes at the next cp.async.wait_group that covers its group.
+// rows `stride` apart into shared rows LD apart, without waiting for it: cp.async with a zero fill where the source
+// is out of range (no byte is read then; the base address stands in). Completes at the next cp.async.wait_group
+// that covers its group.
 template <typename T, int DP, int LD>
 __device__ __forceinline__ void stage_async(T *dst, const T *src, int rows, int valid, int d, long long stride) {
     constexpr int CH = DP / 8;
@@ -117,19 +109,20 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t *r, const void *p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
 }
 
-template <typename T, int DP, int BK, int WARPS, int ATOMS>
+template <typename T, int DP, int BK, int WARPS, int ATOMS, int SPLIT = 1>
 __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                 T *__restrict__ o, int sq, int sk, int d, int heads, long long q_bs, long long q_ss,
                                 long long k_bs, long long k_ss, long long v_bs, long long v_ss, float scale_log2) {
     constexpr int LD = DP + 8; // 16-byte row padding: the eight rows of an ldmatrix hit different banks
-    constexpr int TILE = BK * LD;
+    constexpr int KEYS = BK * SPLIT; // keys per stage; key group s takes its rows s·BK..s·BK+BK-1
+    constexpr int TILE = KEYS * LD;
     constexpr int NS = BK / 8; // score tiles per key tile
     constexpr int NO = DP / 8; // output tiles; those at or past the head dimension d are skipped
     constexpr int ROWS = 16 * WARPS * ATOMS;
-    static_assert(4 * BK >= ROWS && DP % 16 == 0 && BK % 16 == 0, "tile shapes");
+    static_assert(DP % 16 == 0 && BK % 16 == 0, "tile shapes");
     T *kv = reinterpret_cast<T *>(flash_smem);
 
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32 % WARPS, split = threadIdx.x / (32 * WARPS), lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * ROWS;
     const int no = (d + 7) / 8;
@@ -137,7 +130,12 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
     const T *kh = k + b * k_bs + (long long)h * d;
     const T *vh = v + b * v_bs + (long long)h * d;
 
-    stage<T, DP, LD>(kv, qh, ROWS, sq - q0, d, q_ss);
+    // The query tile in the second stage, requested before the first key tile so that their latencies overlap; the
+    // wait covers only the query group.
+    stage_async<T, DP, LD>(kv + 2 * TILE, qh, ROWS, sq - q0, d, q_ss);
+    stage_async<T, DP, LD>(kv, kh, KEYS, sk, d, k_ss);
+    stage_async<T, DP, LD>(kv + TILE, vh, KEYS, sk, d, v_ss);
+    wait_async<2>();
     __syncthreads();
     // A fragments of the warp's query rows, per 16-row atom: matrices (rows 0-7 | 8-15) × (columns 0-7 | 8-15) of
     // each k-step.
@@ -146,7 +144,7 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
     for (int a = 0; a < ATOMS; ++a) {
         const int r = (warp * ATOMS + a) * 16 + (lane % 8) + ((lane / 8) % 2) * 8, c = (lane / 16) * 8;
 #pragma unroll
-        for (int kk = 0; kk < DP / 16; ++kk) ldmatrix_x4(qf[a][kk], kv + r * LD + kk * 16 + c);
+        for (int kk = 0; kk < DP / 16; ++kk) ldmatrix_x4(qf[a][kk], kv + 2 * TILE + r * LD + kk * 16 + c);
     }
     __syncthreads();
 
@@ -163,127 +161,175 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
         l0[a] = l1[a] = 0.f;
     }
 
-    stage_async<T, DP, LD>(kv, kh, BK, sk, d, k_ss);
-    stage_async<T, DP, LD>(kv + TILE, vh, BK, sk, d, v_ss);
-    for (int k0 = 0, it = 0; k0 < sk; k0 += BK, ++it) {
-        if (k0 + BK < sk) {
+    for (int s0 = 0, it = 0; s0 < sk; s0 += KEYS, ++it) {
+        if (s0 + KEYS < sk) {
             T *next = kv + 2 * TILE * ((it + 1) % 2);
-            stage_async<T, DP, LD>(next, kh + (k0 + BK) * k_ss, BK, sk - k0 - BK, d, k_ss);
-            stage_async<T, DP, LD>(next + TILE, vh + (k0 + BK) * v_ss, BK, sk - k0 - BK, d, v_ss);
+            stage_async<T, DP, LD>(next, kh + (s0 + KEYS) * k_ss, KEYS, sk - s0 - KEYS, d, k_ss);
+            stage_async<T, DP, LD>(next + TILE, vh + (s0 + KEYS) * v_ss, KEYS, sk - s0 - KEYS, d, v_ss);
             wait_async<2>();
         } else {
             wait_async<0>();
         }
         __syncthreads();
-        const T *ks = kv + 2 * TILE * (it % 2), *vs = ks + TILE;
+        // A key group whose tile lies past the end skips it (its warps only keep the barriers).
+        const int k0 = s0 + split * BK;
+        if (k0 < sk) {
+            const T *ks = kv + 2 * TILE * (it % 2) + split * BK * LD, *vs = ks + TILE;
 
-        // S = Q Kᵀ: K's rows are the B operand's columns, so ldmatrix without transposition; one x4 load gives
-        // two score tiles' fragments for one k-step, used by every atom.
-        float sc[ATOMS][NS][4];
-#pragma unroll
-        for (int a = 0; a < ATOMS; ++a)
-#pragma unroll
-            for (int n = 0; n < NS; ++n) sc[a][n][0] = sc[a][n][1] = sc[a][n][2] = sc[a][n][3] = 0.f;
-#pragma unroll
-        for (int n = 0; n < NS; n += 2) {
-            const int key = n * 8 + (lane % 8) + (lane / 16) * 8, c = ((lane / 8) % 2) * 8;
-#pragma unroll
-            for (int kk = 0; kk < DP / 16; ++kk) {
-                uint32_t kf[4];
-                ldmatrix_x4(kf, ks + key * LD + kk * 16 + c);
-#pragma unroll
-                for (int a = 0; a < ATOMS; ++a) {
-                    MmaType<T>::mma(sc[a][n], qf[a][kk], kf);
-                    MmaType<T>::mma(sc[a][n + 1], qf[a][kk], kf + 2);
-                }
-            }
-        }
-
-        // Keys past the end exist only in the last tile (zero-filled there): only it pays for the mask.
-        if (k0 + BK > sk) {
+            // S = Q Kᵀ: K's rows are the B operand's columns, so ldmatrix without transposition; one x4 load gives
+            // two score tiles' fragments for one k-step, used by every atom.
+            float sc[ATOMS][NS][4];
 #pragma unroll
             for (int a = 0; a < ATOMS; ++a)
 #pragma unroll
-                for (int n = 0; n < NS; ++n)
+                for (int n = 0; n < NS; ++n) sc[a][n][0] = sc[a][n][1] = sc[a][n][2] = sc[a][n][3] = 0.f;
 #pragma unroll
-                    for (int e = 0; e < 2; ++e)
-                        if (k0 + n * 8 + 2 * t + e >= sk) sc[a][n][e] = sc[a][n][2 + e] = -INFINITY;
-        }
-
+            for (int n = 0; n < NS; n += 2) {
+                const int key = n * 8 + (lane % 8) + (lane / 16) * 8, c = ((lane / 8) % 2) * 8;
 #pragma unroll
-        for (int a = 0; a < ATOMS; ++a) {
-            float t0 = -INFINITY, t1 = -INFINITY;
-#pragma unroll
-            for (int n = 0; n < NS; ++n) {
-                t0 = fmaxf(t0, fmaxf(sc[a][n][0], sc[a][n][1]));
-                t1 = fmaxf(t1, fmaxf(sc[a][n][2], sc[a][n][3]));
-            }
-#pragma unroll
-            for (int off = 1; off <= 2; off <<= 1) {
-                t0 = fmaxf(t0, __shfl_xor_sync(0xffffffff, t0, off));
-                t1 = fmaxf(t1, __shfl_xor_sync(0xffffffff, t1, off));
-            }
-            // The first tile always holds key 0, so the new maxima are finite and the first rescales are 0. The
-            // scale (positive) is applied inside the exponent: one fused multiply-add per score.
-            const float n0 = fmaxf(m0[a], t0), n1 = fmaxf(m1[a], t1);
-            const float a0 = fast_exp2((m0[a] - n0) * scale_log2), a1 = fast_exp2((m1[a] - n1) * scale_log2);
-            const float b0 = -n0 * scale_log2, b1 = -n1 * scale_log2;
-            m0[a] = n0;
-            m1[a] = n1;
-            float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-            for (int n = 0; n < NS; ++n) {
-                sc[a][n][0] = fast_exp2(fmaf(sc[a][n][0], scale_log2, b0));
-                sc[a][n][1] = fast_exp2(fmaf(sc[a][n][1], scale_log2, b0));
-                sc[a][n][2] = fast_exp2(fmaf(sc[a][n][2], scale_log2, b1));
-                sc[a][n][3] = fast_exp2(fmaf(sc[a][n][3], scale_log2, b1));
-                s0 += sc[a][n][0] + sc[a][n][1];
-                s1 += sc[a][n][2] + sc[a][n][3];
-            }
-            l0[a] = l0[a] * a0 + s0;
-            l1[a] = l1[a] * a1 + s1;
-#pragma unroll
-            for (int j = 0; j < NO; ++j) {
-                acc[a][j][0] *= a0;
-                acc[a][j][1] *= a0;
-                acc[a][j][2] *= a1;
-                acc[a][j][3] *= a1;
-            }
-        }
-
-        // O += P V: score tiles 2kk and 2kk+1 are the A fragment of k-step kk; V's rows are the B operand's rows,
-        // so ldmatrix transposes; one x4 load gives two output tiles' fragments (an x2 load the last odd one),
-        // used by every atom.
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-            uint32_t pa[ATOMS][4];
-#pragma unroll
-            for (int a = 0; a < ATOMS; ++a) {
-                pa[a][0] = pack_f2<T>(sc[a][2 * kk][0], sc[a][2 * kk][1]);
-                pa[a][1] = pack_f2<T>(sc[a][2 * kk][2], sc[a][2 * kk][3]);
-                pa[a][2] = pack_f2<T>(sc[a][2 * kk + 1][0], sc[a][2 * kk + 1][1]);
-                pa[a][3] = pack_f2<T>(sc[a][2 * kk + 1][2], sc[a][2 * kk + 1][3]);
-            }
-            const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, c = (lane / 16) * 8;
-#pragma unroll
-            for (int j = 0; j < NO; j += 2) {
-                if (j >= no) break;
-                uint32_t vf[4];
-                if (j + 1 < no) {
-                    ldmatrix_x4_trans(vf, vs + key * LD + j * 8 + c);
+                for (int kk = 0; kk < DP / 16; ++kk) {
+                    uint32_t kf[4];
+                    ldmatrix_x4(kf, ks + key * LD + kk * 16 + c);
 #pragma unroll
                     for (int a = 0; a < ATOMS; ++a) {
-                        MmaType<T>::mma(acc[a][j], pa[a], vf);
-                        MmaType<T>::mma(acc[a][j + 1], pa[a], vf + 2);
+                        MmaType<T>::mma(sc[a][n], qf[a][kk], kf);
+                        MmaType<T>::mma(sc[a][n + 1], qf[a][kk], kf + 2);
                     }
-                } else {
-                    ldmatrix_x2_trans(vf, vs + key * LD + j * 8);
+                }
+            }
+
+            // Keys past the end exist only in the last tile (zero-filled there): only it pays for the mask.
+            if (k0 + BK > sk) {
 #pragma unroll
-                    for (int a = 0; a < ATOMS; ++a) MmaType<T>::mma(acc[a][j], pa[a], vf);
+                for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+                    for (int n = 0; n < NS; ++n)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            if (k0 + n * 8 + 2 * t + e >= sk) sc[a][n][e] = sc[a][n][2 + e] = -INFINITY;
+            }
+
+#pragma unroll
+            for (int a = 0; a < ATOMS; ++a) {
+                float t0 = -INFINITY, t1 = -INFINITY;
+#pragma unroll
+                for (int n = 0; n < NS; ++n) {
+                    t0 = fmaxf(t0, fmaxf(sc[a][n][0], sc[a][n][1]));
+                    t1 = fmaxf(t1, fmaxf(sc[a][n][2], sc[a][n][3]));
+                }
+#pragma unroll
+                for (int off = 1; off <= 2; off <<= 1) {
+                    t0 = fmaxf(t0, __shfl_xor_sync(0xffffffff, t0, off));
+                    t1 = fmaxf(t1, __shfl_xor_sync(0xffffffff, t1, off));
+                }
+                // A group's first tile holds a key (k0 < sk), so the new maxima are finite and the first rescales
+                // are 0. The scale (positive) is applied inside the exponent: one fused multiply-add per score.
+                const float n0 = fmaxf(m0[a], t0), n1 = fmaxf(m1[a], t1);
+                const float a0 = fast_exp2((m0[a] - n0) * scale_log2), a1 = fast_exp2((m1[a] - n1) * scale_log2);
+                const float b0 = -n0 * scale_log2, b1 = -n1 * scale_log2;
+                m0[a] = n0;
+                m1[a] = n1;
+                float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+                for (int n = 0; n < NS; ++n) {
+                    sc[a][n][0] = fast_exp2(fmaf(sc[a][n][0], scale_log2, b0));
+                    sc[a][n][1] = fast_exp2(fmaf(sc[a][n][1], scale_log2, b0));
+                    sc[a][n][2] = fast_exp2(fmaf(sc[a][n][2], scale_log2, b1));
+                    sc[a][n][3] = fast_exp2(fmaf(sc[a][n][3], scale_log2, b1));
+                    s0 += sc[a][n][0] + sc[a][n][1];
+                    s1 += sc[a][n][2] + sc[a][n][3];
+                }
+                l0[a] = l0[a] * a0 + s0;
+                l1[a] = l1[a] * a1 + s1;
+#pragma unroll
+                for (int j = 0; j < NO; ++j) {
+                    acc[a][j][0] *= a0;
+                    acc[a][j][1] *= a0;
+                    acc[a][j][2] *= a1;
+                    acc[a][j][3] *= a1;
+                }
+            }
+
+            // O += P V: score tiles 2kk and 2kk+1 are the A fragment of k-step kk; V's rows are the B operand's rows,
+            // so ldmatrix transposes; one x4 load gives two output tiles' fragments (an x2 load the last odd one),
+            // used by every atom.
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; ++kk) {
+                uint32_t pa[ATOMS][4];
+#pragma unroll
+                for (int a = 0; a < ATOMS; ++a) {
+                    pa[a][0] = pack_f2<T>(sc[a][2 * kk][0], sc[a][2 * kk][1]);
+                    pa[a][1] = pack_f2<T>(sc[a][2 * kk][2], sc[a][2 * kk][3]);
+                    pa[a][2] = pack_f2<T>(sc[a][2 * kk + 1][0], sc[a][2 * kk + 1][1]);
+                    pa[a][3] = pack_f2<T>(sc[a][2 * kk + 1][2], sc[a][2 * kk + 1][3]);
+                }
+                const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, c = (lane / 16) * 8;
+#pragma unroll
+                for (int j = 0; j < NO; j += 2) {
+                    if (j >= no) break;
+                    uint32_t vf[4];
+                    if (j + 1 < no) {
+                        ldmatrix_x4_trans(vf, vs + key * LD + j * 8 + c);
+#pragma unroll
+                        for (int a = 0; a < ATOMS; ++a) {
+                            MmaType<T>::mma(acc[a][j], pa[a], vf);
+                            MmaType<T>::mma(acc[a][j + 1], pa[a], vf + 2);
+                        }
+                    } else {
+                        ldmatrix_x2_trans(vf, vs + key * LD + j * 8);
+#pragma unroll
+                        for (int a = 0; a < ATOMS; ++a) MmaType<T>::mma(acc[a][j], pa[a], vf);
+                    }
                 }
             }
         }
         __syncthreads(); // every warp is done with this stage before the next prefetch replaces it
+    }
+
+    // Key groups past the first hand their rows' maxima, sums (this lane's shares) and unnormalised outputs over
+    // shared memory, in the accumulator layout, to the first, which merges them in group order (deterministic). A
+    // group without a key has maxima -inf and factor 0.
+    if constexpr (SPLIT > 1) {
+        float *part = reinterpret_cast<float *>(flash_smem);
+        constexpr int SLOT = (NO + 1) * 128; // per atom: NO output tiles and one of maxima and sums, 4 per lane
+        if (split > 0) {
+#pragma unroll
+            for (int a = 0; a < ATOMS; ++a) {
+                float *p = part + (((split - 1) * WARPS + warp) * ATOMS + a) * SLOT + lane * 4;
+#pragma unroll
+                for (int j = 0; j < NO; ++j) {
+                    if (j >= no) break;
+                    *reinterpret_cast<float4 *>(p + j * 128) =
+                        make_float4(acc[a][j][0], acc[a][j][1], acc[a][j][2], acc[a][j][3]);
+                }
+                *reinterpret_cast<float4 *>(p + NO * 128) = make_float4(m0[a], m1[a], l0[a], l1[a]);
+            }
+        }
+        __syncthreads();
+        if (split > 0) return;
+#pragma unroll
+        for (int s = 1; s < SPLIT; ++s)
+#pragma unroll
+            for (int a = 0; a < ATOMS; ++a) {
+                const float *p = part + (((s - 1) * WARPS + warp) * ATOMS + a) * SLOT + lane * 4;
+                const float4 ml = *reinterpret_cast<const float4 *>(p + NO * 128);
+                const float n0 = fmaxf(m0[a], ml.x), n1 = fmaxf(m1[a], ml.y);
+                const float a0 = fast_exp2((m0[a] - n0) * scale_log2), a1 = fast_exp2((m1[a] - n1) * scale_log2);
+                const float b0 = fast_exp2((ml.x - n0) * scale_log2), b1 = fast_exp2((ml.y - n1) * scale_log2);
+                m0[a] = n0;
+                m1[a] = n1;
+                l0[a] = l0[a] * a0 + ml.z * b0;
+                l1[a] = l1[a] * a1 + ml.w * b1;
+#pragma unroll
+                for (int j = 0; j < NO; ++j) {
+                    if (j >= no) break;
+                    const float4 x = *reinterpret_cast<const float4 *>(p + j * 128);
+                    acc[a][j][0] = acc[a][j][0] * a0 + x.x * b0;
+                    acc[a][j][1] = acc[a][j][1] * a0 + x.y * b0;
+                    acc[a][j][2] = acc[a][j][2] * a1 + x.z * b1;
+                    acc[a][j][3] = acc[a][j][3] * a1 + x.w * b1;
+                }
+            }
     }
 
 #pragma unroll
@@ -676,16 +722,19 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
 
 } // namespace
 
-#define FLASH(DP, BK, W, A, BOUNDS, T, SFX)                                                                       \
-    extern "C" __global__ void __launch_bounds__ BOUNDS flash_attention_d##DP##_##SFX(                             \
+#define FLASH(DP, TAG, BK, W, A, S, BOUNDS, T, SFX)                                                              \
+    extern "C" __global__ void __launch_bounds__ BOUNDS flash_attention_d##DP##TAG##_##SFX(                        \
         const T *q, const T *k, const T *v, T *o, int sq, int sk, int d, int heads, long long q_bs, long long q_ss, \
         long long k_bs, long long k_ss, long long v_bs, long long v_ss, float scale_log2) {                        \
-        flash_attention<T, DP, BK, W, A>(q, k, v, o, sq, sk, d, heads, q_bs, q_ss, k_bs, k_ss, v_bs, v_ss,         \
-                                         scale_log2);                                                             \
+        flash_attention<T, DP, BK, W, A, S>(q, k, v, o, sq, sk, d, heads, q_bs, q_ss, k_bs, k_ss, v_bs, v_ss,      \
+                                            scale_log2);                                                          \
     }
 #define FLASH_BOTH(DP, BK, W, A, BOUNDS)                                                                          \
-    FLASH(DP, BK, W, A, BOUNDS, __half, f16)                                                                      \
-    FLASH(DP, BK, W, A, BOUNDS, __nv_bfloat16, bf16)
+    FLASH(DP, , BK, W, A, 1, BOUNDS, __half, f16)                                                                 \
+    FLASH(DP, , BK, W, A, 1, BOUNDS, __nv_bfloat16, bf16)
+#define FLASH_SPLIT_BOTH(DP, BK, W, A, S, BOUNDS)                                                                 \
+    FLASH(DP, _split, BK, W, A, S, BOUNDS, __half, f16)                                                           \
+    FLASH(DP, _split, BK, W, A, S, BOUNDS, __nv_bfloat16, bf16)
 
 // Block shapes (key tile, warps, 16-row atoms per warp, resident blocks), measured on an H100 at the UNets' shapes;
 // `block_shape` in attention.rs must match. 64-key tiles up to DP 96, 32-key tiles above (shared memory). Up to DP
@@ -696,6 +745,15 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
 // 313 µs for one atom over 64 keys at (2, 4096, 8, 40) self-attention, 14.6 against 18.7 µs for the cross-attention
 // over 77 keys (two atoms over 64 keys: 308 µs; three blocks of two atoms: 360 µs). For DP 64 one atom stays
 // best (491 µs against 510 µs at SDXL's (2, 4096, 10, 64)). Larger heads keep what the compiler picks.
+// SD1.5's heads of 160 (its 16² and 8² maps) make grids far smaller than the GPU, where each warp's key loop sets the
+// time: the host takes the split instantiation, 32 rows in two warps times four key groups of 32 keys (one block
+// of 256 threads and 168 KiB per SM), where its blocks fit in one wave and the device has the shared memory.
+// `xtask/bench/attention_shapes.cu`, H100, (2, Sq, 8, 160) self 16², cross 16² (77 keys), self 8², cross 8²:
+// 12.2 / 9.2 / 7.8 / 8.0 µs against 23.2 / 12.2 / 9.8 / 12.1 before (10.9 / 8.3 / 10.7 of which came with the
+// query tile requested together with the first key tile), 122 against 199 µs per step (five 16² and one 8²
+// transformer). Two key groups of 64 rows: 16.2 / 9.9 / 7.3 / 9.4; of 32 rows: 15.2 / 9.7 / 6.5 / 8.9; four
+// groups of 16 keys, 32 rows: 14.3 / 9.7 / 7.1 / 8.9. At (2, 576, 8, 160) (two waves of split blocks) 58 against
+// 51 µs, at (2, 1024, 8, 160) 118 against 87 µs: the 64-row blocks stay there.
 #ifndef SDHIVE_ATTENTION_NO_INSTANCES
 FLASH_BOTH(16, 64, 4, 1, (128, 5))
 FLASH_BOTH(32, 64, 4, 1, (128, 5))
@@ -705,6 +763,7 @@ FLASH_BOTH(80, 64, 4, 1, (128))
 FLASH_BOTH(96, 64, 4, 1, (128))
 FLASH_BOTH(128, 32, 4, 1, (128))
 FLASH_BOTH(160, 32, 4, 1, (128))
+FLASH_SPLIT_BOTH(160, 32, 2, 1, 4, (256))
 #endif
 
 // The Hopper kernels: (head dimension, warpgroups of 64 query rows per block, resident blocks per SM), the registers

@@ -4,7 +4,7 @@
 
 use crate::cuda::built_for;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{
@@ -39,21 +39,37 @@ fn hopper_shape(d: usize) -> Option<(usize, usize)> {
     Some((warpgroups, 3 * 64 * (kc + vc) * 16 + q_tiles))
 }
 
-/// The instantiation's block shape for padded head dimension `dp` (the table at the end of attention.cu): keys
-/// per tile and query rows per block (4 warps of 16-row atoms, two atoms each at DP 48).
-fn block_shape(dp: usize) -> (usize, usize) {
-    match dp {
-        48 => (32, 128),
-        _ if dp <= 96 => (64, 64),
-        _ => (32, 64),
-    }
+/// An mma.sync instantiation's block (the table at the end of attention.cu): keys per stage (all key groups'),
+/// query rows, key groups, threads.
+struct MmaBlock {
+    keys: usize,
+    rows: usize,
+    groups: usize,
+    threads: u32,
 }
 
-/// Dynamic shared memory of the instantiation for `dp` (attention.cu's layout): two stages of a K and a V tile,
-/// rows padded by 8 elements; the query tile is staged in the same space first.
-fn smem_bytes(dp: usize) -> usize {
-    let (keys, rows) = block_shape(dp);
-    (2 * 2 * keys).max(rows) * (dp + 8) * 2
+/// The padded head dimensions with a key-split instantiation (`FLASH_SPLIT_BOTH`).
+const SPLIT_DIMS: [usize; 1] = [160];
+
+/// The block of the instantiation for padded head dimension `dp`: 4 warps of 16-row atoms (two atoms each at DP
+/// 48), or the split one's 2 warps times 4 key groups of 32 keys.
+fn block_shape(dp: usize, split: bool) -> MmaBlock {
+    let (keys, rows, groups, threads) = match dp {
+        _ if split => (128, 32, 4, 256),
+        48 => (32, 128, 1, 128),
+        _ if dp <= 96 => (64, 64, 1, 128),
+        _ => (32, 64, 1, 128),
+    };
+    MmaBlock { keys, rows, groups, threads }
+}
+
+/// Dynamic shared memory of the instantiation (attention.cu's layout): two stages of a K and a V tile, rows padded
+/// by 8 elements, the query tile staged from the second stage on; afterwards the same space takes the later key
+/// groups' outputs, maxima and sums (per 16 rows, DP/8 + 1 tiles of 512 bytes).
+fn smem_bytes(dp: usize, split: bool) -> usize {
+    let s = block_shape(dp, split);
+    let stages = (4 * s.keys).max(2 * s.keys + s.rows) * (dp + 8) * 2;
+    stages.max((s.groups - 1) * s.rows / 16 * (dp / 8 + 1) * 512)
 }
 
 /// Whether the build targets GPUs with the kernel's instructions (mma.sync with bf16, cp.async: sm_80).
@@ -65,8 +81,8 @@ pub fn built_for_sm80() -> bool {
 enum Kernel {
     /// A Hopper (wgmma) kernel: `warpgroups` of 64 query rows per block, `smem` bytes of dynamic shared memory.
     Hopper { d: usize, warpgroups: usize, smem: usize },
-    /// The mma.sync kernel for padded head dimension `dp`.
-    MmaSync { dp: usize },
+    /// The mma.sync kernel for padded head dimension `dp`, or its key-split instantiation.
+    MmaSync { dp: usize, split: bool },
 }
 
 impl Kernel {
@@ -84,7 +100,31 @@ impl Kernel {
             }
         }
         let Some(dp) = padded_dim(d) else { bail!("fused attention: head dimension {d} is over 160") };
-        Ok(Kernel::MmaSync { dp })
+        Ok(Kernel::MmaSync { dp, split: false })
+    }
+
+    /// [`Kernel::for_head`] for `blocks(rows)` blocks of `rows` query rows: the key-split instantiation where its
+    /// blocks (one per SM) fit in one wave and its shared memory in the device's, as at SD1.5's 16² and 8² maps,
+    /// whose 64-row grids leave most SMs idle.
+    fn for_launch(
+        dev: &CudaDevice,
+        d: usize,
+        key_stride: usize,
+        blocks: impl Fn(usize) -> usize,
+    ) -> Result<Self> {
+        let kernel = Self::for_head(dev, d, key_stride)?;
+        if let Kernel::MmaSync { dp, .. } = kernel {
+            if SPLIT_DIMS.contains(&dp) {
+                let stream = dev.cuda_stream();
+                let attr = |a| stream.context().attribute(a).w().map(|v| v as usize);
+                let sms = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+                let smem = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+                if blocks(block_shape(dp, true).rows) <= sms && smem_bytes(dp, true) <= smem {
+                    return Ok(Kernel::MmaSync { dp, split: true });
+                }
+            }
+        }
+        Ok(kernel)
     }
 
     fn name(&self, dtype: DType) -> Result<String> {
@@ -95,13 +135,15 @@ impl Kernel {
         };
         Ok(match self {
             Kernel::Hopper { d, .. } => format!("attention_wgmma_d{d}_{sfx}"),
-            Kernel::MmaSync { dp } => format!("flash_attention_d{dp}_{sfx}"),
+            Kernel::MmaSync { dp, split: false } => format!("flash_attention_d{dp}_{sfx}"),
+            Kernel::MmaSync { dp, split: true } => format!("flash_attention_d{dp}_split_{sfx}"),
         })
     }
 }
 
 /// The name of the kernel that runs attention with head dimension `d` in `dtype` on `dev` ([`Kernel::for_head`]),
-/// for keys and values whose rows lie `key_stride` elements apart.
+/// for keys and values whose rows lie `key_stride` elements apart (a small grid may take the key-split
+/// instantiation instead, [`Kernel::for_launch`]).
 pub fn kernel_for(dev: &CudaDevice, d: usize, dtype: DType, key_stride: usize) -> Result<String> {
     Kernel::for_head(dev, d, key_stride)?.name(dtype)
 }
@@ -175,22 +217,24 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
     let (b, sq, c) = q.1.shape().dims3()?;
     let sk = k.1.shape().dims3()?.1;
     let d = c / op.heads;
-    let kernel = Kernel::for_head(dev, d, k.1.stride()[1].max(v.1.stride()[1]))?;
+    let key_stride = k.1.stride()[1].max(v.1.stride()[1]);
+    let kernel = Kernel::for_launch(dev, d, key_stride, |rows| b * op.heads * sq.div_ceil(rows))?;
     let name = kernel.name(q.0.dtype())?;
     let (func, smem, rows, threads) = match kernel {
         Kernel::Hopper { warpgroups, smem, .. } => {
             let func = dev.get_or_load_custom_func(&name, HOPPER_MODULE, HOPPER_PTX)?;
             (func, smem, 64 * warpgroups, 128 * warpgroups as u32)
         }
-        Kernel::MmaSync { dp } => {
-            (dev.get_or_load_custom_func(&name, MODULE, PTX)?, smem_bytes(dp), block_shape(dp).1, 128)
+        Kernel::MmaSync { dp, split } => {
+            let s = block_shape(dp, split);
+            (dev.get_or_load_custom_func(&name, MODULE, PTX)?, smem_bytes(dp, split), s.rows, s.threads)
         }
     };
     let (qs, ks, vs) = (view::<T>(q.0, q.1)?, view::<T>(k.0, k.1)?, view::<T>(v.0, v.1)?);
     // SAFETY: every element is written by the kernel (each (row, head) by its block, all D columns).
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(b * sq * c)? };
-    // Above 48 KiB a kernel must opt in to its dynamic shared memory (mma.sync at head dimensions 81–96, the Hopper
-    // kernels at 64 and 80).
+    // Above 48 KiB a kernel must opt in to its dynamic shared memory (mma.sync at head dimensions 81–96 and the split
+    // instantiation, the Hopper kernels at 64 and 80).
     if smem > 48 * 1024 {
         func.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

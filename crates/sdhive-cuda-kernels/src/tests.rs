@@ -572,9 +572,9 @@ fn candle_nn_free_softmax(x: &Tensor) -> Tensor {
 }
 
 /// The networks' head layouts (SD1.5's 40/80/160, SDXL's 64) and the rest of the instantiations, query and key
-/// counts off the blocks' row (64; 128 and 192 for the Hopper kernels) and key-tile boundaries, cross-attention to
-/// 77 tokens, a single key, large logits (the running max must keep exp from overflowing), and q/k/v read in place
-/// from one packed projection.
+/// counts off the blocks' row (64; 128 and 192 for the Hopper kernels, 32 for the key-split one that small grids
+/// at heads of 160 take) and key-tile boundaries, cross-attention to 77 tokens, a single key, large logits (the
+/// running max must keep exp from overflowing), and q/k/v read in place from one packed projection.
 #[test]
 fn attention_matches_the_reference() {
     let dev = gpu();
@@ -582,6 +582,8 @@ fn attention_matches_the_reference() {
         (2, 300, 300, 8, 40, 1.0, false),
         (2, 200, 77, 8, 80, 1.0, false),
         (1, 130, 100, 2, 160, 1.0, false),
+        (1, 64, 300, 2, 160, 1.0, true),
+        (2, 300, 300, 8, 160, 1.0, false),
         (2, 257, 257, 10, 64, 1.0, true),
         (1, 64, 64, 3, 8, 1.0, false),
         (1, 70, 33, 2, 32, 1.0, false),
