@@ -5,15 +5,14 @@
 // q, k, v are the projections' (B, S, H·D) layout with any batch and sequence strides, so the heads are read in
 // place; the output is written contiguous (B, Sq, H·D), ready for the out-projection: no split or merge copies.
 // A block of WARPS warps owns 16·WARPS·ATOMS query rows of one (batch, head); each warp owns ATOMS atoms of 16 rows
-// and keeps their scores, probabilities, running max and sum and output in registers. Key tiles are copied to shared memory
-// asynchronously (cp.async), the next one while the block works on the current one. With SPLIT key groups, SPLIT
-// sets of such warps share the rows and each takes its own BK keys of every SPLIT·BK-key stage; the groups' maxima,
-// sums and outputs are merged through shared memory at the end (small grids: a shorter key loop per warp, more
-// warps per SM). Probabilities are rounded to
-// the storage type before the product with V, as every fp16 flash kernel does. The head dimension D (a multiple
-// of 8, at most 160) is zero-padded to DP, a multiple of 16, for the scores; the product with V skips the output
-// columns past D (SD1.5's D 40 in DP 48: five 8-wide tiles, not six). Scores are masked only in the last key
-// tile, the one that can pass the end. f16 and bf16 storage (sm_80 and later; the host only launches these
+// and keeps their scores, probabilities, running max and sum and output in registers. Key tiles are copied to
+// shared memory asynchronously (cp.async), the next one while the block works on the current one. With SPLIT key
+// groups, SPLIT sets of such warps share the rows and each takes its own BK keys of every SPLIT·BK-key stage; the
+// groups' maxima, sums and outputs are merged through shared memory at the end (small grids: a shorter key loop
+// per warp, more warps per SM). Probabilities are rounded to the storage type before the product with V, as every
+// fp16 flash kernel does. The head dimension D (a multiple of 8, at most 160) is zero-padded to DP, a multiple of
+// 16, for the scores; the product with V skips the output columns past D (SD1.5's D 40 in DP 48: five 8-wide
+// tiles, not six). Scores are masked only in a key group's last tile, the one that can pass the end. f16 and bf16 storage (sm_80 and later; the host only launches these
 // kernels there). Shared memory is dynamic: `smem_bytes` in attention.rs must match the layout.
 
 #include <cuda_bf16.h>
