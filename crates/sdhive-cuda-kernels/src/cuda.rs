@@ -647,7 +647,11 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
         return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
     }
     let Some(plan) = group_norm_slabs(samples, pixels, channels, op.groups, std::mem::size_of::<T>()) else {
-        bail!("group_norm (channels-last): a chunk of whole groups of {channels} channels is wider than a block")
+        bail!(
+            "group_norm (channels-last): {pixels} pixels of {channels} channels in {} groups fit no split of the \
+             kernels (a chunk of whole groups wider than a block, or a map past a grid's reach)",
+            op.groups
+        )
     };
     let chunks = (channels / plan.chunk) as u32;
     // SAFETY: every (sample, slab, group) triple is written by the moments kernel before the apply kernel reads
