@@ -301,11 +301,16 @@ struct SlabThread {
     uint32_t v, rows, p0, held, c0;
 };
 
+// The first of the thread's channels: the same in every pixel it takes.
+template <uint32_t VEC> __device__ __forceinline__ uint32_t slab_channel(uint32_t chunk) {
+    return blockIdx.x * chunk + (threadIdx.x % (chunk / VEC)) * VEC;
+}
+
 template <uint32_t VEC>
 __device__ __forceinline__ SlabThread slab_thread(uint32_t chunk, uint32_t begin, uint32_t end, uint32_t hold) {
     const uint32_t vpc = chunk / VEC, rows = blockDim.x / vpc, r = threadIdx.x / vpc, p0 = begin + r;
     const uint32_t held = r < rows && p0 < end ? min(hold, (end - p0 + rows - 1) / rows) : 0;
-    return SlabThread{threadIdx.x % vpc, rows, p0, held, blockIdx.x * chunk + (threadIdx.x % vpc) * VEC};
+    return SlabThread{threadIdx.x % vpc, rows, p0, held, slab_channel<VEC>(chunk)};
 }
 
 // Block `index` of `blocks` splitting `pixels`: its [begin, end).
@@ -364,8 +369,14 @@ __device__ void gn_slab_moments_nhwc(const T *x, const T *shift, uint32_t shift_
     __shared__ float part[GN_SLAB_GROUPS], mean_g[GN_SLAB_GROUPS];
     const uint32_t slab = blockIdx.y, sample = blockIdx.z, per_group = channels / groups, gpc = chunk / per_group;
     const uint2 range = share_of(pixels, slab, slabs);
-    const T *xs = x + (size_t)sample * pixels * channels;
+    const uint32_t c0 = slab_channel<VEC>(chunk);
+    const uint4 *xv = reinterpret_cast<const uint4 *>(x + (size_t)sample * pixels * channels + c0);
     const size_t pitch = channels / VEC;
+    float sh[VEC];
+    uint4 s = make_uint4(0, 0, 0, 0);
+    if (shift != nullptr) s = *reinterpret_cast<const uint4 *>(shift + (size_t)sample * shift_stride + c0);
+#pragma unroll
+    for (uint32_t j = 0; j < VEC; j++) sh[j] = to_f(reinterpret_cast<const T *>(&s)[j]);
     // The slab in steps of what the block's registers hold, each step's moments merged into the running ones of
     // thread g (group g of the chunk).
     Moments run{0.f, 0.f, 0.f};
@@ -373,12 +384,6 @@ __device__ void gn_slab_moments_nhwc(const T *x, const T *shift, uint32_t shift_
     for (uint32_t begin = range.x; begin < range.y; begin += step) {
         const uint32_t end = min(range.y, begin + step);
         const SlabThread t = slab_thread<VEC>(chunk, begin, end, GN_SLAB_HOLD);
-        const uint4 *xv = reinterpret_cast<const uint4 *>(xs + t.c0);
-        float sh[VEC];
-        uint4 s = make_uint4(0, 0, 0, 0);
-        if (shift != nullptr) s = *reinterpret_cast<const uint4 *>(shift + (size_t)sample * shift_stride + t.c0);
-#pragma unroll
-        for (uint32_t j = 0; j < VEC; j++) sh[j] = to_f(reinterpret_cast<const T *>(&s)[j]);
         uint4 raw[GN_SLAB_HOLD];
 #pragma unroll
         for (uint32_t k = 0; k < GN_SLAB_HOLD; k++) {
