@@ -876,26 +876,46 @@ pub fn concat_last(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     a.apply_op2_no_bwd(b, &ConcatLast)
 }
 
-/// Batched transpose of `(B, M, N)` to `(B, N, M)`.
-struct Transpose;
+/// Batched transpose of `(B, M, Ns)` to `(B, N, Mp)`: the input's first `take` = N of its Ns columns, the output's
+/// rows padded with zeros from M to `pad_to` = Mp.
+struct Transpose {
+    take: Option<usize>,
+    pad_to: Option<usize>,
+}
+
+impl Transpose {
+    /// `(B, M, Ns)` → `(B, M, N, Ns, Mp)`.
+    fn dims(&self, l: &Layout) -> Result<(usize, usize, usize, usize, usize)> {
+        let (b, m, ns) = l.shape().dims3()?;
+        let (n, mp) = (self.take.unwrap_or(ns), self.pad_to.unwrap_or(m));
+        if n > ns || mp < m {
+            bail!("transpose: cannot take {n} of {ns} columns or pad {m} rows to {mp}");
+        }
+        if b > 65_535 || mp.div_ceil(32) > 65_535 || m * ns > u32::MAX as usize || n * mp > u32::MAX as usize
+        {
+            bail!("transpose: {:?} is too large for one launch", l.dims());
+        }
+        Ok((b, m, n, ns, mp))
+    }
+}
 
 fn transpose_launch<T: CudaDType + DeviceRepr>(
-    _: &Transpose,
+    op: &Transpose,
     x: &CudaStorage,
     l: &Layout,
 ) -> Result<CudaStorage> {
     let dev: &CudaDevice = x.device();
-    let (b, m, n) = l.shape().dims3()?;
+    let (b, m, n, ns, mp) = op.dims(l)?;
     let xs = contiguous::<T>(x, l, "transpose input")?;
-    // SAFETY: written in full by the kernel.
-    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(b * m * n)? };
+    // SAFETY: written in full by the kernel, padding included.
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(b * n * mp)? };
     let func = dev.get_or_load_custom_func(&format!("transpose_{}", suffix(x.dtype())?), MODULE, PTX)?;
     let mut a = func.builder();
     a.arg(&xs);
     a.arg(&out);
-    builder_arg!(a, m as u32, n as u32);
+    builder_arg!(a, m as u32, n as u32, ns as u32, mp as u32);
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(32) as u32, m.div_ceil(32) as u32, b as u32),
+        grid_dim: (n.div_ceil(32) as u32, mp.div_ceil(32) as u32, b as u32),
         block_dim: (32, 8, 1),
         shared_mem_bytes: 0,
     };
@@ -904,17 +924,25 @@ fn transpose_launch<T: CudaDType + DeviceRepr>(
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
-single_input_op!(Transpose, "sdhive-transpose", transpose_launch, |_, l| {
-    let (b, m, n) = l.shape().dims3()?;
-    Ok(Shape::from((b, n, m)))
+single_input_op!(Transpose, "sdhive-transpose", transpose_launch, |op, l| {
+    let (b, _, n, _, mp) = op.dims(l)?;
+    Ok(Shape::from((b, n, mp)))
 });
 
 pub fn transpose_last2(x: &Tensor) -> Result<Tensor> {
-    let (b, m, n) = x.dims3()?;
-    if b > 65_535 || m.div_ceil(32) > 65_535 || m * n > u32::MAX as usize {
-        bail!("transpose: {:?} is too large for one launch", x.dims());
-    }
-    x.apply_op1_no_bwd(&Transpose)
+    x.apply_op1_no_bwd(&Transpose { take: None, pad_to: None })
+}
+
+/// [`transpose_last2`] of `(B, M, N)` with the output's rows padded with zeros to `width` ≥ M: an NCHW map of a few
+/// channels to channels-last with its channels padded (`(B, C, H·W)` → `(B, H·W, width)`).
+pub fn transpose_last2_padded(x: &Tensor, width: usize) -> Result<Tensor> {
+    x.apply_op1_no_bwd(&Transpose { take: None, pad_to: Some(width) })
+}
+
+/// [`transpose_last2`] of the first `n` columns of `(B, M, Ns)`: the first `n` channels of a channels-last map
+/// to NCHW (`(B, H·W, Ns)` → `(B, n, H·W)`).
+pub fn transpose_last2_narrow(x: &Tensor, n: usize) -> Result<Tensor> {
+    x.apply_op1_no_bwd(&Transpose { take: Some(n), pad_to: None })
 }
 
 struct Softmax;

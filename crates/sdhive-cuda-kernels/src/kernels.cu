@@ -533,20 +533,24 @@ __device__ void concat_rows(const uint4 *a, const uint4 *b, uint4 *out, uint32_t
 }
 
 // Batched transpose of (B, M, N) to (B, N, M) through 32×32 tiles in shared memory, so reads and writes are both
-// coalesced: NCHW ↔ channels-last at a network's edges (M, N = C, H·W or H·W, C). Block (32, 8), grid
-// (⌈N / 32⌉, ⌈M / 32⌉, B).
-template <typename T> __device__ void transpose_tiles(const T *x, T *out, uint32_t m, uint32_t n) {
+// coalesced: NCHW ↔ channels-last at a network's edges (M, N = C, H·W or H·W, C). Input rows lie `in_stride` ≥ N
+// apart (the first N channels of a wider channels-last map) and output rows `out_stride` ≥ M apart, the columns
+// from M on written as zeros (channels padded for cuDNN's tensor-core kernels). Block (32, 8), grid
+// (⌈N / 32⌉, ⌈out_stride / 32⌉, B).
+template <typename T>
+__device__ void transpose_tiles(const T *x, T *out, uint32_t m, uint32_t n, uint32_t in_stride, uint32_t out_stride) {
     __shared__ T tile[32][33];
-    const size_t base = (size_t)blockIdx.z * m * n;
+    const T *src = x + (size_t)blockIdx.z * m * in_stride;
+    T *dst = out + (size_t)blockIdx.z * n * out_stride;
     const uint32_t c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
     for (uint32_t r = threadIdx.y; r < 32; r += 8) {
         const uint32_t row = r0 + r, col = c0 + threadIdx.x;
-        if (row < m && col < n) tile[r][threadIdx.x] = x[base + (size_t)row * n + col];
+        tile[r][threadIdx.x] = row < m && col < n ? src[(size_t)row * in_stride + col] : from_f<T>(0.f);
     }
     __syncthreads();
     for (uint32_t r = threadIdx.y; r < 32; r += 8) {
         const uint32_t row = c0 + r, col = r0 + threadIdx.x;
-        if (row < n && col < m) out[base + (size_t)row * m + col] = tile[threadIdx.x][r];
+        if (row < n && col < out_stride) dst[(size_t)row * out_stride + col] = tile[threadIdx.x][r];
     }
 }
 
@@ -791,9 +795,10 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
         gn_slab_apply_nhwc<T>(x, shift, shift_stride, w, b, out, partial, pixels, channels, groups, chunk,   \
                               slabs, eps, silu);                                                             \
     }                                                                                                        \
-    extern "C" __global__ void transpose_##S(const T *x, T *out, uint32_t m, uint32_t n) {                    \
-        transpose_tiles<T>(x, out, m, n);                                                                       \
-    }                                                                                                           \
+    extern "C" __global__ void transpose_##S(const T *x, T *out, uint32_t m, uint32_t n, uint32_t in_stride, \
+                                             uint32_t out_stride) {                                          \
+        transpose_tiles<T>(x, out, m, n, in_stride, out_stride);                                             \
+    }                                                                                                        \
     extern "C" __global__ void upsample2x_nhwc_##S(const T *x, T *out, uint32_t h, uint32_t w, uint32_t channels, \
                                                    size_t n) {                                                  \
         upsample2x_nhwc<T>(x, out, h, w, channels, n);                                                          \

@@ -302,6 +302,18 @@ pub fn transpose_last2(x: &Tensor) -> Result<Tensor> {
     on_cuda!(cuda::transpose_last2(x); x)
 }
 
+/// [`transpose_last2`] with the output's rows zero-padded to `width`: `(B, C, H·W)` NCHW → `(B, H·W, width)`
+/// channels-last with `width - C` zero channels. Call only where [`applies`].
+pub fn transpose_last2_padded(x: &Tensor, width: usize) -> Result<Tensor> {
+    on_cuda!(cuda::transpose_last2_padded(x, width); x, width)
+}
+
+/// [`transpose_last2`] of the first `n` columns: channels-last `(B, H·W, C)` → NCHW `(B, n, H·W)`, its first `n`
+/// channels. Call only where [`applies`].
+pub fn transpose_last2_narrow(x: &Tensor, n: usize) -> Result<Tensor> {
+    on_cuda!(cuda::transpose_last2_narrow(x, n); x, n)
+}
+
 /// Nearest-neighbour ×2 upsampling of channels-last `(N, H, W, C)`. Call only where [`channels_last_fits`].
 pub fn upsample2x_channels_last(x: &Tensor) -> Result<Tensor> {
     on_cuda!(cuda::upsample2x_last(x); x)

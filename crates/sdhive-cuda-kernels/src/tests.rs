@@ -437,6 +437,30 @@ fn transpose_matches_permute() {
     }
 }
 
+/// The transposes at a network's edges: NCHW with a few channels to channels-last padded with zero channels, and
+/// back taking the first channels of a wider map; against candle's pad, narrow and permute, exactly.
+#[test]
+fn padded_and_narrowed_transposes_match_candle() {
+    let dev = gpu();
+    for (b, c, hw, width) in [(2, 4, 4096, 8), (1, 3, 1000, 8), (2, 4, 33, 40)] {
+        let x = Tensor::randn(0f32, 1.0, (b, c, hw), &dev).unwrap();
+        for dtype in DTYPES {
+            let xd = x.to_dtype(dtype).unwrap();
+            let ours = transpose_last2_padded(&xd, width).unwrap();
+            let want =
+                xd.pad_with_zeros(1, 0, width - c).unwrap().transpose(1, 2).unwrap().contiguous().unwrap();
+            assert_eq!(ours.dims(), want.dims());
+            assert_eq!(rel_diff(&ours, &want), 0.0, "padded transpose {:?} to {width} {dtype:?}", (b, c, hw));
+            let back = transpose_last2_narrow(&ours, c).unwrap();
+            assert_eq!(back.dims(), xd.dims());
+            assert_eq!(rel_diff(&back, &xd), 0.0, "narrowed transpose {:?} {dtype:?}", (b, c, hw));
+        }
+    }
+    let x = Tensor::zeros((1, 8, 16), DType::F16, &dev).unwrap();
+    assert!(transpose_last2_padded(&x, 4).is_err(), "padding to fewer rows");
+    assert!(transpose_last2_narrow(&x, 17).is_err(), "taking more columns than there are");
+}
+
 /// Bias, per-sample term (the time embedding) and residual over channels-last maps; ×2 nearest upsampling.
 #[test]
 fn channels_last_adds_and_upsampling_match_candle() {
@@ -497,6 +521,7 @@ fn channels_last_conv2d_matches_candle() {
         ((1, 32, 16, 16), (32, 32, 3, 3), 2, 1),
         ((1, 32, 17, 15), (32, 32, 3, 3), 2, 0),
         ((2, 320, 8, 8), (640, 320, 3, 3), 1, 1),
+        ((1, 64, 7, 5), (32, 64, 3, 3), 1, 1),
     ];
     // The output back to NCHW for the comparison: the same values, so the same differences.
     let nchw = |t: Tensor| t.permute((0, 3, 1, 2)).unwrap().contiguous().unwrap();
@@ -506,8 +531,8 @@ fn channels_last_conv2d_matches_candle() {
 }
 
 /// cuDNN's convolution with bias, and skip, in its epilogue against candle's NCHW convolution plus the adds in
-/// f32: the networks' 3×3 convolutions (a ResNet's conv2 with its skip, conv_in's 4 channels, a strided
-/// downsampler, odd sizes).
+/// f32: the networks' 3×3 convolutions (a ResNet's conv2 with its skip, conv_in's channels padded to 8, a strided
+/// downsampler, odd sizes, SD1.5's 8² maps).
 #[cfg(feature = "cudnn")]
 #[test]
 fn channels_last_conv2d_epilogue_matches_candle() {
@@ -518,6 +543,8 @@ fn channels_last_conv2d_epilogue_matches_candle() {
         ((2, 8, 17, 13), (320, 8, 3, 3), 1, 1),
         ((2, 640, 9, 7), (640, 640, 3, 3), 2, 1),
         ((1, 32, 17, 15), (64, 32, 3, 3), 1, 0),
+        ((2, 1280, 8, 8), (1280, 1280, 3, 3), 1, 1),
+        ((1, 64, 5, 7), (32, 64, 3, 3), 1, 1),
     ] {
         let x = Tensor::randn(0f32, 1.0, x_shape, &dev).unwrap();
         let w = Tensor::randn(0f32, 0.05, w_shape, &dev).unwrap();

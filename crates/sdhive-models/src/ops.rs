@@ -81,6 +81,31 @@ impl MapLayout {
             }
         }
     }
+
+    /// An NCHW map in this layout with its channels padded with zeros to `width`.
+    pub fn from_nchw_padded(self, x: &Tensor, width: usize) -> Result<Tensor> {
+        let (b, c, h, w) = x.dims4()?;
+        if c == width {
+            return self.from_nchw(x);
+        }
+        if self == MapLayout::ChannelsLast && gpu::applies(&[x]) {
+            return gpu::transpose_last2_padded(&x.reshape((b, c, h * w))?, width)?.reshape((b, h, w, width));
+        }
+        self.from_nchw(&x.pad_with_zeros(1, 0, width.saturating_sub(c))?)
+    }
+
+    /// The first `channels` channels of a map in this layout, as NCHW.
+    pub fn to_nchw_narrow(self, x: &Tensor, channels: usize) -> Result<Tensor> {
+        let (b, c, h, w) = self.dims(x)?;
+        if c == channels {
+            return self.to_nchw(x);
+        }
+        if self == MapLayout::ChannelsLast && gpu::applies(&[x]) {
+            return gpu::transpose_last2_narrow(&x.reshape((b, h * w, c))?, channels)?
+                .reshape((b, channels, h, w));
+        }
+        self.to_nchw(x)?.narrow(1, 0, channels)?.contiguous()
+    }
 }
 
 /// Above this many attention-score elements per call we split the queries into chunks, so a

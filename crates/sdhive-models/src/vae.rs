@@ -4,7 +4,7 @@
 use crate::config::{check_act, check_divides, read_json, IntOrList};
 use crate::error::{input_err, invalid, weights_err, Result, TensorContext};
 use crate::layers::{
-    conv2d_nchw, linear, Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, ResnetSpec, Upsample2D,
+    conv2d_nchw, linear, Conv2d, Downsample2D, EdgeConv, GroupNorm, ResnetBlock2D, ResnetSpec, Upsample2D,
 };
 use crate::ops::{self, ConvExtras, MapLayout};
 use candle_core::{DType, Device, Tensor};
@@ -260,19 +260,18 @@ struct EncoderBlock {
 
 #[derive(Debug, Clone)]
 struct Encoder {
-    conv_in: Conv2d,
+    conv_in: EdgeConv,
     blocks: Vec<EncoderBlock>,
     mid: VaeMidBlock,
     conv_norm_out: GroupNorm,
-    conv_out: Conv2d,
-    layout: MapLayout,
+    conv_out: EdgeConv,
 }
 
 impl Encoder {
     fn new(vb: VarBuilder, cfg: &AutoencoderKLConfig) -> candle_core::Result<Self> {
         let ch = &cfg.block_out_channels;
         let n = ch.len();
-        let conv_in = conv2d_nchw(vb.pp("conv_in"), cfg.in_channels, ch[0], 3, 1, 1)?;
+        let conv_in = EdgeConv::first(vb.pp("conv_in"), cfg.in_channels, ch[0], 3, 1)?;
         let mut blocks = Vec::with_capacity(n);
         let mut out_c = ch[0];
         for (i, &block_c) in ch.iter().enumerate() {
@@ -295,15 +294,13 @@ impl Encoder {
             blocks,
             mid: VaeMidBlock::new(vb.pp("mid_block"), last, cfg)?,
             conv_norm_out: GroupNorm::new(vb.pp("conv_norm_out"), cfg.norm_num_groups, last, VAE_EPS)?,
-            conv_out: conv2d_nchw(vb.pp("conv_out"), last, 2 * cfg.latent_channels, 3, 1, 1)?,
-            layout: MapLayout::of(&vb),
+            conv_out: EdgeConv::last(vb.pp("conv_out"), last, 2 * cfg.latent_channels, 3, 1)?,
         })
     }
 
     /// NCHW images in, NCHW moments out.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let layout = self.layout;
-        let mut x = layout.from_nchw(&ops::conv2d(&self.conv_in, x, ConvExtras::default())?)?;
+        let mut x = self.conv_in.forward(x)?;
         for block in &self.blocks {
             for r in &block.resnets {
                 x = r.forward_owned(x, None)?;
@@ -313,8 +310,7 @@ impl Encoder {
             }
         }
         x = self.mid.forward(&x)?;
-        let x = layout.to_nchw(&self.conv_norm_out.forward_silu(&x)?)?;
-        ops::conv2d(&self.conv_out, &x, ConvExtras::default())
+        self.conv_out.forward(&self.conv_norm_out.forward_silu(&x)?)
     }
 }
 
@@ -326,12 +322,11 @@ struct DecoderBlock {
 
 #[derive(Debug, Clone)]
 struct Decoder {
-    conv_in: Conv2d,
+    conv_in: EdgeConv,
     mid: VaeMidBlock,
     blocks: Vec<DecoderBlock>,
     conv_norm_out: GroupNorm,
-    conv_out: Conv2d,
-    layout: MapLayout,
+    conv_out: EdgeConv,
 }
 
 impl Decoder {
@@ -339,7 +334,7 @@ impl Decoder {
         let ch = &cfg.block_out_channels;
         let n = ch.len();
         let last = ch[n - 1];
-        let conv_in = conv2d_nchw(vb.pp("conv_in"), cfg.latent_channels, last, 3, 1, 1)?;
+        let conv_in = EdgeConv::first(vb.pp("conv_in"), cfg.latent_channels, last, 3, 1)?;
         let mid = VaeMidBlock::new(vb.pp("mid_block"), last, cfg)?;
         let mut blocks = Vec::with_capacity(n);
         let mut out_c = last;
@@ -362,15 +357,13 @@ impl Decoder {
             mid,
             blocks,
             conv_norm_out: GroupNorm::new(vb.pp("conv_norm_out"), cfg.norm_num_groups, ch[0], VAE_EPS)?,
-            conv_out: conv2d_nchw(vb.pp("conv_out"), ch[0], cfg.out_channels, 3, 1, 1)?,
-            layout: MapLayout::of(&vb),
+            conv_out: EdgeConv::last(vb.pp("conv_out"), ch[0], cfg.out_channels, 3, 1)?,
         })
     }
 
     /// NCHW latents in, NCHW images out.
     fn forward(&self, z: &Tensor) -> candle_core::Result<Tensor> {
-        let layout = self.layout;
-        let mut x = layout.from_nchw(&ops::conv2d(&self.conv_in, z, ConvExtras::default())?)?;
+        let mut x = self.conv_in.forward(z)?;
         x = self.mid.forward(&x)?;
         for block in &self.blocks {
             for r in &block.resnets {
@@ -380,8 +373,7 @@ impl Decoder {
                 x = u.forward(&x, None)?;
             }
         }
-        let x = layout.to_nchw(&self.conv_norm_out.forward_silu(&x)?)?;
-        ops::conv2d(&self.conv_out, &x, ConvExtras::default())
+        self.conv_out.forward(&self.conv_norm_out.forward_silu(&x)?)
     }
 }
 

@@ -15,8 +15,8 @@ pub use embeddings::{TimestepEmbedding, Timesteps};
 pub use transformer::{CrossAttention, Transformer2DModel, TransformerSpec};
 
 use crate::error::{input_err, weights_err, Result, TensorContext};
-use crate::layers::{conv2d_nchw, Conv2d, GroupNorm};
-use crate::ops::{self, ConvExtras, MapLayout};
+use crate::layers::{EdgeConv, GroupNorm};
+use crate::ops::{self, MapLayout};
 use blocks::{BlockCommon, DownBlock, MidBlock, UpBlock};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -43,7 +43,7 @@ struct AddEmbedding {
 /// diffusers `UNet2DConditionModel`.
 #[derive(Debug, Clone)]
 pub struct UNet2DConditionModel {
-    conv_in: Conv2d,
+    conv_in: EdgeConv,
     time_proj: Timesteps,
     time_embedding: TimestepEmbedding,
     add_embedding: Option<AddEmbedding>,
@@ -52,7 +52,7 @@ pub struct UNet2DConditionModel {
     up_blocks: Vec<UpBlock>,
     tables: tables::ConditioningTables,
     conv_norm_out: GroupNorm,
-    conv_out: Conv2d,
+    conv_out: EdgeConv,
     config: UNet2DConditionConfig,
     dtype: DType,
     device: Device,
@@ -66,12 +66,11 @@ impl UNet2DConditionModel {
         let plan = cfg.plan("unet config")?;
         let build = || -> candle_core::Result<Self> {
             let c0 = cfg.block_out_channels[0];
-            let conv_in = conv2d_nchw(
+            let conv_in = EdgeConv::first(
                 vb.pp("conv_in"),
                 cfg.in_channels,
                 c0,
                 cfg.conv_in_kernel,
-                1,
                 (cfg.conv_in_kernel - 1) / 2,
             )?;
             let time_proj = Timesteps::new(c0, cfg.flip_sin_to_cos, cfg.freq_shift);
@@ -108,12 +107,11 @@ impl UNet2DConditionModel {
                 .collect::<candle_core::Result<Vec<_>>>()?;
             let tables = tables::ConditioningTables::stack(&mut down_blocks, &mut mid_block, &mut up_blocks)?;
             let conv_norm_out = GroupNorm::new(vb.pp("conv_norm_out"), plan.groups, c0, cfg.norm_eps)?;
-            let conv_out = conv2d_nchw(
+            let conv_out = EdgeConv::last(
                 vb.pp("conv_out"),
                 c0,
                 cfg.out_channels,
                 cfg.conv_out_kernel,
-                1,
                 (cfg.conv_out_kernel - 1) / 2,
             )?;
             Ok(Self {
@@ -277,7 +275,7 @@ impl UNet2DConditionModel {
         let temb = &self.tables.time(&ops::silu(temb)?)?;
         let context = self.tables.context(&context)?;
         let layout = self.layout;
-        let mut x = layout.from_nchw(&ops::conv2d(&self.conv_in, &sample, ConvExtras::default())?)?;
+        let mut x = self.conv_in.forward(&sample)?;
         let mut skips = vec![x.clone()];
         for block in &self.down_blocks {
             let (out, res) = block.forward(&x, temb, &context)?;
@@ -306,7 +304,6 @@ impl UNet2DConditionModel {
             };
             x = block.forward(&x, &res, temb, &context, upsample_size)?;
         }
-        let x = layout.to_nchw(&self.conv_norm_out.forward_silu(&x)?)?;
-        ops::conv2d(&self.conv_out, &x, ConvExtras::default())
+        self.conv_out.forward(&self.conv_norm_out.forward_silu(&x)?)
     }
 }
