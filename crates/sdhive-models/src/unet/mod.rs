@@ -21,6 +21,7 @@ use blocks::{BlockCommon, DownBlock, MidBlock, UpBlock};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::path::Path;
+use tables::ContextTable;
 
 const MODEL: &str = "unet";
 
@@ -58,6 +59,7 @@ pub struct UNet2DConditionModel {
     device: Device,
     layout: MapLayout,
     graphs: graphed::StepGraphs,
+    context_table: ContextTable,
 }
 
 impl UNet2DConditionModel {
@@ -130,6 +132,7 @@ impl UNet2DConditionModel {
                 device: vb.device().clone(),
                 layout: MapLayout::of(&vb),
                 graphs: graphed::StepGraphs::default(),
+                context_table: ContextTable::default(),
             })
         };
         build().map_err(weights_err(MODEL))
@@ -190,21 +193,23 @@ impl UNet2DConditionModel {
             ));
         }
         let temb = self.time_embed(timestep, b, added)?;
+        let context = self
+            .context_table
+            .get(encoder_hidden_states, |c| {
+                self.tables.context(&c.to_device(&self.device)?.to_dtype(self.dtype)?)
+            })
+            .ctx(MODEL)?;
         let out = if sdhive_cuda_kernels::graphs_on(&self.device) {
-            self.run_graphed(sample, &temb, encoder_hidden_states).ctx(MODEL)
+            self.run_graphed(sample, &temb, &context).ctx(MODEL)
         } else {
-            self.run(sample, &temb, encoder_hidden_states).ctx(MODEL)
+            self.run(sample, &temb, &context).ctx(MODEL)
         };
         crate::cpu::release_scratch();
         out
     }
 
     fn time_embed(&self, timestep: f64, b: usize, added: Option<&SdxlConditioning>) -> Result<Tensor> {
-        let t_emb = self
-            .time_proj
-            .forward_scalar(timestep, b, &self.device)
-            .and_then(|t| t.to_dtype(self.dtype))
-            .ctx(MODEL)?;
+        let t_emb = self.time_proj.forward_scalar(timestep, b, self.dtype, &self.device).ctx(MODEL)?;
         let mut emb = self.time_embedding.forward(&t_emb).ctx(MODEL)?;
         if let (Some(add), Some(cond)) = (&self.add_embedding, added) {
             let aug = self.add_embed(add, cond, b)?;
@@ -258,9 +263,10 @@ impl UNet2DConditionModel {
         self.graphs.run([&sample, &temb, &context], &out_shape, |s, t, c| self.run(s, t, c))
     }
 
+    /// The network on `sample`, the time embedding `temb` and `context`, the transformer blocks' table of the
+    /// text context's k and v ([`ContextTable`]).
     fn run(&self, sample: &Tensor, temb: &Tensor, context: &Tensor) -> candle_core::Result<Tensor> {
         let sample = sample.to_device(&self.device)?.to_dtype(self.dtype)?;
-        let context = context.to_device(&self.device)?.to_dtype(self.dtype)?;
         let sample = if self.config.center_input_sample { ((sample * 2.0)? - 1.0)? } else { sample };
 
         // diffusers passes explicit sizes to the upsamplers when the latent is not a multiple
@@ -270,19 +276,17 @@ impl UNet2DConditionModel {
         let factor = 1usize << n_up;
         let forward_upsample_size = h % factor != 0 || w % factor != 0;
 
-        // Every ResNet projects SiLU(temb) and every transformer block projects the context to its k and v: the
-        // activation once here, each set of projections as one product.
+        // Every ResNet projects SiLU(temb): the activation once here, the projections as one product.
         let temb = &self.tables.time(&ops::silu(temb)?)?;
-        let context = self.tables.context(&context)?;
         let layout = self.layout;
         let mut x = self.conv_in.forward(&sample)?;
         let mut skips = vec![x.clone()];
         for block in &self.down_blocks {
-            let (out, res) = block.forward(&x, temb, &context)?;
+            let (out, res) = block.forward(&x, temb, context)?;
             x = out;
             skips.extend(res);
         }
-        x = self.mid_block.forward(&x, temb, &context)?;
+        x = self.mid_block.forward(&x, temb, context)?;
         let n_blocks = self.up_blocks.len();
         for (i, block) in self.up_blocks.iter().enumerate() {
             let take = block.num_resnets();
@@ -302,7 +306,7 @@ impl UNet2DConditionModel {
             } else {
                 None
             };
-            x = block.forward(&x, &res, temb, &context, upsample_size)?;
+            x = block.forward(&x, &res, temb, context, upsample_size)?;
         }
         self.conv_out.forward(&self.conv_norm_out.forward_silu(&x)?)
     }
