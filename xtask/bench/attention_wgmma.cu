@@ -39,16 +39,18 @@ template <int D, int NWG, int BLOCKS> __global__ void __launch_bounds__(128 * NW
 }
 
 struct Impl { const char *name; Kernel fn; int threads, rows, smem; };
-// flash_attention's two stages of K and V tiles of BK keys × DP + 8 columns.
+// flash_attention's two stages of K and V tiles of BK keys × DP + 8 columns, the query tile staged from the second
+// stage on (`smem_bytes` in attention.rs).
 template <int DP, int BK, int ROWS> Impl mma_sync(Kernel fn) {
-    return {"mma_sync", fn, 128, ROWS, 2 * 2 * BK * (DP + 8) * 2};
+    return {"mma_sync", fn, 128, ROWS, (4 * BK > 2 * BK + ROWS ? 4 * BK : 2 * BK + ROWS) * (DP + 8) * 2};
 }
-// hopper's three stages of a 64-key K tile of KC chunks and V tile of D / 8, and Q's tiles where Tiles::Q_SHARED
-// (D 80): written out, as `hopper` exists only in the sm_90a pass.
+// hopper's stages (three, four with Tiles::RING: D 64, 80) of a 64-key K tile of KC chunks and V tile of D / 8
+// (one more with Tiles::ONES: D 64), and Q's tiles where Tiles::Q_SHARED (D 80): written out, as `hopper` exists
+// only in the sm_90a pass.
 template <int D, int NWG, int BLOCKS> Impl wg() {
-    constexpr int KC = (D + 15) / 16 * 2;
+    constexpr int KC = (D + 15) / 16 * 2, STAGES = D == 40 ? 3 : 4, VCX = D / 8 + (D == 64);
     return {"wgmma", wgmma<D, NWG, BLOCKS>, 128 * NWG, 64 * NWG,
-            3 * 64 * (KC + D / 8) * 16 + (D == 80 ? NWG * 64 * KC * 16 : 0)};
+            STAGES * 64 * (KC + VCX) * 16 + (D == 80 ? NWG * 64 * KC * 16 : 0)};
 }
 struct Case { int d; Impl impls[2]; };
 static Case cases[] = {

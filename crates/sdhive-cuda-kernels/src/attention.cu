@@ -373,16 +373,21 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
 namespace hopper {
 
 constexpr int BN = 64; // keys per tile: the N of S = Q Kᵀ
-constexpr int STAGES = 3;
 
 // 16-byte chunks per key of a K tile, KC (D padded to whole k-steps), and of a V tile, VC (exactly D: P·V's N need
 // only be a multiple of 8, so no output columns are computed past D). Q as a register operand costs 2·KC registers
 // per thread: at D 80 that makes 137 and one two-warpgroup block per SM; read from shared memory (a 64 × KC chunk
 // tile per warpgroup after the stages, laid out as K) it makes 120 and two, 1.23x faster at (8, 1024, 8, 80).
+// RING (D 64, 80): four stages handed over through mbarriers instead of three and a block barrier per tile, so a
+// warpgroup may run up to a tile ahead of the others (see the key loop). ONES (D 64): V's tile carries one more
+// chunk per key, all ones, and P·V runs N = D + 8, so each row's sum of the rounded P comes out of the tensor core
+// in the extra accumulator columns instead of 32 additions per tile. At D 40 neither paid (notes at HOPPER_BOTH).
 template <int D> struct Tiles {
     static_assert(D == 40 || D == 64 || D == 80, "the P·V product is written out for N 40, 64 and 80");
-    static constexpr int KC = (D + 15) / 16 * 2, VC = D / 8;
-    static constexpr int K_BYTES = BN * KC * 16, V_BYTES = BN * VC * 16, STAGE = K_BYTES + V_BYTES;
+    static constexpr bool RING = D != 40, ONES = D == 64;
+    static constexpr int STAGES = RING ? 4 : 3;
+    static constexpr int KC = (D + 15) / 16 * 2, VC = D / 8, VCX = VC + ONES, PV_N = D + 8 * ONES;
+    static constexpr int K_BYTES = BN * KC * 16, V_BYTES = BN * VCX * 16, STAGE = K_BYTES + V_BYTES;
     static constexpr bool Q_SHARED = D == 80;
 };
 
@@ -393,8 +398,8 @@ template <int D> struct Tiles {
 //    d chunk) = 128; SBO, between those adjacent in n (the next key group) = KC·128. k-step s starts 256 B on.
 //  - Q as A of S = Q Kᵀ, when in shared memory: as K, with query rows for keys.
 //  - V as B of O = P V (k = key, n = d, d contiguous: MN-major, transposed read): LBO, between core matrices
-//    adjacent in k (the next key group) = VC·128; SBO, between those adjacent in n (the next d chunk) = 128.
-//    k-step s (keys 16s..16s+15) starts two key groups on: 2·VC·128 B.
+//    adjacent in k (the next key group) = VCX·128; SBO, between those adjacent in n (the next d chunk) = 128.
+//    k-step s (keys 16s..16s+15) starts two key groups on: 2·VCX·128 B (VCX = VC, plus the ones chunk with ONES).
 // Descriptor bits: 0-13 address >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4, 62-63 swizzle (0: none).
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
@@ -443,17 +448,20 @@ template <typename R, int N> __device__ __forceinline__ void fence_regs(R (&r)[N
                  "{" REGS "}, {" A "}, " DESC ", p, 1, 1, 1;\n}\n"                                                \
                  : __VA_ARGS__                                                                                    \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc))
+#define SDHIVE_R36 SDHIVE_R32 ", %32, %33, %34, %35"
 #define SDHIVE_WGMMA_PV_N(TY)                                                                                     \
     if constexpr (N == 40)                                                                                        \
         SDHIVE_WGMMA_PV(TY, 40, SDHIVE_R20, "%20, %21, %22, %23", "%24", SDHIVE_ACC8(0), SDHIVE_ACC8(8),          \
                         SDHIVE_ACC4(16));                                                                         \
     else if constexpr (N == 64)                                                                                   \
         SDHIVE_WGMMA_PV(TY, 64, SDHIVE_R32, "%32, %33, %34, %35", "%36", SDHIVE_ACC32);                           \
+    else if constexpr (N == 72)                                                                                   \
+        SDHIVE_WGMMA_PV(TY, 72, SDHIVE_R36, "%36, %37, %38, %39", "%40", SDHIVE_ACC32, SDHIVE_ACC4(32));          \
     else                                                                                                          \
         SDHIVE_WGMMA_PV(TY, 80, SDHIVE_R40, "%40, %41, %42, %43", "%44", SDHIVE_ACC32, SDHIVE_ACC8(32))
 
 // D(64×64, f32) (+)= A(64×16, registers) · B(16×64, K-major); SCALE_D 0 ignores D's old value. And D(64×N) +=
-// A(64×16) · B(16×N, MN-major, transposed read) for N 40, 64 or 80.
+// A(64×16) · B(16×N, MN-major, transposed read) for N 40, 64, 72 (64 and the ones column) or 80.
 template <typename T> struct Wgmma;
 #define SDHIVE_WGMMA_FOR(T, TY)                                                                                   \
     template <> struct Wgmma<T> {                                                                                 \
@@ -473,13 +481,14 @@ SDHIVE_WGMMA_FOR(__nv_bfloat16, "bf16")
 
 // Requests keys k0..k0+BN-1 of K and V into one stage (keys past sk zero-filled: V's must not be garbage, as
 // 0·NaN is NaN) and commits one cp.async group, empty when k0 is past the end so that group counting stays
-// uniform. Eight consecutive threads fill one 128-byte core matrix. A thread copies the same chunks of every tile,
+// uniform (with RING, arrives on the stage's mbarrier once its copies have landed instead). Eight consecutive
+// threads fill one 128-byte core matrix. A thread copies the same chunks of every tile,
 // so their offsets are worked out once, before the key loop: recomputed per tile, the index arithmetic (divisions by
 // VC, 64-bit products, a loop of runtime trip count) cost about as many instructions as the softmax. Per chunk: the
 // source element offset from the tile's first row (32 bits: a 64-key tile spans less than 2^32 elements for any row
 // stride below 2^26), and the destination byte offset in the stage with the key at bit 16 and K or V at bit 24.
 template <typename T, int D, int THREADS> struct TileLoader {
-    static constexpr int KC = Tiles<D>::KC, VC = Tiles<D>::VC, K_BYTES = Tiles<D>::K_BYTES;
+    static constexpr int KC = Tiles<D>::KC, VC = Tiles<D>::VC, VCX = Tiles<D>::VCX, K_BYTES = Tiles<D>::K_BYTES;
     static constexpr int N = 2 * BN * VC, R = (N + THREADS - 1) / THREADS;
     static_assert(Tiles<D>::STAGE < (1 << 16), "stage offsets in 16 bits");
     uint32_t src[R], dst[R];
@@ -492,12 +501,13 @@ template <typename T, int D, int THREADS> struct TileLoader {
             const int j = is_v ? i - BN * VC : i;
             const int u = j / 8, kg = u / VC, c = u % VC, key = kg * 8 + j % 8;
             src[r] = (uint32_t)(key * (is_v ? v_ss : k_ss) + c * 8);
-            dst[r] = (is_v ? K_BYTES + j * 16 : ((kg * KC + c) * 8 + j % 8) * 16) | key << 16 | (uint32_t)is_v << 24;
+            const int v_off = VCX == VC ? j * 16 : ((kg * VCX + c) * 8 + j % 8) * 16;
+            dst[r] = (is_v ? K_BYTES + v_off : ((kg * KC + c) * 8 + j % 8) * 16) | key << 16 | (uint32_t)is_v << 24;
         }
     }
 
     __device__ __forceinline__ void load(uint32_t stage, const T *kh, const T *vh, int k0, int sk, long long k_ss,
-                                         long long v_ss) const {
+                                         long long v_ss, uint32_t full = 0) const {
         if (k0 < sk) {
             const int valid = sk - k0;
             const T *kt = kh + k0 * k_ss, *vt = vh + k0 * v_ss;
@@ -511,18 +521,39 @@ template <typename T, int D, int THREADS> struct TileLoader {
                              "l"(from), "r"(ok ? 16 : 0));
             }
         }
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        if constexpr (Tiles<D>::RING)
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full) : "memory");
+        else
+            asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
 };
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile("{\n.reg .pred p;\nwait_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra wait_%=;\n}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+__device__ __forceinline__ uint32_t ones2(__half) { return 0x3C003C00u; }
+__device__ __forceinline__ uint32_t ones2(__nv_bfloat16) { return 0x3F803F80u; }
 
 // Online softmax of one score tile in place (exp2 domain, the scale in one fused multiply-add per score). In the
 // m64nN accumulator s[i] is row g + 8·((i/2)%2) of the warp's 16, column 8·(i/4) + 2t + i%2; a row's values live
 // in the four lanes of a quad. a0/a1 receive the factors the output rows are rescaled by; l0/l1 are this lane's
 // shares of the sums.
-template <int N>
+// MASK 1 tests whether the tile holds the end (a branch); 2 masks unconditionally, 0 not at all. Without SUMS
+// (ONES) l0 and l1 are left alone.
+template <int N, int MASK = 1, bool SUMS = true>
 __device__ __forceinline__ void softmax_tile(float (&s)[N], int valid, int t, float c, float &m0, float &m1,
                                              float &l0, float &l1, float &a0, float &a1) {
-    if (valid < 2 * N) { // only the tile holding the end pays for the mask
+    if (MASK == 2 || (MASK == 1 && valid < 2 * N)) { // only the tile holding the end pays for the mask
 #pragma unroll
         for (int i = 0; i < N; ++i)
             if (8 * (i / 4) + 2 * t + (i % 2) >= valid) s[i] = -INFINITY;
@@ -552,11 +583,15 @@ __device__ __forceinline__ void softmax_tile(float (&s)[N], int valid, int t, fl
         s[i + 1] = fast_exp2(fmaf(s[i + 1], c, b0));
         s[i + 2] = fast_exp2(fmaf(s[i + 2], c, b1));
         s[i + 3] = fast_exp2(fmaf(s[i + 3], c, b1));
-        s0 += s[i] + s[i + 1];
-        s1 += s[i + 2] + s[i + 3];
+        if constexpr (SUMS) {
+            s0 += s[i] + s[i + 1];
+            s1 += s[i + 2] + s[i + 3];
+        }
     }
-    l0 = l0 * a0 + s0;
-    l1 = l1 * a1 + s1;
+    if constexpr (SUMS) {
+        l0 = l0 * a0 + s0;
+        l1 = l1 * a1 + s1;
+    }
 }
 
 // P as the A operand of m64nNk16: for k-step kk (keys 16kk..16kk+15) the register fragment is accumulator values
@@ -566,6 +601,15 @@ template <typename T, int N> __device__ __forceinline__ void pack_p(uint32_t (&p
     for (int i = 0; i < N / 2; ++i) p[i] = pack_f2<T>(s[2 * i], s[2 * i + 1]);
 }
 
+// RING's static shared memory: the stages' full and empty mbarriers, then PIN floats per thread (below).
+template <int THREADS, int PIN> __device__ __forceinline__ uint32_t ring_shared() {
+    __shared__ __align__(16) uint64_t ring[8 + THREADS * PIN / 2];
+    return static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+}
+template <bool B> struct Last {
+    static constexpr bool value = B;
+};
+
 // Head dimension D, NWG warpgroups of 64 query rows per block. q, k, v with any batch and row strides (rows 16-byte
 // aligned), the output contiguous (B, Sq, H·D), as flash_attention.
 template <typename T, int D, int NWG>
@@ -573,9 +617,10 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
                                           T *__restrict__ o, int sq, int sk, int heads, long long q_bs,
                                           long long q_ss, long long k_bs, long long k_ss, long long v_bs,
                                           long long v_ss, float c) {
-    constexpr int KC = Tiles<D>::KC, VC = Tiles<D>::VC, K_BYTES = Tiles<D>::K_BYTES, STAGE = Tiles<D>::STAGE;
-    constexpr int THREADS = 128 * NWG, NS = BN / 2, KS = KC / 2, NA = D / 2;
-    constexpr bool QS = Tiles<D>::Q_SHARED;
+    constexpr int KC = Tiles<D>::KC, VC = Tiles<D>::VC, VCX = Tiles<D>::VCX, K_BYTES = Tiles<D>::K_BYTES;
+    constexpr int STAGE = Tiles<D>::STAGE, STAGES = Tiles<D>::STAGES;
+    constexpr int THREADS = 128 * NWG, NS = BN / 2, KS = KC / 2, NA = D / 2, NAX = Tiles<D>::PV_N / 2;
+    constexpr bool QS = Tiles<D>::Q_SHARED, RING = Tiles<D>::RING, ONES = Tiles<D>::ONES;
     const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int b = blockIdx.z, h = blockIdx.y;
     const int r0 = blockIdx.x * 64 * NWG + (tid / 128) * 64 + ((tid / 32) % 4) * 16 + g, r1 = r0 + 8;
@@ -583,8 +628,49 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
     const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(flash_smem));
     const int nt = (sk + BN - 1) / BN;
 
-    // A shared Q tile joins tile 0's cp.async group, so the prologue's wait covers it; chunks past D and rows past
-    // sq are zero-filled.
+    // With RING the pads below are written before any copy and made visible by the barrier that also publishes
+    // the mbarriers' initialisation; the copies' arrivals need it.
+    uint32_t full0 = 0, empty0 = 0, pin = 0;
+    if constexpr (RING) {
+        constexpr int PIN = ONES ? 4 : 2;
+        const uint32_t ring = ring_shared<THREADS, PIN>();
+        full0 = ring;
+        empty0 = ring + 8 * 4;
+        pin = ring + 8 * 8 + tid * PIN * 4;
+        if (tid == 0) {
+            for (int s = 0; s < STAGES; ++s) {
+                mbar_init(full0 + 8 * s, THREADS);
+                mbar_init(empty0 + 8 * s, THREADS);
+            }
+        }
+    }
+    // K's pad chunk (d D..KC·8-1) meets Q's zero columns but must not hold NaN or Inf bit patterns: zeroed once in
+    // every stage; cp.async never writes it. With ONES, V's ones chunk likewise.
+    auto pads = [&]() {
+        if constexpr (D % 16 != 0) {
+            for (int i = tid; i < STAGES * BN; i += THREADS) {
+                const int st = i / BN, kg = (i % BN) / 8, r = i % 8;
+                *reinterpret_cast<uint4 *>(flash_smem + st * STAGE + ((kg * KC + KC - 1) * 8 + r) * 16) =
+                    make_uint4(0, 0, 0, 0);
+            }
+        }
+        if constexpr (ONES) {
+            const uint32_t one = ones2(T{});
+            for (int i = tid; i < STAGES * BN; i += THREADS) {
+                const int st = i / BN, kg = (i % BN) / 8, r = i % 8;
+                *reinterpret_cast<uint4 *>(flash_smem + st * STAGE + K_BYTES + ((kg * VCX + VC) * 8 + r) * 16) =
+                    make_uint4(one, one, one, one);
+            }
+        }
+    };
+    if constexpr (RING) {
+        pads();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+    }
+
+    // A shared Q tile joins tile 0's cp.async group (or arrival), so the prologue's wait covers it; chunks past D
+    // and rows past sq are zero-filled.
     const uint32_t qs = base + STAGES * STAGE + (tid / 128) * 64 * KC * 16;
     if constexpr (QS) {
         for (int i = tid % 128; i < 64 * KC; i += 128) {
@@ -596,18 +682,15 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
         }
     }
     const TileLoader<T, D, THREADS> loader(k_ss, v_ss);
-    loader.load(base, kh, vh, 0, sk, k_ss, v_ss);
-    loader.load(base + STAGE, kh, vh, BN, sk, k_ss, v_ss);
-
-    // K's pad chunk (d D..KC·8-1) meets Q's zero columns but must not hold NaN or Inf bit patterns: zeroed once in
-    // every stage; cp.async never writes it.
-    if constexpr (D % 16 != 0) {
-        for (int i = tid; i < STAGES * BN; i += THREADS) {
-            const int st = i / BN, kg = (i % BN) / 8, r = i % 8;
-            *reinterpret_cast<uint4 *>(flash_smem + st * STAGE + ((kg * KC + KC - 1) * 8 + r) * 16) =
-                make_uint4(0, 0, 0, 0);
-        }
-    }
+    auto load = [&](int tile) {
+        loader.load(base + (tile % STAGES) * STAGE, kh, vh, tile * BN, sk, k_ss, v_ss, full0 + 8 * (tile % STAGES));
+    };
+    load(0);
+    load(1);
+    if constexpr (RING)
+        load(2);
+    else
+        pads();
 
     // Otherwise Q's A fragments straight from global memory, once: k-step s holds columns 16s + 2t (+1) in a[0]
     // (row g) and a[1] (row g+8), 16s + 8 + 2t (+1) in a[2], a[3]; columns past D and rows past sq are zeros.
@@ -625,11 +708,12 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
             }
     }
 
-    float sc[NS], acc[NA];
+    // With ONES, acc[NA..NA+3] are the ones columns: each holds the sum of its row (g, g, g+8, g+8).
+    float sc[NS], acc[NAX];
     uint32_t p[NS / 2];
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f, a0, a1;
 #pragma unroll
-    for (int i = 0; i < NA; ++i) acc[i] = 0.f;
+    for (int i = 0; i < NAX; ++i) acc[i] = 0.f;
 
     // S = Q Kᵀ for the tile in `stage`, issued and committed, not waited for.
     auto issue_s = [&](uint32_t stage) {
@@ -651,60 +735,113 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
         const uint32_t vs = base + (j % STAGES) * STAGE + K_BYTES;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            Wgmma<T>::template pv<D>(acc, p + 4 * kk, smem_desc(vs + kk * 2 * VC * 128, VC * 128, 128));
+            Wgmma<T>::template pv<Tiles<D>::PV_N>(acc, p + 4 * kk,
+                                                  smem_desc(vs + kk * 2 * VCX * 128, VCX * 128, 128));
         wgmma_commit();
     };
-
-    // Tile 0 complete (tile 1's group may still be in flight); the cp.async and pad writes made visible to the
-    // async proxy through which wgmma reads shared memory, then to every thread.
-    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-    wgmma_fence();
-    issue_s(base);
-    wgmma_wait<0>();
-    fence_regs(sc);
-    softmax_tile(sc, min(BN, sk), t, c, m0, m1, l0, l1, a0, a1);
-    pack_p<T, NS>(p, sc);
-
-    // The last tile is peeled off so that the loop body has no branch between issuing a wgmma and waiting for it
-    // (ptxas serialises wgmmas it cannot follow through control flow).
-    for (int j = 0; j + 1 < nt; ++j) {
-        // Tile j+1 has landed (this thread's copies; the barrier makes it everyone's) and every warpgroup has
-        // finished tile j-1, so its stage can take tile j+2.
-        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
-        loader.load(base + ((j + 2) % STAGES) * STAGE, kh, vh, (j + 2) * BN, sk, k_ss, v_ss);
-
-        wgmma_fence(); // p and acc were written by ordinary instructions
-        issue_s(base + ((j + 1) % STAGES) * STAGE);
-        issue_pv(j);
-        wgmma_wait<1>(); // the scores; P·V may still run
-        fence_regs(sc);
-        softmax_tile(sc, min(BN, sk - (j + 1) * BN), t, c, m0, m1, l0, l1, a0, a1);
-        wgmma_wait<0>();
-        fence_regs(acc);
-        fence_regs(p);
+    auto rescale = [&]() {
 #pragma unroll
-        for (int i = 0; i < NA; i += 4) {
+        for (int i = 0; i < NAX; i += 4) {
             acc[i] *= a0;
             acc[i + 1] *= a0;
             acc[i + 2] *= a1;
             acc[i + 3] *= a1;
         }
-        pack_p<T, NS>(p, sc);
+    };
+
+    // Tile 0 complete (tile 1's group may still be in flight); the cp.async and pad writes made visible to the
+    // async proxy through which wgmma reads shared memory, then to every thread.
+    if constexpr (RING) {
+        mbar_wait(full0, 0);
+    } else {
+        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
     }
-    // The last tile landed before the previous iteration's barrier (the prologue's, for a single tile).
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    if constexpr (!RING) __syncthreads();
+    wgmma_fence();
+    issue_s(base);
+    wgmma_wait<0>();
+    fence_regs(sc);
+    softmax_tile<NS, 1, !ONES>(sc, min(BN, sk), t, c, m0, m1, l0, l1, a0, a1);
+    pack_p<T, NS>(p, sc);
+
+    if constexpr (RING) {
+        // Tile j+1's stage is full once every thread's copies have landed; a thread's P·V of tile j empties tile
+        // j's. Tile j+3 is requested at the end of iteration j, into tile j-1's stage, once all have emptied it: a
+        // warpgroup may run up to a tile ahead of the others, where the block barrier kept them in step (D 64:
+        // 373-382 → 310 µs at (2, 4096, 10, 64), ONES included). A shared store of the softmax's results (the row
+        // sums; with ONES the last four probabilities, which pin only part of it) keeps the wait for P·V after
+        // them: ptxas otherwise issues that wait within the first instructions of the softmax (it does so in the
+        // three-stage loop below too), and with the ring that cost 30.5 against 26.1 µs at (2, 1024, 8, 80). The
+        // last key tile's iteration is peeled: it alone masks, unconditionally.
+        auto step = [&](int j, auto last) {
+            constexpr bool LAST = decltype(last)::value;
+            mbar_wait(full0 + 8 * ((j + 1) % STAGES), ((j + 1) / STAGES) & 1);
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            wgmma_fence();
+            issue_s(base + ((j + 1) % STAGES) * STAGE);
+            issue_pv(j);
+            wgmma_wait<1>();
+            fence_regs(sc);
+            softmax_tile<NS, LAST ? 2 : 0, !ONES>(sc, sk - (j + 1) * BN, t, c, m0, m1, l0, l1, a0, a1);
+            if constexpr (ONES)
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(pin), "f"(sc[NS - 1]),
+                             "f"(sc[NS - 2]), "f"(sc[NS - 3]), "f"(sc[NS - 4])
+                             : "memory");
+            else
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(pin), "f"(l0), "f"(l1) : "memory");
+            wgmma_wait<0>();
+            fence_regs(acc);
+            fence_regs(p);
+            mbar_arrive(empty0 + 8 * (j % STAGES));
+            rescale();
+            pack_p<T, NS>(p, sc);
+            if constexpr (!LAST) {
+                if (j >= 1) mbar_wait(empty0 + 8 * ((j - 1) % STAGES), ((j - 1) / STAGES) & 1);
+                load(j + 3);
+            }
+        };
+        for (int j = 0; j + 2 < nt; ++j) step(j, Last<false>{});
+        if (nt >= 2) step(nt - 2, Last<true>{});
+    } else {
+        // The last tile is peeled off so that the loop body has no branch between issuing a wgmma and waiting for
+        // it (ptxas serialises wgmmas it cannot follow through control flow).
+        for (int j = 0; j + 1 < nt; ++j) {
+            // Tile j+1 has landed (this thread's copies; the barrier makes it everyone's) and every warpgroup has
+            // finished tile j-1, so its stage can take tile j+2.
+            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncthreads();
+            loader.load(base + ((j + 2) % STAGES) * STAGE, kh, vh, (j + 2) * BN, sk, k_ss, v_ss);
+
+            wgmma_fence(); // p and acc were written by ordinary instructions
+            issue_s(base + ((j + 1) % STAGES) * STAGE);
+            issue_pv(j);
+            wgmma_wait<1>(); // the scores; P·V may still run
+            fence_regs(sc);
+            softmax_tile(sc, min(BN, sk - (j + 1) * BN), t, c, m0, m1, l0, l1, a0, a1);
+            wgmma_wait<0>();
+            fence_regs(acc);
+            fence_regs(p);
+            rescale();
+            pack_p<T, NS>(p, sc);
+        }
+    }
+    // The last tile landed before the previous iteration's barrier or wait (the prologue's, for a single tile).
     wgmma_fence();
     issue_pv(nt - 1);
     wgmma_wait<0>();
     fence_regs(acc);
 
+    if constexpr (ONES) {
+        l0 = acc[NA];
+        l1 = acc[NA + 2];
+    } else {
 #pragma unroll
-    for (int off = 1; off <= 2; off <<= 1) {
-        l0 += __shfl_xor_sync(0xffffffff, l0, off);
-        l1 += __shfl_xor_sync(0xffffffff, l1, off);
+        for (int off = 1; off <= 2; off <<= 1) {
+            l0 += __shfl_xor_sync(0xffffffff, l0, off);
+            l1 += __shfl_xor_sync(0xffffffff, l1, off);
+        }
     }
     const float i0 = 1.f / l0, i1 = 1.f / l1;
     T *o0 = o + ((long long)b * sq + r0) * heads * D + h * D, *o1 = o0 + 8LL * heads * D;
@@ -766,18 +903,27 @@ FLASH_SPLIT_BOTH(160, 32, 2, 1, 4, (256))
 #endif
 
 // The Hopper kernels: (head dimension, warpgroups of 64 query rows per block, resident blocks per SM), the registers
-// capped for those blocks (D 80 spills 12 bytes, one L1-resident reload per key tile); dynamic shared memory
-// 3 · 64 · (KC + VC) · 16 bytes, plus NWG · 64 · KC · 16 with Q in shared memory; `HOPPER_*` in attention.rs must
-// match. `xtask/bench/attention_wgmma.cu` on an H100, against the mma.sync kernel above (the alternatives were
-// measured before the tile loader's offsets were precomputed, which took D 40 from 197 to 174 us):
+// capped for those blocks (D 80 spills 16 bytes, one L1-resident reload per key tile); dynamic shared memory
+// STAGES · 64 · (KC + VCX) · 16 bytes, plus NWG · 64 · KC · 16 with Q in shared memory (Tiles); `hopper_shape` in
+// attention.rs must match. `xtask/bench/attention_wgmma.cu` on an H100, against the mma.sync kernel above (the
+// alternatives were measured before the tile loader's offsets were precomputed, which took D 40 from 197 to 174 us):
 // - D 40 (121 registers, 33 KiB): SD1.5's (2, 4096, 8, 40) self-attention 174 us against 272 us; 128-key tiles
-//   (179 registers, one block per SM) 235 us, three warpgroups 217 us, one warpgroup per block 302 us.
-// - D 64 (140 registers, 48 KiB): three warpgroups in the only block of an SM: SDXL's (2, 4096, 10, 64) 378 us
-//   against 487 us, (2, 1024, 20, 64) 54 against 67 us. Two blocks of two warpgroups take 399 and 64 us, one block
-//   of four 365 and 71 us: at batch 2 the block count decides the last wave (at (8, 1024, 20, 64) two blocks of two
-//   take 195 us, three warpgroups 216 us). One warpgroup per block: 710 us.
-// - D 80 (128 registers, 80 KiB, Q in shared memory): SD1.5's (2, 1024, 8, 80) 28 against 47 us, (8, 1024, 8, 80) 97
-//   against 133 us; Q in registers (137, one block per SM) 30 and 119 us.
+//   (179 registers, one block per SM) 235 us, three warpgroups 217 us, one warpgroup per block 302 us. Measured
+//   against 172-175 us in the same runs and not taken: the ones column 181 us; part of each thread's 32 exp2 as a
+//   polynomial on the FMA pipe 180 / 185 / 193 / 201 us for 4 / 8 / 12 / 16 of them (the loop issues about 350
+//   instructions per warp and tile, and each added one costs); the ring 175 us (with the pinned wait 179, with the
+//   ones column too 174); the pinned wait alone 183 us; FA3's ping-pong over the ring 185 us; descriptors and
+//   stage addresses without the % 3 and a tile loader with an unpredicated path for whole tiles 173 us, with the
+//   ones column 170, with the pinned wait too 168 us (3 %).
+// - D 64 (140 registers, 68 KiB: the ring, the ones column): three warpgroups in the only block of an SM: SDXL's
+//   (2, 4096, 10, 64) 310 us against 481 us, (2, 1024, 20, 64) 48.6 against 67 us (three stages and the block
+//   barrier: 373-382 and 54 us; the ring without the ones column 321 and 51 us). Two blocks of two warpgroups took
+//   399 and 64 us, one block of four 365 and 71 us (with the block barrier): at batch 2 the block count decides the
+//   last wave (at (8, 1024, 20, 64) two blocks of two take 195 us, three warpgroups 216 us). One warpgroup per
+//   block: 710 us.
+// - D 80 (128 registers, 100 KiB, Q in shared memory, the ring): SD1.5's (2, 1024, 8, 80) 26.4 against 47 us (three
+//   stages and the block barrier: 27.8-28.0 us), its cross-attention over 77 keys 9.2-9.3 against 9.0-9.1 us;
+//   (8, 1024, 8, 80) took 97 against 133 us before the ring; Q in registers (137, one block per SM) 30 and 119 us.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define SDHIVE_SM90A(...) __VA_ARGS__
 #else
