@@ -1,13 +1,17 @@
 //! With the `cuda` feature, compiles each `src/*.cu` to PTX for `CUDA_COMPUTE_CAP` (default 90) with the nvcc on
 //! PATH (`cargo xtask build-cuda` provides one); the library embeds the PTX and learns the capability through
 //! `SDHIVE_CUDA_COMPUTE_CAP`. For 9.0 the attention is compiled a second time for the arch-specific compute_90a,
-//! whose PTX holds the Hopper (wgmma) kernels and loads only on 9.0 devices; other builds get an empty file there.
-//! Without the feature, nothing to do.
+//! whose PTX holds the Hopper (wgmma) kernels and loads only on 9.0 devices, and the fused feed-forward product
+//! with GEGLU (`src/geglu_wgmma.cu`, Hopper only) is compiled for compute_90a alone; other builds get empty files
+//! there. Without the feature, nothing to do.
 
 const SOURCES: [&str; 2] = ["kernels", "attention"];
 
+/// Sources that exist only as Hopper kernels: compiled for compute_90a alone.
+const HOPPER_ONLY: [&str; 1] = ["geglu_wgmma"];
+
 fn main() {
-    for source in SOURCES {
+    for source in SOURCES.iter().chain(&HOPPER_ONLY) {
         println!("cargo:rerun-if-changed=src/{source}.cu");
     }
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
@@ -21,11 +25,15 @@ fn main() {
     for source in SOURCES {
         nvcc(source, &format!("compute_{cap}"), &out_dir.join(format!("{source}.ptx")));
     }
-    let hopper = out_dir.join("attention_sm90a.ptx");
-    if cap == "90" {
-        nvcc("attention", "compute_90a", &hopper);
-    } else {
-        std::fs::write(&hopper, "").expect("writing an empty attention_sm90a.ptx into OUT_DIR");
+    for source in ["attention"].iter().chain(&HOPPER_ONLY) {
+        let name = format!("{source}_sm90a.ptx");
+        let hopper = out_dir.join(&name);
+        if cap == "90" {
+            nvcc(source, "compute_90a", &hopper);
+        } else {
+            std::fs::write(&hopper, "")
+                .unwrap_or_else(|e| panic!("writing an empty {name} into OUT_DIR: {e}"));
+        }
     }
 }
 

@@ -1,6 +1,7 @@
 //! Fused CUDA kernels for the networks' hot operations: GroupNorm (+SiLU), LayerNorm, per-channel
 //! bias / time-embedding / residual adds, row softmax, GEGLU, the im2col of the convolutions, and multi-head
-//! attention that never materialises its scores; cuDNN convolutions and cuBLASLt linears; the channels-last
+//! attention that never materialises its scores; on Hopper the feed-forward's first product with GEGLU in its
+//! epilogue; cuDNN convolutions and cuBLASLt linears; the channels-last
 //! (NHWC) variants of the map operations (the skip connections' channel concatenation among them), and the NCHW ↔
 //! NHWC transpose at a network's edges. Each replaces a chain of candle ops that made one pass
 //! over the tensor per op (several through candle's strided broadcast kernels). [`applies`] says when a call can
@@ -18,6 +19,8 @@ mod attention;
 mod cuda;
 #[cfg(feature = "cudnn")]
 mod cudnn;
+#[cfg(feature = "cuda")]
+mod geglu;
 #[cfg(feature = "cuda")]
 mod gemm;
 #[cfg(feature = "cuda")]
@@ -418,6 +421,37 @@ pub fn geglu(x: &Tensor) -> Result<Tensor> {
 /// [`geglu`] of `x + bias` (the projection's bias along the last dimension), in the same single pass.
 pub fn geglu_bias(x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     on_cuda!(cuda::geglu(x, bias); x, bias)
+}
+
+/// Whether [`linear_geglu_interleaved`] takes a feed-forward of `k` input features and `h` GEGLU outputs in
+/// `dtype` on `device`: a compute capability 9.0 GPU with the build's sm_90a PTX (`CUDA_COMPUTE_CAP=90`), f16 or
+/// bf16, `k` a multiple of 64 and `h` of 64 (the interleave block). `SDHIVE_FUSED_GEGLU=0` (or
+/// `SDHIVE_FUSED_KERNELS=0`) turns it off. A network decides once, at load, since the weights are stored for it.
+pub fn geglu_product_on(device: &candle_core::Device, dtype: candle_core::DType, k: usize, h: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        switched_on!("SDHIVE_FUSED_KERNELS")
+            && switched_on!("SDHIVE_FUSED_GEGLU")
+            && geglu::product_on(device, dtype, k, h)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (device, dtype, k, h);
+        false
+    }
+}
+
+/// A feed-forward's first linear, W1 `(2H, K)` and b1 `(2H)` (the GEGLU's first half then its gate), with their
+/// rows interleaved as [`linear_geglu_interleaved`] reads them; done once, at load.
+pub fn interleave_geglu(w1: &Tensor, b1: &Tensor) -> Result<(Tensor, Tensor)> {
+    on_cuda!(geglu::interleave(w1, b1); w1, b1)
+}
+
+/// `geglu(x·W1ᵀ + b1)` in one kernel, the product never written: `x` `(…, K)` contiguous, the weight and bias
+/// from [`interleave_geglu`], the output `(…, H)`; f32 accumulation, the exact erf GELU. Call only where
+/// [`geglu_product_on`]; other devices, dtypes and shapes are refused.
+pub fn linear_geglu_interleaved(x: &Tensor, w_il: &Tensor, b_il: &Tensor) -> Result<Tensor> {
+    on_cuda!(geglu::product(x, w_il, b_il); x, w_il, b_il)
 }
 
 #[cfg(all(test, feature = "cuda"))]

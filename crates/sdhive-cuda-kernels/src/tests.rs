@@ -203,6 +203,91 @@ fn geglu_matches_the_reference() {
     }
 }
 
+/// Whether this device and build run the fused GEGLU product (compute capability 9.0, built for it).
+fn geglu_product_here(dev: &Device) -> bool {
+    let Device::Cuda(cuda) = dev else { return false };
+    crate::cuda::built_for() == 90 && cuda.cuda_stream().context().compute_capability().unwrap() == (9, 0)
+}
+
+/// The fused first feed-forward product with GEGLU against the f32 product of the same (rounded) inputs, bias and
+/// exact-erf GEGLU: the SD1.5 UNet's four shapes (batch 2, each taking its own tiling), row counts off every tile
+/// (77, 1000, 1; through 3-D and 2-D inputs), f16 and bf16. On other devices and builds it must say it is off.
+#[test]
+fn fused_geglu_product_matches_the_reference() {
+    let dev = gpu();
+    let here = geglu_product_here(&dev);
+    for dtype in [DType::F16, DType::BF16] {
+        assert_eq!(geglu_product_on(&dev, dtype, 320, 1280), here, "{dtype:?}");
+    }
+    if !here {
+        eprintln!("not a compute capability 9.0 device with a build for it: the fused GEGLU product is off");
+        return;
+    }
+    let shapes = [
+        (&[2, 4096][..], 320, 1280),
+        (&[2, 1024][..], 640, 2560),
+        (&[2, 256][..], 1280, 5120),
+        (&[2, 64][..], 1280, 5120),
+        (&[77][..], 320, 1280),
+        (&[2, 500][..], 640, 2560),
+        (&[1, 1][..], 1280, 5120),
+    ];
+    for (rows, k, h) in shapes {
+        let mut x_shape = rows.to_vec();
+        x_shape.push(k);
+        let x = Tensor::randn(0f32, 1.0, x_shape, &dev).unwrap();
+        let w = Tensor::randn(0f32, 1.0 / (k as f32).sqrt(), (2 * h, k), &dev).unwrap();
+        let b = Tensor::randn(0f32, 0.5, 2 * h, &dev).unwrap();
+        for dtype in [DType::F16, DType::BF16] {
+            let cast = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let f32_of = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let (xd, wd, bd) = (cast(&x), cast(&w), cast(&b));
+            let y = f32_of(&xd).broadcast_matmul(&f32_of(&wd).t().unwrap()).unwrap();
+            let y = y.broadcast_add(&f32_of(&bd)).unwrap();
+            let gate = y.narrow(D::Minus1, h, h).unwrap().gelu_erf().unwrap();
+            let want = y.narrow(D::Minus1, 0, h).unwrap().mul(&gate).unwrap();
+            let (wi, bi) = interleave_geglu(&wd, &bd).unwrap();
+            let ours = linear_geglu_interleaved(&xd, &wi, &bi).unwrap();
+            assert_eq!(ours.dims(), want.dims());
+            assert_eq!(ours.dtype(), dtype);
+            let d = rel_diff(&ours, &want);
+            eprintln!("fused GEGLU product {rows:?} k{k} h{h} {dtype:?}: rel diff {d:.2e}");
+            assert!(d <= tol(dtype), "fused GEGLU product {rows:?} k{k} h{h} {dtype:?}: {d}");
+        }
+    }
+}
+
+/// What the fused GEGLU product refuses, on any device: K off whole steps of 64, H off the interleave block of 64,
+/// f32, the CPU, operands that do not fit each other, a non-contiguous input; and an interleave of a W1 whose
+/// halves are off the block.
+#[test]
+fn fused_geglu_product_refuses_what_it_cannot_take() {
+    let dev = gpu();
+    let here = geglu_product_here(&dev);
+    assert!(!geglu_product_on(&dev, DType::F16, 320 + 32, 1280));
+    assert!(!geglu_product_on(&dev, DType::F16, 320, 1280 + 32));
+    assert!(!geglu_product_on(&dev, DType::F32, 320, 1280));
+    assert!(!geglu_product_on(&Device::Cpu, DType::F16, 320, 1280));
+    let t = |shape: &[usize], dtype| Tensor::zeros(shape, dtype, &dev).unwrap();
+    assert!(interleave_geglu(&t(&[2 * 96, 64], DType::F16), &t(&[2 * 96], DType::F16)).is_err());
+    assert!(interleave_geglu(&t(&[2 * 64, 64], DType::F16), &t(&[64], DType::F16)).is_err());
+    let (w, b) = (t(&[2 * 128, 128], DType::F16), t(&[2 * 128], DType::F16));
+    let (wi, bi) = interleave_geglu(&w, &b).unwrap();
+    let x = t(&[3, 128], DType::F16);
+    assert_eq!(linear_geglu_interleaved(&x, &wi, &bi).is_ok(), here);
+    // K 96 is not whole steps of 64; the input's K differs from the weight's; f32; the weight's H 96.
+    let w96 = t(&[2 * 128, 96], DType::F16);
+    assert!(linear_geglu_interleaved(&t(&[3, 96], DType::F16), &w96, &bi).is_err());
+    assert!(linear_geglu_interleaved(&t(&[3, 64], DType::F16), &wi, &bi).is_err());
+    let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    assert!(linear_geglu_interleaved(&f(&x), &f(&wi), &f(&bi)).is_err());
+    assert!(linear_geglu_interleaved(&x, &t(&[2 * 96, 128], DType::F16), &t(&[2 * 96], DType::F16)).is_err());
+    let wide = t(&[128, 3], DType::F16).t().unwrap();
+    assert!(linear_geglu_interleaved(&wide, &wi, &bi).is_err(), "a transposed input is not contiguous");
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
+    assert!(linear_geglu_interleaved(&cpu(&x), &cpu(&wi), &cpu(&bi)).is_err());
+}
+
 #[test]
 fn other_devices_and_layouts_do_not_apply() {
     let cpu = Tensor::zeros((2, 4), DType::F32, &Device::Cpu).unwrap();

@@ -652,6 +652,12 @@ pub(crate) fn linear_geglu(l: &Linear, x: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// `geglu(x·W1ᵀ + b1)` in one Hopper kernel, with W1 and b1 as `sdhive_cuda_kernels::interleave_geglu` stored them
+/// at load (where `geglu_product_on` said so).
+pub(crate) fn linear_geglu_interleaved(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    gpu::linear_geglu_interleaved(&x.contiguous()?, weight, bias)
+}
+
 /// `x·weightᵀ (+ bias) (+ residual)` for a `(Cout, Cin)` or `(Cout, Cin, 1, 1)` weight (a linear layer's or a 1×1
 /// convolution's) over tokens `(B, S, Cin)`.
 pub(crate) fn project(

@@ -104,22 +104,39 @@ impl CrossAttention {
 /// `FeedForward` with GEGLU: `net.0.proj` (to 2×inner), gate, `net.2` (back to dim).
 #[derive(Debug, Clone)]
 struct FeedForward {
-    proj_in: Linear,
+    proj_in: FeedForwardIn,
     proj_out: Linear,
+}
+
+/// How `net.0.proj` is kept: as loaded, or, where the fused Hopper product with GEGLU takes it
+/// (`sdhive_cuda_kernels::geglu_product_on`), only in that kernel's interleaved row order, so that the weights are
+/// not held twice.
+#[derive(Debug, Clone)]
+enum FeedForwardIn {
+    Linear(Linear),
+    Interleaved { weight: Tensor, bias: Tensor },
 }
 
 impl FeedForward {
     fn new(vb: VarBuilder, dim: usize) -> Result<Self> {
         let inner = dim * 4;
-        Ok(Self {
-            proj_in: linear(vb.pp("net.0.proj"), dim, inner * 2, true)?,
-            proj_out: linear(vb.pp("net.2"), inner, dim, true)?,
-        })
+        let proj_in = linear(vb.pp("net.0.proj"), dim, inner * 2, true)?;
+        let proj_in = match proj_in.bias() {
+            Some(bias) if sdhive_cuda_kernels::geglu_product_on(vb.device(), vb.dtype(), dim, inner) => {
+                let (weight, bias) = sdhive_cuda_kernels::interleave_geglu(proj_in.weight(), bias)?;
+                FeedForwardIn::Interleaved { weight, bias }
+            }
+            _ => FeedForwardIn::Linear(proj_in),
+        };
+        Ok(Self { proj_in, proj_out: linear(vb.pp("net.2"), inner, dim, true)? })
     }
 
     /// `proj_out(geglu(proj_in(x))) + residual`.
     fn forward(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        let h = ops::linear_geglu(&self.proj_in, x)?;
+        let h = match &self.proj_in {
+            FeedForwardIn::Linear(l) => ops::linear_geglu(l, x)?,
+            FeedForwardIn::Interleaved { weight, bias } => ops::linear_geglu_interleaved(x, weight, bias)?,
+        };
         ops::linear(&self.proj_out, &h, Some(residual))
     }
 }
