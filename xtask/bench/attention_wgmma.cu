@@ -45,10 +45,10 @@ template <int DP, int BK, int ROWS> Impl mma_sync(Kernel fn) {
     return {"mma_sync", fn, 128, ROWS, (4 * BK > 2 * BK + ROWS ? 4 * BK : 2 * BK + ROWS) * (DP + 8) * 2};
 }
 // hopper's stages (three, four with Tiles::RING: D 64, 80) of a 64-key K tile of KC chunks and V tile of D / 8
-// (one more with Tiles::ONES: D 64), and Q's tiles where Tiles::Q_SHARED (D 80): written out, as `hopper` exists
-// only in the sm_90a pass.
+// (one more with Tiles::ONES: D 40, 64), and Q's tiles where Tiles::Q_SHARED (D 80): written out, as `hopper`
+// exists only in the sm_90a pass.
 template <int D, int NWG, int BLOCKS> Impl wg() {
-    constexpr int KC = (D + 15) / 16 * 2, STAGES = D == 40 ? 3 : 4, VCX = D / 8 + (D == 64);
+    constexpr int KC = (D + 15) / 16 * 2, STAGES = D == 40 ? 3 : 4, VCX = D / 8 + (D != 80);
     return {"wgmma", wgmma<D, NWG, BLOCKS>, 128 * NWG, 64 * NWG,
             STAGES * 64 * (KC + VCX) * 16 + (D == 80 ? NWG * 64 * KC * 16 : 0)};
 }

@@ -379,12 +379,14 @@ constexpr int BN = 64; // keys per tile: the N of S = Q Kᵀ
 // per thread: at D 80 that makes 137 and one two-warpgroup block per SM; read from shared memory (a 64 × KC chunk
 // tile per warpgroup after the stages, laid out as K) it makes 120 and two, 1.23x faster at (8, 1024, 8, 80).
 // RING (D 64, 80): four stages handed over through mbarriers instead of three and a block barrier per tile, so a
-// warpgroup may run up to a tile ahead of the others (see the key loop). ONES (D 64): V's tile carries one more
+// warpgroup may run up to a tile ahead of the others (see the key loop). ONES (D 40, 64): V's tile carries one more
 // chunk per key, all ones, and P·V runs N = D + 8, so each row's sum of the rounded P comes out of the tensor core
-// in the extra accumulator columns instead of 32 additions per tile. At D 40 neither paid (notes at HOPPER_BOTH).
+// in the extra accumulator columns instead of 32 additions per tile. At D 40 the ring did not pay; the three-stage
+// loop there pays only with the ones column, the pinned wait and a leaner tile loop together (notes at
+// HOPPER_BOTH).
 template <int D> struct Tiles {
-    static_assert(D == 40 || D == 64 || D == 80, "the P·V product is written out for N 40, 64 and 80");
-    static constexpr bool RING = D != 40, ONES = D == 64;
+    static_assert(D == 40 || D == 64 || D == 80, "the P·V product is written out for N 48, 72 and 80");
+    static constexpr bool RING = D != 40, ONES = D != 80;
     static constexpr int STAGES = RING ? 4 : 3;
     static constexpr int KC = (D + 15) / 16 * 2, VC = D / 8, VCX = VC + ONES, PV_N = D + 8 * ONES;
     static constexpr int K_BYTES = BN * KC * 16, V_BYTES = BN * VCX * 16, STAGE = K_BYTES + V_BYTES;
@@ -428,7 +430,8 @@ template <typename R, int N> __device__ __forceinline__ void fence_regs(R (&r)[N
 #define SDHIVE_ACC8(i) SDHIVE_ACC4(i), SDHIVE_ACC4(i + 4)
 #define SDHIVE_ACC32 SDHIVE_ACC8(0), SDHIVE_ACC8(8), SDHIVE_ACC8(16), SDHIVE_ACC8(24)
 #define SDHIVE_R20 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19"
-#define SDHIVE_R32 SDHIVE_R20 ", %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define SDHIVE_R24 SDHIVE_R20 ", %20, %21, %22, %23"
+#define SDHIVE_R32 SDHIVE_R24 ", %24, %25, %26, %27, %28, %29, %30, %31"
 #define SDHIVE_R40 SDHIVE_R32 ", %32, %33, %34, %35, %36, %37, %38, %39"
 #define SDHIVE_WGMMA_QK(TY)                                                                                       \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                     \
@@ -450,9 +453,9 @@ template <typename R, int N> __device__ __forceinline__ void fence_regs(R (&r)[N
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc))
 #define SDHIVE_R36 SDHIVE_R32 ", %32, %33, %34, %35"
 #define SDHIVE_WGMMA_PV_N(TY)                                                                                     \
-    if constexpr (N == 40)                                                                                        \
-        SDHIVE_WGMMA_PV(TY, 40, SDHIVE_R20, "%20, %21, %22, %23", "%24", SDHIVE_ACC8(0), SDHIVE_ACC8(8),          \
-                        SDHIVE_ACC4(16));                                                                         \
+    if constexpr (N == 48)                                                                                        \
+        SDHIVE_WGMMA_PV(TY, 48, SDHIVE_R24, "%24, %25, %26, %27", "%28", SDHIVE_ACC8(0), SDHIVE_ACC8(8),          \
+                        SDHIVE_ACC8(16));                                                                         \
     else if constexpr (N == 64)                                                                                   \
         SDHIVE_WGMMA_PV(TY, 64, SDHIVE_R32, "%32, %33, %34, %35", "%36", SDHIVE_ACC32);                           \
     else if constexpr (N == 72)                                                                                   \
@@ -461,7 +464,8 @@ template <typename R, int N> __device__ __forceinline__ void fence_regs(R (&r)[N
         SDHIVE_WGMMA_PV(TY, 80, SDHIVE_R40, "%40, %41, %42, %43", "%44", SDHIVE_ACC32, SDHIVE_ACC8(32))
 
 // D(64×64, f32) (+)= A(64×16, registers) · B(16×64, K-major); SCALE_D 0 ignores D's old value. And D(64×N) +=
-// A(64×16) · B(16×N, MN-major, transposed read) for N 40, 64, 72 (64 and the ones column) or 80.
+// A(64×16) · B(16×N, MN-major, transposed read) for N 48 (40 and the ones column), 64, 72 (64 and the ones
+// column) or 80.
 template <typename T> struct Wgmma;
 #define SDHIVE_WGMMA_FOR(T, TY)                                                                                   \
     template <> struct Wgmma<T> {                                                                                 \
@@ -526,6 +530,69 @@ template <typename T, int D, int THREADS> struct TileLoader {
         else
             asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
+};
+
+// The three-stage loop's loader (D 40): TileLoader's precomputed offsets, with the tiles requested in order so
+// that the K and V row pointers advance by a tile per call (no 64-bit product per tile), and whole tiles copied
+// without the per-chunk bounds test and zero fill (only the tile holding the end takes them). Where the chunks do
+// not divide among the threads, the last round's spare threads repeat a copy of the round before (the same bytes to
+// the same place) instead of branching around it.
+template <typename T, int D, int THREADS> struct StreamLoader {
+    static constexpr int KC = Tiles<D>::KC, VC = Tiles<D>::VC, VCX = Tiles<D>::VCX, K_BYTES = Tiles<D>::K_BYTES;
+    static constexpr int N = 2 * BN * VC, R = (N + THREADS - 1) / THREADS;
+    static_assert(R >= 2 || N % THREADS == 0, "spare threads repeat the previous round");
+    uint32_t src[R], dst[R], key[R];
+    bool is_v[R];
+    const T *kt, *vt;
+    long long k_step, v_step;
+
+    __device__ __forceinline__ StreamLoader(const T *kh, const T *vh, long long k_ss, long long v_ss)
+        : kt(kh), vt(vh), k_step(BN * k_ss), v_step(BN * v_ss) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            int i = threadIdx.x + r * THREADS;
+            if (i >= N) i -= THREADS;
+            const bool v = i >= BN * VC;
+            const int j = v ? i - BN * VC : i;
+            const int u = j / 8, kg = u / VC, c = u % VC, kk = kg * 8 + j % 8;
+            src[r] = (uint32_t)(kk * (v ? v_ss : k_ss) + c * 8);
+            dst[r] = v ? K_BYTES + ((kg * VCX + c) * 8 + j % 8) * 16 : ((kg * KC + c) * 8 + j % 8) * 16;
+            key[r] = kk;
+            is_v[r] = v;
+        }
+    }
+    // Round r's rows: K's or V's for every thread where the round lies in one of them (known once unrolled).
+    __device__ __forceinline__ const T *rows(int r) const {
+        const bool all_k = (r + 1) * THREADS <= BN * VC;
+        const bool all_v = r * THREADS >= BN * VC && ((r + 1) * THREADS <= N || N - THREADS >= BN * VC);
+        return all_k ? kt : all_v ? vt : is_v[r] ? vt : kt;
+    }
+    // Requests keys k0..k0+BN-1 into `stage` and commits a cp.async group (empty past the end), k0 advancing by BN
+    // from 0 over the calls.
+    __device__ __forceinline__ void load(uint32_t stage, int k0, int sk) {
+        if (k0 + BN <= sk) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(stage + dst[r]), "l"(rows(r) + src[r]));
+        } else if (k0 < sk) {
+            const int valid = sk - k0;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const bool ok = (int)key[r] < valid;
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(stage + dst[r]),
+                             "l"(rows(r) + (ok ? src[r] : 0u)), "r"(ok ? 16 : 0));
+            }
+        }
+        kt += k_step;
+        vt += v_step;
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+};
+template <bool B, typename X, typename Y> struct Pick {
+    using type = X;
+};
+template <typename X, typename Y> struct Pick<false, X, Y> {
+    using type = Y;
 };
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
@@ -601,7 +668,8 @@ template <typename T, int N> __device__ __forceinline__ void pack_p(uint32_t (&p
     for (int i = 0; i < N / 2; ++i) p[i] = pack_f2<T>(s[2 * i], s[2 * i + 1]);
 }
 
-// RING's static shared memory: the stages' full and empty mbarriers, then PIN floats per thread (below).
+// Static shared memory: RING's full and empty mbarriers (unused without it), then PIN floats per thread for the
+// store that pins the wait for P·V (the key loops).
 template <int THREADS, int PIN> __device__ __forceinline__ uint32_t ring_shared() {
     __shared__ __align__(16) uint64_t ring[8 + THREADS * PIN / 2];
     return static_cast<uint32_t>(__cvta_generic_to_shared(ring));
@@ -630,13 +698,10 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
 
     // With RING the pads below are written before any copy and made visible by the barrier that also publishes
     // the mbarriers' initialisation; the copies' arrivals need it.
-    uint32_t full0 = 0, empty0 = 0, pin = 0;
+    constexpr int PIN = ONES ? 4 : 2;
+    const uint32_t ring = ring_shared<THREADS, PIN>();
+    const uint32_t full0 = ring, empty0 = ring + 8 * 4, pin = ring + 8 * 8 + tid * PIN * 4;
     if constexpr (RING) {
-        constexpr int PIN = ONES ? 4 : 2;
-        const uint32_t ring = ring_shared<THREADS, PIN>();
-        full0 = ring;
-        empty0 = ring + 8 * 4;
-        pin = ring + 8 * 8 + tid * PIN * 4;
         if (tid == 0) {
             for (int s = 0; s < STAGES; ++s) {
                 mbar_init(full0 + 8 * s, THREADS);
@@ -681,16 +746,30 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
                          "r"(ok ? 16 : 0));
         }
     }
-    const TileLoader<T, D, THREADS> loader(k_ss, v_ss);
+    using Loader = typename Pick<RING, TileLoader<T, D, THREADS>, StreamLoader<T, D, THREADS>>::type;
+    Loader loader = [&] {
+        if constexpr (RING)
+            return Loader(k_ss, v_ss);
+        else
+            return Loader(kh, vh, k_ss, v_ss);
+    }();
     auto load = [&](int tile) {
-        loader.load(base + (tile % STAGES) * STAGE, kh, vh, tile * BN, sk, k_ss, v_ss, full0 + 8 * (tile % STAGES));
+        if constexpr (RING)
+            loader.load(base + (tile % STAGES) * STAGE, kh, vh, tile * BN, sk, k_ss, v_ss,
+                        full0 + 8 * (tile % STAGES));
     };
-    load(0);
-    load(1);
-    if constexpr (RING)
+    // Without RING the stages rotate in registers, in 16-byte units (the descriptors' address field): s_a holds
+    // tile j, s_b tile j+1, s_c tile j+2.
+    uint32_t s_a = base >> 4, s_b = (base + STAGE) >> 4, s_c = (base + 2 * STAGE) >> 4;
+    if constexpr (RING) {
+        load(0);
+        load(1);
         load(2);
-    else
+    } else {
+        loader.load(s_a << 4, 0, sk);
+        loader.load(s_b << 4, BN, sk);
         pads();
+    }
 
     // Otherwise Q's A fragments straight from global memory, once: k-step s holds columns 16s + 2t (+1) in a[0]
     // (row g) and a[1] (row g+8), 16s + 8 + 2t (+1) in a[2], a[3]; columns past D and rows past sq are zeros.
@@ -739,6 +818,30 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
                                                   smem_desc(vs + kk * 2 * VCX * 128, VCX * 128, 128));
         wgmma_commit();
     };
+    // The same products for the three-stage loop from a stage address in 16-byte units, the descriptors' constant
+    // words folded (shared addresses lie below 2^18: smem_desc's mask is a no-op): no % 3 and no mask per tile.
+    constexpr uint32_t K_LO = 8 << 16, K_HI = KC * 8, V_LO = VCX * 8 << 16, V_HI = 8;
+    auto desc = [](uint32_t lo, uint32_t hi) { return (uint64_t)hi << 32 | lo; };
+    auto issue_s16 = [&](uint32_t s16) {
+        if constexpr (QS) {
+            Wgmma<T>::template qk<0>(sc, desc(K_LO + (qs >> 4), K_HI), desc(K_LO + s16, K_HI));
+#pragma unroll
+            for (int s = 1; s < KS; ++s)
+                Wgmma<T>::template qk<1>(sc, desc(K_LO + (qs >> 4) + 16 * s, K_HI), desc(K_LO + s16 + 16 * s, K_HI));
+        } else {
+            Wgmma<T>::template qk<0>(sc, qa[0], desc(K_LO + s16, K_HI));
+#pragma unroll
+            for (int s = 1; s < KS; ++s) Wgmma<T>::template qk<1>(sc, qa[s], desc(K_LO + s16 + 16 * s, K_HI));
+        }
+        wgmma_commit();
+    };
+    auto issue_pv16 = [&](uint32_t s16) {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            Wgmma<T>::template pv<Tiles<D>::PV_N>(acc, p + 4 * kk,
+                                                  desc(V_LO + s16 + K_BYTES / 16 + kk * 2 * VCX * 8, V_HI));
+        wgmma_commit();
+    };
     auto rescale = [&]() {
 #pragma unroll
         for (int i = 0; i < NAX; i += 4) {
@@ -759,7 +862,10 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     if constexpr (!RING) __syncthreads();
     wgmma_fence();
-    issue_s(base);
+    if constexpr (RING)
+        issue_s(base);
+    else
+        issue_s16(s_a);
     wgmma_wait<0>();
     fence_regs(sc);
     softmax_tile<NS, 1, !ONES>(sc, min(BN, sk), t, c, m0, m1, l0, l1, a0, a1);
@@ -805,31 +911,46 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
         if (nt >= 2) step(nt - 2, Last<true>{});
     } else {
         // The last tile is peeled off so that the loop body has no branch between issuing a wgmma and waiting for
-        // it (ptxas serialises wgmmas it cannot follow through control flow).
+        // it (ptxas serialises wgmmas it cannot follow through control flow). The wait for P·V is pinned after the
+        // softmax as in the ring (ptxas hoists it otherwise); here it pays only with the ones column and the lean
+        // loader and descriptors (notes at HOPPER_BOTH).
         for (int j = 0; j + 1 < nt; ++j) {
             // Tile j+1 has landed (this thread's copies; the barrier makes it everyone's) and every warpgroup has
             // finished tile j-1, so its stage can take tile j+2.
             asm volatile("cp.async.wait_group 0;\n" ::: "memory");
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             __syncthreads();
-            loader.load(base + ((j + 2) % STAGES) * STAGE, kh, vh, (j + 2) * BN, sk, k_ss, v_ss);
+            loader.load(s_c << 4, (j + 2) * BN, sk);
 
             wgmma_fence(); // p and acc were written by ordinary instructions
-            issue_s(base + ((j + 1) % STAGES) * STAGE);
-            issue_pv(j);
+            issue_s16(s_b);
+            issue_pv16(s_a);
             wgmma_wait<1>(); // the scores; P·V may still run
             fence_regs(sc);
-            softmax_tile(sc, min(BN, sk - (j + 1) * BN), t, c, m0, m1, l0, l1, a0, a1);
+            softmax_tile<NS, 1, !ONES>(sc, min(BN, sk - (j + 1) * BN), t, c, m0, m1, l0, l1, a0, a1);
+            if constexpr (ONES)
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(pin), "f"(sc[NS - 1]),
+                             "f"(sc[NS - 2]), "f"(sc[NS - 3]), "f"(sc[NS - 4])
+                             : "memory");
+            else
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(pin), "f"(l0), "f"(l1) : "memory");
             wgmma_wait<0>();
             fence_regs(acc);
             fence_regs(p);
             rescale();
             pack_p<T, NS>(p, sc);
+            const uint32_t x = s_a;
+            s_a = s_b;
+            s_b = s_c;
+            s_c = x;
         }
     }
     // The last tile landed before the previous iteration's barrier or wait (the prologue's, for a single tile).
     wgmma_fence();
-    issue_pv(nt - 1);
+    if constexpr (RING)
+        issue_pv(nt - 1);
+    else
+        issue_pv16(s_a);
     wgmma_wait<0>();
     fence_regs(acc);
 
@@ -907,14 +1028,16 @@ FLASH_SPLIT_BOTH(160, 32, 2, 1, 4, (256))
 // STAGES · 64 · (KC + VCX) · 16 bytes, plus NWG · 64 · KC · 16 with Q in shared memory (Tiles); `hopper_shape` in
 // attention.rs must match. `xtask/bench/attention_wgmma.cu` on an H100, against the mma.sync kernel above (the
 // alternatives were measured before the tile loader's offsets were precomputed, which took D 40 from 197 to 174 us):
-// - D 40 (121 registers, 33 KiB): SD1.5's (2, 4096, 8, 40) self-attention 174 us against 272 us; 128-key tiles
-//   (179 registers, one block per SM) 235 us, three warpgroups 217 us, one warpgroup per block 302 us. Measured
-//   against 172-175 us in the same runs and not taken: the ones column 181 us; part of each thread's 32 exp2 as a
-//   polynomial on the FMA pipe 180 / 185 / 193 / 201 us for 4 / 8 / 12 / 16 of them (the loop issues about 350
-//   instructions per warp and tile, and each added one costs); the ring 175 us (with the pinned wait 179, with the
-//   ones column too 174); the pinned wait alone 183 us; FA3's ping-pong over the ring 185 us; descriptors and
-//   stage addresses without the % 3 and a tile loader with an unpredicated path for whole tiles 173 us, with the
-//   ones column 170, with the pinned wait too 168 us (3 %).
+// - D 40 (121 registers, 36 KiB: three stages, the ones column, the pinned wait, StreamLoader and rotated stage
+//   addresses): SD1.5's (2, 4096, 8, 40) self-attention 166.0 us (two runs; 168.3-168.9 with q, k, v packed)
+//   against 172.5-172.9 (172.0-172.9) for the three-stage loop without them, errors unchanged, 271-274 us for
+//   mma.sync. Those parts pay only together: each alone or in pairs, measured against 172-175 us in the same runs
+//   (before), the ones column 181 us; the pinned wait 183 us; the leaner loader and descriptors 173 us, with the
+//   ones column 170. Not taken: 128-key tiles (179 registers, one block per SM) 235 us, three warpgroups 217 us,
+//   one warpgroup per block 302 us; part of each thread's 32 exp2 as a polynomial on the FMA pipe 180 / 185 / 193
+//   / 201 us for 4 / 8 / 12 / 16 of them (the loop issues about 350 instructions per warp and tile, and each added
+//   one costs); the ring 175 us (with the pinned wait 179, with the ones column too 174); FA3's ping-pong over the
+//   ring 185 us.
 // - D 64 (140 registers, 68 KiB: the ring, the ones column): three warpgroups in the only block of an SM: SDXL's
 //   (2, 4096, 10, 64) 310 us against 481 us, (2, 1024, 20, 64) 48.6 against 67 us (three stages and the block
 //   barrier: 373-382 and 54 us; the ring without the ones column 321 and 51 us). Two blocks of two warpgroups took

@@ -27,10 +27,10 @@ fn padded_dim(d: usize) -> Option<usize> {
 /// The Hopper kernels' block shapes (attention.cu's `HOPPER_BOTH` table): for head dimension `d`, the warpgroups
 /// of 64 query rows per block and the dynamic shared memory (attention.cu's `Tiles`): three stages (four with the
 /// mbarrier ring, D 64 and 80) of a 64-key K tile (D padded to whole k-steps of 16) and V tile (D columns, one more
-/// chunk of ones at D 64), plus each warpgroup's Q tile where Q is read from shared memory (D 80).
+/// chunk of ones at D 40 and 64), plus each warpgroup's Q tile where Q is read from shared memory (D 80).
 fn hopper_shape(d: usize) -> Option<(usize, usize)> {
     let (warpgroups, q_shared, stages, ones) = match d {
-        40 => (2, false, 3, 0),
+        40 => (2, false, 3, 1),
         64 => (3, false, 4, 1),
         80 => (2, true, 4, 0),
         _ => return None,
