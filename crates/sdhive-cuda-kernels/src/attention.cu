@@ -352,6 +352,259 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
     }
 }
 
+// Short key sequences (the text encoder's 77 tokens of cross-attention; attention.rs takes it up to 128 keys). The kernels above
+// stream key tiles through a grid of short-lived blocks, each of which loads its query tile and key tiles and
+// writes its output with little to overlap them. Here a block loads all of one (batch, head)'s keys and values into
+// shared memory once, and each of its WARPS warps then loops over chunks of 16·ATOMS query rows on its own: the
+// next QB - 1 chunks' Q tiles are in flight (cp.async into the warp's ring of QB tiles) while it computes one, and
+// the chunk's output leaves through the same tile as 16-byte rows. Keys are taken CROSS_TILE at a time (one tile
+// at 77 keys: no rescale), with the online softmax across tiles, P rounded to the storage type before P·V and f32
+// accumulation, as flash_attention; K and V's rows are zero past sk up to a whole tile, so every loop is unrolled
+// whole and only the mask looks at sk. The row sums come out of the tensor core: V's column chunk D (its row
+// padding, or D 40's pad to 48) holds ones, and P·V computes it as one more output tile. The host picks the grid's
+// width: block x of gridDim.x takes a contiguous run of the head's chunks, its warps every WARPS-th of them. Head
+// dimension D exactly (a multiple of 8), padded to DP = whole k-steps of 16 for the scores: the pad columns of K
+// and of the Q tiles are zeroed once and never written (O uses only D). Shared memory: (2·KR + WARPS·QB·16·ATOMS)
+// rows of DP + 8 elements, KR = sk rounded up to a whole tile (`cross_smem` in attention.rs).
+constexpr int CROSS_TILE = 80;
+
+__device__ __forceinline__ void ldsm_x4(uint32_t *r, uint32_t a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t *r, uint32_t a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x2_t(uint32_t *r, uint32_t a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}
+__device__ __forceinline__ void cp16(uint32_t to, const void *from, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(ok ? 16 : 0));
+}
+
+template <typename T, int D, int WARPS, int ATOMS, int QB>
+__device__ void cross_attention(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                                T *__restrict__ o, int sq, int sk, int heads, long long q_bs, long long q_ss,
+                                long long k_bs, long long k_ss, long long v_bs, long long v_ss, float scale_log2) {
+    constexpr int KT = CROSS_TILE, DP = (D + 15) / 16 * 16, LD = DP + 8, CH = D / 8, NS = KT / 8, NO = D / 8;
+    constexpr int ROWS = 16 * ATOMS, TB = ROWS * LD * 2, QN = (ROWS * CH + 31) / 32;
+    static_assert(D % 8 == 0 && KT % 16 == 0 && QB >= 2, "shapes");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int b = blockIdx.z, h = blockIdx.y;
+    const int kr = (sk + KT - 1) / KT * KT;
+    T *ks = reinterpret_cast<T *>(flash_smem), *vs = ks + kr * LD, *qb = vs + kr * LD + warp * QB * ROWS * LD;
+    const uint32_t ks_s = static_cast<uint32_t>(__cvta_generic_to_shared(ks)), vs_s = ks_s + kr * LD * 2;
+    const uint32_t qb_s = static_cast<uint32_t>(__cvta_generic_to_shared(qb));
+    const T *qh = q + b * q_bs + (long long)h * D;
+    const T *kh = k + b * k_bs + (long long)h * D;
+    const T *vh = v + b * v_bs + (long long)h * D;
+    const int chunks = (sq + ROWS - 1) / ROWS, per = (chunks + gridDim.x - 1) / gridDim.x;
+    const int first = blockIdx.x * per, end = min(chunks, first + per);
+
+    // K and V, rows past sk zero-filled (V's must be finite: 0·NaN is NaN; K's are masked); D columns.
+    for (int i = threadIdx.x; i < 2 * kr * CH; i += blockDim.x) {
+        const int kv = i >= kr * CH, j = kv ? i - kr * CH : i, r = j / CH, c = (j % CH) * 8;
+        const bool ok = r < sk;
+        const T *from = (kv ? vh : kh) + (ok ? r * (kv ? v_ss : k_ss) + c : 0);
+        cp16((kv ? vs_s : ks_s) + (r * LD + c) * 2, from, ok);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+    // V's ones column, K's pad columns D..DP-1 and those of this warp's Q tiles (which meet K's in the scores).
+    {
+        T one{};
+        one = cvt(1.f, one);
+        const uint32_t ones = pack2(one, one);
+        for (int r = threadIdx.x; r < kr; r += blockDim.x) {
+            *reinterpret_cast<uint4 *>(vs + r * LD + D) = make_uint4(ones, ones, ones, ones);
+            if constexpr (DP != D) *reinterpret_cast<uint4 *>(ks + r * LD + D) = make_uint4(0, 0, 0, 0);
+        }
+        if constexpr (DP != D)
+            for (int r = lane; r < QB * ROWS; r += 32)
+                *reinterpret_cast<uint4 *>(qb + r * LD + D) = make_uint4(0, 0, 0, 0);
+    }
+    // A chunk's Q tile into tile `slot`, rows past sq zero-filled; one cp.async group per call, empty past the run.
+    auto load_q = [&](int chunk, int slot) {
+        if (chunk < end) {
+            const int r0 = chunk * ROWS;
+            const T *src = qh + (long long)r0 * q_ss;
+#pragma unroll
+            for (int it = 0; it < QN; ++it) {
+                const int i = lane + 32 * it, r = i / CH, c = (i % CH) * 8;
+                if (ROWS * CH % 32 == 0 || i < ROWS * CH) {
+                    const bool ok = r0 + r < sq;
+                    cp16(qb_s + slot * TB + (r * LD + c) * 2, src + (ok ? r * q_ss + c : 0), ok);
+                }
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    int chunk = first + warp;
+#pragma unroll
+    for (int i = 0; i < QB - 1; ++i) load_q(chunk + i * WARPS, i);
+    wait_async<QB - 1>(); // K and V (this thread's copies; the barrier makes them everyone's)
+    __syncthreads();
+
+    // Per-lane ldmatrix offsets: A (Q) and transposed B (V) take rows lane%16, column half lane/16; B (K) rows
+    // lane%8 + 8·(lane/16), column half (lane/8)%2.
+    const uint32_t a_off = ((lane % 16) * LD + (lane / 16) * 8) * 2;
+    const uint32_t k_off = ((lane % 8 + (lane / 16) * 8) * LD + ((lane / 8) % 2) * 8) * 2;
+    for (int slot = 0; chunk < end; chunk += WARPS, slot = slot + 1 == QB ? 0 : slot + 1) {
+        load_q(chunk + (QB - 1) * WARPS, slot == 0 ? QB - 1 : slot - 1);
+        wait_async<QB - 1>();
+        __syncwarp();
+        const uint32_t qt = qb_s + slot * TB;
+
+        // acc[a][NO] is the ones column: the row sums (g in [0], [1]; g + 8 in [2], [3]).
+        float acc[ATOMS][NO + 1][4];
+        float m0[ATOMS], m1[ATOMS];
+#pragma unroll
+        for (int a = 0; a < ATOMS; ++a) {
+            m0[a] = m1[a] = -INFINITY;
+#pragma unroll
+            for (int j = 0; j <= NO; ++j) acc[a][j][0] = acc[a][j][1] = acc[a][j][2] = acc[a][j][3] = 0.f;
+        }
+        for (int k0 = 0; k0 < sk; k0 += KT) {
+            float sc[ATOMS][NS][4];
+#pragma unroll
+            for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+                for (int n = 0; n < NS; ++n) sc[a][n][0] = sc[a][n][1] = sc[a][n][2] = sc[a][n][3] = 0.f;
+            const uint32_t kt = ks_s + k0 * LD * 2 + k_off;
+#pragma unroll
+            for (int kk = 0; kk < DP / 16; ++kk) {
+                uint32_t qf[ATOMS][4];
+#pragma unroll
+                for (int a = 0; a < ATOMS; ++a) ldsm_x4(qf[a], qt + a_off + (a * 16 * LD + kk * 16) * 2);
+#pragma unroll
+                for (int n = 0; n < NS; n += 2) {
+                    uint32_t kf[4];
+                    ldsm_x4(kf, kt + (n * 8 * LD + kk * 16) * 2);
+#pragma unroll
+                    for (int a = 0; a < ATOMS; ++a) {
+                        MmaType<T>::mma(sc[a][n], qf[a], kf);
+                        MmaType<T>::mma(sc[a][n + 1], qf[a], kf + 2);
+                    }
+                }
+            }
+            // Keys past sk: in the tile's last k-step where the tile holds the end (always at 77 keys), else past
+            // it too.
+            if (k0 + KT > sk) {
+                const int lim = sk - k0 - 2 * t;
+                if (sk - k0 > KT - 16) {
+#pragma unroll
+                    for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+                        for (int n = NS - 2; n < NS; ++n)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e)
+                                if (n * 8 + e >= lim) sc[a][n][e] = sc[a][n][2 + e] = -INFINITY;
+                } else {
+#pragma unroll
+                    for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+                        for (int n = 0; n < NS; ++n)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e)
+                                if (n * 8 + e >= lim) sc[a][n][e] = sc[a][n][2 + e] = -INFINITY;
+                }
+            }
+#pragma unroll
+            for (int a = 0; a < ATOMS; ++a) {
+                float x0 = -INFINITY, x1 = -INFINITY;
+#pragma unroll
+                for (int n = 0; n < NS; ++n) {
+                    x0 = fmaxf(x0, fmaxf(sc[a][n][0], sc[a][n][1]));
+                    x1 = fmaxf(x1, fmaxf(sc[a][n][2], sc[a][n][3]));
+                }
+#pragma unroll
+                for (int off = 1; off <= 2; off <<= 1) {
+                    x0 = fmaxf(x0, __shfl_xor_sync(0xffffffff, x0, off));
+                    x1 = fmaxf(x1, __shfl_xor_sync(0xffffffff, x1, off));
+                }
+                // Every tile holds a real key, so the maxima are finite; the first tile rescales nothing.
+                const float n0 = fmaxf(m0[a], x0), n1 = fmaxf(m1[a], x1);
+                if (k0 > 0) {
+                    const float a0 = fast_exp2((m0[a] - n0) * scale_log2), a1 = fast_exp2((m1[a] - n1) * scale_log2);
+#pragma unroll
+                    for (int j = 0; j <= NO; ++j) {
+                        acc[a][j][0] *= a0;
+                        acc[a][j][1] *= a0;
+                        acc[a][j][2] *= a1;
+                        acc[a][j][3] *= a1;
+                    }
+                }
+                m0[a] = n0;
+                m1[a] = n1;
+                const float b0 = -n0 * scale_log2, b1 = -n1 * scale_log2;
+#pragma unroll
+                for (int n = 0; n < NS; ++n) {
+                    sc[a][n][0] = fast_exp2(fmaf(sc[a][n][0], scale_log2, b0));
+                    sc[a][n][1] = fast_exp2(fmaf(sc[a][n][1], scale_log2, b0));
+                    sc[a][n][2] = fast_exp2(fmaf(sc[a][n][2], scale_log2, b1));
+                    sc[a][n][3] = fast_exp2(fmaf(sc[a][n][3], scale_log2, b1));
+                }
+            }
+            // O += P V (and the ones column), as flash_attention: score tiles 2kk, 2kk+1 are k-step kk's A fragment.
+            const uint32_t vt = vs_s + k0 * LD * 2 + a_off;
+#pragma unroll
+            for (int kk = 0; kk < KT / 16; ++kk) {
+                uint32_t pa[ATOMS][4];
+#pragma unroll
+                for (int a = 0; a < ATOMS; ++a) {
+                    pa[a][0] = pack_f2<T>(sc[a][2 * kk][0], sc[a][2 * kk][1]);
+                    pa[a][1] = pack_f2<T>(sc[a][2 * kk][2], sc[a][2 * kk][3]);
+                    pa[a][2] = pack_f2<T>(sc[a][2 * kk + 1][0], sc[a][2 * kk + 1][1]);
+                    pa[a][3] = pack_f2<T>(sc[a][2 * kk + 1][2], sc[a][2 * kk + 1][3]);
+                }
+#pragma unroll
+                for (int j = 0; j <= NO; j += 2) {
+                    uint32_t vf[4];
+                    if (j + 1 <= NO) {
+                        ldsm_x4_t(vf, vt + (kk * 16 * LD + j * 8) * 2);
+#pragma unroll
+                        for (int a = 0; a < ATOMS; ++a) {
+                            MmaType<T>::mma(acc[a][j], pa[a], vf);
+                            MmaType<T>::mma(acc[a][j + 1], pa[a], vf + 2);
+                        }
+                    } else {
+                        ldsm_x2_t(vf, vt + (kk * 16 * LD + j * 8) * 2);
+#pragma unroll
+                        for (int a = 0; a < ATOMS; ++a) MmaType<T>::mma(acc[a][j], pa[a], vf);
+                    }
+                }
+            }
+        }
+
+        // The normalised output over the chunk's Q tile (every lane's reads of it are done), then out as 16-byte
+        // rows of D; the tile takes the chunk QB - 1 ahead once all lanes have read it.
+        __syncwarp();
+        T *ot = qb + slot * ROWS * LD;
+#pragma unroll
+        for (int a = 0; a < ATOMS; ++a) {
+            const float i0 = 1.f / acc[a][NO][0], i1 = 1.f / acc[a][NO][2];
+            T *o0 = ot + (a * 16 + g) * LD + 2 * t, *o1 = o0 + 8 * LD;
+#pragma unroll
+            for (int j = 0; j < NO; ++j) {
+                *reinterpret_cast<uint32_t *>(o0 + j * 8) = pack_f2<T>(acc[a][j][0] * i0, acc[a][j][1] * i0);
+                *reinterpret_cast<uint32_t *>(o1 + j * 8) = pack_f2<T>(acc[a][j][2] * i1, acc[a][j][3] * i1);
+            }
+        }
+        __syncwarp();
+        const int r0 = chunk * ROWS;
+        T *oh = o + ((long long)b * sq + r0) * heads * D + (long long)h * D;
+#pragma unroll
+        for (int it = 0; it < QN; ++it) {
+            const int i = lane + 32 * it, r = i / CH, c = (i % CH) * 8;
+            if ((ROWS * CH % 32 == 0 || i < ROWS * CH) && r0 + r < sq)
+                *reinterpret_cast<uint4 *>(oh + (long long)r * heads * D + c) =
+                    *reinterpret_cast<const uint4 *>(ot + r * LD + c);
+        }
+        __syncwarp();
+    }
+}
 
 // Hopper (sm_90a) kernel for heads of 40 (SD1.5's 64x64 maps, where most of its attention time goes), 64 (SDXL)
 // and 80 (SD1.5's 32x32 maps), after FlashAttention 3's intra-warpgroup pipelining without TMA or warp
@@ -1021,6 +1274,35 @@ FLASH_BOTH(96, 64, 4, 1, (128))
 FLASH_BOTH(128, 32, 4, 1, (128))
 FLASH_BOTH(160, 32, 4, 1, (128))
 FLASH_SPLIT_BOTH(160, 32, 2, 1, 4, (256))
+#endif
+
+// The short-key kernel (cross_attention) per head dimension: (warps, 16-row atoms per warp, launch bounds), its Q
+// ring two tiles deep; `cross_shape` in attention.rs must match. `xtask/bench/attention_cross.cu` on an H100, f16,
+// 77 keys, per call in a CUDA graph, against the kernels the host took before (the Hopper kernels at 40, 64, 80,
+// the key-split one at 160), each at the grid attention.rs's rule picks:
+// SD1.5 (2, 4096, 8, 40) 7.95-8.04 against 14.26-14.31 us, (2, 1024, 8, 80) 4.63 against 8.37-8.56, (2, 256, 8,
+// 160) 5.20-5.23 against 8.43-8.45, (2, 64, 8, 160) 5.01 against 7.15; SDXL (2, 4096, 10, 64) 12.14-12.29 against
+// 25.39, (2, 1024, 20, 64) 7.59-7.64 against 14.26-14.28; errors as the others'. Over 128 keys (two tiles, one
+// rescale) at the same shapes: 11.8 against 16.6 us (40), 6.4 against 8.7 (80), 7.9 against 9.3 (160), 19.2
+// against 27.9 (64, at 4096 rows). Alternatives at the 77-key shapes: at 40 one atom 9.26 (four warps), 8.68 (eight), two atoms in
+// eight warps 7.69; at 64 two atoms 11.72 / 8.36, eight warps (rule) 20.2 / 7.29; at 80 four warps 5.25; at 160
+// eight warps 6.08 / 4.53. A third Q tile in flight changed nothing (within 0.2 us). Before the key tiles were made
+// whole (rows zeroed up to CROSS_TILE) and the row sums moved to the ones column, runtime bounds on the unrolled
+// loops made ptxas guard every ldmatrix and shuffle for divergence: 10.6 us at 40, 15.7 at 64.
+#define CROSS(D, W, A, BOUNDS, T, SFX)                                                                            \
+    extern "C" __global__ void __launch_bounds__ BOUNDS cross_attention_d##D##_##SFX(                             \
+        const T *q, const T *k, const T *v, T *o, int sq, int sk, int d, int heads, long long q_bs, long long q_ss, \
+        long long k_bs, long long k_ss, long long v_bs, long long v_ss, float scale_log2) {                        \
+        cross_attention<T, D, W, A, 2>(q, k, v, o, sq, sk, heads, q_bs, q_ss, k_bs, k_ss, v_bs, v_ss, scale_log2); \
+    }
+#define CROSS_BOTH(D, W, A, BOUNDS)                                                                               \
+    CROSS(D, W, A, BOUNDS, __half, f16)                                                                           \
+    CROSS(D, W, A, BOUNDS, __nv_bfloat16, bf16)
+#ifndef SDHIVE_ATTENTION_NO_INSTANCES
+CROSS_BOTH(40, 4, 2, (128, 2))
+CROSS_BOTH(64, 4, 1, (128, 3))
+CROSS_BOTH(80, 8, 1, (256, 1))
+CROSS_BOTH(160, 4, 1, (128, 2))
 #endif
 
 // The Hopper kernels: (head dimension, warpgroups of 64 query rows per block, resident blocks per SM), the registers

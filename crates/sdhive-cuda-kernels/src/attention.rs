@@ -40,6 +40,30 @@ fn hopper_shape(d: usize) -> Option<(usize, usize)> {
     Some((warpgroups, stages * 64 * (kc + vc) * 16 + q_tiles))
 }
 
+/// The short-key kernel (attention.cu's `cross_attention`, instantiated by `CROSS_BOTH`) up to this many keys:
+/// all of a (batch, head)'s keys and values stay in a block's shared memory.
+const CROSS_KEYS: usize = 128;
+/// Its key tile: K and V's rows in shared memory are zeroed up to a whole number of them.
+const CROSS_TILE: usize = 80;
+
+/// The short-key kernel's block for head dimension `d` (`CROSS_BOTH` in attention.cu): warps, 16-row atoms per
+/// warp.
+fn cross_shape(d: usize) -> Option<(usize, usize)> {
+    match d {
+        40 => Some((4, 2)),
+        64 => Some((4, 1)),
+        80 => Some((8, 1)),
+        160 => Some((4, 1)),
+        _ => None,
+    }
+}
+
+/// Its dynamic shared memory for `sk` keys: K and V's rows up to a whole key tile and each warp's two Q tiles of
+/// 16·atoms rows, rows of D padded to whole k-steps of 16 plus 8 elements.
+fn cross_smem(d: usize, sk: usize, warps: usize, atoms: usize) -> usize {
+    (2 * sk.div_ceil(CROSS_TILE) * CROSS_TILE + warps * 2 * 16 * atoms) * (d.div_ceil(16) * 16 + 8) * 2
+}
+
 /// An mma.sync instantiation's block (the table at the end of attention.cu): keys per stage (all key groups'),
 /// query rows, key groups, threads.
 struct MmaBlock {
@@ -84,6 +108,8 @@ enum Kernel {
     Hopper { d: usize, warpgroups: usize, smem: usize },
     /// The mma.sync kernel for padded head dimension `dp`, or its key-split instantiation.
     MmaSync { dp: usize, split: bool },
+    /// The short-key kernel: `warps` warps of `atoms` 16-row atoms, `smem` bytes of dynamic shared memory.
+    Cross { d: usize, warps: usize, atoms: usize, smem: usize },
 }
 
 impl Kernel {
@@ -104,15 +130,33 @@ impl Kernel {
         Ok(Kernel::MmaSync { dp, split: false })
     }
 
-    /// [`Kernel::for_head`] for `blocks(rows)` blocks of `rows` query rows: the key-split instantiation where its
-    /// blocks (one per SM) fit in one wave and its shared memory in the device's, as at SD1.5's 16² and 8² maps,
-    /// whose 64-row grids leave most SMs idle.
+    /// The short-key kernel where it has an instantiation for heads of `d`, the `sk` keys are at most
+    /// [`CROSS_KEYS`] and its shared memory fits the device's; measured faster than the others at every UNet
+    /// shape with 77 keys (notes at `CROSS_BOTH` in attention.cu).
+    fn for_keys(dev: &CudaDevice, d: usize, sk: usize) -> Result<Option<Self>> {
+        let Some((warps, atoms)) = cross_shape(d) else { return Ok(None) };
+        let smem = cross_smem(d, sk, warps, atoms);
+        let attr = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
+        if sk > CROSS_KEYS || smem > dev.cuda_stream().context().attribute(attr).w()? as usize {
+            return Ok(None);
+        }
+        Ok(Some(Kernel::Cross { d, warps, atoms, smem }))
+    }
+
+    /// [`Kernel::for_head`] for `sk` keys and `blocks(rows)` blocks of `rows` query rows: the short-key kernel up
+    /// to [`CROSS_KEYS`] keys ([`Kernel::for_keys`]); else the key-split instantiation where its blocks (one per SM)
+    /// fit in one wave and its shared memory in the device's, as at SD1.5's 16² and 8² maps, whose 64-row grids
+    /// leave most SMs idle.
     fn for_launch(
         dev: &CudaDevice,
         d: usize,
+        sk: usize,
         key_stride: usize,
         blocks: impl Fn(usize) -> usize,
     ) -> Result<Self> {
+        if let Some(cross) = Self::for_keys(dev, d, sk)? {
+            return Ok(cross);
+        }
         let kernel = Self::for_head(dev, d, key_stride)?;
         if let Kernel::MmaSync { dp, .. } = kernel {
             if SPLIT_DIMS.contains(&dp) {
@@ -138,6 +182,7 @@ impl Kernel {
             Kernel::Hopper { d, .. } => format!("attention_wgmma_d{d}_{sfx}"),
             Kernel::MmaSync { dp, split: false } => format!("flash_attention_d{dp}_{sfx}"),
             Kernel::MmaSync { dp, split: true } => format!("flash_attention_d{dp}_split_{sfx}"),
+            Kernel::Cross { d, .. } => format!("cross_attention_d{d}_{sfx}"),
         })
     }
 }
@@ -147,6 +192,21 @@ impl Kernel {
 /// instantiation instead, [`Kernel::for_launch`]).
 pub fn kernel_for(dev: &CudaDevice, d: usize, dtype: DType, key_stride: usize) -> Result<String> {
     Kernel::for_head(dev, d, key_stride)?.name(dtype)
+}
+
+/// The name of the kernel that runs attention with head dimension `d` over `sk` keys in `dtype` on `dev`: the
+/// short-key kernel ([`Kernel::for_keys`]) or [`kernel_for`]'s.
+pub fn kernel_for_keys(
+    dev: &CudaDevice,
+    d: usize,
+    sk: usize,
+    dtype: DType,
+    key_stride: usize,
+) -> Result<String> {
+    match Kernel::for_keys(dev, d, sk)? {
+        Some(cross) => cross.name(dtype),
+        None => kernel_for(dev, d, dtype, key_stride),
+    }
 }
 
 /// Why the fused kernel cannot take these projections, or `None` when it can.
@@ -219,23 +279,51 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
     let sk = k.1.shape().dims3()?.1;
     let d = c / op.heads;
     let key_stride = k.1.stride()[1].max(v.1.stride()[1]);
-    let kernel = Kernel::for_launch(dev, d, key_stride, |rows| b * op.heads * sq.div_ceil(rows))?;
+    let kernel = Kernel::for_launch(dev, d, sk, key_stride, |rows| b * op.heads * sq.div_ceil(rows))?;
     let name = kernel.name(q.0.dtype())?;
-    let (func, smem, rows, threads) = match kernel {
+    // Blocks per (batch, head): one per block of query rows, or for the short-key kernel as many as give each warp
+    // the fewest chunks of 16·atoms rows that the resident warps allow, so that its blocks run in one wave and
+    // each warp's loop overlaps a chunk's Q load with the previous chunk's work (notes at `CROSS_BOTH` in
+    // attention.cu).
+    let (func, smem, width, threads) = match kernel {
         Kernel::Hopper { warpgroups, smem, .. } => {
             let func = dev.get_or_load_custom_func(&name, HOPPER_MODULE, HOPPER_PTX)?;
-            (func, smem, 64 * warpgroups, 128 * warpgroups as u32)
+            (func, smem, sq.div_ceil(64 * warpgroups), 128 * warpgroups as u32)
         }
         Kernel::MmaSync { dp, split } => {
             let s = block_shape(dp, split);
-            (dev.get_or_load_custom_func(&name, MODULE, PTX)?, smem_bytes(dp, split), s.rows, s.threads)
+            (
+                dev.get_or_load_custom_func(&name, MODULE, PTX)?,
+                smem_bytes(dp, split),
+                sq.div_ceil(s.rows),
+                s.threads,
+            )
+        }
+        Kernel::Cross { warps, atoms, smem, .. } => {
+            let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+            let threads = 32 * warps as u32;
+            if smem > 48 * 1024 {
+                func.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .w()?;
+            }
+            let resident =
+                func.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None).w()?.max(1);
+            let attr = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+            let sms = dev.cuda_stream().context().attribute(attr).w()? as usize;
+            let chunks = sq.div_ceil(16 * atoms);
+            let per_warp = (b * op.heads * chunks).div_ceil(sms * resident as usize * warps).max(1);
+            (func, smem, chunks.div_ceil(warps * per_warp), threads)
         }
     };
     let (qs, ks, vs) = (view::<T>(q.0, q.1)?, view::<T>(k.0, k.1)?, view::<T>(v.0, v.1)?);
     // SAFETY: every element is written by the kernel (each (row, head) by its block, all D columns).
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(b * sq * c)? };
     // Above 48 KiB a kernel must opt in to its dynamic shared memory (mma.sync at head dimensions 81–96 and the split
-    // instantiation, the Hopper kernels at 64 and 80).
+    // instantiation, the Hopper kernels at 64 and 80, the short-key kernel at 80 and 160; it opted in above, before
+    // its occupancy query).
     if smem > 48 * 1024 {
         func.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -264,7 +352,7 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
         op.scale * std::f32::consts::LOG2_E
     );
     let cfg = LaunchConfig {
-        grid_dim: (sq.div_ceil(rows) as u32, op.heads as u32, b as u32),
+        grid_dim: (width as u32, op.heads as u32, b as u32),
         block_dim: (threads, 1, 1),
         shared_mem_bytes: smem as u32,
     };

@@ -191,6 +191,31 @@ pub fn attention_kernel(
     }
 }
 
+/// [`attention_kernel`] over `keys` keys: the short-key kernel (all keys in shared memory) takes up to 128 keys
+/// at the head dimensions it is instantiated for (40, 64, 80, 160).
+pub fn attention_kernel_for_keys(
+    device: &candle_core::Device,
+    head_dim: usize,
+    keys: usize,
+    dtype: candle_core::DType,
+    key_stride: usize,
+) -> Result<String> {
+    #[cfg(feature = "cuda")]
+    {
+        match device {
+            candle_core::Device::Cuda(dev) => {
+                attention::kernel_for_keys(dev, head_dim, keys, dtype, key_stride)
+            }
+            _ => candle_core::bail!("the fused attention runs on CUDA devices only"),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (device, head_dim, keys, dtype, key_stride);
+        candle_core::bail!("built without the cuda feature")
+    }
+}
+
 /// Whether calls on `device` may be recorded as CUDA graphs and replayed ([`capture_graph`]): a CUDA device.
 /// `SDHIVE_CUDA_GRAPHS=0` turns it off (every call then launches its kernels one by one).
 pub fn graphs_on(device: &candle_core::Device) -> bool {

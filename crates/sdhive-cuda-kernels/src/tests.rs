@@ -741,6 +741,58 @@ fn attention_matches_the_reference() {
     }
 }
 
+/// Up to 128 keys heads of 40, 64, 80 and 160 take the short-key kernel (all keys in shared memory, each warp
+/// looping over query chunks): key counts around its 80-key tile (one, 77, 80, 81, 113, 128), query counts off its
+/// 16- and 32-row chunks, large logits, and q strided (a third of a packed projection) with k and v the halves of
+/// one (B, Sk, 2·H·D) projection, as the text context's k/v table.
+#[test]
+fn short_keys_take_the_cross_kernel_and_match_the_reference() {
+    let dev = gpu();
+    for (b, sq, sk, heads, d, amplitude, strided) in [
+        (2, 333, 77, 8, 40, 1.0, false),
+        (1, 1000, 128, 2, 40, 6.0, true),
+        (1, 31, 1, 3, 40, 1.0, false),
+        (2, 77, 1, 3, 64, 1.0, true),
+        (1, 513, 81, 10, 64, 1.0, false),
+        (2, 100, 80, 8, 80, 6.0, true),
+        (1, 17, 77, 2, 80, 1.0, false),
+        (2, 65, 77, 8, 160, 1.0, true),
+        (1, 250, 113, 2, 160, 6.0, false),
+    ] {
+        let c = heads * d;
+        let q = (Tensor::randn(0f32, 1.0, (b, sq, c), &dev).unwrap() * amplitude).unwrap();
+        let k = (Tensor::randn(0f32, 1.0, (b, sk, c), &dev).unwrap() * amplitude).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (b, sk, c), &dev).unwrap();
+        let scale = 1.0 / (d as f64).sqrt();
+        for dtype in [DType::F16, DType::BF16] {
+            let cv = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let (qd, kd, vd) = if strided {
+                let qp = Tensor::cat(&[cv(&q), cv(&q), cv(&q)], 2).unwrap();
+                let kv = Tensor::cat(&[cv(&k), cv(&v)], 2).unwrap();
+                (qp.narrow(2, c, c).unwrap(), kv.narrow(2, 0, c).unwrap(), kv.narrow(2, c, c).unwrap())
+            } else {
+                (cv(&q), cv(&k), cv(&v))
+            };
+            assert!(attention_applies(&qd, &kd, &vd, heads), "{b}x{sq}x{sk} h{heads} d{d} {dtype:?}");
+            let stride = kd.layout().stride()[1];
+            let kernel = attention_kernel_for_keys(&dev, d, sk, dtype, stride).unwrap();
+            let sfx = if dtype == DType::F16 { "f16" } else { "bf16" };
+            // Up to 80 keys its shared memory fits any device of compute capability 8.x.
+            if sk <= 80 {
+                assert_eq!(kernel, format!("cross_attention_d{d}_{sfx}"));
+            }
+            let want = attention_reference(&qd, &kd, &vd, heads, scale);
+            let ours = attention(&qd, &kd, &vd, heads, scale).unwrap();
+            assert_eq!(ours.dims(), &[b, sq, c]);
+            let diff = rel_diff(&ours, &want);
+            eprintln!(
+                "{kernel} b{b} sq{sq} sk{sk} h{heads} x{amplitude} strided {strided}: rel diff {diff:.2e}"
+            );
+            assert!(diff <= tol(dtype), "short keys d{d} sq{sq} sk{sk} {dtype:?}: {diff}");
+        }
+    }
+}
+
 /// On a compute capability 9.0 device a build for 9.0 runs heads of 40, 64 and 80 on the Hopper (wgmma) kernels,
 /// which the test above then checked against the reference at those heads; other heads, builds and devices, and
 /// key rows too far apart for the Hopper kernels' 32-bit tile offsets, keep the mma.sync kernels.
