@@ -3,17 +3,20 @@
 // cores.
 //
 // q, k, v are the projections' (B, S, H·D) layout with any batch and sequence strides, so the heads are read in
-// place; the output is written contiguous (B, Sq, H·D), ready for the out-projection: no split or merge copies.
-// A block of WARPS warps owns 16·WARPS·ATOMS query rows of one (batch, head); each warp owns ATOMS atoms of 16 rows
-// and keeps their scores, probabilities, running max and sum and output in registers. Key tiles are copied to
-// shared memory asynchronously (cp.async), the next one while the block works on the current one. With SPLIT key
-// groups, SPLIT sets of such warps share the rows and each takes its own BK keys of every SPLIT·BK-key stage; the
-// groups' maxima, sums and outputs are merged through shared memory at the end (small grids: a shorter key loop
-// per warp, more warps per SM). Probabilities are rounded to the storage type before the product with V, as every
-// fp16 flash kernel does. The head dimension D (a multiple of 8, at most 160) is zero-padded to DP, a multiple of
-// 16, for the scores; the product with V skips the output columns past D (SD1.5's D 40 in DP 48: five 8-wide
-// tiles, not six). Scores are masked only in a key group's last tile, the one that can pass the end. f16 and bf16 storage (sm_80 and later; the host only launches these
-// kernels there). Shared memory is dynamic: `smem_bytes` in attention.rs must match the layout.
+// place; the output is written contiguous (B, Sq, H·D), ready for the out-projection: no split or merge copies. A
+// block of WARPS warps owns 16·WARPS·ATOMS query rows of one (batch, head); each warp owns ATOMS atoms of 16 rows
+// and keeps their scores, probabilities, running max and sum and output in registers. Key tiles are copied to shared
+// memory asynchronously (cp.async), the next one while the block works on the current one. With SPLIT key groups,
+// SPLIT sets of such warps share the rows and each takes its own BK keys of every SPLIT·BK-key stage; the groups'
+// maxima, sums and outputs are merged through shared memory at the end (small grids: a shorter key loop per warp,
+// more warps per SM). Probabilities are rounded to the storage type before the product with V, as every fp16 flash
+// kernel does. The head dimension D (a multiple of 8, at most 160) is zero-padded to DP, a multiple of 16, for the
+// scores; the product with V skips the output columns past D (SD1.5's D 40 in DP 48: five 8-wide tiles, not six).
+// Scores are masked only in a key group's last tile, the one that can pass the end. f16 and bf16 storage (sm_80 and
+// later; the host only launches these kernels there). Shared memory is dynamic: `smem_bytes` in attention.rs must
+// match the layout. Further down, two kernels of their own: `cross_attention` for short key sequences (the
+// cross-attention over the text tokens), which holds all keys and values in shared memory, and the Hopper (sm_90a)
+// wgmma kernels in `namespace hopper`.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -352,20 +355,20 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
     }
 }
 
-// Short key sequences (the text encoder's 77 tokens of cross-attention; attention.rs takes it up to 128 keys). The kernels above
-// stream key tiles through a grid of short-lived blocks, each of which loads its query tile and key tiles and
-// writes its output with little to overlap them. Here a block loads all of one (batch, head)'s keys and values into
-// shared memory once, and each of its WARPS warps then loops over chunks of 16·ATOMS query rows on its own: the
-// next QB - 1 chunks' Q tiles are in flight (cp.async into the warp's ring of QB tiles) while it computes one, and
-// the chunk's output leaves through the same tile as 16-byte rows. Keys are taken CROSS_TILE at a time (one tile
-// at 77 keys: no rescale), with the online softmax across tiles, P rounded to the storage type before P·V and f32
-// accumulation, as flash_attention; K and V's rows are zero past sk up to a whole tile, so every loop is unrolled
-// whole and only the mask looks at sk. The row sums come out of the tensor core: V's column chunk D (its row
-// padding, or D 40's pad to 48) holds ones, and P·V computes it as one more output tile. The host picks the grid's
-// width: block x of gridDim.x takes a contiguous run of the head's chunks, its warps every WARPS-th of them. Head
-// dimension D exactly (a multiple of 8), padded to DP = whole k-steps of 16 for the scores: the pad columns of K
-// and of the Q tiles are zeroed once and never written (O uses only D). Shared memory: (2·KR + WARPS·QB·16·ATOMS)
-// rows of DP + 8 elements, KR = sk rounded up to a whole tile (`cross_smem` in attention.rs).
+// Short key sequences (the text encoder's 77 tokens of cross-attention; attention.rs takes it up to 128 keys). The
+// kernels above stream key tiles through a grid of short-lived blocks, each of which loads its query tile and key tiles
+// and writes its output with little to overlap them. Here a block loads all of one (batch, head)'s keys and values into
+// shared memory once, and each of its WARPS warps then loops over chunks of 16·ATOMS query rows on its own: the next QB
+// - 1 chunks' Q tiles are in flight (cp.async into the warp's ring of QB tiles) while it computes one, and the chunk's
+// output leaves through the same tile as 16-byte rows. Keys are taken CROSS_TILE at a time (one tile at 77 keys: no
+// rescale), with the online softmax across tiles, P rounded to the storage type before P·V and f32 accumulation, as
+// flash_attention; K and V's rows are zero past sk up to a whole tile, so every loop is unrolled whole and only the
+// mask looks at sk. The row sums come out of the tensor core: V's column chunk D (its row padding, or D 40's pad to 48)
+// holds ones, and P·V computes it as one more output tile. The host picks the grid's width: block x of gridDim.x takes
+// a contiguous run of the head's chunks, its warps every WARPS-th of them. Head dimension D exactly (a multiple of 8),
+// padded to DP = whole k-steps of 16 for the scores: the pad columns of K and of the Q tiles are zeroed once and never
+// written (O uses only D). Shared memory: (2·KR + WARPS·QB·16·ATOMS) rows of DP + 8 elements, KR = sk rounded up to a
+// whole tile (`cross_smem` in attention.rs).
 constexpr int CROSS_TILE = 80;
 
 __device__ __forceinline__ void ldsm_x4(uint32_t *r, uint32_t a) {
@@ -1276,19 +1279,19 @@ FLASH_BOTH(160, 32, 4, 1, (128))
 FLASH_SPLIT_BOTH(160, 32, 2, 1, 4, (256))
 #endif
 
-// The short-key kernel (cross_attention) per head dimension: (warps, 16-row atoms per warp, launch bounds), its Q
-// ring two tiles deep; `cross_shape` in attention.rs must match. `xtask/bench/attention_cross.cu` on an H100, f16,
-// 77 keys, per call in a CUDA graph, against the kernels the host took before (the Hopper kernels at 40, 64, 80,
-// the key-split one at 160), each at the grid attention.rs's rule picks:
-// SD1.5 (2, 4096, 8, 40) 7.95-8.04 against 14.26-14.31 us, (2, 1024, 8, 80) 4.63 against 8.37-8.56, (2, 256, 8,
-// 160) 5.20-5.23 against 8.43-8.45, (2, 64, 8, 160) 5.01 against 7.15; SDXL (2, 4096, 10, 64) 12.14-12.29 against
-// 25.39, (2, 1024, 20, 64) 7.59-7.64 against 14.26-14.28; errors as the others'. Over 128 keys (two tiles, one
-// rescale) at the same shapes: 11.8 against 16.6 us (40), 6.4 against 8.7 (80), 7.9 against 9.3 (160), 19.2
-// against 27.9 (64, at 4096 rows). Alternatives at the 77-key shapes: at 40 one atom 9.26 (four warps), 8.68 (eight), two atoms in
-// eight warps 7.69; at 64 two atoms 11.72 / 8.36, eight warps (rule) 20.2 / 7.29; at 80 four warps 5.25; at 160
-// eight warps 6.08 / 4.53. A third Q tile in flight changed nothing (within 0.2 us). Before the key tiles were made
-// whole (rows zeroed up to CROSS_TILE) and the row sums moved to the ones column, runtime bounds on the unrolled
-// loops made ptxas guard every ldmatrix and shuffle for divergence: 10.6 us at 40, 15.7 at 64.
+// The short-key kernel (cross_attention) per head dimension: (warps, 16-row atoms per warp, launch bounds), its Q ring
+// two tiles deep; `cross_shape` in attention.rs must match. `xtask/bench/attention_cross.cu` on an H100, f16, 77 keys,
+// per call in a CUDA graph, against the kernels the host took before (the Hopper kernels at 40, 64, 80, the key-split
+// one at 160), each at the grid attention.rs's rule picks: SD1.5 (2, 4096, 8, 40) 7.95-8.04 against 14.26-14.31 us, (2,
+// 1024, 8, 80) 4.63 against 8.37-8.56, (2, 256, 8, 160) 5.20-5.23 against 8.43-8.45, (2, 64, 8, 160) 5.01 against 7.15;
+// SDXL (2, 4096, 10, 64) 12.14-12.29 against 25.39, (2, 1024, 20, 64) 7.59-7.64 against 14.26-14.28; errors as the
+// others'. Over 128 keys (two tiles, one rescale) at the same shapes: 11.8 against 16.6 us (40), 6.4 against 8.7 (80),
+// 7.9 against 9.3 (160), 19.2 against 27.9 (64, at 4096 rows). Alternatives at the 77-key shapes: at 40 one atom 9.26
+// (four warps), 8.68 (eight), two atoms in eight warps 7.69; at 64 two atoms 11.72 / 8.36, eight warps (rule) 20.2 /
+// 7.29; at 80 four warps 5.25; at 160 eight warps 6.08 / 4.53. A third Q tile in flight changed nothing (within 0.2
+// us). Before the key tiles were made whole (rows zeroed up to CROSS_TILE) and the row sums moved to the ones column,
+// runtime bounds on the unrolled loops made ptxas guard every ldmatrix and shuffle for divergence: 10.6 us at 40, 15.7
+// at 64.
 #define CROSS(D, W, A, BOUNDS, T, SFX)                                                                            \
     extern "C" __global__ void __launch_bounds__ BOUNDS cross_attention_d##D##_##SFX(                             \
         const T *q, const T *k, const T *v, T *o, int sq, int sk, int d, int heads, long long q_bs, long long q_ss, \
