@@ -106,6 +106,23 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+// The maxima of an atom's rows g and g + 8 over its NS score tiles (m16n8 accumulators: [0], [1] row g, [2], [3]
+// row g + 8), across the quad of lanes that holds each row.
+template <int NS> __device__ __forceinline__ void atom_row_max(const float (&s)[NS][4], float &x0, float &x1) {
+    x0 = -INFINITY;
+    x1 = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < NS; ++n) {
+        x0 = fmaxf(x0, fmaxf(s[n][0], s[n][1]));
+        x1 = fmaxf(x1, fmaxf(s[n][2], s[n][3]));
+    }
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+        x0 = fmaxf(x0, __shfl_xor_sync(0xffffffff, x0, off));
+        x1 = fmaxf(x1, __shfl_xor_sync(0xffffffff, x1, off));
+    }
+}
+
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t *r, const void *p) {
     const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
@@ -213,17 +230,8 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
 
 #pragma unroll
             for (int a = 0; a < ATOMS; ++a) {
-                float t0 = -INFINITY, t1 = -INFINITY;
-#pragma unroll
-                for (int n = 0; n < NS; ++n) {
-                    t0 = fmaxf(t0, fmaxf(sc[a][n][0], sc[a][n][1]));
-                    t1 = fmaxf(t1, fmaxf(sc[a][n][2], sc[a][n][3]));
-                }
-#pragma unroll
-                for (int off = 1; off <= 2; off <<= 1) {
-                    t0 = fmaxf(t0, __shfl_xor_sync(0xffffffff, t0, off));
-                    t1 = fmaxf(t1, __shfl_xor_sync(0xffffffff, t1, off));
-                }
+                float t0, t1;
+                atom_row_max<NS>(sc[a], t0, t1);
                 // A group's first tile holds a key (k0 < sk), so the new maxima are finite and the first rescales
                 // are 0. The scale (positive) is applied inside the exponent: one fused multiply-add per score.
                 const float n0 = fmaxf(m0[a], t0), n1 = fmaxf(m1[a], t1);
@@ -516,17 +524,8 @@ __device__ void cross_attention(const T *__restrict__ q, const T *__restrict__ k
             }
 #pragma unroll
             for (int a = 0; a < ATOMS; ++a) {
-                float x0 = -INFINITY, x1 = -INFINITY;
-#pragma unroll
-                for (int n = 0; n < NS; ++n) {
-                    x0 = fmaxf(x0, fmaxf(sc[a][n][0], sc[a][n][1]));
-                    x1 = fmaxf(x1, fmaxf(sc[a][n][2], sc[a][n][3]));
-                }
-#pragma unroll
-                for (int off = 1; off <= 2; off <<= 1) {
-                    x0 = fmaxf(x0, __shfl_xor_sync(0xffffffff, x0, off));
-                    x1 = fmaxf(x1, __shfl_xor_sync(0xffffffff, x1, off));
-                }
+                float x0, x1;
+                atom_row_max<NS>(sc[a], x0, x1);
                 // Every tile holds a real key, so the maxima are finite; the first tile rescales nothing.
                 const float n0 = fmaxf(m0[a], x0), n1 = fmaxf(m1[a], x1);
                 if (k0 > 0) {
