@@ -4,7 +4,7 @@
 
 use crate::cuda::built_for;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{
@@ -288,27 +288,19 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
     let (func, smem, width, threads) = match kernel {
         Kernel::Hopper { warpgroups, smem, .. } => {
             let func = dev.get_or_load_custom_func(&name, HOPPER_MODULE, HOPPER_PTX)?;
+            crate::cuda::opt_in_shared(&func, smem)?;
             (func, smem, sq.div_ceil(64 * warpgroups), 128 * warpgroups as u32)
         }
         Kernel::MmaSync { dp, split } => {
-            let s = block_shape(dp, split);
-            (
-                dev.get_or_load_custom_func(&name, MODULE, PTX)?,
-                smem_bytes(dp, split),
-                sq.div_ceil(s.rows),
-                s.threads,
-            )
+            let (s, smem) = (block_shape(dp, split), smem_bytes(dp, split));
+            let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+            crate::cuda::opt_in_shared(&func, smem)?;
+            (func, smem, sq.div_ceil(s.rows), s.threads)
         }
         Kernel::Cross { warps, atoms, smem, .. } => {
             let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+            crate::cuda::opt_in_shared(&func, smem)?;
             let threads = 32 * warps as u32;
-            if smem > 48 * 1024 {
-                func.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-                .w()?;
-            }
             let resident =
                 func.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None).w()?.max(1);
             let attr = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
@@ -321,16 +313,6 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
     let (qs, ks, vs) = (view::<T>(q.0, q.1)?, view::<T>(k.0, k.1)?, view::<T>(v.0, v.1)?);
     // SAFETY: every element is written by the kernel (each (row, head) by its block, all D columns).
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(b * sq * c)? };
-    // Above 48 KiB a kernel must opt in to its dynamic shared memory (mma.sync at head dimensions 81–96 and the split
-    // instantiation, the Hopper kernels at 64 and 80, the short-key kernel at 80 and 160; it opted in above, before
-    // its occupancy query).
-    if smem > 48 * 1024 {
-        func.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .w()?;
-    }
     let mut a = func.builder();
     a.arg(&qs);
     a.arg(&ks);

@@ -2,7 +2,10 @@
 //! launches on the tensors' own device and stream.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{
     bail, builder_arg, CpuStorage, CudaDevice, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout,
@@ -65,6 +68,19 @@ fn held_rows_view<'a, T: CudaDType, G: std::ops::Deref<Target = Storage>>(
             bail!("sdhive-cuda-kernels: {what} must be a matrix of contiguous rows, not {dims:?} {strides:?}")
         }
     }
+}
+
+/// Opts `func` in to `smem` bytes of dynamic shared memory where that is above the 48 KiB every kernel gets: before
+/// its launch, and before an occupancy query counts on it.
+pub(crate) fn opt_in_shared(func: &CudaFunction, smem: usize) -> Result<()> {
+    if smem > 48 * 1024 {
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .w()?;
+    }
+    Ok(())
 }
 
 pub(crate) fn cpu_only(name: &str) -> Result<(CpuStorage, Shape)> {

@@ -6,7 +6,6 @@
 
 use crate::cuda::contiguous;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{
@@ -154,12 +153,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     let bs = contiguous::<T>(b.0, b.1, "fused GEGLU product bias")?;
     // SAFETY: every element of the M×H output is written by the kernel (each block stores its rows below M).
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(m * h)? };
-    // Every tiling takes more than the 48 KiB a kernel gets without opting in.
-    func.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        tile.smem() as i32,
-    )
-    .w()?;
+    crate::cuda::opt_in_shared(&func, tile.smem())?;
     let mut a = func.builder();
     a.arg(&xs);
     a.arg(&ws);
