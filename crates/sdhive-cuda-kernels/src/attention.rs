@@ -97,6 +97,11 @@ fn smem_bytes(dp: usize, split: bool) -> usize {
     stages.max((s.groups - 1) * s.rows / 16 * (dp / 8 + 1) * 512)
 }
 
+/// One of `dev`'s attributes, as a count.
+fn device_attribute(dev: &CudaDevice, attr: CUdevice_attribute) -> Result<usize> {
+    Ok(dev.cuda_stream().context().attribute(attr).w()? as usize)
+}
+
 /// Whether the build targets GPUs with the kernel's instructions (mma.sync with bf16, cp.async: sm_80).
 pub fn built_for_sm80() -> bool {
     built_for() >= 80
@@ -136,8 +141,8 @@ impl Kernel {
     fn for_keys(dev: &CudaDevice, d: usize, sk: usize) -> Result<Option<Self>> {
         let Some((warps, atoms)) = cross_shape(d) else { return Ok(None) };
         let smem = cross_smem(d, sk, warps, atoms);
-        let attr = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
-        if sk > CROSS_KEYS || smem > dev.cuda_stream().context().attribute(attr).w()? as usize {
+        let optin = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
+        if sk > CROSS_KEYS || smem > device_attribute(dev, optin)? {
             return Ok(None);
         }
         Ok(Some(Kernel::Cross { d, warps, atoms, smem }))
@@ -160,10 +165,12 @@ impl Kernel {
         let kernel = Self::for_head(dev, d, key_stride)?;
         if let Kernel::MmaSync { dp, .. } = kernel {
             if SPLIT_DIMS.contains(&dp) {
-                let stream = dev.cuda_stream();
-                let attr = |a| stream.context().attribute(a).w().map(|v| v as usize);
-                let sms = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-                let smem = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+                let sms =
+                    device_attribute(dev, CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+                let smem = device_attribute(
+                    dev,
+                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                )?;
                 if blocks(block_shape(dp, true).rows) <= sms && smem_bytes(dp, true) <= smem {
                     return Ok(Kernel::MmaSync { dp, split: true });
                 }
@@ -303,8 +310,7 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
             let threads = 32 * warps as u32;
             let resident =
                 func.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None).w()?.max(1);
-            let attr = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
-            let sms = dev.cuda_stream().context().attribute(attr).w()? as usize;
+            let sms = device_attribute(dev, CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
             let chunks = sq.div_ceil(16 * atoms);
             let per_warp = (b * op.heads * chunks).div_ceil(sms * resident as usize * warps).max(1);
             (func, smem, chunks.div_ceil(warps * per_warp), threads)
