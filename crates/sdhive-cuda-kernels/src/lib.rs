@@ -1,7 +1,7 @@
 //! Fused CUDA kernels for the networks' hot operations: GroupNorm (+SiLU), LayerNorm, per-channel
 //! bias / time-embedding / residual adds, row softmax, GEGLU, the im2col of the convolutions, and multi-head
 //! attention that never materialises its scores; on Hopper the feed-forward's first product with GEGLU in its
-//! epilogue; cuDNN convolutions and cuBLASLt linears; the channels-last
+//! epilogue and the transformers' narrow products with the LayerNorm after them; cuDNN convolutions and cuBLASLt linears; the channels-last
 //! (NHWC) variants of the map operations (the skip connections' channel concatenation among them), and the NCHW ↔
 //! NHWC transpose at a network's edges. Each replaces a chain of candle ops that made one pass
 //! over the tensor per op (several through candle's strided broadcast kernels). [`applies`] says when a call can
@@ -25,6 +25,8 @@ mod geglu;
 mod gemm;
 #[cfg(feature = "cuda")]
 mod graph;
+#[cfg(feature = "cuda")]
+mod linear_norm;
 
 #[cfg(feature = "cuda")]
 pub use graph::Graph;
@@ -477,6 +479,41 @@ pub fn interleave_geglu(w1: &Tensor, b1: &Tensor) -> Result<(Tensor, Tensor)> {
 /// [`geglu_product_on`]; other devices, dtypes and shapes are refused.
 pub fn linear_geglu_interleaved(x: &Tensor, w_il: &Tensor, b_il: &Tensor) -> Result<Tensor> {
     on_cuda!(geglu::product(x, w_il, b_il); x, w_il, b_il)
+}
+
+/// Whether [`linear_norm`] takes a product of `k` input features into `n` outputs in `dtype` on `device`: a compute
+/// capability 9.0 GPU with the build's sm_90a PTX (`CUDA_COMPUTE_CAP=90`), f16 or bf16, `k` a multiple of 64 and
+/// `n` one the kernel is instantiated for (320). `SDHIVE_FUSED_LINEAR_NORM=0` (or `SDHIVE_FUSED_KERNELS=0`) turns
+/// it off.
+pub fn linear_norm_on(device: &candle_core::Device, dtype: candle_core::DType, k: usize, n: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        switched_on!("SDHIVE_FUSED_KERNELS")
+            && switched_on!("SDHIVE_FUSED_LINEAR_NORM")
+            && linear_norm::product_on(device, dtype, k, n)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (device, dtype, k, n);
+        false
+    }
+}
+
+/// `h = x·Wᵀ + bias (+ residual)` and `LayerNorm(h)·gamma + beta` (over the last dimension, `eps` inside the root)
+/// from one kernel: `x` `(…, K)`, `weight` `(N, K)`, the residual `(…, N)`; both results `(…, N)`, the LayerNorm
+/// computed in f32 from h as stored. Call only where [`linear_norm_on`]; other devices, dtypes and shapes are
+/// refused.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_norm(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    residual: Option<&Tensor>,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    on_cuda!(linear_norm::product(x, weight, bias, residual, gamma, beta, eps); x, weight, bias, residual, gamma, beta, eps)
 }
 
 #[cfg(all(test, feature = "cuda"))]

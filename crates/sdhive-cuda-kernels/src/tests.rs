@@ -288,6 +288,112 @@ fn fused_geglu_product_refuses_what_it_cannot_take() {
     assert!(linear_geglu_interleaved(&cpu(&x), &cpu(&wi), &cpu(&bi)).is_err());
 }
 
+/// The narrow product with its LayerNorm against the f32 product of the same (rounded) inputs plus bias and
+/// residual, rounded to the storage type as the unfused product stores it, then LayerNorm in f32: the SD1.5 UNet's
+/// 64² shapes (proj_in without a residual, the attentions' to_out with one; batch 2), K 640 and row counts off the
+/// 64-row block (77, 1000, 1; 3-D and 2-D inputs), f16 and bf16. The residual carries a large offset per row, as
+/// the residual stream does, so that the LayerNorm's mean matters. On other devices and builds it must say it is
+/// off.
+#[test]
+fn fused_linear_norm_matches_the_reference() {
+    let dev = gpu();
+    let here = geglu_product_here(&dev);
+    for dtype in [DType::F16, DType::BF16] {
+        assert_eq!(linear_norm_on(&dev, dtype, 320, 320), here, "{dtype:?}");
+    }
+    if !here {
+        eprintln!(
+            "not a compute capability 9.0 device with a build for it: the fused product and LayerNorm is off"
+        );
+        return;
+    }
+    let shapes = [
+        (&[2, 4096][..], 320, false),
+        (&[2, 4096][..], 320, true),
+        (&[77][..], 320, true),
+        (&[2, 500][..], 640, true),
+        (&[1, 1][..], 320, false),
+    ];
+    let n = 320;
+    for (rows, k, with_residual) in shapes {
+        let mut x_shape = rows.to_vec();
+        x_shape.push(k);
+        let mut o_shape = rows.to_vec();
+        o_shape.push(n);
+        let x = Tensor::randn(0f32, 1.0, x_shape, &dev).unwrap();
+        let w = Tensor::randn(0f32, 1.0 / (k as f32).sqrt(), (n, k), &dev).unwrap();
+        let b = Tensor::randn(0f32, 0.5, n, &dev).unwrap();
+        let offset = Tensor::randn(0f32, 4.0, &o_shape[..o_shape.len() - 1], &dev)
+            .unwrap()
+            .unsqueeze(D::Minus1)
+            .unwrap();
+        let r = Tensor::randn(0f32, 2.0, o_shape.as_slice(), &dev).unwrap().broadcast_add(&offset).unwrap();
+        let g = (Tensor::randn(0f32, 0.3, n, &dev).unwrap() + 1.0).unwrap();
+        let be = Tensor::randn(0f32, 0.2, n, &dev).unwrap();
+        for dtype in [DType::F16, DType::BF16] {
+            let cast = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let f32_of = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let (xd, wd, bd, rd, gd, bed) = (cast(&x), cast(&w), cast(&b), cast(&r), cast(&g), cast(&be));
+            let mut h = f32_of(&xd).broadcast_matmul(&f32_of(&wd).t().unwrap()).unwrap();
+            h = h.broadcast_add(&f32_of(&bd)).unwrap();
+            if with_residual {
+                h = (h + f32_of(&rd)).unwrap();
+            }
+            let h = f32_of(&cast(&h));
+            let mean = h.mean_keepdim(D::Minus1).unwrap();
+            let centered = h.broadcast_sub(&mean).unwrap();
+            let var = centered.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+            let normed = centered.broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap()).unwrap();
+            let want_n = normed.broadcast_mul(&f32_of(&gd)).unwrap().broadcast_add(&f32_of(&bed)).unwrap();
+            let residual = with_residual.then_some(&rd);
+            let (ours_h, ours_n) = linear_norm(&xd, &wd, &bd, residual, &gd, &bed, 1e-5).unwrap();
+            assert_eq!(ours_h.dims(), h.dims());
+            assert_eq!(ours_n.dims(), h.dims());
+            assert_eq!((ours_h.dtype(), ours_n.dtype()), (dtype, dtype));
+            let (dh, dn) = (rel_diff(&ours_h, &h), rel_diff(&ours_n, &want_n));
+            eprintln!("fused product and LayerNorm {rows:?} k{k} residual {with_residual} {dtype:?}: h {dh:.2e}, n {dn:.2e}");
+            assert!(dh <= tol(dtype), "product {rows:?} k{k} residual {with_residual} {dtype:?}: {dh}");
+            assert!(dn <= tol(dtype), "LayerNorm {rows:?} k{k} residual {with_residual} {dtype:?}: {dn}");
+        }
+    }
+}
+
+/// What the fused product and LayerNorm refuses, on any device: N without an instantiation, K off whole steps of
+/// 64, f32, the CPU, a residual or LayerNorm parameters that do not fit the output, mixed dtypes.
+#[test]
+fn fused_linear_norm_refuses_what_it_cannot_take() {
+    let dev = gpu();
+    let here = geglu_product_here(&dev);
+    assert!(!linear_norm_on(&dev, DType::F16, 320, 640));
+    assert!(!linear_norm_on(&dev, DType::F16, 320 + 32, 320));
+    assert!(!linear_norm_on(&dev, DType::F32, 320, 320));
+    assert!(!linear_norm_on(&Device::Cpu, DType::F16, 320, 320));
+    let t = |shape: &[usize], dtype| Tensor::zeros(shape, dtype, &dev).unwrap();
+    let (x, w, v) = (t(&[3, 128], DType::F16), t(&[320, 128], DType::F16), t(&[320], DType::F16));
+    assert_eq!(linear_norm(&x, &w, &v, Some(&t(&[3, 320], DType::F16)), &v, &v, 1e-5).is_ok(), here);
+    assert!(linear_norm(
+        &x,
+        &t(&[640, 128], DType::F16),
+        &t(&[640], DType::F16),
+        None,
+        &t(&[640], DType::F16),
+        &t(&[640], DType::F16),
+        1e-5
+    )
+    .is_err());
+    assert!(
+        linear_norm(&t(&[3, 96], DType::F16), &t(&[320, 96], DType::F16), &v, None, &v, &v, 1e-5).is_err()
+    );
+    assert!(linear_norm(&t(&[3, 64], DType::F16), &w, &v, None, &v, &v, 1e-5).is_err());
+    assert!(linear_norm(&x, &w, &v, Some(&t(&[4, 320], DType::F16)), &v, &v, 1e-5).is_err());
+    assert!(linear_norm(&x, &w, &v, None, &t(&[160], DType::F16), &v, 1e-5).is_err());
+    assert!(linear_norm(&x, &w, &v, None, &v, &t(&[320], DType::BF16), 1e-5).is_err());
+    let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    assert!(linear_norm(&f(&x), &f(&w), &f(&v), None, &f(&v), &f(&v), 1e-5).is_err());
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
+    assert!(linear_norm(&cpu(&x), &cpu(&w), &cpu(&v), None, &cpu(&v), &cpu(&v), 1e-5).is_err());
+}
+
 #[test]
 fn other_devices_and_layouts_do_not_apply() {
     let cpu = Tensor::zeros((2, 4), DType::F32, &Device::Cpu).unwrap();

@@ -64,6 +64,18 @@ impl LayerNorm {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         ops::layer_norm(x, &self.weight, &self.bias, self.eps)
     }
+
+    /// `(h, self.forward(h))` for the projection `h = x·weightᵀ + bias (+ residual)` that feeds this norm (a
+    /// linear's or a 1×1 convolution's weight), fused where a GPU kernel has the shape
+    /// ([`ops::project_then_norm`]).
+    pub fn after_projection(
+        &self,
+        x: &Tensor,
+        projection: (&Tensor, Option<&Tensor>),
+        residual: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        ops::project_then_norm(x, projection, residual, (&self.weight, &self.bias, self.eps))
+    }
 }
 
 pub fn linear(vb: VarBuilder, in_dim: usize, out_dim: usize, bias: bool) -> Result<Linear> {

@@ -670,6 +670,33 @@ pub(crate) fn project(
     linear(&Linear::new(weight.reshape((c_out, c_in))?, bias.cloned()), x, residual)
 }
 
+/// `h = x·weightᵀ + bias (+ residual)` (a `(Cout, Cin)` or `(Cout, Cin, 1, 1)` weight, as [`project`]) and
+/// `layer_norm(h)`. On Hopper, where the kernel has the shape, one kernel writes both from its accumulators
+/// (`sdhive_cuda_kernels::linear_norm`); elsewhere the product, then the LayerNorm.
+pub(crate) fn project_then_norm(
+    x: &Tensor,
+    (weight, bias): (&Tensor, Option<&Tensor>),
+    residual: Option<&Tensor>,
+    (ln_weight, ln_bias, eps): (&Tensor, &Tensor, f64),
+) -> Result<(Tensor, Tensor)> {
+    let (c_out, c_in) = (weight.dim(0)?, weight.elem_count() / weight.dim(0)?.max(1));
+    if let Some(bias) = bias {
+        let mut tensors = vec![weight, bias, ln_weight, ln_bias];
+        tensors.extend(residual);
+        let one_kind = tensors.iter().all(|t| t.dtype() == x.dtype() && t.device().same_device(x.device()));
+        if one_kind
+            && x.dims().last() == Some(&c_in)
+            && gpu::linear_norm_on(x.device(), x.dtype(), c_in, c_out)
+        {
+            let weight = weight.reshape((c_out, c_in))?;
+            return gpu::linear_norm(x, &weight, bias, residual, ln_weight, ln_bias, eps);
+        }
+    }
+    let h = project(x, weight, bias, residual)?;
+    let n = layer_norm(&h, ln_weight, ln_bias, eps)?;
+    Ok((h, n))
+}
+
 /// `linear(x) (+ residual)`.
 pub(crate) fn linear(l: &Linear, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
     let mut tensors = vec![x, l.weight()];

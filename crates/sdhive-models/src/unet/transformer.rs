@@ -83,6 +83,23 @@ impl CrossAttention {
         context: Option<&Tensor>,
         residual: Option<&Tensor>,
     ) -> Result<Tensor> {
+        ops::linear(&self.to_out, &self.attend(x, context)?, residual)
+    }
+
+    /// [`Self::forward_residual`] and `norm` of it, the norm fused with the output projection where a kernel can.
+    fn forward_then_norm(
+        &self,
+        x: &Tensor,
+        context: Option<&Tensor>,
+        residual: &Tensor,
+        norm: &LayerNorm,
+    ) -> Result<(Tensor, Tensor)> {
+        let o = self.attend(x, context)?;
+        norm.after_projection(&o, (self.to_out.weight(), self.to_out.bias()), Some(residual))
+    }
+
+    /// The heads' attention, merged, before the output projection.
+    fn attend(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
         let n = self.inner;
         let (q, kv) = match (&self.projections, context) {
             (Projections::Tokens(qkv), None) => {
@@ -96,8 +113,7 @@ impl CrossAttention {
             (Projections::Context { .. }, None) => bail!("cross-attention needs a context"),
         };
         let (k, v) = (kv.narrow(D::Minus1, 0, n)?, kv.narrow(D::Minus1, n, n)?);
-        let o = ops::multi_head_attention(&q, &k, &v, self.heads, self.scale, self.upcast)?;
-        ops::linear(&self.to_out, &o, residual)
+        ops::multi_head_attention(&q, &k, &v, self.heads, self.scale, self.upcast)
     }
 }
 
@@ -172,10 +188,12 @@ impl BasicTransformerBlock {
         })
     }
 
-    fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
-        let x = self.attn1.forward_residual(&self.norm1.forward(x)?, None, Some(x))?;
-        let x = self.attn2.forward_residual(&self.norm2.forward(&x)?, Some(context), Some(&x))?;
-        self.ff.forward(&self.norm3.forward(&x)?, &x)
+    /// `x` and `norm1(x)`, which the caller has (from the projection before the block, where it comes fused).
+    /// Each later norm is made with the attention output projection it follows.
+    fn forward(&self, x: &Tensor, normed: &Tensor, context: &Tensor) -> Result<Tensor> {
+        let (x, normed) = self.attn1.forward_then_norm(normed, None, x, &self.norm2)?;
+        let (x, normed) = self.attn2.forward_then_norm(&normed, Some(context), &x, &self.norm3)?;
+        self.ff.forward(&normed, &x)
     }
 }
 
@@ -251,9 +269,16 @@ impl Transformer2DModel {
             // Channels-last maps are the tokens already.
             let (b, h, w, c) = x.dims4()?;
             let normed = self.norm.forward(x)?.reshape((b, h * w, c))?;
-            let mut tokens = ops::project(&normed, w_in, b_in, None)?;
-            for block in &self.blocks {
-                tokens = block.forward(&tokens, context)?;
+            // The first block's norm1 comes with proj_in.
+            let mut tokens = match self.blocks.first() {
+                Some(first) => {
+                    let (tokens, normed) = first.norm1.after_projection(&normed, (w_in, b_in), None)?;
+                    first.forward(&tokens, &normed, context)?
+                }
+                None => ops::project(&normed, w_in, b_in, None)?,
+            };
+            for block in self.blocks.iter().skip(1) {
+                tokens = block.forward(&tokens, &block.norm1.forward(&tokens)?, context)?;
             }
             let out = ops::project(&tokens, w_out, b_out, Some(&x.reshape((b, h * w, c))?))?;
             return out.reshape((b, h, w, c));
@@ -264,7 +289,7 @@ impl Transformer2DModel {
         // differs, and the kernels read the NCHW ↔ token layouts through strides.
         let mut tokens = ops::image_to_tokens(&normed, w_in, b_in)?;
         for block in &self.blocks {
-            tokens = block.forward(&tokens, context)?;
+            tokens = block.forward(&tokens, &block.norm1.forward(&tokens)?, context)?;
         }
         ops::tokens_to_image(&tokens, w_out, b_out, (h, w), Some(x))
     }

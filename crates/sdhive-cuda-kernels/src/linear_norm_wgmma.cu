@@ -1,0 +1,329 @@
+// A transformer block's narrow product with the LayerNorm that follows it, for Hopper (sm_90a):
+// h = x·Wᵀ + bias (+ residual), and, with LN, n = (h − mean) / sqrt(var + eps) · gamma + beta over each row of h.
+// x (M, K), W (N, K), residual, h and n (M, N): row-major, contiguous, f16 or bf16 storage, f32 accumulation. In
+// the UNet's transformers every LayerNorm reads the output of such a product (proj_in; each attention's to_out plus
+// the residual stream) and nothing else: cuBLASLt's product writes h, a LayerNorm launch reads it back and writes n.
+// Here a block holds whole rows of h in its accumulators, so it writes h and n from there, and the products'
+// residual epilogue, slow in cuBLASLt at these shapes, costs one read.
+// - A block is NWG warpgroups over 64 rows (wgmma's M); warpgroup w owns product columns 160w..160w+159 (one
+//   m64n160 accumulator: 80 registers per thread), so a block spans N = 160·NWG columns: whole rows. All threads
+//   stage 64-wide K tiles of x and W with cp.async into an S-stage ring (128-byte swizzle, K-major, as
+//   geglu_wgmma.cu); rows past M are zero-filled on load and never stored, so any M runs.
+// - Epilogue: bias and residual added, h rounded to the storage type (the LayerNorm reads what is stored, as the
+//   unfused pair does), the row means and then the squared deviations from them summed across the quad, the
+//   warpgroups (shared memory) and the block; h and n staged in shared memory, then written as 16-byte rows.
+// - Constraints the host checks: K % 64 == 0, N == 160·NWG of an instantiation, 16-byte aligned pointers.
+// The instructions exist only in the arch-specific sm_90a target: build.rs compiles this file for compute_90a
+// where the build is for 9.0 (and nowhere else); in other targets the kernels are traps the host never launches.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace linear_norm_wgmma {
+
+constexpr int BK = 64;  // K values per tile: one 128-byte swizzle row of f16/bf16
+constexpr int WN = 160; // product columns per warpgroup
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
+
+#define LN_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define LN_ACC16(i) LN_ACC4(i), LN_ACC4(i + 4), LN_ACC4(i + 8), LN_ACC4(i + 12)
+#define LN_ACC80 LN_ACC16(0), LN_ACC16(16), LN_ACC16(32), LN_ACC16(48), LN_ACC16(64)
+#define LN_R10(i) "%" #i "0, %" #i "1, %" #i "2, %" #i "3, %" #i "4, %" #i "5, %" #i "6, %" #i "7, %" #i "8, %" #i "9"
+#define LN_R80                                                                                                    \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, " LN_R10(1) ", " LN_R10(2) ", " LN_R10(3) ", " LN_R10(4) ", "        \
+        LN_R10(5) ", " LN_R10(6) ", " LN_R10(7)
+// D(64×160, f32) += A(64×16) · B(16×160), both from shared memory, K-major.
+#define LN_WGMMA(TY)                                                                                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                                       \
+                 "wgmma.mma_async.sync.aligned.m64n160k16.f32." TY "." TY " {" LN_R80 "}, %80, %81, p, 1, 1, 0, " \
+                 "0;\n}\n"                                                                                        \
+                 : LN_ACC80                                                                                       \
+                 : "l"(da), "l"(db))
+
+template <typename T> struct Wgmma;
+template <> struct Wgmma<__half> {
+    static __device__ __forceinline__ void mma(float (&d)[80], uint64_t da, uint64_t db) { LN_WGMMA("f16"); }
+};
+template <> struct Wgmma<__nv_bfloat16> {
+    static __device__ __forceinline__ void mma(float (&d)[80], uint64_t da, uint64_t db) { LN_WGMMA("bf16"); }
+};
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// wgmma writes its registers asynchronously, unknown to the compiler: an empty volatile asm "rewriting" each one
+// after the last wait keeps the epilogue's reads behind it.
+template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// `bytes` 0 writes zeros without reading (rows past M).
+__device__ __forceinline__ void cp16(uint32_t dst, const void *src, uint32_t bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+// K-major operand tile, rows of 64 values (128 bytes), 128-byte swizzle: chunk c of row r at chunk c ^ (r % 8),
+// 8-row groups of 1024 bytes (SBO), tile base 1024-aligned; k-step s starts 32·s bytes on (2·s in the address
+// field). Bits: 0-13 addr>>4, 16-29 LBO>>4 (unused with this swizzle, 1), 32-45 SBO>>4, 62-63 layout (1: 128B).
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ float2 to_f2(uint32_t v, __half) {
+    return __half22float2(*reinterpret_cast<const __half2 *>(&v));
+}
+__device__ __forceinline__ float2 to_f2(uint32_t v, __nv_bfloat16) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&v));
+}
+__device__ __forceinline__ uint32_t pack2(float a, float b, __half) {
+    const __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t *>(&v);
+}
+__device__ __forceinline__ uint32_t pack2(float a, float b, __nv_bfloat16) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t *>(&v);
+}
+template <typename T> __device__ __forceinline__ uint32_t ld2(const T *p) {
+    return *reinterpret_cast<const uint32_t *>(p);
+}
+
+// Shared memory of one instantiation: S stages of an x tile (64 rows) and a W tile (160·NWG rows), 128 bytes a
+// row, the block's 64 residual rows and the bias, gamma and beta (requested with the first K tile, so that the
+// epilogue reads them from shared memory), plus the slack to align the ring to 1024 bytes (the swizzle's period).
+// The epilogue's staging (two 64-row slabs of N values) and the row sums reuse the ring. Rows of N values are
+// padded by 16 bytes (PITCH) so that the quads' 4-byte accesses fall in distinct banks.
+template <int NWG> __host__ __device__ constexpr int pitch() { return WN * NWG * 2 + 16; }
+template <int NWG> __host__ __device__ constexpr int side_bytes() { return 64 * pitch<NWG>() + 3 * WN * NWG * 2; }
+template <int NWG, int S> constexpr int smem_bytes() { return S * (64 + WN * NWG) * 128 + side_bytes<NWG>() + 1024; }
+
+// NWG warpgroups of WN columns each (N = WN·NWG), S stages. W1: wgmma wait<1> (one K tile's products in flight
+// while the next is issued, prefetch distance S-2) or wait<0> (distance S-1).
+template <typename T, int NWG, int S, bool W1>
+__device__ __forceinline__ void fused(const T *__restrict__ x, const T *__restrict__ w, const T *__restrict__ bias,
+                                      const T *__restrict__ residual, const T *__restrict__ gamma,
+                                      const T *__restrict__ beta, T *__restrict__ h_out, T *__restrict__ n_out,
+                                      int M, int K, float eps) {
+    constexpr int N = WN * NWG, THREADS = 128 * NWG;
+    constexpr int A_BYTES = 64 * 128, STAGE = A_BYTES + N * 128;
+    constexpr int A_CH = 64 * 8 / THREADS, B_CH = N * 8 / THREADS;
+    static_assert(64 * 8 % THREADS == 0 && N * 8 % THREADS == 0, "chunks divide among the threads");
+    constexpr int D = W1 ? S - 2 : S - 1;
+    static_assert(D >= 1, "prefetch distance");
+    constexpr int PITCH = pitch<NWG>(), CH = N / 8; // staging row bytes, 16-byte chunks per row
+    static_assert(2 * 64 * PITCH + 2 * NWG * 64 * 4 <= S * STAGE, "staging fits in the ring");
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
+    const uint32_t base = (raw + 1023) & ~1023u;
+    const uint32_t res_s = base + S * STAGE, par_s = res_s + 64 * PITCH; // bias, gamma, beta: N values each
+    const int tid = threadIdx.x, wg = tid / 128;
+    const int m0 = blockIdx.x * 64;
+    const T *xa = x + (size_t)m0 * K;
+    const int KT = K / BK;
+
+    // The residual rows (zeros past M, or without one) and the three parameter vectors, one cp.async group ahead
+    // of the K tiles'.
+    for (int i = tid; i < 64 * CH; i += THREADS) {
+        const int r = i / CH, c = i % CH;
+        const bool ok = residual && m0 + r < M;
+        cp16(res_s + r * PITCH + c * 16, ok ? residual + (size_t)(m0 + r) * N + c * 8 : bias, ok ? 16 : 0);
+    }
+    for (int i = tid; i < 3 * CH; i += THREADS) {
+        const T *src = i < CH ? bias : i < 2 * CH ? gamma : beta;
+        cp16(par_s + i * 16, src + (i % CH) * 8, 16);
+    }
+    cp_commit();
+
+    // A thread copies the same chunks of every K tile: offsets worked out once. Rows past M read nothing (and
+    // point at the block's first row, which exists) so that their zeros make zero products.
+    uint32_t a_dst[A_CH], a_src[A_CH], a_bytes[A_CH], b_dst[B_CH], b_src[B_CH];
+#pragma unroll
+    for (int i = 0; i < A_CH; ++i) {
+        const int idx = tid + i * THREADS, r = idx / 8, c = idx % 8;
+        const bool ok = m0 + r < M;
+        a_dst[i] = r * 128 + ((c ^ (r & 7)) << 4);
+        a_src[i] = (ok ? r * K : 0) + c * 8;
+        a_bytes[i] = ok ? 16 : 0;
+    }
+#pragma unroll
+    for (int i = 0; i < B_CH; ++i) {
+        const int idx = tid + i * THREADS, r = idx / 8, c = idx % 8;
+        b_dst[i] = A_BYTES + r * 128 + ((c ^ (r & 7)) << 4);
+        b_src[i] = r * K + c * 8;
+    }
+    // One cp.async group per call, empty past the last tile, so that the group count stays uniform.
+    auto load = [&](int kt) {
+        if (kt < KT) {
+            const uint32_t st = base + (kt % S) * STAGE;
+            const int k0 = kt * BK;
+#pragma unroll
+            for (int i = 0; i < A_CH; ++i) cp16(st + a_dst[i], xa + a_src[i] + k0, a_bytes[i]);
+#pragma unroll
+            for (int i = 0; i < B_CH; ++i) cp16(st + b_dst[i], w + b_src[i] + k0, 16);
+        }
+        cp_commit();
+    };
+
+    float acc[80];
+#pragma unroll
+    for (int i = 0; i < 80; ++i) acc[i] = 0.f;
+
+#pragma unroll
+    for (int s = 0; s < D; ++s) load(s);
+    for (int kt = 0; kt < KT; ++kt) {
+        cp_wait<D - 1>();
+        // cp.async writes through the generic proxy, wgmma reads through the async one.
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        // Every thread's part of tile kt has landed, and every warpgroup is done with the stage load() refills.
+        __syncthreads();
+        load(kt + D);
+        const uint32_t st = base + (kt % S) * STAGE;
+        const uint64_t da = desc_sw128(st), db = desc_sw128(st + A_BYTES + wg * WN * 128);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) Wgmma<T>::mma(acc, da + 2 * kk, db + 2 * kk);
+        wgmma_commit();
+        if constexpr (W1) wgmma_wait<1>();
+        else wgmma_wait<0>();
+    }
+    wgmma_wait<0>();
+    fence_regs(acc);
+    // The residual and parameters landed with tile 0 (their group is older); the last barrier of the loop made
+    // every thread's copies visible.
+
+    // Accumulator i of a thread is row 16·warp + lane/4 + 8·((i/2)%2) of the block's 64, column
+    // 160·wg + 8·(i/4) + 2t + i%2.
+    const int warp = (tid % 128) / 32, lane = tid % 32, t = lane % 4;
+    const int r0 = warp * 16 + lane / 4; // and r0 + 8
+    const int c0 = wg * WN + 2 * t;
+    auto lds2 = [](uint32_t at) {
+        uint32_t v;
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(at));
+        return v;
+    };
+    float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < WN / 8; ++j) {
+        const int c = c0 + 8 * j;
+        const float2 b = to_f2(lds2(par_s + c * 2), T());
+        const float2 r_0 = to_f2(lds2(res_s + r0 * PITCH + c * 2), T());
+        const float2 r_1 = to_f2(lds2(res_s + (r0 + 8) * PITCH + c * 2), T());
+        // h as stored: rounded to T, then read back as the LayerNorm would.
+        const uint32_t h0 = pack2(acc[4 * j] + b.x + r_0.x, acc[4 * j + 1] + b.y + r_0.y, T());
+        const uint32_t h1 = pack2(acc[4 * j + 2] + b.x + r_1.x, acc[4 * j + 3] + b.y + r_1.y, T());
+        const float2 f0 = to_f2(h0, T()), f1 = to_f2(h1, T());
+        acc[4 * j] = f0.x;
+        acc[4 * j + 1] = f0.y;
+        acc[4 * j + 2] = f1.x;
+        acc[4 * j + 3] = f1.y;
+        s0 += f0.x + f0.y;
+        s1 += f1.x + f1.y;
+    }
+    // The ring is free once every warpgroup's last wgmma has read it (each waited for its own above).
+    __syncthreads();
+    const uint32_t h_slab = base, n_slab = base + 64 * PITCH, sums = base + 2 * 64 * PITCH;
+#pragma unroll
+    for (int j = 0; j < WN / 8; ++j) {
+        const int c = c0 + 8 * j;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(h_slab + r0 * PITCH + c * 2),
+                     "r"(pack2(acc[4 * j], acc[4 * j + 1], T())));
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(h_slab + (r0 + 8) * PITCH + c * 2),
+                     "r"(pack2(acc[4 * j + 2], acc[4 * j + 3], T())));
+    }
+    // Row sums over the warpgroup's 160 columns: across the quad, then one float per (warpgroup, row) in shared
+    // memory; the block's sum is the NWG partials'. The same for the squared deviations from the mean.
+    auto block_sums = [&](float &a, float &b, uint32_t at) {
+#pragma unroll
+        for (int off = 1; off <= 2; off <<= 1) {
+            a += __shfl_xor_sync(0xffffffff, a, off);
+            b += __shfl_xor_sync(0xffffffff, b, off);
+        }
+        if (t == 0) {
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at + (wg * 64 + r0) * 4), "f"(a));
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at + (wg * 64 + r0 + 8) * 4), "f"(b));
+        }
+        __syncthreads();
+        a = 0.f;
+        b = 0.f;
+#pragma unroll
+        for (int g = 0; g < NWG; ++g) {
+            float u, v;
+            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(u) : "r"(at + (g * 64 + r0) * 4));
+            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(at + (g * 64 + r0 + 8) * 4));
+            a += u;
+            b += v;
+        }
+    };
+    block_sums(s0, s1, sums);
+    const float mean0 = s0 / N, mean1 = s1 / N;
+    float q0 = 0.f, q1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < WN / 8; ++j) {
+        const float d0 = acc[4 * j] - mean0, d1 = acc[4 * j + 1] - mean0;
+        const float d2 = acc[4 * j + 2] - mean1, d3 = acc[4 * j + 3] - mean1;
+        q0 += d0 * d0 + d1 * d1;
+        q1 += d2 * d2 + d3 * d3;
+    }
+    block_sums(q0, q1, sums + NWG * 64 * 4);
+    const float i0 = rsqrtf(q0 / N + eps), i1 = rsqrtf(q1 / N + eps);
+#pragma unroll
+    for (int j = 0; j < WN / 8; ++j) {
+        const int c = c0 + 8 * j;
+        const float2 g = to_f2(lds2(par_s + N * 2 + c * 2), T()), be = to_f2(lds2(par_s + N * 4 + c * 2), T());
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(n_slab + r0 * PITCH + c * 2),
+                     "r"(pack2((acc[4 * j] - mean0) * i0 * g.x + be.x, (acc[4 * j + 1] - mean0) * i0 * g.y + be.y,
+                               T())));
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(n_slab + (r0 + 8) * PITCH + c * 2),
+                     "r"(pack2((acc[4 * j + 2] - mean1) * i1 * g.x + be.x,
+                               (acc[4 * j + 3] - mean1) * i1 * g.y + be.y, T())));
+    }
+    __syncthreads();
+    // Both slabs out as 16-byte row chunks, consecutive threads along a row.
+#pragma unroll
+    for (int q = 0; q < 64 * CH / THREADS; ++q) {
+        const int idx = tid + q * THREADS, r = idx / CH, c = idx % CH;
+        const int row = m0 + r;
+        if (row < M) {
+            uint4 hv, nv;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(hv.x), "=r"(hv.y), "=r"(hv.z), "=r"(hv.w)
+                         : "r"(h_slab + r * PITCH + c * 16));
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(nv.x), "=r"(nv.y), "=r"(nv.z), "=r"(nv.w)
+                         : "r"(n_slab + r * PITCH + c * 16));
+            *reinterpret_cast<uint4 *>(h_out + (size_t)row * N + c * 8) = hv;
+            *reinterpret_cast<uint4 *>(n_out + (size_t)row * N + c * 8) = nv;
+        }
+    }
+}
+
+#endif // sm_90a or host
+
+} // namespace linear_norm_wgmma
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LN_SM90A(...) __VA_ARGS__
+#else
+#define LN_SM90A(...) __trap()
+#endif
+
+// One launchable instantiation: linear_norm_wgmma_n<N>_<f16|bf16> (N = 160·NWG), NWG·128 threads, smem_bytes<NWG, S>() of
+// dynamic shared memory, grid (M/64 rounded up). residual may be null. The host (src/linear_norm.rs) repeats these
+// parameters.
+#define LINEAR_NORM(N, NWG, S, W1, T, SFX)                                                                            \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, 1) linear_norm_wgmma_n##N##_##SFX(                    \
+        const T *x, const T *w, const T *bias, const T *residual, const T *gamma, const T *beta, T *h, T *n,      \
+        int M, int K, float eps) {                                                                                \
+        LN_SM90A((linear_norm_wgmma::fused<T, NWG, S, W1>(x, w, bias, residual, gamma, beta, h, n, M, K, eps)));     \
+    }
+#define LINEAR_NORM_BOTH(N, NWG, S, W1)                                                                           \
+    LINEAR_NORM(N, NWG, S, W1, __half, f16)                                                                       \
+    LINEAR_NORM(N, NWG, S, W1, __nv_bfloat16, bf16)
+#ifndef SDHIVE_LINEAR_NORM_NO_INSTANCES
+// N 320 (SD1.5's 64² transformers): two warpgroups, four stages.
+LINEAR_NORM_BOTH(320, 2, 3, false)
+#endif
