@@ -483,8 +483,8 @@ pub fn linear_geglu_interleaved(x: &Tensor, w_il: &Tensor, b_il: &Tensor) -> Res
 
 /// Whether [`linear_norm`] takes a product of `k` input features into `n` outputs in `dtype` on `device`: a compute
 /// capability 9.0 GPU with the build's sm_90a PTX (`CUDA_COMPUTE_CAP=90`), f16 or bf16, `k` a multiple of 64 and
-/// `n` one the kernel is instantiated for (320). `SDHIVE_FUSED_LINEAR_NORM=0` (or `SDHIVE_FUSED_KERNELS=0`) turns
-/// it off.
+/// `n` one the kernel is instantiated for (320); the same for [`linear_rows`]. `SDHIVE_FUSED_LINEAR_NORM=0` (or
+/// `SDHIVE_FUSED_KERNELS=0`) turns both off.
 pub fn linear_norm_on(device: &candle_core::Device, dtype: candle_core::DType, k: usize, n: usize) -> bool {
     #[cfg(feature = "cuda")]
     {
@@ -513,7 +513,14 @@ pub fn linear_norm(
     beta: &Tensor,
     eps: f64,
 ) -> Result<(Tensor, Tensor)> {
-    on_cuda!(linear_norm::product(x, weight, bias, residual, gamma, beta, eps); x, weight, bias, residual, gamma, beta, eps)
+    on_cuda!(linear_norm::product(x, weight, bias, residual, Some((gamma, beta, eps))); x, weight, bias, residual, gamma, beta, eps)
+}
+
+/// `x·Wᵀ + bias (+ residual)` from [`linear_norm`]'s kernel without the LayerNorm: for the products with a
+/// residual that no norm follows, where cuBLASLt's residual epilogue is slow. The same shapes as [`linear_norm`]
+/// (ask [`linear_norm_on`]); other devices, dtypes and shapes are refused.
+pub fn linear_rows(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+    on_cuda!(linear_norm::product(x, weight, bias, residual, None).map(|(h, _)| h); x, weight, bias, residual)
 }
 
 #[cfg(all(test, feature = "cuda"))]

@@ -1,7 +1,8 @@
 //! A narrow product and the LayerNorm after it in one Hopper kernel (`linear_norm_wgmma.cu`) as a candle custom op:
 //! `h = x·Wᵀ + bias (+ residual)` and `LayerNorm(h)`, both written from the accumulators, where cuBLASLt's product
-//! would write h and a LayerNorm launch read it back. This module owns the shape checks and the instantiation
-//! table (one so far: 320 output features, SD1.5's 64² transformers).
+//! would write h and a LayerNorm launch read it back; and the same kernel without the LayerNorm, for the products
+//! with a residual that no norm follows (cuBLASLt's residual epilogue is slow at these shapes). This module owns the
+//! shape checks and the instantiation table (one so far: 320 output features, SD1.5's 64² transformers).
 
 use crate::cuda::{contiguous, held_view};
 use candle_core::backend::BackendStorage;
@@ -44,10 +45,15 @@ impl Tile {
     }
 
     /// `smem_bytes` in linear_norm_wgmma.cu: the stages of an x and a W tile (128 bytes a row), the residual rows
-    /// (N values padded by 16 bytes), bias, gamma and beta, and 1024 bytes to align.
+    /// (N values padded by 16 bytes), bias, gamma and beta, a pair of f32 moments per warpgroup and row, and 1024
+    /// bytes to align.
     fn smem(&self) -> usize {
         let pitch = self.n * 2 + 16;
-        self.stages * (ROWS + self.n) * 128 + ROWS * pitch + 3 * self.n * 2 + 1024
+        self.stages * (ROWS + self.n) * 128
+            + ROWS * pitch
+            + 3 * self.n * 2
+            + self.warpgroups * ROWS * 8
+            + 1024
     }
 }
 
@@ -78,11 +84,11 @@ pub fn product_on(device: &Device, dtype: DType, k: usize, n: usize) -> bool {
     matches!(dtype, DType::F16 | DType::BF16) && shape_refusal(k, n).is_none() && hopper(device)
 }
 
-/// The op: x, W and the bias as its operands; the residual and the LayerNorm's parameters held beside them.
+/// The op: x, W and the bias as its operands; the residual and the LayerNorm's weight and bias (none: h alone)
+/// held beside them.
 struct LinearNorm {
     residual: Option<Tensor>,
-    gamma: Tensor,
-    beta: Tensor,
+    norm: Option<(Tensor, Tensor)>,
     eps: f32,
 }
 
@@ -100,20 +106,28 @@ fn launch<T: CudaDType + DeviceRepr>(
 ) -> Result<CudaStorage> {
     let dev: &CudaDevice = x.0.device();
     let sfx = if x.0.dtype() == DType::F16 { "f16" } else { "bf16" };
-    let func = dev.get_or_load_custom_func(&format!("linear_norm_wgmma_n{}_{sfx}", tile.n), MODULE, PTX)?;
+    let kernel = if op.norm.is_some() { "linear_norm_wgmma" } else { "linear_wgmma" };
+    let func = dev.get_or_load_custom_func(&format!("{kernel}_n{}_{sfx}", tile.n), MODULE, PTX)?;
     let xs = contiguous::<T>(x.0, x.1, "product-and-LayerNorm input")?;
     let ws = contiguous::<T>(w.0, w.1, "product-and-LayerNorm weight")?;
     let bs = contiguous::<T>(b.0, b.1, "product-and-LayerNorm bias")?;
     let residual = op.residual.as_ref().map(|r| r.storage_and_layout());
     let rv = residual.as_ref().map(|h| held_view::<T, _>(h, "product-and-LayerNorm residual")).transpose()?;
-    let (gamma, beta) = (op.gamma.storage_and_layout(), op.beta.storage_and_layout());
-    let gv = held_view::<T, _>(&gamma, "LayerNorm weight")?;
-    let bv = held_view::<T, _>(&beta, "LayerNorm bias")?;
+    let norm = op.norm.as_ref().map(|(g, b)| (g.storage_and_layout(), b.storage_and_layout()));
+    let nv = match &norm {
+        Some((g, b)) => {
+            Some((held_view::<T, _>(g, "LayerNorm weight")?, held_view::<T, _>(b, "LayerNorm bias")?))
+        }
+        None => None,
+    };
     let n = tile.n;
-    // SAFETY: every element of both M×N halves is written by the kernel (each block stores its rows below M).
-    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(2 * m * n)? };
+    let halves = if nv.is_some() { 2 } else { 1 };
+    // SAFETY: every element of h (and of n with the norm) is written by the kernel (each block stores its rows
+    // below M).
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(halves * m * n)? };
     {
-        let (h, nv) = (out.slice(0..m * n), out.slice(m * n..2 * m * n));
+        let h = out.slice(0..m * n);
+        let normed = (halves == 2).then(|| out.slice(m * n..2 * m * n));
         crate::cuda::opt_in_shared(&func, tile.smem())?;
         let null = 0u64;
         let mut a = func.builder();
@@ -124,19 +138,31 @@ fn launch<T: CudaDType + DeviceRepr>(
             Some(r) => a.arg(r),
             None => a.arg(&null),
         };
-        a.arg(&gv);
-        a.arg(&bv);
+        match &nv {
+            Some((g, b)) => {
+                a.arg(g);
+                a.arg(b);
+            }
+            None => {
+                a.arg(&null);
+                a.arg(&null);
+            }
+        }
         a.arg(&h);
-        a.arg(&nv);
+        match &normed {
+            Some(v) => a.arg(v),
+            None => a.arg(&null),
+        };
         builder_arg!(a, m as i32, k as i32, op.eps);
         let cfg = LaunchConfig {
             grid_dim: (m.div_ceil(ROWS) as u32, 1, 1),
             block_dim: (128 * tile.warpgroups as u32, 1, 1),
             shared_mem_bytes: tile.smem() as u32,
         };
-        // SAFETY: the arguments match the kernel's signature (a null residual is allowed); `LinearNorm::cuda_fwd`
-        // checked the shapes (K whole steps, N an instantiation's, the residual M×N, gamma and beta N), that every
-        // view is contiguous and 16-byte aligned, and `product` the device's compute capability.
+        // SAFETY: the arguments match the kernel's signature (a null residual is allowed; without the norm so are
+        // gamma, beta and n, which that kernel never reads or writes); `LinearNorm::cuda_fwd` checked the shapes (K
+        // whole steps, N an instantiation's, the residual M×N, gamma and beta N), that every view is contiguous and
+        // 16-byte aligned, and `product` the device's compute capability.
         unsafe { a.launch(cfg) }.w()?;
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
@@ -177,11 +203,11 @@ impl CustomOp3 for LinearNorm {
             bail!("product and LayerNorm: {why}");
         }
         let Some(tile) = Tile::for_n(n) else { bail!("product and LayerNorm: N {n}") };
-        for (what, t) in [
-            ("bias", bl.shape()),
-            ("LayerNorm weight", self.gamma.shape()),
-            ("LayerNorm bias", self.beta.shape()),
-        ] {
+        let mut vectors = vec![("bias", bl.shape())];
+        if let Some((g, b)) = &self.norm {
+            vectors.extend([("LayerNorm weight", g.shape()), ("LayerNorm bias", b.shape())]);
+        }
+        for (what, t) in vectors {
             if t.elem_count() != n {
                 bail!("product and LayerNorm: {what} {:?} for {n} features", t.dims());
             }
@@ -190,30 +216,25 @@ impl CustomOp3 for LinearNorm {
         if m > i32::MAX as usize {
             bail!("product and LayerNorm: {m} rows (at most 2^31 - 1)");
         }
-        let mut out_dims = vec![2];
-        out_dims.extend_from_slice(dims);
+        let mut out_dims = dims.to_vec();
         if let Some(last) = out_dims.last_mut() {
             *last = n;
         }
         if let Some(r) = &self.residual {
-            if r.dims() != &out_dims[1..] {
-                bail!(
-                    "product and LayerNorm: residual {:?} differs from the output {:?}",
-                    r.dims(),
-                    &out_dims[1..]
-                );
+            if r.dims() != out_dims.as_slice() {
+                bail!("product and LayerNorm: residual {:?} differs from the output {out_dims:?}", r.dims());
             }
             if !aligned(r.layout()) {
                 bail!("product and LayerNorm: the residual must start on 16 bytes");
             }
         }
-        if !aligned(xl)
-            || !aligned(wl)
-            || !aligned(bl)
-            || !aligned(self.gamma.layout())
-            || !aligned(self.beta.layout())
-        {
+        let norm_aligned = self.norm.as_ref().is_none_or(|(g, b)| aligned(g.layout()) && aligned(b.layout()));
+        if !aligned(xl) || !aligned(wl) || !aligned(bl) || !norm_aligned {
             bail!("product and LayerNorm: operands must start on 16 bytes (element offsets multiples of 8)");
+        }
+        if self.norm.is_some() {
+            // h, then its LayerNorm.
+            out_dims.insert(0, 2);
         }
         let out = match x.dtype() {
             DType::F16 => launch::<f16>(self, (x, xl), (w, wl), (b, bl), (m, k, tile))?,
@@ -224,16 +245,14 @@ impl CustomOp3 for LinearNorm {
     }
 }
 
-/// [`crate::linear_norm`]: checks what the op cannot see (devices, dtypes, the compute capability), then the op.
-#[allow(clippy::too_many_arguments)]
+/// [`crate::linear_norm`] (`norm` the LayerNorm's weight, bias and eps) and [`crate::linear_rows`] (no norm: h
+/// alone, returned as both): checks what the op cannot see (devices, dtypes, the compute capability), then the op.
 pub fn product(
     x: &Tensor,
     weight: &Tensor,
     bias: &Tensor,
     residual: Option<&Tensor>,
-    gamma: &Tensor,
-    beta: &Tensor,
-    eps: f64,
+    norm: Option<(&Tensor, &Tensor, f64)>,
 ) -> Result<(Tensor, Tensor)> {
     let (n, k) = weight.dims2()?;
     if let Some(why) = shape_refusal(k, n) {
@@ -242,8 +261,11 @@ pub fn product(
     if x.dims().last() != Some(&k) {
         bail!("product and LayerNorm: input {:?} does not fit the weight {:?}", x.dims(), weight.dims());
     }
-    let mut tensors = vec![weight, bias, gamma, beta];
+    let mut tensors = vec![weight, bias];
     tensors.extend(residual);
+    if let Some((g, b, _)) = norm {
+        tensors.extend([g, b]);
+    }
     if !matches!(x.dtype(), DType::F16 | DType::BF16) || tensors.iter().any(|t| t.dtype() != x.dtype()) {
         bail!("product and LayerNorm: every tensor in one of f16 or bf16 (input {:?})", x.dtype());
     }
@@ -262,13 +284,18 @@ pub fn product(
         let z = Tensor::zeros(dims, x.dtype(), x.device())?;
         return Ok((z.clone(), z));
     }
-    let contiguous = |t: &Tensor| t.contiguous();
     let op = LinearNorm {
-        residual: residual.map(contiguous).transpose()?,
-        gamma: gamma.contiguous()?,
-        beta: beta.contiguous()?,
-        eps: eps as f32,
+        residual: residual.map(Tensor::contiguous).transpose()?,
+        norm: match norm {
+            Some((g, b, _)) => Some((g.contiguous()?, b.contiguous()?)),
+            None => None,
+        },
+        eps: norm.map_or(0.0, |(_, _, eps)| eps as f32),
     };
-    let both = x.contiguous()?.apply_op3_no_bwd(&weight.contiguous()?, &bias.contiguous()?, &op)?;
-    Ok((both.get(0)?, both.get(1)?))
+    let out = x.contiguous()?.apply_op3_no_bwd(&weight.contiguous()?, &bias.contiguous()?, &op)?;
+    if op.norm.is_some() {
+        Ok((out.get(0)?, out.get(1)?))
+    } else {
+        Ok((out.clone(), out))
+    }
 }

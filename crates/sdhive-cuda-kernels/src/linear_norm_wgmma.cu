@@ -10,8 +10,9 @@
 //   stage 64-wide K tiles of x and W with cp.async into an S-stage ring (128-byte swizzle, K-major, as
 //   geglu_wgmma.cu); rows past M are zero-filled on load and never stored, so any M runs.
 // - Epilogue: bias and residual added, h rounded to the storage type (the LayerNorm reads what is stored, as the
-//   unfused pair does), the row means and then the squared deviations from them summed across the quad, the
-//   warpgroups (shared memory) and the block; h and n staged in shared memory, then written as 16-byte rows.
+//   unfused pair does); each row's mean and squared deviations from each thread's own values merged across the
+//   quad and the warpgroups (one block barrier); h and n staged in shared memory and written as 16-byte rows, h's
+//   stores issued before the LayerNorm's arithmetic.
 // - Constraints the host checks: K % 64 == 0, N == 160·NWG of an instantiation, 16-byte aligned pointers.
 // The instructions exist only in the arch-specific sm_90a target: build.rs compiles this file for compute_90a
 // where the build is for 9.0 (and nowhere else); in other targets the kernels are traps the host never launches.
@@ -93,17 +94,20 @@ template <typename T> __device__ __forceinline__ uint32_t ld2(const T *p) {
 }
 
 // Shared memory of one instantiation: S stages of an x tile (64 rows) and a W tile (160·NWG rows), 128 bytes a
-// row, the block's 64 residual rows and the bias, gamma and beta (requested with the first K tile, so that the
-// epilogue reads them from shared memory), plus the slack to align the ring to 1024 bytes (the swizzle's period).
-// The epilogue's staging (two 64-row slabs of N values) and the row sums reuse the ring. Rows of N values are
-// padded by 16 bytes (PITCH) so that the quads' 4-byte accesses fall in distinct banks.
+// row; the block's 64 residual rows and the bias, gamma and beta (requested with the first K tile, so that the
+// epilogue reads them from shared memory); a (mean, M2) pair per warpgroup and row; and the slack to align the ring
+// to 1024 bytes (the swizzle's period). h is staged over the residual rows, the LayerNorm's output over the ring.
+// Rows of N values are padded by 16 bytes (PITCH) so that the quads' 4-byte accesses fall in distinct banks.
 template <int NWG> __host__ __device__ constexpr int pitch() { return WN * NWG * 2 + 16; }
-template <int NWG> __host__ __device__ constexpr int side_bytes() { return 64 * pitch<NWG>() + 3 * WN * NWG * 2; }
+template <int NWG> __host__ __device__ constexpr int side_bytes() {
+    return 64 * pitch<NWG>() + 3 * WN * NWG * 2 + NWG * 64 * 8;
+}
 template <int NWG, int S> constexpr int smem_bytes() { return S * (64 + WN * NWG) * 128 + side_bytes<NWG>() + 1024; }
 
 // NWG warpgroups of WN columns each (N = WN·NWG), S stages. W1: wgmma wait<1> (one K tile's products in flight
-// while the next is issued, prefetch distance S-2) or wait<0> (distance S-1).
-template <typename T, int NWG, int S, bool W1>
+// while the next is issued, prefetch distance S-2) or wait<0> (distance S-1). Without NORM only h is made (the
+// products with a residual that no LayerNorm follows); gamma, beta and n_out are not touched.
+template <typename T, int NWG, int S, bool W1, bool NORM = true>
 __device__ __forceinline__ void fused(const T *__restrict__ x, const T *__restrict__ w, const T *__restrict__ bias,
                                       const T *__restrict__ residual, const T *__restrict__ gamma,
                                       const T *__restrict__ beta, T *__restrict__ h_out, T *__restrict__ n_out,
@@ -115,7 +119,7 @@ __device__ __forceinline__ void fused(const T *__restrict__ x, const T *__restri
     constexpr int D = W1 ? S - 2 : S - 1;
     static_assert(D >= 1, "prefetch distance");
     constexpr int PITCH = pitch<NWG>(), CH = N / 8; // staging row bytes, 16-byte chunks per row
-    static_assert(2 * 64 * PITCH + 2 * NWG * 64 * 4 <= S * STAGE, "staging fits in the ring");
+    static_assert(64 * PITCH <= S * STAGE, "the LayerNorm's staging fits in the ring");
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
     const uint32_t base = (raw + 1023) & ~1023u;
@@ -132,7 +136,7 @@ __device__ __forceinline__ void fused(const T *__restrict__ x, const T *__restri
         const bool ok = residual && m0 + r < M;
         cp16(res_s + r * PITCH + c * 16, ok ? residual + (size_t)(m0 + r) * N + c * 8 : bias, ok ? 16 : 0);
     }
-    for (int i = tid; i < 3 * CH; i += THREADS) {
+    for (int i = tid; i < (NORM ? 3 : 1) * CH; i += THREADS) {
         const T *src = i < CH ? bias : i < 2 * CH ? gamma : beta;
         cp16(par_s + i * 16, src + (i % CH) * 8, 16);
     }
@@ -205,16 +209,22 @@ __device__ __forceinline__ void fused(const T *__restrict__ x, const T *__restri
         asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(at));
         return v;
     };
+    auto sts2 = [](uint32_t at, uint32_t v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v)); };
+    // h staged where the residual was: each thread writes exactly the elements it has just read, so no other
+    // thread's read can be overtaken and no barrier is needed first.
+    const uint32_t h_slab = res_s, n_slab = base, stats = par_s + 3 * N * 2;
     float s0 = 0.f, s1 = 0.f;
 #pragma unroll
     for (int j = 0; j < WN / 8; ++j) {
         const int c = c0 + 8 * j;
+        const uint32_t at0 = res_s + r0 * PITCH + c * 2, at1 = at0 + 8 * PITCH;
         const float2 b = to_f2(lds2(par_s + c * 2), T());
-        const float2 r_0 = to_f2(lds2(res_s + r0 * PITCH + c * 2), T());
-        const float2 r_1 = to_f2(lds2(res_s + (r0 + 8) * PITCH + c * 2), T());
+        const float2 r_0 = to_f2(lds2(at0), T()), r_1 = to_f2(lds2(at1), T());
         // h as stored: rounded to T, then read back as the LayerNorm would.
         const uint32_t h0 = pack2(acc[4 * j] + b.x + r_0.x, acc[4 * j + 1] + b.y + r_0.y, T());
         const uint32_t h1 = pack2(acc[4 * j + 2] + b.x + r_1.x, acc[4 * j + 3] + b.y + r_1.y, T());
+        sts2(at0, h0);
+        sts2(at1, h1);
         const float2 f0 = to_f2(h0, T()), f1 = to_f2(h1, T());
         acc[4 * j] = f0.x;
         acc[4 * j + 1] = f0.y;
@@ -223,82 +233,82 @@ __device__ __forceinline__ void fused(const T *__restrict__ x, const T *__restri
         s0 += f0.x + f0.y;
         s1 += f1.x + f1.y;
     }
-    // The ring is free once every warpgroup's last wgmma has read it (each waited for its own above).
-    __syncthreads();
-    const uint32_t h_slab = base, n_slab = base + 64 * PITCH, sums = base + 2 * 64 * PITCH;
+    // A slab out as 16-byte row chunks, consecutive threads along a row.
+    auto store_rows = [&](uint32_t slab, T *out) {
 #pragma unroll
-    for (int j = 0; j < WN / 8; ++j) {
-        const int c = c0 + 8 * j;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(h_slab + r0 * PITCH + c * 2),
-                     "r"(pack2(acc[4 * j], acc[4 * j + 1], T())));
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(h_slab + (r0 + 8) * PITCH + c * 2),
-                     "r"(pack2(acc[4 * j + 2], acc[4 * j + 3], T())));
-    }
-    // Row sums over the warpgroup's 160 columns: across the quad, then one float per (warpgroup, row) in shared
-    // memory; the block's sum is the NWG partials'. The same for the squared deviations from the mean.
-    auto block_sums = [&](float &a, float &b, uint32_t at) {
-#pragma unroll
-        for (int off = 1; off <= 2; off <<= 1) {
-            a += __shfl_xor_sync(0xffffffff, a, off);
-            b += __shfl_xor_sync(0xffffffff, b, off);
-        }
-        if (t == 0) {
-            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at + (wg * 64 + r0) * 4), "f"(a));
-            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at + (wg * 64 + r0 + 8) * 4), "f"(b));
-        }
-        __syncthreads();
-        a = 0.f;
-        b = 0.f;
-#pragma unroll
-        for (int g = 0; g < NWG; ++g) {
-            float u, v;
-            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(u) : "r"(at + (g * 64 + r0) * 4));
-            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(at + (g * 64 + r0 + 8) * 4));
-            a += u;
-            b += v;
+        for (int q = 0; q < 64 * CH / THREADS; ++q) {
+            const int idx = tid + q * THREADS, r = idx / CH, c = idx % CH;
+            const int row = m0 + r;
+            if (row < M) {
+                uint4 v;
+                asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                             : "r"(slab + r * PITCH + c * 16));
+                *reinterpret_cast<uint4 *>(out + (size_t)row * N + c * 8) = v;
+            }
         }
     };
-    block_sums(s0, s1, sums);
-    const float mean0 = s0 / N, mean1 = s1 / N;
-    float q0 = 0.f, q1 = 0.f;
+    if constexpr (!NORM) {
+        __syncthreads();
+        store_rows(h_slab, h_out);
+        return;
+    }
+    // Each row's mean and squared deviations in one barrier: this thread's CNT values of each of its two rows
+    // around their own mean, merged across the quad (Chan et al.'s pairwise formula, equal counts), then one
+    // (mean, M2) per (warpgroup, row) in shared memory, merged over the warpgroups after the barrier.
+    constexpr int CNT = WN / 4;
+    float mu0 = s0 / CNT, mu1 = s1 / CNT, q0 = 0.f, q1 = 0.f;
 #pragma unroll
     for (int j = 0; j < WN / 8; ++j) {
-        const float d0 = acc[4 * j] - mean0, d1 = acc[4 * j + 1] - mean0;
-        const float d2 = acc[4 * j + 2] - mean1, d3 = acc[4 * j + 3] - mean1;
+        const float d0 = acc[4 * j] - mu0, d1 = acc[4 * j + 1] - mu0;
+        const float d2 = acc[4 * j + 2] - mu1, d3 = acc[4 * j + 3] - mu1;
         q0 += d0 * d0 + d1 * d1;
         q1 += d2 * d2 + d3 * d3;
     }
-    block_sums(q0, q1, sums + NWG * 64 * 4);
-    const float i0 = rsqrtf(q0 / N + eps), i1 = rsqrtf(q1 / N + eps);
+    float half_n = 0.5f * CNT;
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+        const float om0 = __shfl_xor_sync(0xffffffff, mu0, off), oq0 = __shfl_xor_sync(0xffffffff, q0, off);
+        const float om1 = __shfl_xor_sync(0xffffffff, mu1, off), oq1 = __shfl_xor_sync(0xffffffff, q1, off);
+        const float d0 = om0 - mu0, d1 = om1 - mu1;
+        q0 = q0 + oq0 + d0 * d0 * half_n;
+        q1 = q1 + oq1 + d1 * d1 * half_n;
+        mu0 = 0.5f * (mu0 + om0);
+        mu1 = 0.5f * (mu1 + om1);
+        half_n *= 2.f;
+    }
+    if (t == 0) {
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(stats + (wg * 64 + r0) * 8), "f"(mu0), "f"(q0));
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(stats + (wg * 64 + r0 + 8) * 8), "f"(mu1), "f"(q1));
+    }
+    // h and the partial moments are everyone's; the ring is free (every warpgroup waited for its last wgmma).
+    __syncthreads();
+    store_rows(h_slab, h_out);
+    float mean0 = 0.f, mean1 = 0.f, m2_0 = 0.f, m2_1 = 0.f;
+#pragma unroll
+    for (int g = 0; g < NWG; ++g) {
+        float u0, v0, u1, v1;
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(u0), "=f"(v0) : "r"(stats + (g * 64 + r0) * 8));
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(u1), "=f"(v1) : "r"(stats + (g * 64 + r0 + 8) * 8));
+        // Merging WN values into g·WN: the new part's weight WN / ((g + 1)·WN).
+        const float w = 1.f / (g + 1), d0 = u0 - mean0, d1 = u1 - mean1;
+        m2_0 += v0 + d0 * d0 * WN * g * w;
+        m2_1 += v1 + d1 * d1 * WN * g * w;
+        mean0 += d0 * w;
+        mean1 += d1 * w;
+    }
+    const float i0 = rsqrtf(m2_0 / N + eps), i1 = rsqrtf(m2_1 / N + eps);
 #pragma unroll
     for (int j = 0; j < WN / 8; ++j) {
         const int c = c0 + 8 * j;
         const float2 g = to_f2(lds2(par_s + N * 2 + c * 2), T()), be = to_f2(lds2(par_s + N * 4 + c * 2), T());
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(n_slab + r0 * PITCH + c * 2),
-                     "r"(pack2((acc[4 * j] - mean0) * i0 * g.x + be.x, (acc[4 * j + 1] - mean0) * i0 * g.y + be.y,
-                               T())));
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(n_slab + (r0 + 8) * PITCH + c * 2),
-                     "r"(pack2((acc[4 * j + 2] - mean1) * i1 * g.x + be.x,
-                               (acc[4 * j + 3] - mean1) * i1 * g.y + be.y, T())));
+        sts2(n_slab + r0 * PITCH + c * 2,
+             pack2((acc[4 * j] - mean0) * i0 * g.x + be.x, (acc[4 * j + 1] - mean0) * i0 * g.y + be.y, T()));
+        sts2(n_slab + (r0 + 8) * PITCH + c * 2, pack2((acc[4 * j + 2] - mean1) * i1 * g.x + be.x,
+                                                      (acc[4 * j + 3] - mean1) * i1 * g.y + be.y, T()));
     }
     __syncthreads();
-    // Both slabs out as 16-byte row chunks, consecutive threads along a row.
-#pragma unroll
-    for (int q = 0; q < 64 * CH / THREADS; ++q) {
-        const int idx = tid + q * THREADS, r = idx / CH, c = idx % CH;
-        const int row = m0 + r;
-        if (row < M) {
-            uint4 hv, nv;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(hv.x), "=r"(hv.y), "=r"(hv.z), "=r"(hv.w)
-                         : "r"(h_slab + r * PITCH + c * 16));
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(nv.x), "=r"(nv.y), "=r"(nv.z), "=r"(nv.w)
-                         : "r"(n_slab + r * PITCH + c * 16));
-            *reinterpret_cast<uint4 *>(h_out + (size_t)row * N + c * 8) = hv;
-            *reinterpret_cast<uint4 *>(n_out + (size_t)row * N + c * 8) = nv;
-        }
-    }
+    store_rows(n_slab, n_out);
 }
 
 #endif // sm_90a or host
@@ -311,19 +321,23 @@ __device__ __forceinline__ void fused(const T *__restrict__ x, const T *__restri
 #define LN_SM90A(...) __trap()
 #endif
 
-// One launchable instantiation: linear_norm_wgmma_n<N>_<f16|bf16> (N = 160·NWG), NWG·128 threads, smem_bytes<NWG, S>() of
-// dynamic shared memory, grid (M/64 rounded up). residual may be null. The host (src/linear_norm.rs) repeats these
+// One launchable instantiation: linear_norm_wgmma_n<N>_<f16|bf16> (N = 160·NWG; with NORM false linear_wgmma_n<N>_…,
+// which writes h only), NWG·128 threads, smem_bytes<NWG, S>() of dynamic shared memory, grid (M/64 rounded up).
+// residual may be null; without NORM so may gamma, beta and n. The host (src/linear_norm.rs) repeats these
 // parameters.
-#define LINEAR_NORM(N, NWG, S, W1, T, SFX)                                                                            \
-    extern "C" __global__ void __launch_bounds__(128 * NWG, 1) linear_norm_wgmma_n##N##_##SFX(                    \
+#define LINEAR_NORM(NAME, N, NWG, S, W1, NORM, T, SFX)                                                            \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, 1) NAME##_n##N##_##SFX(                               \
         const T *x, const T *w, const T *bias, const T *residual, const T *gamma, const T *beta, T *h, T *n,      \
         int M, int K, float eps) {                                                                                \
-        LN_SM90A((linear_norm_wgmma::fused<T, NWG, S, W1>(x, w, bias, residual, gamma, beta, h, n, M, K, eps)));     \
+        LN_SM90A((linear_norm_wgmma::fused<T, NWG, S, W1, NORM>(x, w, bias, residual, gamma, beta, h, n, M, K,    \
+                                                                 eps)));                                          \
     }
 #define LINEAR_NORM_BOTH(N, NWG, S, W1)                                                                           \
-    LINEAR_NORM(N, NWG, S, W1, __half, f16)                                                                       \
-    LINEAR_NORM(N, NWG, S, W1, __nv_bfloat16, bf16)
+    LINEAR_NORM(linear_norm_wgmma, N, NWG, S, W1, true, __half, f16)                                              \
+    LINEAR_NORM(linear_norm_wgmma, N, NWG, S, W1, true, __nv_bfloat16, bf16)                                      \
+    LINEAR_NORM(linear_wgmma, N, NWG, S, W1, false, __half, f16)                                                  \
+    LINEAR_NORM(linear_wgmma, N, NWG, S, W1, false, __nv_bfloat16, bf16)
 #ifndef SDHIVE_LINEAR_NORM_NO_INSTANCES
-// N 320 (SD1.5's 64² transformers): two warpgroups, four stages.
+// N 320 (SD1.5's 64² transformers): two warpgroups, three stages.
 LINEAR_NORM_BOTH(320, 2, 3, false)
 #endif

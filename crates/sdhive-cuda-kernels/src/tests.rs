@@ -290,8 +290,9 @@ fn fused_geglu_product_refuses_what_it_cannot_take() {
 
 /// The narrow product with its LayerNorm against the f32 product of the same (rounded) inputs plus bias and
 /// residual, rounded to the storage type as the unfused product stores it, then LayerNorm in f32: the SD1.5 UNet's
-/// 64² shapes (proj_in without a residual, the attentions' to_out with one; batch 2), K 640 and row counts off the
-/// 64-row block (77, 1000, 1; 3-D and 2-D inputs), f16 and bf16. The residual carries a large offset per row, as
+/// 64² shapes (proj_in without a residual, the attentions' to_out with one, the feed-forward's second product at K
+/// 1280; batch 2), K 640 and row counts off the 64-row block (77, 1000, 1; 3-D and 2-D inputs), f16 and bf16; and
+/// the kernel without the norm ([`linear_rows`]) giving the same h bit for bit. The residual carries a large offset per row, as
 /// the residual stream does, so that the LayerNorm's mean matters. On other devices and builds it must say it is
 /// off.
 #[test]
@@ -310,6 +311,7 @@ fn fused_linear_norm_matches_the_reference() {
     let shapes = [
         (&[2, 4096][..], 320, false),
         (&[2, 4096][..], 320, true),
+        (&[2, 4096][..], 1280, true),
         (&[77][..], 320, true),
         (&[2, 500][..], 640, true),
         (&[1, 1][..], 320, false),
@@ -351,9 +353,17 @@ fn fused_linear_norm_matches_the_reference() {
             assert_eq!(ours_n.dims(), h.dims());
             assert_eq!((ours_h.dtype(), ours_n.dtype()), (dtype, dtype));
             let (dh, dn) = (rel_diff(&ours_h, &h), rel_diff(&ours_n, &want_n));
-            eprintln!("fused product and LayerNorm {rows:?} k{k} residual {with_residual} {dtype:?}: h {dh:.2e}, n {dn:.2e}");
+            // The same kernel without the norm makes the same h.
+            let rows_only = linear_rows(&xd, &wd, &bd, residual).unwrap();
+            assert_eq!(rows_only.dims(), h.dims());
+            let dr = rel_diff(&rows_only, &ours_h);
+            eprintln!(
+                "fused product and LayerNorm {rows:?} k{k} residual {with_residual} {dtype:?}: h {dh:.2e}, n {dn:.2e}, \
+                 h without the norm against h {dr:.2e}"
+            );
             assert!(dh <= tol(dtype), "product {rows:?} k{k} residual {with_residual} {dtype:?}: {dh}");
             assert!(dn <= tol(dtype), "LayerNorm {rows:?} k{k} residual {with_residual} {dtype:?}: {dn}");
+            assert!(dr == 0.0, "h without the norm {rows:?} k{k} residual {with_residual} {dtype:?}: {dr}");
         }
     }
 }

@@ -705,6 +705,15 @@ pub(crate) fn linear(l: &Linear, x: &Tensor, residual: Option<&Tensor>) -> Resul
     if cpu::applies(&tensors) {
         return cpu::linear(x, l.weight(), l.bias(), residual);
     }
+    // On Hopper, at the widths the product-and-LayerNorm kernel has, the same kernel without the norm: faster than
+    // cuBLASLt there, with the residual (its epilogue's weak case) and without.
+    if let Some(bias) = l.bias() {
+        let (n, k) = (l.weight().dim(0)?, x.dim(D::Minus1)?);
+        let one_kind = tensors.iter().all(|t| t.dtype() == x.dtype() && t.device().same_device(x.device()));
+        if matches!(x.rank(), 2 | 3) && one_kind && gpu::linear_norm_on(x.device(), x.dtype(), k, n) {
+            return gpu::linear_rows(x, l.weight(), bias, residual);
+        }
+    }
     // One product with bias and residual in its epilogue.
     if matches!(x.rank(), 2 | 3) && gpu::linear_applies(&tensors) {
         return gpu::linear(x, l.weight(), l.bias(), residual, Side::Tokens, Side::Tokens);
