@@ -14,9 +14,7 @@
 // - Constraints the host checks: K % 64 == 0 (whole K tiles, no tail), H % (BN/2) == 0, 16-byte aligned pointers.
 // The instructions exist only in the arch-specific sm_90a target: build.rs compiles this file for compute_90a
 // where the build is for 9.0 (and nowhere else); in other targets the kernels are traps the host never launches.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
+#include "wgmma_common.cuh"
 
 namespace geglu_wgmma {
 
@@ -59,46 +57,7 @@ template <typename T, int N> struct Wgmma;
 GW_WGMMA_FOR(__half, "f16")
 GW_WGMMA_FOR(__nv_bfloat16, "bf16")
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// The compiler does not know that a wgmma writes its registers asynchronously: an empty volatile asm "rewriting"
-// each one after the last wait keeps the epilogue's reads behind it.
-template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// `bytes` 0 writes zeros without reading (rows past M).
-__device__ __forceinline__ void cp16(uint32_t dst, const void *src, uint32_t bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-
-// K-major operand tile, rows of 64 values (128 bytes), 128-byte swizzle: 16-byte chunk c of row r sits at chunk
-// c ^ (r % 8); 8-row groups of 1024 bytes (SBO), tile base 1024-aligned. Bits: 0-13 addr>>4, 16-29 LBO>>4 (unused
-// with this swizzle, 1), 32-45 SBO>>4, 62-63 layout (1: 128B swizzle). k-step s of 16 values starts 32·s bytes on,
-// 2·s in the descriptor's address field.
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ float2 to_f2(uint32_t v, __half) {
-    return __half22float2(*reinterpret_cast<const __half2 *>(&v));
-}
-__device__ __forceinline__ float2 to_f2(uint32_t v, __nv_bfloat16) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&v));
-}
-__device__ __forceinline__ uint32_t pack2(float a, float b, __half) {
-    const __half2 v = __floats2half2_rn(a, b);
-    return *reinterpret_cast<const uint32_t *>(&v);
-}
-__device__ __forceinline__ uint32_t pack2(float a, float b, __nv_bfloat16) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<const uint32_t *>(&v);
-}
+using namespace sm90;
 
 // a · gelu_erf(g). erff is the exact function diffusers calls; FAST takes erf from Abramowitz & Stegun 7.1.26
 // (|error| ≤ 1.5e-7, far below a 16-bit output's rounding) with one exp and one reciprocal on the SFU.
