@@ -8,8 +8,8 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{
-    bail, builder_arg, CpuStorage, CudaDevice, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout,
-    Result, Shape, Storage, Tensor,
+    bail, builder_arg, CpuStorage, CudaDevice, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device,
+    Layout, Result, Shape, Storage, Tensor,
 };
 use half::{bf16, f16};
 
@@ -81,6 +81,23 @@ pub(crate) fn opt_in_shared(func: &CudaFunction, smem: usize) -> Result<()> {
         .w()?;
     }
     Ok(())
+}
+
+/// Whether a module's sm_90a PTX (`ptx`, empty unless the build is for compute capability 9.0) loads on `device`:
+/// a CUDA device of compute capability 9.0 exactly.
+pub(crate) fn sm90a_loads(device: &Device, ptx: &str) -> bool {
+    match device {
+        Device::Cuda(dev) => {
+            !ptx.is_empty() && dev.cuda_stream().context().compute_capability().is_ok_and(|cc| cc == (9, 0))
+        }
+        _ => false,
+    }
+}
+
+/// Whether a view starts on 16 bytes for 2-byte elements (an element offset that is a multiple of 8; candle's
+/// allocations themselves are aligned), as kernels reading 16-byte chunks need.
+pub(crate) fn aligned16(l: &Layout) -> bool {
+    l.start_offset().is_multiple_of(8)
 }
 
 pub(crate) fn cpu_only(name: &str) -> Result<(CpuStorage, Shape)> {

@@ -4,7 +4,7 @@
 //! gate's), which [`interleave`] makes once, when a network loads; this module also owns the shape checks and the
 //! choice of tiling per shape.
 
-use crate::cuda::contiguous;
+use crate::cuda::{aligned16, contiguous, sm90a_loads};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
@@ -96,19 +96,9 @@ fn shape_refusal(k: usize, h: usize) -> Option<String> {
     None
 }
 
-/// Whether the sm_90a PTX is in the build and `device` is compute capability 9.0 (the only one it loads on).
-fn hopper(device: &Device) -> bool {
-    match device {
-        Device::Cuda(dev) => {
-            !PTX.is_empty() && dev.cuda_stream().context().compute_capability().is_ok_and(|cc| cc == (9, 0))
-        }
-        _ => false,
-    }
-}
-
 /// [`crate::geglu_product_on`] without the environment switch.
 pub fn product_on(device: &Device, dtype: DType, k: usize, h: usize) -> bool {
-    matches!(dtype, DType::F16 | DType::BF16) && shape_refusal(k, h).is_none() && hopper(device)
+    matches!(dtype, DType::F16 | DType::BF16) && shape_refusal(k, h).is_none() && sm90a_loads(device, PTX)
 }
 
 /// W1 `(2H, K)` and b1 `(2H)` with their rows in the kernel's order: for each block of [`INTERLEAVE`] outputs,
@@ -132,11 +122,6 @@ pub fn interleave(w1: &Tensor, b1: &Tensor) -> Result<(Tensor, Tensor)> {
 }
 
 struct GegluProduct;
-
-/// Element offsets that keep the kernel's 16-byte loads aligned (candle's allocations are).
-fn aligned(l: &Layout) -> bool {
-    l.start_offset().is_multiple_of(8)
-}
 
 fn launch<T: CudaDType + DeviceRepr>(
     x: (&CudaStorage, &Layout),
@@ -210,7 +195,7 @@ impl CustomOp3 for GegluProduct {
         if n != 2 * h || bl.shape().elem_count() != n {
             bail!("fused GEGLU product: weight {:?} and bias {:?} (2H rows)", wl.dims(), bl.dims());
         }
-        if !aligned(xl) || !aligned(wl) || !aligned(bl) {
+        if !aligned16(xl) || !aligned16(wl) || !aligned16(bl) {
             bail!("fused GEGLU product: operands must start on 16 bytes (element offsets multiples of 8)");
         }
         let m = xl.shape().elem_count() / k;
@@ -255,7 +240,7 @@ pub fn product(x: &Tensor, w_il: &Tensor, b_il: &Tensor) -> Result<Tensor> {
     if !w_il.device().same_device(x.device()) || !b_il.device().same_device(x.device()) {
         bail!("fused GEGLU product: the tensors are not on one device");
     }
-    if !hopper(x.device()) {
+    if !sm90a_loads(x.device(), PTX) {
         bail!("fused GEGLU product: needs a compute capability 9.0 GPU and a build for it (CUDA_COMPUTE_CAP=90)");
     }
     if x.elem_count() == 0 {

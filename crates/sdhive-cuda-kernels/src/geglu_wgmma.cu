@@ -89,10 +89,10 @@ __device__ __forceinline__ void fused(const T *__restrict__ x, const T *__restri
                                       T *__restrict__ out, int M, int K, int H) {
     static_assert(BN % (2 * IL) == 0, "a tile holds whole a/gate pairs");
     constexpr int BM = 64 * NWG, THREADS = 128 * NWG;
-    constexpr int A_BYTES = BM * 128, STAGE = A_BYTES + BN * 128;
+    using Ring = TileRing<THREADS, BM, BN, S>;
+    constexpr int A_BYTES = Ring::A_BYTES, STAGE = Ring::STAGE;
     constexpr int D = W1 ? S - 2 : S - 1;
     static_assert(D >= 1, "prefetch distance");
-    constexpr int A_CH = BM * 8 / THREADS, B_CH = BN * 8 / THREADS;
     constexpr int ACC = BN / 2;
     // The epilogue's staging slabs reuse the ring.
     static_assert(NWG * 64 * (BN + 16) <= S * STAGE, "staging fits in the ring");
@@ -105,35 +105,8 @@ __device__ __forceinline__ void fused(const T *__restrict__ x, const T *__restri
     const T *wb = w + (size_t)n_tile * BN * K;
     const int KT = K / BK;
 
-    // A thread copies the same chunks of every K tile: offsets worked out once. Rows past M read nothing (and
-    // point at the block's first row, which exists) so that their zeros make zero products.
-    uint32_t a_dst[A_CH], a_src[A_CH], a_bytes[A_CH], b_dst[B_CH], b_src[B_CH];
-#pragma unroll
-    for (int i = 0; i < A_CH; ++i) {
-        const int idx = tid + i * THREADS, r = idx / 8, c = idx % 8;
-        const bool ok = m0 + r < M;
-        a_dst[i] = r * 128 + ((c ^ (r & 7)) << 4);
-        a_src[i] = (ok ? r * K : 0) + c * 8;
-        a_bytes[i] = ok ? 16 : 0;
-    }
-#pragma unroll
-    for (int i = 0; i < B_CH; ++i) {
-        const int idx = tid + i * THREADS, r = idx / 8, c = idx % 8;
-        b_dst[i] = A_BYTES + r * 128 + ((c ^ (r & 7)) << 4);
-        b_src[i] = r * K + c * 8;
-    }
-    // One cp.async group per call, empty past the last tile, so that the group count stays uniform.
-    auto load = [&](int kt) {
-        if (kt < KT) {
-            const uint32_t st = base + (kt % S) * STAGE;
-            const int k0 = kt * BK;
-#pragma unroll
-            for (int i = 0; i < A_CH; ++i) cp16(st + a_dst[i], xa + a_src[i] + k0, a_bytes[i]);
-#pragma unroll
-            for (int i = 0; i < B_CH; ++i) cp16(st + b_dst[i], wb + b_src[i] + k0, 16);
-        }
-        cp_commit();
-    };
+    const Ring ring(tid, m0, M, K);
+    auto load = [&](int kt) { ring.load(base, xa, wb, kt, KT); };
 
     float acc[ACC];
 #pragma unroll

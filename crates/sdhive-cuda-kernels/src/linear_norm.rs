@@ -4,7 +4,7 @@
 //! with a residual that no norm follows (cuBLASLt's residual epilogue is slow at these shapes). This module owns the
 //! shape checks and the instantiation table (one so far: 320 output features, SD1.5's 64² transformers).
 
-use crate::cuda::{contiguous, held_view};
+use crate::cuda::{aligned16, contiguous, held_view, sm90a_loads};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
@@ -69,19 +69,9 @@ fn shape_refusal(k: usize, n: usize) -> Option<String> {
     None
 }
 
-/// Whether the sm_90a PTX is in the build and `device` is compute capability 9.0 (the only one it loads on).
-fn hopper(device: &Device) -> bool {
-    match device {
-        Device::Cuda(dev) => {
-            !PTX.is_empty() && dev.cuda_stream().context().compute_capability().is_ok_and(|cc| cc == (9, 0))
-        }
-        _ => false,
-    }
-}
-
 /// [`crate::linear_norm_on`] without the environment switch.
 pub fn product_on(device: &Device, dtype: DType, k: usize, n: usize) -> bool {
-    matches!(dtype, DType::F16 | DType::BF16) && shape_refusal(k, n).is_none() && hopper(device)
+    matches!(dtype, DType::F16 | DType::BF16) && shape_refusal(k, n).is_none() && sm90a_loads(device, PTX)
 }
 
 /// The op: x, W and the bias as its operands; the residual and the LayerNorm's weight and bias (none: h alone)
@@ -90,11 +80,6 @@ struct LinearNorm {
     residual: Option<Tensor>,
     norm: Option<(Tensor, Tensor)>,
     eps: f32,
-}
-
-/// Element offsets that keep the kernel's 16-byte loads aligned (candle's allocations are).
-fn aligned(l: &Layout) -> bool {
-    l.start_offset().is_multiple_of(8)
 }
 
 fn launch<T: CudaDType + DeviceRepr>(
@@ -224,12 +209,13 @@ impl CustomOp3 for LinearNorm {
             if r.dims() != out_dims.as_slice() {
                 bail!("product and LayerNorm: residual {:?} differs from the output {out_dims:?}", r.dims());
             }
-            if !aligned(r.layout()) {
+            if !aligned16(r.layout()) {
                 bail!("product and LayerNorm: the residual must start on 16 bytes");
             }
         }
-        let norm_aligned = self.norm.as_ref().is_none_or(|(g, b)| aligned(g.layout()) && aligned(b.layout()));
-        if !aligned(xl) || !aligned(wl) || !aligned(bl) || !norm_aligned {
+        let norm_aligned =
+            self.norm.as_ref().is_none_or(|(g, b)| aligned16(g.layout()) && aligned16(b.layout()));
+        if !aligned16(xl) || !aligned16(wl) || !aligned16(bl) || !norm_aligned {
             bail!("product and LayerNorm: operands must start on 16 bytes (element offsets multiples of 8)");
         }
         if self.norm.is_some() {
@@ -272,7 +258,7 @@ pub fn product(
     if tensors.iter().any(|t| !t.device().same_device(x.device())) {
         bail!("product and LayerNorm: the tensors are not on one device");
     }
-    if !hopper(x.device()) {
+    if !sm90a_loads(x.device(), PTX) {
         bail!("product and LayerNorm: needs a compute capability 9.0 GPU and a build for it (CUDA_COMPUTE_CAP=90)");
     }
     let mut dims = x.dims().to_vec();

@@ -1,6 +1,6 @@
 // Shared by the Hopper (sm_90a) product kernels (geglu_wgmma.cu, linear_norm_wgmma.cu): wgmma's fences and waits,
-// the cp.async ring's copies and group waits, the 128-byte-swizzled K-major operand descriptor, and f16/bf16 pairs
-// to and from f32. Only in the arch-specific sm_90a target (and for the host's view of the includers).
+// the cp.async ring's copies and group waits and its per-thread copy plan (TileRing), the 128-byte-swizzled K-major
+// operand descriptor, and f16/bf16 pairs to and from f32. Only in the arch-specific sm_90a target (and for the host's view of the includers).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -49,6 +49,50 @@ __device__ __forceinline__ uint32_t pack2(float a, float b, __nv_bfloat16) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<const uint32_t *>(&v);
 }
+
+// The copies of one product kernel's K-tile ring: S stages of BM rows of A then BN rows of B, 64 values (128
+// bytes) a row, 128-byte swizzle (desc_sw128's layout), both K-major with K values per row in global memory. A
+// thread copies the same chunks of every K tile, so their offsets are worked out once; A's rows past the matrix
+// read nothing (and point at the block's first row, which exists) so that their zeros make zero products.
+template <int THREADS, int BM, int BN, int S> struct TileRing {
+    static constexpr int A_BYTES = BM * 128, STAGE = A_BYTES + BN * 128;
+    static constexpr int A_CH = BM * 8 / THREADS, B_CH = BN * 8 / THREADS;
+    static_assert(BM * 8 % THREADS == 0 && BN * 8 % THREADS == 0, "chunks divide among the threads");
+    uint32_t a_dst[A_CH], a_src[A_CH], a_bytes[A_CH], b_dst[B_CH], b_src[B_CH];
+
+    // The block's A rows start at row m0 of M.
+    __device__ __forceinline__ TileRing(int tid, int m0, int M, int K) {
+#pragma unroll
+        for (int i = 0; i < A_CH; ++i) {
+            const int idx = tid + i * THREADS, r = idx / 8, c = idx % 8;
+            const bool ok = m0 + r < M;
+            a_dst[i] = r * 128 + ((c ^ (r & 7)) << 4);
+            a_src[i] = (ok ? r * K : 0) + c * 8;
+            a_bytes[i] = ok ? 16 : 0;
+        }
+#pragma unroll
+        for (int i = 0; i < B_CH; ++i) {
+            const int idx = tid + i * THREADS, r = idx / 8, c = idx % 8;
+            b_dst[i] = A_BYTES + r * 128 + ((c ^ (r & 7)) << 4);
+            b_src[i] = r * K + c * 8;
+        }
+    }
+
+    // K tile kt of A and B (the block's first rows) into its stage of the ring at `base`: one cp.async group per
+    // call, empty past the last of the KT tiles, so that the group count stays uniform.
+    template <typename T>
+    __device__ __forceinline__ void load(uint32_t base, const T *a, const T *b, int kt, int KT) const {
+        if (kt < KT) {
+            const uint32_t st = base + (kt % S) * STAGE;
+            const int k0 = kt * 64;
+#pragma unroll
+            for (int i = 0; i < A_CH; ++i) cp16(st + a_dst[i], a + a_src[i] + k0, a_bytes[i]);
+#pragma unroll
+            for (int i = 0; i < B_CH; ++i) cp16(st + b_dst[i], b + b_src[i] + k0, 16);
+        }
+        cp_commit();
+    }
+};
 
 } // namespace sm90
 #endif

@@ -681,13 +681,9 @@ pub(crate) fn project_then_norm(
 ) -> Result<(Tensor, Tensor)> {
     let (c_out, c_in) = (weight.dim(0)?, weight.elem_count() / weight.dim(0)?.max(1));
     if let Some(bias) = bias {
-        let mut tensors = vec![weight, bias, ln_weight, ln_bias];
-        tensors.extend(residual);
-        let one_kind = tensors.iter().all(|t| t.dtype() == x.dtype() && t.device().same_device(x.device()));
-        if one_kind
-            && x.dims().last() == Some(&c_in)
-            && gpu::linear_norm_on(x.device(), x.dtype(), c_in, c_out)
-        {
+        let mut others = vec![weight, bias, ln_weight, ln_bias];
+        others.extend(residual);
+        if rows_kernel_takes(x, (c_out, c_in), &others) {
             let weight = weight.reshape((c_out, c_in))?;
             return gpu::linear_norm(x, &weight, bias, residual, ln_weight, ln_bias, eps);
         }
@@ -695,6 +691,15 @@ pub(crate) fn project_then_norm(
     let h = project(x, weight, bias, residual)?;
     let n = layer_norm(&h, ln_weight, ln_bias, eps)?;
     Ok((h, n))
+}
+
+/// Whether the product-and-LayerNorm kernel (with its norm or without) takes `x` against an `(n, k)` weight, with
+/// `others` (the weight, biases, residual, norm parameters) beside it: one dtype and device throughout, and a
+/// shape the kernel is instantiated for on this device.
+fn rows_kernel_takes(x: &Tensor, (n, k): (usize, usize), others: &[&Tensor]) -> bool {
+    others.iter().all(|t| t.dtype() == x.dtype() && t.device().same_device(x.device()))
+        && x.dims().last() == Some(&k)
+        && gpu::linear_norm_on(x.device(), x.dtype(), k, n)
 }
 
 /// `linear(x) (+ residual)`.
@@ -708,9 +713,7 @@ pub(crate) fn linear(l: &Linear, x: &Tensor, residual: Option<&Tensor>) -> Resul
     // On Hopper, at the widths the product-and-LayerNorm kernel has, the same kernel without the norm: faster than
     // cuBLASLt there, with the residual (its epilogue's weak case) and without.
     if let Some(bias) = l.bias() {
-        let (n, k) = (l.weight().dim(0)?, x.dim(D::Minus1)?);
-        let one_kind = tensors.iter().all(|t| t.dtype() == x.dtype() && t.device().same_device(x.device()));
-        if matches!(x.rank(), 2 | 3) && one_kind && gpu::linear_norm_on(x.device(), x.dtype(), k, n) {
+        if matches!(x.rank(), 2 | 3) && rows_kernel_takes(x, l.weight().dims2()?, &tensors) {
             return gpu::linear_rows(x, l.weight(), bias, residual);
         }
     }
