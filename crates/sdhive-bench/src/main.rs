@@ -134,6 +134,9 @@ struct Report {
     unet_build_ms: f64,
     vae_build_ms: f64,
     unet_step_b2: Option<Timing>,
+    /// Making a 20-step schedule's time-embedding table, once per image (the first step of each schedule in
+    /// `unet_step_b2` includes it).
+    unet_time_table: Option<Timing>,
     vae_decode: Option<Timing>,
     /// VmHWM: the most resident memory the process ever had, with both networks built.
     peak_rss_bytes: u64,
@@ -152,6 +155,7 @@ struct Bench {
     added: Option<SdxlConditioning>,
     latent: Tensor,
     unet_calls: usize,
+    table_calls: usize,
     unet_build_ms: f64,
     vae_build_ms: f64,
     rss_after_build_bytes: u64,
@@ -204,19 +208,42 @@ impl Bench {
             added,
             latent: randn(&[1, 4, latent, latent])?,
             unet_calls: 0,
+            table_calls: 0,
             unet_build_ms,
             vae_build_ms,
             rss_after_build_bytes,
         })
     }
 
-    /// One CFG step; the timestep moves like a sampler's so no call is special.
+    /// The time-embedding table of a 20-step schedule, made afresh: calls alternate between two schedules a
+    /// timestep apart.
+    fn unet_time_table(&mut self) -> Result<Call> {
+        let shift = (self.table_calls % 2) as f64;
+        self.table_calls += 1;
+        let schedule: Vec<f64> = (0..SCHEDULE_STEPS).map(|i| 999.0 - shift - 50.0 * i as f64).collect();
+        let unet = self.unet.as_ref().context("the UNet was not built (--only vae)")?;
+        let batch = self.sample.dim(0)?;
+        timed(&self.device, || {
+            unet.prepare_timesteps(&schedule, batch, self.added.as_ref()).context("UNet time table")?;
+            Ok(())
+        })
+    }
+
+    /// One CFG step of a 20-step schedule, as the pipeline runs it: the timestep moves like a sampler's, and the
+    /// first step of each schedule also makes the schedule's time-embedding table (so a mean over whole schedules
+    /// carries its share).
     fn unet_step(&mut self) -> Result<Call> {
-        let timestep = 999.0 - 50.0 * (self.unet_calls % 20) as f64;
+        let schedule: Vec<f64> = (0..SCHEDULE_STEPS).map(|i| 999.0 - 50.0 * i as f64).collect();
+        let i = self.unet_calls % SCHEDULE_STEPS;
         self.unet_calls += 1;
         let unet = self.unet.as_ref().context("the UNet was not built (--only vae)")?;
+        let batch = self.sample.dim(0)?;
         timed(&self.device, || {
-            unet.forward(&self.sample, timestep, &self.context, self.added.as_ref()).context("UNet step")?;
+            if i == 0 {
+                unet.prepare_timesteps(&schedule, batch, self.added.as_ref()).context("UNet time table")?;
+            }
+            unet.forward(&self.sample, schedule[i], &self.context, self.added.as_ref())
+                .context("UNet step")?;
             Ok(())
         })
     }
@@ -304,6 +331,9 @@ fn main() -> Result<()> {
     let unet_step_b2 = (args.only != Only::Vae)
         .then(|| measure("unet step", args.warmup, args.iters, || bench.unet_step()))
         .transpose()?;
+    let unet_time_table = (args.only != Only::Vae)
+        .then(|| measure("unet time table", args.warmup, args.iters, || bench.unet_time_table()))
+        .transpose()?;
     if let Some(unet) = &bench.unet {
         let (recorded, refused) = unet.graph_status();
         eprintln!("UNet steps replayed from a CUDA graph: {}", if recorded > 0 { "yes" } else { "no" });
@@ -318,6 +348,7 @@ fn main() -> Result<()> {
         device: device_name,
         dtype: args.dtype.clone(),
         model: args.model.name(),
+        unet_time_table,
         ..report(&bench, threads, args.latent, unet_step_b2, vae_decode)?
     };
     eprintln!("peak RSS {:.2} GB", report.peak_rss_bytes as f64 / 1e9);
@@ -341,6 +372,7 @@ fn report(
         unet_build_ms: bench.unet_build_ms,
         vae_build_ms: bench.vae_build_ms,
         unet_step_b2,
+        unet_time_table: None,
         vae_decode,
         peak_rss_bytes: status_kb("VmHWM:")?,
         rss_after_build_bytes: bench.rss_after_build_bytes,
@@ -467,6 +499,9 @@ fn cpu_time_ms() -> Result<f64> {
 
 /// `sysconf(_SC_CLK_TCK)`: 100 on every Linux configuration this runs on.
 const CLOCK_TICKS_PER_SEC: f64 = 100.0;
+
+/// The sampler steps per image that `unet_step` cycles through (the benchmark table's images have 20).
+const SCHEDULE_STEPS: usize = 20;
 
 fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3

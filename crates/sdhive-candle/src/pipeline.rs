@@ -323,6 +323,8 @@ pub fn denoise(
     model
         .unet
         .with(|unet| -> Result<Tensor, PipelineError> {
+            unet.prepare_timesteps(&timesteps[begin..], batch, cond.added.as_ref())
+                .map_err(failed("unet time embedding"))?;
             for (n, i) in (begin..timesteps.len()).enumerate() {
                 let t = timesteps[i];
                 let doubled = if cond.guided {

@@ -113,11 +113,25 @@ fn unet_case(model: &str) {
     let sample = get(&g, "sample");
     let ctx = get(&g, "encoder_hidden_states");
     let mut results = Vec::new();
-    for (ts, key) in [(t[0], "out"), (1.0, "out_t1")] {
+    let steps = [(t[0], "out"), (1.0, "out_t1")];
+    for (ts, key) in steps {
         let out = unet.forward(sample, ts, ctx, added.as_ref()).unwrap_or_else(|e| panic!("{e}"));
         let what = format!("{model} unet {key}");
         results.push((what.clone(), max_diff(&what, &out, get(&g, key))));
     }
+    // The same steps reading their time rows from a schedule's table made in one pass.
+    let batch = sample.dim(0).expect("batch");
+    unet.prepare_timesteps(&[t[0], 500.0, 1.0], batch, added.as_ref()).unwrap_or_else(|e| panic!("{e}"));
+    for (ts, key) in steps {
+        assert!(
+            unet.prepared_timestep(ts, batch, added.as_ref()),
+            "{model}: t={ts} must come from the table"
+        );
+        let out = unet.forward(sample, ts, ctx, added.as_ref()).unwrap_or_else(|e| panic!("{e}"));
+        let what = format!("{model} unet {key} (schedule table)");
+        results.push((what.clone(), max_diff(&what, &out, get(&g, key))));
+    }
+    assert!(!unet.prepared_timestep(2.0, batch, added.as_ref()), "off the schedule");
     check(&results);
 }
 

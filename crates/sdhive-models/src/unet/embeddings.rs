@@ -49,11 +49,16 @@ impl Timesteps {
         }
     }
 
-    /// The features of one scalar timestep repeated for a batch, in `dtype` on `device`. Made on the host and
-    /// uploaded in one copy: on a GPU the same arithmetic is six kernel launches per step.
+    /// The features of one scalar timestep repeated for a batch, in `dtype` on `device`.
     pub fn forward_scalar(&self, t: f64, batch: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+        self.forward_scalars(&vec![t; batch], dtype, device)
+    }
+
+    /// The features of host timesteps `(N,)` → `(N, dim)` in `dtype` on `device`. Made on the host and uploaded
+    /// in one copy: on a GPU the same arithmetic is six kernel launches.
+    pub fn forward_scalars(&self, ts: &[f64], dtype: DType, device: &Device) -> Result<Tensor> {
         // diffusers turns a Python float timestep into float64 then `.float()`: round once.
-        let ts = Tensor::from_vec(vec![t as f32; batch], batch, &Device::Cpu)?;
+        let ts = Tensor::from_vec(ts.iter().map(|&t| t as f32).collect(), ts.len(), &Device::Cpu)?;
         self.forward(&ts)?.to_dtype(dtype)?.to_device(device)
     }
 }

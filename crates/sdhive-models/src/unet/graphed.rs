@@ -3,9 +3,10 @@
 //! the body's ~700 launches into a graph, and later ones copy their inputs into the recorded input buffers and
 //! replay it with one launch, so the step costs its GPU time and not the host's per-kernel work.
 //!
-//! The time embedding stays outside the graph: it turns a host float into a device tensor, which a recording
-//! cannot hold, and it is a handful of small kernels. So does the table of the text context's k and v, made once
-//! per context; a replay copies it into the recording only when it is another tensor than last time.
+//! The time embedding and the ResNets' projections of it stay outside the graph: they start from a host float,
+//! which a recording cannot hold, and a denoising loop makes them for its whole schedule before the first step, so
+//! a step only copies its row in. So does the table of the text context's k and v, made once per context; a
+//! replay copies it into the recording only when it is another tensor than last time.
 
 use candle_core::{Result, Tensor, TensorId};
 use sdhive_cuda_kernels::Graph;

@@ -21,7 +21,7 @@ use blocks::{BlockCommon, DownBlock, MidBlock, UpBlock};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::path::Path;
-use tables::ContextTable;
+use tables::{ContextTable, ScheduleKey, ScheduleTable};
 
 const MODEL: &str = "unet";
 
@@ -60,6 +60,7 @@ pub struct UNet2DConditionModel {
     layout: MapLayout,
     graphs: graphed::StepGraphs,
     context_table: ContextTable,
+    schedule: ScheduleTable,
 }
 
 impl UNet2DConditionModel {
@@ -133,6 +134,7 @@ impl UNet2DConditionModel {
                 layout: MapLayout::of(&vb),
                 graphs: graphed::StepGraphs::default(),
                 context_table: ContextTable::default(),
+                schedule: ScheduleTable::default(),
             })
         };
         build().map_err(weights_err(MODEL))
@@ -161,6 +163,81 @@ impl UNet2DConditionModel {
     /// failed for the others.
     pub fn graph_status(&self) -> (usize, Vec<String>) {
         self.graphs.status()
+    }
+
+    /// Makes the time embedding's contribution to every ResNet for each of `timesteps` in one pass, for calls of
+    /// [`Self::forward`] at batch `batch` with `added` (the same tensors). A denoising loop calls this once with
+    /// its schedule; each step then reads its row instead of running the time embedding and its projections.
+    /// Steps at other timesteps, batches or conditioning still work, computing theirs as they go, as every step
+    /// does with `SDHIVE_TIME_TABLE=0`.
+    pub fn prepare_timesteps(
+        &self,
+        timesteps: &[f64],
+        batch: usize,
+        added: Option<&SdxlConditioning>,
+    ) -> Result<()> {
+        if self.add_embedding.is_some() && added.is_none() {
+            return Err(input_err(
+                MODEL,
+                "addition_embed_type \"text_time\" needs text_embeds and time_ids (SDXL)",
+            ));
+        }
+        if let Some(bad) = timesteps.iter().find(|t| !t.is_finite()) {
+            return Err(input_err(MODEL, format!("timestep {bad} is not a finite number")));
+        }
+        // The switch keeps the per-step path measurable against the table (`SDHIVE_TIME_TABLE=0`).
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if !*ON.get_or_init(|| std::env::var("SDHIVE_TIME_TABLE").map_or(true, |v| v != "0")) {
+            return Ok(());
+        }
+        let key = self.schedule_key(batch, added);
+        if let Some(distinct) = self.schedule.missing(timesteps, key) {
+            let rows = self.schedule_rows(&distinct, batch, added)?;
+            self.schedule.store(&distinct, key, rows).ctx(MODEL)?;
+        }
+        Ok(())
+    }
+
+    /// Whether a [`Self::forward`] at `timestep` with this batch and `added` reads its time rows from the table
+    /// of [`Self::prepare_timesteps`].
+    pub fn prepared_timestep(&self, timestep: f64, batch: usize, added: Option<&SdxlConditioning>) -> bool {
+        matches!(self.schedule.row(timestep, self.schedule_key(batch, added)), Ok(Some(_)))
+    }
+
+    fn schedule_key(&self, batch: usize, added: Option<&SdxlConditioning>) -> ScheduleKey {
+        // SD1.x/2.x ignore `added`: their rows depend on the timestep alone.
+        let added =
+            added.filter(|_| self.add_embedding.is_some()).map(|a| (a.text_embeds.id(), a.time_ids.id()));
+        ScheduleKey { batch, added }
+    }
+
+    /// The ResNets' time table of each of `ts`: `(n, B, ΣC)`.
+    fn schedule_rows(&self, ts: &[f64], b: usize, added: Option<&SdxlConditioning>) -> Result<Tensor> {
+        let n = ts.len();
+        let features = self.time_proj.forward_scalars(ts, self.dtype, &self.device).ctx(MODEL)?;
+        let emb = self.time_embedding.forward(&features).ctx(MODEL)?;
+        let aug = match (&self.add_embedding, added) {
+            (Some(add), Some(cond)) => Some(self.add_embed(add, cond, b)?),
+            _ => None,
+        };
+        let rows = || -> candle_core::Result<Tensor> {
+            match aug {
+                // Every sample's row differs: (n, B, T) through the projections.
+                Some(aug) => {
+                    let emb = emb.unsqueeze(1)?.broadcast_add(&aug.unsqueeze(0)?)?;
+                    let t = emb.dim(2)?;
+                    let table = self.tables.time(&ops::silu(&emb.reshape((n * b, t))?)?)?;
+                    table.reshape((n, b, ()))
+                }
+                // The batch shares each row: n rows through the projections, then repeated.
+                None => {
+                    let table = self.tables.time(&ops::silu(&emb)?)?;
+                    let c = table.dim(1)?;
+                    table.unsqueeze(1)?.broadcast_as((n, b, c))?.contiguous()
+                }
+            }
+        };
+        rows().ctx(MODEL)
     }
 
     /// Predicts noise (or v) for `sample` `(B, C, H, W)` at one `timestep` shared by the
@@ -192,7 +269,13 @@ impl UNet2DConditionModel {
                 "addition_embed_type \"text_time\" needs text_embeds and time_ids (SDXL)",
             ));
         }
-        let temb = self.time_embed(timestep, b, added)?;
+        let temb = match self.schedule.row(timestep, self.schedule_key(b, added)).ctx(MODEL)? {
+            Some(row) => row,
+            None => {
+                let emb = self.time_embed(timestep, b, added)?;
+                self.tables.time(&ops::silu(&emb).ctx(MODEL)?).ctx(MODEL)?
+            }
+        };
         let context = self
             .context_table
             .get(encoder_hidden_states, |c| {
@@ -263,8 +346,8 @@ impl UNet2DConditionModel {
         self.graphs.run([&sample, &temb, &context], &out_shape, |s, t, c| self.run(s, t, c))
     }
 
-    /// The network on `sample`, the time embedding `temb` and `context`, the transformer blocks' table of the
-    /// text context's k and v ([`ContextTable`]).
+    /// The network on `sample`, the ResNets' table of the activated time embedding's projections `temb` `(B, ΣC)`
+    /// and `context`, the transformer blocks' table of the text context's k and v ([`ContextTable`]).
     fn run(&self, sample: &Tensor, temb: &Tensor, context: &Tensor) -> candle_core::Result<Tensor> {
         let sample = sample.to_device(&self.device)?.to_dtype(self.dtype)?;
         let sample = if self.config.center_input_sample { ((sample * 2.0)? - 1.0)? } else { sample };
@@ -276,8 +359,6 @@ impl UNet2DConditionModel {
         let factor = 1usize << n_up;
         let forward_upsample_size = h % factor != 0 || w % factor != 0;
 
-        // Every ResNet projects SiLU(temb): the activation once here, the projections as one product.
-        let temb = &self.tables.time(&ops::silu(temb)?)?;
         let layout = self.layout;
         let mut x = self.conv_in.forward(&sample)?;
         let mut skips = vec![x.clone()];

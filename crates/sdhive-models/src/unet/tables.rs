@@ -3,7 +3,8 @@
 //! the same for every block of a call, so their weights are stacked at load into one matrix each, and a call
 //! makes two products (one tall weight each) instead of one small product per block; the blocks read their
 //! columns of the results in place. The context's table is kept while the caller passes the same context
-//! ([`ContextTable`]).
+//! ([`ContextTable`]); the time embedding's, for every timestep of a schedule, is made in one pass before a
+//! denoising loop and each step reads its row ([`ScheduleTable`]).
 
 use super::blocks::{DownBlock, MidBlock, UpBlock};
 use crate::layers::stack_linears_opt;
@@ -109,11 +110,135 @@ impl ContextTable {
     }
 }
 
+/// The time table `(B, ΣC)` of every timestep of a denoising schedule, made in one pass: row `i` of `(n, B, ΣC)`
+/// for the schedule's `i`-th distinct timestep. A step then reads its row instead of running the time MLP and
+/// the stacked projection (SD1.5: 51.6 MB of weights read per step, about 50 µs of a 5.5 ms step on an H100).
+/// Kept for one schedule, batch and SDXL conditioning at a time; shared by the network's clones.
+#[derive(Clone, Default)]
+pub(crate) struct ScheduleTable {
+    last: Arc<Mutex<Option<Schedule>>>,
+}
+
+impl std::fmt::Debug for ScheduleTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ScheduleTable")
+    }
+}
+
+/// What a table's rows depend on besides the timestep: the batch and the identities of SDXL's conditioning
+/// tensors (immutable, ids never reused).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct ScheduleKey {
+    pub batch: usize,
+    pub added: Option<(TensorId, TensorId)>,
+}
+
+struct Schedule {
+    key: ScheduleKey,
+    /// The distinct timesteps as bit patterns: a step's timestep comes from the same list, so it matches exactly.
+    timesteps: Vec<u64>,
+    /// `(n, B, ΣC)`.
+    rows: Tensor,
+}
+
+impl ScheduleTable {
+    /// The distinct timesteps of `timesteps` (in order; second-order samplers evaluate some twice) when the table
+    /// held is not already theirs for `key`, dropping the old table so two are never held at once; `None` when
+    /// nothing needs making.
+    pub fn missing(&self, timesteps: &[f64], key: ScheduleKey) -> Option<Vec<f64>> {
+        let mut distinct: Vec<f64> = Vec::with_capacity(timesteps.len());
+        for &t in timesteps {
+            if !distinct.iter().any(|d| d.to_bits() == t.to_bits()) {
+                distinct.push(t);
+            }
+        }
+        let bits: Vec<u64> = distinct.iter().map(|t| t.to_bits()).collect();
+        let mut last = self.last.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if last.as_ref().is_some_and(|s| s.key == key && s.timesteps == bits) {
+            return None;
+        }
+        *last = None;
+        (!distinct.is_empty()).then_some(distinct)
+    }
+
+    /// Keeps `rows` `(n, B, ΣC)` as the table of `distinct` (from [`Self::missing`]) for `key`.
+    pub fn store(&self, distinct: &[f64], key: ScheduleKey, rows: Tensor) -> Result<()> {
+        let (n, b, _) = rows.dims3()?;
+        if n != distinct.len() || b != key.batch {
+            candle_core::bail!(
+                "schedule table is {:?}, expected {} timesteps × batch {}",
+                rows.dims(),
+                distinct.len(),
+                key.batch
+            );
+        }
+        let timesteps = distinct.iter().map(|t| t.to_bits()).collect();
+        *self.last.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) =
+            Some(Schedule { key, timesteps, rows });
+        Ok(())
+    }
+
+    /// The `(B, ΣC)` row of `timestep` when the table held was made for it and for `key`.
+    pub fn row(&self, timestep: f64, key: ScheduleKey) -> Result<Option<Tensor>> {
+        let last = self.last.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let Some(schedule) = last.as_ref().filter(|s| s.key == key) else {
+            return Ok(None);
+        };
+        match schedule.timesteps.iter().position(|&b| b == timestep.to_bits()) {
+            Some(i) => Ok(Some(schedule.rows.get(i)?)),
+            None => Ok(None),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::ContextTable;
+    use super::{ContextTable, ScheduleKey, ScheduleTable};
     use candle_core::{Device, Tensor};
     use std::cell::Cell;
+
+    /// Row `i` of a schedule's table is its `i`-th distinct timestep's, found by exact value; another batch,
+    /// another SDXL conditioning or a timestep off the schedule finds none, and the same schedule is not made
+    /// twice.
+    #[test]
+    fn a_schedule_table_gives_each_timestep_its_row() {
+        let dev = Device::Cpu;
+        let table = ScheduleTable::default();
+        let key = ScheduleKey { batch: 2, added: None };
+        let made = Cell::new(0);
+        // Each row holds its timestep in every column, per batch entry `t + b`.
+        let make = |ts: &[f64]| {
+            made.set(made.get() + 1);
+            let v: Vec<f32> =
+                ts.iter().flat_map(|&t| (0..2).flat_map(move |b| [t as f32 + b as f32; 3])).collect();
+            Tensor::from_vec(v, (ts.len(), 2, 3), &dev)
+        };
+        let prepare = |ts: &[f64]| {
+            if let Some(distinct) = table.missing(ts, key) {
+                table.store(&distinct, key, make(&distinct).unwrap()).unwrap();
+            }
+        };
+        let schedule = [999.0, 949.5, 949.5, 899.0];
+        prepare(&schedule);
+        assert_eq!(made.get(), 1);
+        let row = table.row(949.5, key).unwrap().expect("on the schedule");
+        assert_eq!(row.to_vec2::<f32>().unwrap(), vec![vec![949.5; 3], vec![950.5; 3]]);
+        let row = table.row(899.0, key).unwrap().expect("on the schedule");
+        assert_eq!(row.to_vec2::<f32>().unwrap(), vec![vec![899.0; 3], vec![900.0; 3]]);
+        assert!(table.row(949.0, key).unwrap().is_none(), "off the schedule");
+        assert!(table.row(999.0, ScheduleKey { batch: 1, added: None }).unwrap().is_none(), "another batch");
+        let a = Tensor::zeros(1, candle_core::DType::F32, &dev).unwrap();
+        let sdxl = ScheduleKey { batch: 2, added: Some((a.id(), a.id())) };
+        assert!(table.row(999.0, sdxl).unwrap().is_none(), "another conditioning");
+
+        prepare(&schedule);
+        assert_eq!(made.get(), 1, "the same schedule is not made twice");
+        prepare(&[10.0]);
+        assert_eq!(made.get(), 2);
+        assert!(table.row(999.0, key).unwrap().is_none(), "the old schedule is gone");
+        let wrong = Tensor::zeros((1, 2, 3), candle_core::DType::F32, &dev).unwrap();
+        assert!(table.store(&[1.0, 2.0], key, wrong).is_err(), "rows must match the timesteps");
+    }
 
     /// The table is made once per context tensor: again for another tensor, even one of equal values (the cache
     /// goes by identity, not content), and the same values come back.
