@@ -660,8 +660,9 @@ template <typename T> __device__ void geglu(const T *x, const T *bias, T *out, s
 // LayerNorm over rows of `cols` values, one warp per row: (x − mean) / sqrt(var + eps) · w + b. Rows whose length
 // and pointers allow 16-byte loads and stores, and that fit LN_REGS vectors per lane (2048 f16/bf16 values, 1024
 // f32: every row the networks have), stay in registers: the mean and then the squared deviations from it, each
-// summed across the warp, and the write from the same registers, one read of the row in all. Other rows take
-// Welford moments and a second read.
+// summed across the warp, and the write from the same registers, one read of the row in all. The weights and
+// biases are loaded with the row, so their latency overlaps the row's and the reductions' instead of following
+// them. Other rows take Welford moments and a second read.
 constexpr uint32_t LN_REGS = 8;
 
 template <typename T>
@@ -676,13 +677,20 @@ __device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint
                            reinterpret_cast<uintptr_t>(w) | reinterpret_cast<uintptr_t>(b);
     const uint32_t nvec = cols / VEC;
     if (cols % VEC == 0 && addr % 16 == 0 && nvec <= 32 * LN_REGS) {
-        uint4 v[LN_REGS];
-        float sum = 0.f;
+        uint4 v[LN_REGS], wv[LN_REGS], bv[LN_REGS];
 #pragma unroll
         for (uint32_t k = 0; k < LN_REGS; k++) {
             const uint32_t c = lane + 32 * k;
             if (c >= nvec) break;
             v[k] = reinterpret_cast<const uint4 *>(r)[c];
+            wv[k] = reinterpret_cast<const uint4 *>(w)[c];
+            bv[k] = reinterpret_cast<const uint4 *>(b)[c];
+        }
+        float sum = 0.f;
+#pragma unroll
+        for (uint32_t k = 0; k < LN_REGS; k++) {
+            const uint32_t c = lane + 32 * k;
+            if (c >= nvec) break;
             const T *e = reinterpret_cast<const T *>(&v[k]);
 #pragma unroll
             for (uint32_t j = 0; j < VEC; j++) sum += to_f(e[j]);
@@ -704,9 +712,8 @@ __device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint
         for (uint32_t k = 0; k < LN_REGS; k++) {
             const uint32_t c = lane + 32 * k;
             if (c >= nvec) break;
-            const uint4 wv = reinterpret_cast<const uint4 *>(w)[c], bv = reinterpret_cast<const uint4 *>(b)[c];
-            const T *xe = reinterpret_cast<const T *>(&v[k]), *we = reinterpret_cast<const T *>(&wv),
-                    *be = reinterpret_cast<const T *>(&bv);
+            const T *xe = reinterpret_cast<const T *>(&v[k]), *we = reinterpret_cast<const T *>(&wv[k]),
+                    *be = reinterpret_cast<const T *>(&bv[k]);
             uint4 ov;
             T *oe = reinterpret_cast<T *>(&ov);
 #pragma unroll
