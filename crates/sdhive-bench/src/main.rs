@@ -220,7 +220,7 @@ impl Bench {
     fn unet_time_table(&mut self) -> Result<Call> {
         let shift = (self.table_calls % 2) as f64;
         self.table_calls += 1;
-        let schedule: Vec<f64> = (0..SCHEDULE_STEPS).map(|i| 999.0 - shift - 50.0 * i as f64).collect();
+        let schedule = schedule(shift);
         let unet = self.unet.as_ref().context("the UNet was not built (--only vae)")?;
         let batch = self.sample.dim(0)?;
         timed(&self.device, || {
@@ -233,7 +233,7 @@ impl Bench {
     /// first step of each schedule also makes the schedule's time-embedding table (so a mean over whole schedules
     /// carries its share).
     fn unet_step(&mut self) -> Result<Call> {
-        let schedule: Vec<f64> = (0..SCHEDULE_STEPS).map(|i| 999.0 - 50.0 * i as f64).collect();
+        let schedule = schedule(0.0);
         let i = self.unet_calls % SCHEDULE_STEPS;
         self.unet_calls += 1;
         let unet = self.unet.as_ref().context("the UNet was not built (--only vae)")?;
@@ -502,6 +502,11 @@ const CLOCK_TICKS_PER_SEC: f64 = 100.0;
 
 /// The sampler steps per image that `unet_step` cycles through (the benchmark table's images have 20).
 const SCHEDULE_STEPS: usize = 20;
+
+/// A 20-step schedule from 999 down in steps of 50, `shift` lower.
+fn schedule(shift: f64) -> Vec<f64> {
+    (0..SCHEDULE_STEPS).map(|i| 999.0 - shift - 50.0 * i as f64).collect()
+}
 
 fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3

@@ -176,12 +176,7 @@ impl UNet2DConditionModel {
         batch: usize,
         added: Option<&SdxlConditioning>,
     ) -> Result<()> {
-        if self.add_embedding.is_some() && added.is_none() {
-            return Err(input_err(
-                MODEL,
-                "addition_embed_type \"text_time\" needs text_embeds and time_ids (SDXL)",
-            ));
-        }
+        self.require_added(added)?;
         if let Some(bad) = timesteps.iter().find(|t| !t.is_finite()) {
             return Err(input_err(MODEL, format!("timestep {bad} is not a finite number")));
         }
@@ -202,6 +197,17 @@ impl UNet2DConditionModel {
     /// of [`Self::prepare_timesteps`].
     pub fn prepared_timestep(&self, timestep: f64, batch: usize, added: Option<&SdxlConditioning>) -> bool {
         matches!(self.schedule.row(timestep, self.schedule_key(batch, added)), Ok(Some(_)))
+    }
+
+    /// SDXL's networks need their added conditioning on every call that embeds a timestep.
+    fn require_added(&self, added: Option<&SdxlConditioning>) -> Result<()> {
+        if self.add_embedding.is_some() && added.is_none() {
+            return Err(input_err(
+                MODEL,
+                "addition_embed_type \"text_time\" needs text_embeds and time_ids (SDXL)",
+            ));
+        }
+        Ok(())
     }
 
     fn schedule_key(&self, batch: usize, added: Option<&SdxlConditioning>) -> ScheduleKey {
@@ -263,12 +269,7 @@ impl UNet2DConditionModel {
         if eb != b {
             return Err(input_err(MODEL, format!("encoder_hidden_states batch {eb} != sample batch {b}")));
         }
-        if self.add_embedding.is_some() && added.is_none() {
-            return Err(input_err(
-                MODEL,
-                "addition_embed_type \"text_time\" needs text_embeds and time_ids (SDXL)",
-            ));
-        }
+        self.require_added(added)?;
         let temb = match self.schedule.row(timestep, self.schedule_key(b, added)).ctx(MODEL)? {
             Some(row) => row,
             None => {
