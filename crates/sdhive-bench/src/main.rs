@@ -58,6 +58,10 @@ struct Args {
     /// Which work to time.
     #[arg(long, value_enum, default_value_t = Only::Both)]
     only: Only,
+    /// The UNet step's sample: `shared`, one for both prompts as the pipeline passes it (the network runs its
+    /// part before the first attention to the text once), or `doubled`, repeated to batch 2 as diffusers does.
+    #[arg(long, value_enum, default_value_t = CfgSample::Shared)]
+    cfg_sample: CfgSample,
     /// Run calls on request from stdin instead (see the module docs).
     #[arg(long)]
     serve: bool,
@@ -77,6 +81,12 @@ struct Args {
 pub(crate) enum Family {
     Sd15,
     Sdxl,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum CfgSample {
+    Shared,
+    Doubled,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -131,6 +141,8 @@ struct Report {
     model: &'static str,
     threads: usize,
     latent: usize,
+    /// How the step's sample was passed (`--cfg-sample`).
+    cfg_sample: String,
     unet_build_ms: f64,
     vae_build_ms: f64,
     unet_step_b2: Option<Timing>,
@@ -151,6 +163,7 @@ struct Bench {
     unet: Option<UNet2DConditionModel>,
     vae: Option<AutoencoderKL>,
     sample: Tensor,
+    cfg_sample: CfgSample,
     context: Tensor,
     added: Option<SdxlConditioning>,
     latent: Tensor,
@@ -163,7 +176,14 @@ struct Bench {
 
 impl Bench {
     /// Builds only the networks `only` asks for, so a GPU run of the SDXL UNet does not also hold a VAE.
-    fn new(dev: &Device, dtype: DType, family: Family, latent: usize, only: Only) -> Result<Self> {
+    fn new(
+        dev: &Device,
+        dtype: DType,
+        family: Family,
+        latent: usize,
+        only: Only,
+        cfg_sample: CfgSample,
+    ) -> Result<Self> {
         let (unet_cfg, vae_cfg, ctx_dim) = match family {
             Family::Sd15 => (sd15_unet_config(), sd15_vae_config(), 768),
             Family::Sdxl => (sdxl_unet_config(), sdxl_vae_config(), 2048),
@@ -203,7 +223,8 @@ impl Bench {
             device: dev.clone(),
             unet,
             vae,
-            sample: randn(&[2, 4, latent, latent])?,
+            sample: randn(&[if cfg_sample == CfgSample::Shared { 1 } else { 2 }, 4, latent, latent])?,
+            cfg_sample,
             context: randn(&[2, 77, ctx_dim])?,
             added,
             latent: randn(&[1, 4, latent, latent])?,
@@ -222,7 +243,7 @@ impl Bench {
         self.table_calls += 1;
         let schedule = schedule(shift);
         let unet = self.unet.as_ref().context("the UNet was not built (--only vae)")?;
-        let batch = self.sample.dim(0)?;
+        let batch = self.context.dim(0)?;
         timed(&self.device, || {
             unet.prepare_timesteps(&schedule, batch, self.added.as_ref()).context("UNet time table")?;
             Ok(())
@@ -237,7 +258,7 @@ impl Bench {
         let i = self.unet_calls % SCHEDULE_STEPS;
         self.unet_calls += 1;
         let unet = self.unet.as_ref().context("the UNet was not built (--only vae)")?;
-        let batch = self.sample.dim(0)?;
+        let batch = self.context.dim(0)?;
         timed(&self.device, || {
             if i == 0 {
                 unet.prepare_timesteps(&schedule, batch, self.added.as_ref()).context("UNet time table")?;
@@ -317,7 +338,7 @@ fn main() -> Result<()> {
         args.latent,
         args.latent * 8
     );
-    let mut bench = Bench::new(&dev, dtype, args.model, args.latent, args.only)?;
+    let mut bench = Bench::new(&dev, dtype, args.model, args.latent, args.only, args.cfg_sample)?;
     eprintln!(
         "built UNet in {:.0} ms, VAE in {:.0} ms; RSS {:.2} GB",
         bench.unet_build_ms,
@@ -369,6 +390,8 @@ fn report(
         model: "",
         threads,
         latent,
+        cfg_sample: clap::ValueEnum::to_possible_value(&bench.cfg_sample)
+            .map_or_else(String::new, |v| v.get_name().to_owned()),
         unet_build_ms: bench.unet_build_ms,
         vae_build_ms: bench.vae_build_ms,
         unet_step_b2,

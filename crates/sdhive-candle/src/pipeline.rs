@@ -310,13 +310,11 @@ pub fn denoise(
     };
 
     let total = timesteps.len() - begin;
+    // With guidance the UNet takes the latents once for both prompts (it shares them up to its first attention
+    // to the text) and returns both predictions.
     let batch = if cond.guided { 2 } else { 1 };
     let extra = match &inpaint {
-        Some(Inpaint { mask, masked_image_latents: Some(mil), .. }) => {
-            let m = Tensor::cat(&vec![mask.clone(); batch], 0).map_err(failed("mask"))?;
-            let l = Tensor::cat(&vec![mil.clone(); batch], 0).map_err(failed("mask"))?;
-            Some((m, l))
-        }
+        Some(Inpaint { mask, masked_image_latents: Some(mil), .. }) => Some((mask.clone(), mil.clone())),
         _ => None,
     };
     // An offloaded UNet is built once for the whole loop.
@@ -327,12 +325,7 @@ pub fn denoise(
                 .map_err(failed("unet time embedding"))?;
             for (n, i) in (begin..timesteps.len()).enumerate() {
                 let t = timesteps[i];
-                let doubled = if cond.guided {
-                    Tensor::cat(&[&latents, &latents], 0).map_err(failed("cfg"))?
-                } else {
-                    latents.clone()
-                };
-                let mut input = scheduler.scale_model_input(&doubled, i).map_err(failed("scale input"))?;
+                let mut input = scheduler.scale_model_input(&latents, i).map_err(failed("scale input"))?;
                 if let Some((m, l)) = &extra {
                     input = Tensor::cat(&[&input, m, l], 1).map_err(failed("inpaint input"))?;
                 }

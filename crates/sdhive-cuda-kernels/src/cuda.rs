@@ -838,6 +838,52 @@ pub fn upsample2x_last(x: &Tensor) -> Result<Tensor> {
     x.apply_op1_no_bwd(&Upsample2xLast)
 }
 
+/// A tensor of one sample repeated to a batch: one launch where candle's cat makes one copy per part.
+struct RepeatBatch {
+    copies: usize,
+}
+
+fn repeat_launch<T: CudaDType + DeviceRepr>(
+    op: &RepeatBatch,
+    x: &CudaStorage,
+    l: &Layout,
+) -> Result<CudaStorage> {
+    let dev: &CudaDevice = x.device();
+    let n = l.shape().elem_count();
+    let xs = contiguous::<T>(x, l, "repeated sample")?;
+    // SAFETY: written in full by the kernel.
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n * op.copies)? };
+    let func = dev.get_or_load_custom_func("repeat_vec", MODULE, PTX)?;
+    let mut a = func.builder();
+    a.arg(&xs);
+    a.arg(&out);
+    let vectors = n / per_vector::<T>();
+    builder_arg!(a, vectors, op.copies as u32);
+    let cfg =
+        LaunchConfig { grid_dim: (grid_for(vectors), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's signature; the input holds `vectors` whole vectors.
+    unsafe { a.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+single_input_op!(RepeatBatch, "sdhive-repeat-batch", repeat_launch, |op: &RepeatBatch, l: &Layout| {
+    let mut dims = l.dims().to_vec();
+    dims[0] *= op.copies;
+    Ok(Shape::from(dims))
+});
+
+pub fn repeat_batch(x: &Tensor, batch: usize) -> Result<Tensor> {
+    let vec = 16 / x.dtype().size_in_bytes().max(1);
+    let aligned = (x.layout().start_offset() * x.dtype().size_in_bytes()).is_multiple_of(16);
+    if x.rank() == 0 || x.dim(0)? != 1 || batch == 0 || !x.elem_count().is_multiple_of(vec) || !aligned {
+        bail!(
+            "repeat to a batch of {batch}: input {:?} is not one sample of whole 16-byte vectors",
+            x.dims()
+        );
+    }
+    x.apply_op1_no_bwd(&RepeatBatch { copies: batch })
+}
+
 /// Two channels-last maps joined along their channels (the UNet's skip connections): one launch that moves
 /// each output row's 16-byte vectors from the one input or the other.
 struct ConcatLast;

@@ -532,6 +532,16 @@ __device__ void concat_rows(const uint4 *a, const uint4 *b, uint4 *out, uint32_t
     }
 }
 
+// `copies` copies of `n` 16-byte vectors, one after another (a batch of one repeated sample), in one launch:
+// each thread reads a vector once and writes it to every copy. Bytes are moved, so one kernel serves every dtype.
+__device__ void repeat_rows(const uint4 *x, uint4 *out, size_t n, uint32_t copies) {
+    const size_t step = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += step) {
+        const uint4 v = x[i];
+        for (uint32_t c = 0; c < copies; ++c) out[c * n + i] = v;
+    }
+}
+
 // Batched transpose of (B, M, N) to (B, N, M) through 32×32 tiles in shared memory, so reads and writes are both
 // coalesced: NCHW ↔ channels-last at a network's edges (M, N = C, H·W or H·W, C). Input rows lie `in_stride` ≥ N
 // apart (the first N channels of a wider channels-last map) and output rows `out_stride` ≥ M apart, the columns
@@ -829,6 +839,10 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
 extern "C" __global__ void concat_rows_vec(const uint4 *a, const uint4 *b, uint4 *out, uint32_t va, uint32_t vb,
                                            size_t rows) {
     concat_rows(a, b, out, va, vb, rows);
+}
+
+extern "C" __global__ void repeat_vec(const uint4 *x, uint4 *out, size_t n, uint32_t copies) {
+    repeat_rows(x, out, n, copies);
 }
 
 INSTANTIATE(float, f32)

@@ -355,6 +355,12 @@ pub fn concat_channels_last(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     on_cuda!(cuda::concat_last(a, b); a, b)
 }
 
+/// `x`, one sample, repeated to a batch of `batch` in one launch (`torch.cat([x] * batch)`). Call only where
+/// [`applies`]; `x` must be whole 16-byte vectors.
+pub fn repeat_batch(x: &Tensor, batch: usize) -> Result<Tensor> {
+    on_cuda!(cuda::repeat_batch(x, batch); x, batch)
+}
+
 /// A convolution without bias on channels-last maps through cuDNN: input `(N, H, W, C)`, filter `(K, R, S, C)`,
 /// output `(N, Ho, Wo, K)`. Only with the `cudnn` feature (see [`channels_last_on`]).
 pub fn conv2d_channels_last(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {

@@ -712,6 +712,25 @@ fn channels_last_concat_is_cat() {
     assert!(concat_channels_last(&x, &Tensor::zeros((2, 3, 5, 16), DType::F32, &dev).unwrap()).is_err());
 }
 
+/// One sample repeated to a batch moves bytes: exactly `Tensor::cat` of the copies, over one block and over many;
+/// a batch of two and a tail that is no whole vector are refused.
+#[test]
+fn repeat_batch_is_cat() {
+    let dev = gpu();
+    for (dims, copies) in [((1, 3, 8), 2), ((1, 4096, 320), 2), ((1, 77, 1280), 3)] {
+        let x = Tensor::randn(0f32, 1.0, dims, &dev).unwrap();
+        for dtype in DTYPES {
+            let x = x.to_dtype(dtype).unwrap();
+            let ours = repeat_batch(&x, copies).unwrap();
+            assert_eq!(ours.dims(), &[copies, dims.1, dims.2]);
+            let want = Tensor::cat(&vec![&x; copies], 0).unwrap();
+            assert_eq!(rel_diff(&ours, &want), 0.0, "repeat {dims:?} x{copies} {dtype:?}");
+        }
+    }
+    assert!(repeat_batch(&Tensor::zeros((2, 3, 8), DType::F16, &dev).unwrap(), 2).is_err());
+    assert!(repeat_batch(&Tensor::zeros((1, 3, 5), DType::F16, &dev).unwrap(), 2).is_err());
+}
+
 /// cuDNN in NHWC with KRSC filters against candle's NCHW convolution in f32: padded, strided, odd sizes, and the
 /// channel counts of the networks' first layers.
 #[cfg(feature = "cudnn")]

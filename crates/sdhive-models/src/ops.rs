@@ -350,6 +350,22 @@ pub fn cat_channels(layout: MapLayout, a: &Tensor, b: &Tensor) -> Result<Tensor>
     Tensor::cat(&[a, b], layout.channel_dim())
 }
 
+/// `x`, one sample, repeated to `batch` samples (`x` already at `batch` comes back as is): a state the samples
+/// of a batch share until they first differ (the UNet's guided prefix), made once and then copied.
+pub fn expand_batch(x: &Tensor, batch: usize) -> Result<Tensor> {
+    let b = x.dim(0)?;
+    if b == batch {
+        return Ok(x.clone());
+    }
+    if b != 1 {
+        candle_core::bail!("cannot expand a batch of {b} to {batch}: only a single sample is shared");
+    }
+    if gpu::applies(&[x]) && gpu::channels_last_fits(x) {
+        return gpu::repeat_batch(x, batch);
+    }
+    Tensor::cat(&vec![x; batch], 0)
+}
+
 /// LayerNorm over the last dimension, two-pass in f32: candle's fused kernel uses
 /// `E[x²] − E[x]²`, which cancels badly on CLIP's large-magnitude outlier channels.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {

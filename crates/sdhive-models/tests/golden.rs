@@ -132,6 +132,16 @@ fn unet_case(model: &str) {
         results.push((what.clone(), max_diff(&what, &out, get(&g, key))));
     }
     assert!(!unet.prepared_timestep(2.0, batch, added.as_ref()), "off the schedule");
+    // One sample shared by every context (classifier-free guidance passes its latents once) against that sample
+    // repeated to the batch, both from the table and not.
+    let one = sample.narrow(0, 0, 1).expect("first sample");
+    let repeated = Tensor::cat(&vec![&one; batch], 0).expect("repeat");
+    for ts in [t[0], 2.0] {
+        let want = unet.forward(&repeated, ts, ctx, added.as_ref()).unwrap_or_else(|e| panic!("{e}"));
+        let got = unet.forward(&one, ts, ctx, added.as_ref()).unwrap_or_else(|e| panic!("{e}"));
+        let what = format!("{model} unet t={ts}, one sample for {batch} contexts");
+        results.push((what.clone(), max_diff(&what, &got, &want)));
+    }
     check(&results);
 }
 

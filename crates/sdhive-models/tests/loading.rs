@@ -167,6 +167,19 @@ fn random_weights_run_and_stay_finite() {
 }
 
 #[test]
+fn unet_shares_only_a_single_sample() {
+    let dev = Device::Cpu;
+    let unet = UNet2DConditionModel::new(random_var_builder(DType::F32, &dev), &tiny_unet_config())
+        .expect("random unet");
+    let ctx = Tensor::randn(0f32, 1., (2, 7, 24), &dev).expect("ctx");
+    let one = Tensor::randn(0f32, 1., (1, 4, 8, 8), &dev).expect("sample");
+    assert_eq!(unet.forward(&one, 500.0, &ctx, None).expect("shared").dims(), &[2, 4, 8, 8]);
+    let three = Tensor::randn(0f32, 1., (3, 4, 8, 8), &dev).expect("sample");
+    let msg = unet.forward(&three, 500.0, &ctx, None).expect_err("3 samples, 2 contexts").to_string();
+    assert!(msg.contains("batch 2") && msg.contains("sample batch 3"), "{msg}");
+}
+
+#[test]
 fn sdxl_unet_requires_added_conditioning() {
     let cfg = UNet2DConditionConfig {
         addition_embed_type: Some("text_time".into()),

@@ -41,6 +41,17 @@ fn transformer(
     )
 }
 
+/// The time rows for `x`'s samples: the table's, or for the single sample a guided batch shares (the UNet's
+/// prefix, which runs only where every sample has the same row) the first.
+fn time_rows(temb: &Tensor, x: &Tensor) -> Result<Tensor> {
+    let b = x.dim(0)?;
+    if temb.dim(0)? == b {
+        Ok(temb.clone())
+    } else {
+        temb.narrow(0, 0, b)
+    }
+}
+
 #[derive(Debug, Clone)]
 pub(crate) struct DownBlock {
     resnets: Vec<ResnetBlock2D>,
@@ -95,7 +106,8 @@ impl DownBlock {
         let mut x = x.clone();
         let mut skips = Vec::with_capacity(self.resnets.len() + 1);
         for (i, resnet) in self.resnets.iter().enumerate() {
-            x = resnet.forward_owned(x, Some(temb))?;
+            let rows = time_rows(temb, &x)?;
+            x = resnet.forward_owned(x, Some(&rows))?;
             if let Some(attn) = self.attentions.get(i) {
                 x = attn.forward(&x, context)?;
             }

@@ -248,6 +248,12 @@ impl UNet2DConditionModel {
 
     /// Predicts noise (or v) for `sample` `(B, C, H, W)` at one `timestep` shared by the
     /// batch, conditioned on `encoder_hidden_states` `(B, T, D)` and, for SDXL, `added`.
+    ///
+    /// A `sample` of batch 1 with `B` contexts is shared by all of them, as classifier-free guidance shares its
+    /// latents between the negative and the positive prompt, and the output has batch `B`. Where every sample's
+    /// time rows are the same (no SDXL conditioning), the network runs once up to its first attention to the
+    /// context, the first point at which the samples differ (SD1.5: the first ResNet and self-attention at 64²);
+    /// otherwise the sample is repeated first.
     pub fn forward(
         &self,
         sample: &Tensor,
@@ -255,7 +261,7 @@ impl UNet2DConditionModel {
         encoder_hidden_states: &Tensor,
         added: Option<&SdxlConditioning>,
     ) -> Result<Tensor> {
-        let (b, c, _, _) =
+        let (sb, c, _, _) =
             sample.dims4().map_err(|e| input_err(MODEL, format!("sample must be (B, C, H, W): {e}")))?;
         if c != self.config.in_channels {
             return Err(input_err(
@@ -263,13 +269,24 @@ impl UNet2DConditionModel {
                 format!("sample has {c} channels, the config says in_channels {}", self.config.in_channels),
             ));
         }
-        let (eb, _, _) = encoder_hidden_states
+        let (b, _, _) = encoder_hidden_states
             .dims3()
             .map_err(|e| input_err(MODEL, format!("encoder_hidden_states must be (B, T, D): {e}")))?;
-        if eb != b {
-            return Err(input_err(MODEL, format!("encoder_hidden_states batch {eb} != sample batch {b}")));
+        if sb != b && sb != 1 {
+            return Err(input_err(
+                MODEL,
+                format!(
+                    "encoder_hidden_states batch {b} != sample batch {sb} (only a single sample is shared)"
+                ),
+            ));
         }
         self.require_added(added)?;
+        let sample = if sb != b && self.add_embedding.is_some() {
+            ops::expand_batch(sample, b).ctx(MODEL)?
+        } else {
+            sample.clone()
+        };
+        let sample = &sample;
         let temb = match self.schedule.row(timestep, self.schedule_key(b, added)).ctx(MODEL)? {
             Some(row) => row,
             None => {
@@ -342,13 +359,15 @@ impl UNet2DConditionModel {
     fn run_graphed(&self, sample: &Tensor, temb: &Tensor, context: &Tensor) -> candle_core::Result<Tensor> {
         let prepare = |t: &Tensor| t.to_device(&self.device)?.to_dtype(self.dtype)?.contiguous();
         let (sample, temb, context) = (prepare(sample)?, prepare(temb)?, prepare(context)?);
-        let (b, _, h, w) = sample.dims4()?;
-        let out_shape = [b, self.config.out_channels, h, w];
+        let (_, _, h, w) = sample.dims4()?;
+        let out_shape = [context.dim(0)?, self.config.out_channels, h, w];
         self.graphs.run([&sample, &temb, &context], &out_shape, |s, t, c| self.run(s, t, c))
     }
 
     /// The network on `sample`, the ResNets' table of the activated time embedding's projections `temb` `(B, ΣC)`
-    /// and `context`, the transformer blocks' table of the text context's k and v ([`ContextTable`]).
+    /// and `context`, the transformer blocks' table of the text context's k and v ([`ContextTable`]). A `sample`
+    /// of batch 1 runs at batch 1 until the first transformer block's attention to the context makes it `B`
+    /// (see [`Self::forward`]).
     fn run(&self, sample: &Tensor, temb: &Tensor, context: &Tensor) -> candle_core::Result<Tensor> {
         let sample = sample.to_device(&self.device)?.to_dtype(self.dtype)?;
         let sample = if self.config.center_input_sample { ((sample * 2.0)? - 1.0)? } else { sample };
@@ -367,6 +386,12 @@ impl UNet2DConditionModel {
             let (out, res) = block.forward(&x, temb, context)?;
             x = out;
             skips.extend(res);
+        }
+        // States made before the samples parted (all of them, in a down path without attention) are the batch's.
+        let batch = context.dim(0)?;
+        x = ops::expand_batch(&x, batch)?;
+        for skip in &mut skips {
+            *skip = ops::expand_batch(skip, batch)?;
         }
         x = self.mid_block.forward(&x, temb, context)?;
         let n_blocks = self.up_blocks.len();

@@ -190,8 +190,12 @@ impl BasicTransformerBlock {
 
     /// `x` and `norm1(x)`, which the caller has (from the projection before the block, where it comes fused).
     /// Each later norm is made with the attention output projection it follows.
+    /// A single sample with a context of several (the UNet's guided prefix) becomes the context's batch after
+    /// the self-attention, where the samples first differ.
     fn forward(&self, x: &Tensor, normed: &Tensor, context: &Tensor) -> Result<Tensor> {
         let (x, normed) = self.attn1.forward_then_norm(normed, None, x, &self.norm2)?;
+        let batch = context.dim(0)?;
+        let (x, normed) = (ops::expand_batch(&x, batch)?, ops::expand_batch(&normed, batch)?);
         let (x, normed) = self.attn2.forward_then_norm(&normed, Some(context), &x, &self.norm3)?;
         self.ff.forward(&normed, &x)
     }
@@ -261,7 +265,9 @@ impl Transformer2DModel {
         self.blocks.iter_mut().map(|b| &mut b.attn2)
     }
 
-    /// `x` a map in the network's layout.
+    /// `x` a map in the network's layout. A single sample `x` with a context of several is shared by all of
+    /// them: the blocks run once up to the first attention to the context, and the output has the context's
+    /// batch.
     pub fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
         let (w_in, b_in) = self.proj_in.weight_bias();
         let (w_out, b_out) = self.proj_out.weight_bias();
@@ -280,8 +286,10 @@ impl Transformer2DModel {
             for block in self.blocks.iter().skip(1) {
                 tokens = block.forward(&tokens, &block.norm1.forward(&tokens)?, context)?;
             }
-            let out = ops::project(&tokens, w_out, b_out, Some(&x.reshape((b, h * w, c))?))?;
-            return out.reshape((b, h, w, c));
+            let batch = tokens.dim(0)?;
+            let residual = ops::expand_batch(&x.reshape((b, h * w, c))?, batch)?;
+            let out = ops::project(&tokens, w_out, b_out, Some(&residual))?;
+            return out.reshape((batch, h, w, c));
         }
         let (_, _, h, w) = x.dims4()?;
         let normed = self.norm.forward(x)?;
@@ -291,7 +299,7 @@ impl Transformer2DModel {
         for block in &self.blocks {
             tokens = block.forward(&tokens, &block.norm1.forward(&tokens)?, context)?;
         }
-        ops::tokens_to_image(&tokens, w_out, b_out, (h, w), Some(x))
+        ops::tokens_to_image(&tokens, w_out, b_out, (h, w), Some(&ops::expand_batch(x, tokens.dim(0)?)?))
     }
 }
 
