@@ -872,10 +872,15 @@ single_input_op!(RepeatBatch, "sdhive-repeat-batch", repeat_launch, |op: &Repeat
     Ok(Shape::from(dims))
 });
 
-pub fn repeat_batch(x: &Tensor, batch: usize) -> Result<Tensor> {
+/// Whether the repeat kernel takes `x`: one sample of whole 16-byte vectors from a 16-byte boundary.
+pub fn repeat_fits(x: &Tensor) -> bool {
     let vec = 16 / x.dtype().size_in_bytes().max(1);
     let aligned = (x.layout().start_offset() * x.dtype().size_in_bytes()).is_multiple_of(16);
-    if x.rank() == 0 || x.dim(0)? != 1 || batch == 0 || !x.elem_count().is_multiple_of(vec) || !aligned {
+    x.rank() > 0 && x.dims()[0] == 1 && x.elem_count().is_multiple_of(vec) && aligned
+}
+
+pub fn repeat_batch(x: &Tensor, batch: usize) -> Result<Tensor> {
+    if batch == 0 || !repeat_fits(x) {
         bail!(
             "repeat to a batch of {batch}: input {:?} is not one sample of whole 16-byte vectors",
             x.dims()

@@ -356,9 +356,22 @@ pub fn concat_channels_last(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 }
 
 /// `x`, one sample, repeated to a batch of `batch` in one launch (`torch.cat([x] * batch)`). Call only where
-/// [`applies`]; `x` must be whole 16-byte vectors.
+/// [`applies`] and [`repeat_fits`].
 pub fn repeat_batch(x: &Tensor, batch: usize) -> Result<Tensor> {
     on_cuda!(cuda::repeat_batch(x, batch); x, batch)
+}
+
+/// Whether [`repeat_batch`] takes `x`: a CUDA tensor of one sample, whole 16-byte vectors from a 16-byte boundary.
+pub fn repeat_fits(x: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        applies(&[x]) && cuda::repeat_fits(x)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = x;
+        false
+    }
 }
 
 /// A convolution without bias on channels-last maps through cuDNN: input `(N, H, W, C)`, filter `(K, R, S, C)`,

@@ -727,8 +727,14 @@ fn repeat_batch_is_cat() {
             assert_eq!(rel_diff(&ours, &want), 0.0, "repeat {dims:?} x{copies} {dtype:?}");
         }
     }
-    assert!(repeat_batch(&Tensor::zeros((2, 3, 8), DType::F16, &dev).unwrap(), 2).is_err());
-    assert!(repeat_batch(&Tensor::zeros((1, 3, 5), DType::F16, &dev).unwrap(), 2).is_err());
+    for refused in [
+        Tensor::zeros((2, 3, 8), DType::F16, &dev).unwrap(),
+        Tensor::zeros((1, 3, 5), DType::F16, &dev).unwrap(),
+    ] {
+        assert!(!repeat_fits(&refused), "{:?}", refused.dims());
+        assert!(repeat_batch(&refused, 2).is_err(), "{:?}", refused.dims());
+    }
+    assert!(repeat_fits(&Tensor::zeros((1, 3, 8), DType::F16, &dev).unwrap()));
 }
 
 /// cuDNN in NHWC with KRSC filters against candle's NCHW convolution in f32: padded, strided, odd sizes, and the

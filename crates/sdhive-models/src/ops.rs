@@ -360,7 +360,7 @@ pub fn expand_batch(x: &Tensor, batch: usize) -> Result<Tensor> {
     if b != 1 {
         candle_core::bail!("cannot expand a batch of {b} to {batch}: only a single sample is shared");
     }
-    if gpu::applies(&[x]) && gpu::channels_last_fits(x) {
+    if gpu::repeat_fits(x) {
         return gpu::repeat_batch(x, batch);
     }
     Tensor::cat(&vec![x; batch], 0)
