@@ -737,14 +737,18 @@ normalisation_op!(GroupNormLast, "sdhive-group-norm-channels-last", group_norm_l
 /// input); a GroupNorm's chunk of whole groups must also fit one block ([`group_norm_slabs`]).
 pub const MAX_LAST_CHANNELS: usize = 4096;
 
+/// Whether `t`'s first element sits on a 16-byte boundary (buffers themselves are 16-byte aligned), as the
+/// kernels that move 16-byte vectors need.
+fn starts_16_aligned(t: &Tensor) -> bool {
+    (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16)
+}
+
 /// Whether channels-last `x` suits the 16-byte kernels: its last dimension whole 16-byte vectors, at most
 /// [`MAX_LAST_CHANNELS`], and the data 16-byte aligned.
 pub fn channels_last_fits(x: &Tensor) -> bool {
     let vec = 16 / x.dtype().size_in_bytes().max(1);
     let c = x.dims().last().copied().unwrap_or(0);
-    // Buffers themselves are 16-byte aligned; the first element must sit on such a boundary too.
-    let aligned = (x.layout().start_offset() * x.dtype().size_in_bytes()).is_multiple_of(16);
-    x.rank() >= 3 && c > 0 && c.is_multiple_of(vec) && c <= MAX_LAST_CHANNELS && aligned
+    x.rank() >= 3 && c > 0 && c.is_multiple_of(vec) && c <= MAX_LAST_CHANNELS && starts_16_aligned(x)
 }
 
 pub fn group_norm_last(
@@ -779,10 +783,9 @@ pub fn group_norm_last(
     }
     // The normalisation reads weight, bias and shift 16 bytes at a time: each must start on a 16-byte boundary
     // and the shift's rows lie a whole number of vectors apart.
-    let aligned = |t: &Tensor| (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
     let vectors = |t: &Tensor| -> Result<Tensor> {
         let t = t.flatten_all()?;
-        if t.is_contiguous() && aligned(&t) {
+        if t.is_contiguous() && starts_16_aligned(&t) {
             Ok(t)
         } else {
             t.force_contiguous()
@@ -790,7 +793,9 @@ pub fn group_norm_last(
     };
     let shift = shift
         .map(|s| match s.stride() {
-            [rs, 1] if rs.is_multiple_of(16 / s.dtype().size_in_bytes()) && aligned(s) => Ok(s.clone()),
+            [rs, 1] if rs.is_multiple_of(16 / s.dtype().size_in_bytes()) && starts_16_aligned(s) => {
+                Ok(s.clone())
+            }
             _ => s.force_contiguous(),
         })
         .transpose()?;
@@ -875,8 +880,7 @@ single_input_op!(RepeatBatch, "sdhive-repeat-batch", repeat_launch, |op: &Repeat
 /// Whether the repeat kernel takes `x`: one sample of whole 16-byte vectors from a 16-byte boundary.
 pub fn repeat_fits(x: &Tensor) -> bool {
     let vec = 16 / x.dtype().size_in_bytes().max(1);
-    let aligned = (x.layout().start_offset() * x.dtype().size_in_bytes()).is_multiple_of(16);
-    x.rank() > 0 && x.dims()[0] == 1 && x.elem_count().is_multiple_of(vec) && aligned
+    x.rank() > 0 && x.dims()[0] == 1 && x.elem_count().is_multiple_of(vec) && starts_16_aligned(x)
 }
 
 pub fn repeat_batch(x: &Tensor, batch: usize) -> Result<Tensor> {
