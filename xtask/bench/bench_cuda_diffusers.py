@@ -6,7 +6,9 @@ usage: python3 bench_cuda_diffusers.py parts [--compile] [--sd15 DIR] [--sdxl DI
   --compile: torch.compile(mode="reduce-overhead", fullgraph=True) on the UNet (and the VAE decoder); the
              compilation happens in the untimed warm-up calls.
   --sd15/--sdxl: diffusers folders for the end-to-end parts (sdhive-bench --write-model writes them).
-Prints one JSON line per part: {"part", "median_ms", "ms": [...], "peak_allocated_bytes"}. Same work as
+Prints one JSON line per part: {"part", "median_ms", "ms": [...], "peak_allocated_bytes"}; the UNet parts also
+give "schedule_median_ms" and "schedule_ms": per step of 20-step schedules issued back to back, one synchronisation
+per schedule (as ../shared/bench/bench_diffusers.py, the anchors' script, times them). Same work as
 sdhive-bench: a UNet step is one CFG call (batch 2, 77 context tokens), a VAE decode one latent, a text encode
 the prompt and the negative prompt through every encoder, an end-to-end image 20 Euler steps with CFG 7.
 Timesteps go in as device tensors: Python ints force a host sync per step (40% slower eager, measured)."""
@@ -54,9 +56,11 @@ def timed(fn, warmup: int, iters: int) -> list[float]:
     return out
 
 
-def report(part: str, ms: list[float]) -> None:
-    print(json.dumps({"part": part, "median_ms": statistics.median(ms), "ms": [round(m, 2) for m in ms],
-                      "peak_allocated_bytes": torch.cuda.max_memory_allocated()}), flush=True)
+def report(part: str, ms: list[float], schedule: list[float] | None = None) -> None:
+    row = {"part": part, "median_ms": statistics.median(ms), "ms": [round(m, 2) for m in ms]}
+    if schedule:
+        row |= {"schedule_median_ms": statistics.median(schedule), "schedule_ms": [round(m, 3) for m in schedule]}
+    print(json.dumps(row | {"peak_allocated_bytes": torch.cuda.max_memory_allocated()}), flush=True)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
 
@@ -77,8 +81,13 @@ def unet_part(cfg, lat, ctx, extra, comp, iters):
         state["i"] += 1
         unet(x, ts[state["i"] % 20], e, **kw)
 
+    def schedule():
+        for t in ts:
+            unet(x, t, e, **kw)
+
     with torch.inference_mode():
-        return timed(step, 5 if comp else 3, iters)
+        per_call = timed(step, 5 if comp else 3, iters)
+        return per_call, [ms / len(ts) for ms in timed(schedule, 1, max(3, iters // 2))]
 
 
 def vae_part(comp, iters):
@@ -133,10 +142,11 @@ def main() -> None:
                 "time_ids": torch.randn(2, 6, device=DEV, dtype=DT)}
     for part in a.parts.split(","):
         torch.cuda.reset_peak_memory_stats()
+        schedule = None
         if part == "unet-sd15":
-            ms = unet_part(SD15, 64, 768, None, a.compile, 20)
+            ms, schedule = unet_part(SD15, 64, 768, None, a.compile, 20)
         elif part == "unet-sdxl":
-            ms = unet_part(SDXL, 128, 2048, xl_extra, a.compile, 10)
+            ms, schedule = unet_part(SDXL, 128, 2048, xl_extra, a.compile, 10)
         elif part == "vae-sd15":
             ms = vae_part(a.compile, 10)
         elif part == "text-sd15":
@@ -149,7 +159,7 @@ def main() -> None:
             ms = e2e_part(a.sdxl, True, 1024, a.compile, 2)
         else:
             raise SystemExit(f"unknown part {part}")
-        report(part + ("-compiled" if a.compile else ""), ms)
+        report(part + ("-compiled" if a.compile else ""), ms, schedule)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ its own process, and a Markdown table of medians with the ratios sdhive / diffus
     python3 cuda_table.py BUNDLE_DIR OUT_DIR [--skip-ours] [--skip-eager] [--skip-compiled] [--skip-sdxl]
     python3 cuda_table.py --table RESULT.json...   (merge the JSON of several partial runs into one table)
 
-Rows: UNet step (CFG batch 2), VAE decode, text encode (prompt + negative), seconds per image end to end
+Rows: UNet step (CFG batch 2; each call timed on its own, and 20-step schedules issued back to back as a
+denoising loop and the anchors' script issue them, per step), VAE decode, text encode (prompt + negative), seconds per image end to end
 (20 steps, CFG 7: SD1.5 512², SDXL 1024²) and the end-to-end runs' peak device memory, read for each process
 from nvidia-smi every 50 ms (CUDA context included, for both sides alike).
 """
@@ -87,6 +88,7 @@ def measure_ours(bench, common, xl, ours, mem) -> None:
     rows, _ = run("ours sd15 unet+vae", [bench, *common, "--latent", "64", "--iters", "20", "--warmup", "3"], 300)
     for r in rows:
         ours["unet-sd15"] = r["unet_step_b2"]["median_ms"]
+        ours["unet-sd15-b2b"] = r["unet_schedule_b2"]["median_ms"]
         ours["vae-sd15"] = r["vae_decode"]["median_ms"]
     for fam in ["sd15", "sdxl"][: 2 if xl else 1]:
         rows, _ = run(f"ours {fam} text", [bench, *common, "--model", fam, "--only", "text", "--iters", "10",
@@ -98,6 +100,7 @@ def measure_ours(bench, common, xl, ours, mem) -> None:
                                          "--iters", "10", "--warmup", "3"], 300)
         for r in rows:
             ours["unet-sdxl"] = r["unet_step_b2"]["median_ms"]
+            ours["unet-sdxl-b2b"] = r["unet_schedule_b2"]["median_ms"]
     for fam, size, iters in [("sd15", 512, 3), ("sdxl", 1024, 2)][: 2 if xl else 1]:
         rows, peak = run(f"ours {fam} e2e", [bench, *common, "--model", fam, "--e2e", f"/tmp/bench_{fam}", "--size",
                                              str(size), "--steps", "20", "--iters", str(iters), "--warmup", "1"], 400)
@@ -112,6 +115,8 @@ def measure_eager(script, xl, ref, mem) -> None:
     rows, _ = run("diffusers eager", ["python3", script, parts], 600)
     for r in rows:
         ref["eager"][r["part"]] = r["median_ms"]
+        if "schedule_median_ms" in r:
+            ref["eager"][r["part"] + "-b2b"] = r["schedule_median_ms"]
     for fam in ["sd15", "sdxl"][: 2 if xl else 1]:
         rows, peak = run(f"diffusers eager {fam} e2e", ["python3", script, f"e2e-{fam}", f"--{fam}",
                                                         f"/tmp/bench_{fam}"], 600)
@@ -123,7 +128,10 @@ def measure_eager(script, xl, ref, mem) -> None:
 def measure_compiled(script, ref, mem) -> None:
     rows, _ = run("diffusers compiled", ["python3", script, "unet-sd15,vae-sd15", "--compile"], 600)
     for r in rows:
-        ref["compiled"][r["part"].removesuffix("-compiled")] = r["median_ms"]
+        part = r["part"].removesuffix("-compiled")
+        ref["compiled"][part] = r["median_ms"]
+        if "schedule_median_ms" in r:
+            ref["compiled"][part + "-b2b"] = r["schedule_median_ms"]
     rows, peak = run("diffusers compiled sd15 e2e", ["python3", script, "e2e-sd15", "--compile", "--sd15",
                                                      "/tmp/bench_sd15"], 600)
     for r in rows:
@@ -145,9 +153,13 @@ def merge(results: list[dict]) -> dict:
 def table(res: dict) -> str:
     ours, ref, mem = res["ours"], res["diffusers"], res["peak_mib"]
 
-    names = [("unet-sd15", "SD1.5 UNet step 512², CFG batch 2 (ms)"), ("vae-sd15", "SD1.5 VAE decode 512² (ms)"),
+    names = [("unet-sd15", "SD1.5 UNet step 512², CFG batch 2 (ms)"),
+             ("unet-sd15-b2b", "SD1.5 UNet step, 20-step schedules back to back (ms per step)"),
+             ("vae-sd15", "SD1.5 VAE decode 512² (ms)"),
              ("text-sd15", "SD1.5 text encode, prompt + negative (ms)"), ("e2e-sd15", "SD1.5 512², 20 steps (s/image)"),
-             ("unet-sdxl", "SDXL UNet step 1024², CFG batch 2 (ms)"), ("text-sdxl", "SDXL text encode (ms)"),
+             ("unet-sdxl", "SDXL UNet step 1024², CFG batch 2 (ms)"),
+             ("unet-sdxl-b2b", "SDXL UNet step, 20-step schedules back to back (ms per step)"),
+             ("text-sdxl", "SDXL text encode (ms)"),
              ("e2e-sdxl", "SDXL 1024², 20 steps (s/image)")]
 
     def cell(v: float | None, key: str) -> str:

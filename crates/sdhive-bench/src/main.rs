@@ -4,7 +4,8 @@
 //! times the same work on an NVIDIA GPU (`--model sdxl` for the SDXL UNet), and `--write-model`
 //! writes a full-size random-weight diffusers folder for end-to-end runs of the workers.
 //!
-//! Two modes. By default it warms up, times `--iters` calls of each network and prints one JSON
+//! Two modes. By default it warms up, times `--iters` calls of each network (and, on a GPU, `--iters`
+//! 20-step schedules of UNet steps issued back to back, as a denoising loop issues them) and prints one JSON
 //! report on stdout (progress on stderr). With `--serve` it builds the networks, prints a `ready`
 //! line and then runs one call per command read from stdin (`unet`, `vae`, `report`, `quit`),
 //! answering each with one JSON line: `cargo xtask bench cpu` drives this and diffusers' script
@@ -146,6 +147,11 @@ struct Report {
     unet_build_ms: f64,
     vae_build_ms: f64,
     unet_step_b2: Option<Timing>,
+    /// The same steps issued back to back as a denoising loop issues them: each timed run is one 20-step
+    /// schedule (its time table included) between two device synchronisations, reported per step. The anchors'
+    /// diffusers script times its steps this way; `unet_step_b2` also pays the host's launch latency and one
+    /// synchronisation per step.
+    unet_schedule_b2: Option<Timing>,
     /// Making a 20-step schedule's time-embedding table, once per image (the first step of each schedule in
     /// `unet_step_b2` includes it).
     unet_time_table: Option<Timing>,
@@ -232,6 +238,23 @@ impl Bench {
             vae_build_ms,
             rss_after_build_bytes,
         })
+    }
+
+    /// A whole 20-step schedule of CFG steps, queued without waiting between them (the time table first, as the
+    /// pipeline makes it); the call's time is per step.
+    fn unet_schedule(&mut self) -> Result<Call> {
+        let schedule = schedule(0.0);
+        let unet = self.unet.as_ref().context("the UNet was not built (--only vae)")?;
+        let batch = self.context.dim(0)?;
+        let call = timed(&self.device, || {
+            unet.prepare_timesteps(&schedule, batch, self.added.as_ref()).context("UNet time table")?;
+            for &t in &schedule {
+                unet.forward(&self.sample, t, &self.context, self.added.as_ref()).context("UNet step")?;
+            }
+            Ok(())
+        })?;
+        let n = schedule.len() as f64;
+        Ok(Call { ms: call.ms / n, cpu_ms: call.cpu_ms / n })
     }
 
     /// The time-embedding table of a 20-step schedule, made afresh: calls alternate between two schedules a
@@ -350,6 +373,21 @@ fn main() -> Result<()> {
     let unet_step_b2 = (args.only != Only::Vae)
         .then(|| measure("unet step", args.warmup, args.iters, || bench.unet_step()))
         .transpose()?;
+    // Outside the profiler range: a profile of the step needs one call, not twenty. Not on the CPU, where a
+    // schedule takes minutes and no launch latency hides between steps anyway.
+    let unet_schedule_b2 = (args.only != Only::Vae && !dev.is_cpu())
+        .then(|| -> Result<Timing> {
+            bench.unet_schedule()?;
+            let calls = (0..args.iters)
+                .map(|i| {
+                    let c = bench.unet_schedule()?;
+                    eprintln!("unet schedule {i}: {:.2} ms per step", c.ms);
+                    Ok(c)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(Timing::new(&calls))
+        })
+        .transpose()?;
     let unet_time_table = (args.only != Only::Vae)
         .then(|| measure("unet time table", args.warmup, args.iters, || bench.unet_time_table()))
         .transpose()?;
@@ -367,6 +405,7 @@ fn main() -> Result<()> {
         device: device_name,
         dtype: args.dtype.clone(),
         model: args.model.name(),
+        unet_schedule_b2,
         unet_time_table,
         ..report(&bench, threads, args.latent, unet_step_b2, vae_decode)?
     };
@@ -393,6 +432,7 @@ fn report(
         unet_build_ms: bench.unet_build_ms,
         vae_build_ms: bench.vae_build_ms,
         unet_step_b2,
+        unet_schedule_b2: None,
         unet_time_table: None,
         vae_decode,
         peak_rss_bytes: status_kb("VmHWM:")?,
@@ -436,7 +476,7 @@ fn measure(
         (0..iters)
             .map(|i| {
                 let c = call()?;
-                eprintln!("{what} {i}: {:.0} ms (cpu {:.0} ms)", c.ms, c.cpu_ms);
+                eprintln!("{what} {i}: {:.2} ms (cpu {:.1} ms)", c.ms, c.cpu_ms);
                 Ok(c)
             })
             .collect::<Result<Vec<_>>>()
