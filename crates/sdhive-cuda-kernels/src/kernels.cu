@@ -176,6 +176,12 @@ __device__ __forceinline__ float block_sum(float v, float *red, float *total) {
     return *total;
 }
 
+// x · sigmoid(x) through the fast exponential and division (a few ulps of f32, far below the storage types'
+// rounding): the exact forms cost a normalisation over a 64² map more than its memory traffic, and the SD1.5
+// step's 45 gn_group_nhwc launches 0.02 of their 0.33 ms (ncu). f32 maps, which only the kernels' tests make
+// channels-last (the engine keeps f32 maps NCHW), keep the exact forms.
+__device__ __forceinline__ float silu_fast(float v) { return __fdividef(v, 1.f + __expf(-v)); }
+
 // Most pixels of one group a thread of gn_group_nhwc keeps in registers (one 4-byte unit each); the host takes
 // that kernel only where ⌊blockDim / units per pixel⌋ · CLUSTER · GN_GROUP_UNITS rows cover the map.
 #define GN_GROUP_UNITS 32
@@ -276,7 +282,7 @@ __device__ void gn_group_nhwc(const T *x, const T *shift, uint32_t shift_stride,
 #pragma unroll
         for (uint32_t j = 0; j < E; j++) {
             float val = fmaf(to_f(e[j]), scale[j], offset[j]);
-            if (silu) val = val / (1.f + expf(-val));
+            if (silu) val = sizeof(T) == 4 ? val / (1.f + expf(-val)) : silu_fast(val);
             oe[j] = from_f<T>(val);
         }
         *reinterpret_cast<uint32_t *>(os + (size_t)(p0 + k * step) * channels) = res;
@@ -289,10 +295,6 @@ __device__ void gn_group_nhwc(const T *x, const T *shift, uint32_t shift_stride,
 #define GN_SLAB_HOLD 8
 #define GN_SLAB_GROUPS 32
 #define GN_SLAB_APPLY_HOLD 4
-
-// x · sigmoid(x) through the fast exponential and division (a few ulps of f32, far below the storage types'
-// rounding): the exact forms cost a normalisation over a 64² map more than its memory traffic.
-__device__ __forceinline__ float silu_fast(float v) { return __fdividef(v, 1.f + __expf(-v)); }
 
 // Where a gn_slab_* thread works in pixels [begin, end) of its sample: channels c0.. (one 16-byte vector of the
 // chunk) of pixels p0, p0 + rows, …, `held` of them (at most `hold`). Thread t owns vector t % vpc (vpc = chunk /
@@ -493,8 +495,9 @@ __device__ void gn_slab_apply_nhwc(const T *x, const T *shift, uint32_t shift_st
         T *oe = reinterpret_cast<T *>(&res);
 #pragma unroll
         for (uint32_t j = 0; j < VEC; j++) {
-            const float val = fmaf(to_f(e[j]), scale[j], offset[j]);
-            oe[j] = from_f<T>(silu ? silu_fast(val) : val);
+            float val = fmaf(to_f(e[j]), scale[j], offset[j]);
+            if (silu) val = sizeof(T) == 4 ? val / (1.f + expf(-val)) : silu_fast(val);
+            oe[j] = from_f<T>(val);
         }
         os[(size_t)(t.p0 + k * t.rows) * pitch] = res;
     }
