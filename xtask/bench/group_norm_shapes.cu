@@ -1,7 +1,7 @@
 // The channels-last GroupNorm's two paths (crates/sdhive-cuda-kernels/src/kernels.cu) against each other, f16,
 // at the SD1.5 UNet's maps (batch 2 with CFG; the count is how often a step runs each) and a few SDXL and VAE
 // ones: the one-launch gn_group_nhwc with clusters of 1, 2 (what the crate instantiates), 4 and 8 blocks per
-// group at 512 and 1024 threads where a group fits, and the two-launch gn_slab_* (moments per slab, then the
+// group at 128 to 1024 threads where a group fits, and the two-launch gn_slab_* (moments per slab, then the
 // normalisation) at 2-32 slabs per sample, its apply blocks of 128 threads. Each is timed in µs as a CUDA graph
 // of 50 calls (as the UNet step replays them; the slab rows also time each launch alone) and checked against an
 // f64 reference on the host (BAD: more than 4e-3 from it, two f16 ulps of the normalised values). Not part of
@@ -82,7 +82,7 @@ int main() {
     const int upp = pg / 2;
     for (int ci = 0; ci < 4; ci++) {
       const int cluster = 1 << ci;
-      for (int threads : {512, 1024}) {
+      for (int threads : {128, 256, 512, 1024}) {
         if (threads / upp == 0 || (threads / upp) * cluster * GN_GROUP_UNITS < s.pixels) continue;
         auto call = [&]() { kernels[ci]<<<dim3(groups * cluster, s.n), threads, 0, st>>>(x, sh, s.channels, w, b, o, s.pixels, s.channels, groups, eps, 1); };
         const double d = check(call);
