@@ -1,21 +1,23 @@
 // How fast cuDNN's legacy API runs the SD1.5 UNet's 3×3 convolutions (every map size at CFG batch 2, channels-last
 // f16, f32 accumulation) per forward algorithm and math type, on random operands (zeros flatter the clocks and the
-// memory system: conv_gemm.cu's note). The engine calls
-// cudnnConvolutionBiasActivationForward with IMPLICIT_PRECOMP_GEMM (the only algorithm with the identity
-// activation); at 8² cuDNN runs a 64×64-tile kernel there on 40 blocks, while the 2560-channel inputs at the same
+// memory system: conv_gemm.cu's note). The engine calls cudnnConvolutionBiasActivationForward with
+// IMPLICIT_PRECOMP_GEMM (the only algorithm with the identity activation); at 8² cuDNN runs a 64×64-tile kernel there on 40 blocks, while the 2560-channel inputs at the same
 // map get a split-K kernel on 120. Each line: the algorithm, cudnnConvolutionForward's time and the largest
 // difference from the PRECOMP output, then the same with beta = 1 over a prefilled output (the skip and bias
-// written first, as a caller without the bias epilogue would). Graphs of 20 calls, best of 5 launches.
+// written first, as a caller without the bias epilogue would). Graphs of 20 calls, best of 5 launches. The last
+// shapes are the networks' edge convolutions with their few channels padded to 8 (what EdgeConv does), 16, 32, 64.
+// CONV_ALGOS_ONLY=SUBSTRING runs the shapes whose name holds it.
 // Build here, run on the GPU machine:
 //   C=~/.cache/sdhive-cuda-13.0/prefix/nvidia (the toolchain `cargo xtask build-cuda` caches; its nvcc on PATH)
-//   nvcc -O2 -std=c++17 -arch=sm_90 -I$C/cudnn/include xtask/bench/conv_algos.cu -o conv_algos \
-//        -L$C/cudnn/lib -l:libcudnn.so.9
+//   nvcc -O2 -std=c++17 -arch=sm_90 -cudart shared -I$C/cudnn/include xtask/bench/conv_algos.cu -o conv_algos \
+//        -L$C/cu13/lib -L$C/cudnn/lib -l:libcudnn.so.9
 #include <cudnn.h>
 #include <cuda_fp16.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 #define CK(x)                                                                                   \
     do {                                                                                        \
@@ -80,7 +82,13 @@ int main() {
         {"32² 640>640", 2, 32, 640, 640},     {"32² 1920>640", 2, 32, 1920, 640},  {"32² 1280>640", 2, 32, 1280, 640},
         {"32² 960>640", 2, 32, 960, 640},     {"32² 1280>1280", 2, 32, 1280, 1280}, {"64² 320>320", 2, 64, 320, 320},
         {"64² 640>320", 2, 64, 640, 320},     {"64² 960>320", 2, 64, 960, 320},    {"64² 640>640", 2, 64, 640, 640},
+        // The networks' edges: the few image or latent channels padded (EdgeConv) to 8, 16, 32 or 64.
+        {"64² 320>8", 2, 64, 320, 8},         {"64² 320>16", 2, 64, 320, 16},      {"64² 320>32", 2, 64, 320, 32},
+        {"64² 320>64", 2, 64, 320, 64},       {"64² 8>320", 2, 64, 8, 320},        {"64² 16>320", 2, 64, 16, 320},
+        {"64² 32>320", 2, 64, 32, 320},       {"512² 128>8", 1, 512, 128, 8},      {"512² 128>16", 1, 512, 128, 16},
+        {"512² 128>32", 1, 512, 128, 32},     {"64² 8>512", 1, 64, 8, 512},        {"64² 16>512", 1, 64, 16, 512},
     };
+    const char *only = getenv("CONV_ALGOS_ONLY"); // a substring of the shapes to run
     const char *algo_name[8] = {"IMPLICIT_GEMM", "IMPLICIT_PRECOMP_GEMM", "GEMM", "DIRECT", "FFT", "FFT_TILING",
                                 "WINOGRAD", "WINOGRAD_NONFUSED"};
     cudnnHandle_t dn;
@@ -93,6 +101,7 @@ int main() {
     cudaMalloc(&ws, wsz);
     printf("cuDNN %zu\n", cudnnGetVersion());
     for (auto &s : shapes) {
+        if (only && !strstr(s.what, only)) continue;
         const size_t m = (size_t)s.n * s.hw * s.hw, kk = 9 * (size_t)s.c;
         __half *x, *w, *y, *yref, *bias, *skip;
         cudaMalloc(&x, m * s.c * 2);
