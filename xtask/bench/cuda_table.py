@@ -110,13 +110,18 @@ def measure_ours(bench, common, xl, ours, mem) -> None:
 
 
 
+def record(into: dict, part: str, row: dict) -> None:
+    """One diffusers part's median, and for the UNet parts the back-to-back median as PART-b2b."""
+    into[part] = row["median_ms"]
+    if "schedule_median_ms" in row:
+        into[part + "-b2b"] = row["schedule_median_ms"]
+
+
 def measure_eager(script, xl, ref, mem) -> None:
     parts = "unet-sd15,vae-sd15,text-sd15" + (",unet-sdxl,text-sdxl" if xl else "")
     rows, _ = run("diffusers eager", ["python3", script, parts], 600)
     for r in rows:
-        ref["eager"][r["part"]] = r["median_ms"]
-        if "schedule_median_ms" in r:
-            ref["eager"][r["part"] + "-b2b"] = r["schedule_median_ms"]
+        record(ref["eager"], r["part"], r)
     for fam in ["sd15", "sdxl"][: 2 if xl else 1]:
         rows, peak = run(f"diffusers eager {fam} e2e", ["python3", script, f"e2e-{fam}", f"--{fam}",
                                                         f"/tmp/bench_{fam}"], 600)
@@ -128,10 +133,7 @@ def measure_eager(script, xl, ref, mem) -> None:
 def measure_compiled(script, ref, mem) -> None:
     rows, _ = run("diffusers compiled", ["python3", script, "unet-sd15,vae-sd15", "--compile"], 600)
     for r in rows:
-        part = r["part"].removesuffix("-compiled")
-        ref["compiled"][part] = r["median_ms"]
-        if "schedule_median_ms" in r:
-            ref["compiled"][part + "-b2b"] = r["schedule_median_ms"]
+        record(ref["compiled"], r["part"].removesuffix("-compiled"), r)
     rows, peak = run("diffusers compiled sd15 e2e", ["python3", script, "e2e-sd15", "--compile", "--sd15",
                                                      "/tmp/bench_sd15"], 600)
     for r in rows:
@@ -153,11 +155,11 @@ def merge(results: list[dict]) -> dict:
 def table(res: dict) -> str:
     ours, ref, mem = res["ours"], res["diffusers"], res["peak_mib"]
 
-    names = [("unet-sd15", "SD1.5 UNet step 512², CFG batch 2 (ms)"),
+    names = [("unet-sd15", "SD1.5 UNet step 512², CFG batch 2, per call (ms)"),
              ("unet-sd15-b2b", "SD1.5 UNet step, 20-step schedules back to back (ms per step)"),
              ("vae-sd15", "SD1.5 VAE decode 512² (ms)"),
              ("text-sd15", "SD1.5 text encode, prompt + negative (ms)"), ("e2e-sd15", "SD1.5 512², 20 steps (s/image)"),
-             ("unet-sdxl", "SDXL UNet step 1024², CFG batch 2 (ms)"),
+             ("unet-sdxl", "SDXL UNet step 1024², CFG batch 2, per call (ms)"),
              ("unet-sdxl-b2b", "SDXL UNet step, 20-step schedules back to back (ms per step)"),
              ("text-sdxl", "SDXL text encode (ms)"),
              ("e2e-sdxl", "SDXL 1024², 20 steps (s/image)")]

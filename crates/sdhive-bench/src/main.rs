@@ -371,25 +371,19 @@ fn main() -> Result<()> {
     }
 
     let unet_step_b2 = (args.only != Only::Vae)
-        .then(|| measure("unet step", args.warmup, args.iters, || bench.unet_step()))
+        .then(|| measure("unet step", args.warmup, args.iters, Profile::Inside, || bench.unet_step()))
         .transpose()?;
     // Outside the profiler range: a profile of the step needs one call, not twenty. Not on the CPU, where a
     // schedule takes minutes and no launch latency hides between steps anyway.
     let unet_schedule_b2 = (args.only != Only::Vae && !dev.is_cpu())
-        .then(|| -> Result<Timing> {
-            bench.unet_schedule()?;
-            let calls = (0..args.iters)
-                .map(|i| {
-                    let c = bench.unet_schedule()?;
-                    eprintln!("unet schedule {i}: {:.2} ms per step", c.ms);
-                    Ok(c)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            Ok(Timing::new(&calls))
+        .then(|| {
+            measure("unet schedule, per step", 1, args.iters, Profile::Outside, || bench.unet_schedule())
         })
         .transpose()?;
     let unet_time_table = (args.only != Only::Vae)
-        .then(|| measure("unet time table", args.warmup, args.iters, || bench.unet_time_table()))
+        .then(|| {
+            measure("unet time table", args.warmup, args.iters, Profile::Inside, || bench.unet_time_table())
+        })
         .transpose()?;
     if let Some(unet) = &bench.unet {
         let (recorded, refused) = unet.graph_status();
@@ -399,7 +393,7 @@ fn main() -> Result<()> {
         }
     }
     let vae_decode = (args.only != Only::Unet)
-        .then(|| measure("vae decode", args.warmup, args.iters, || bench.vae_decode()))
+        .then(|| measure("vae decode", args.warmup, args.iters, Profile::Inside, || bench.vae_decode()))
         .transpose()?;
     let report = Report {
         device: device_name,
@@ -462,17 +456,25 @@ fn serve(bench: &mut Bench, threads: usize) -> Result<()> {
     Ok(())
 }
 
-/// `warmup` untimed calls of `call` (which times itself), then `iters` timed ones inside the profiler range.
+/// Whether [`measure`]'s timed calls run inside the CUDA profiler range ([`profiled`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Profile {
+    Inside,
+    Outside,
+}
+
+/// `warmup` untimed calls of `call` (which times itself), then `iters` timed ones.
 fn measure(
     what: &str,
     warmup: usize,
     iters: usize,
+    profile: Profile,
     mut call: impl FnMut() -> Result<Call>,
 ) -> Result<Timing> {
     for _ in 0..warmup {
         call()?;
     }
-    let calls = profiled(|| {
+    let mut timed_calls = || {
         (0..iters)
             .map(|i| {
                 let c = call()?;
@@ -480,7 +482,8 @@ fn measure(
                 Ok(c)
             })
             .collect::<Result<Vec<_>>>()
-    })?;
+    };
+    let calls = if profile == Profile::Inside { profiled(timed_calls)? } else { timed_calls()? };
     Ok(Timing::new(&calls))
 }
 

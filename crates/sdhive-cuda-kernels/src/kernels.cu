@@ -176,11 +176,13 @@ __device__ __forceinline__ float block_sum(float v, float *red, float *total) {
     return *total;
 }
 
-// x · sigmoid(x) through the fast exponential and division (a few ulps of f32, far below the storage types'
-// rounding): the exact forms cost a normalisation over a 64² map more than its memory traffic, and the SD1.5
-// step's 45 gn_group_nhwc launches 0.02 of their 0.33 ms (ncu). f32 maps, which only the kernels' tests make
-// channels-last (the engine keeps f32 maps NCHW), keep the exact forms.
-__device__ __forceinline__ float silu_fast(float v) { return __fdividef(v, 1.f + __expf(-v)); }
+// x · sigmoid(x) for a map of T: for 16-bit maps through the fast exponential and division (a few ulps of f32, far
+// below their rounding), since the exact forms cost a normalisation over a 64² map more than its memory traffic,
+// and the SD1.5 step's 45 gn_group_nhwc launches 0.02 of their 0.33 ms (ncu). f32 maps, which only the kernels'
+// tests make channels-last (the engine keeps f32 maps NCHW), keep the exact forms.
+template <typename T> __device__ __forceinline__ float silu_of(float v) {
+    return sizeof(T) == 4 ? v / (1.f + expf(-v)) : __fdividef(v, 1.f + __expf(-v));
+}
 
 // Most pixels of one group a thread of gn_group_nhwc keeps in registers (one 4-byte unit each); the host takes
 // that kernel only where ⌊blockDim / units per pixel⌋ · CLUSTER · GN_GROUP_UNITS rows cover the map.
@@ -282,7 +284,7 @@ __device__ void gn_group_nhwc(const T *x, const T *shift, uint32_t shift_stride,
 #pragma unroll
         for (uint32_t j = 0; j < E; j++) {
             float val = fmaf(to_f(e[j]), scale[j], offset[j]);
-            if (silu) val = sizeof(T) == 4 ? val / (1.f + expf(-val)) : silu_fast(val);
+            if (silu) val = silu_of<T>(val);
             oe[j] = from_f<T>(val);
         }
         *reinterpret_cast<uint32_t *>(os + (size_t)(p0 + k * step) * channels) = res;
@@ -496,7 +498,7 @@ __device__ void gn_slab_apply_nhwc(const T *x, const T *shift, uint32_t shift_st
 #pragma unroll
         for (uint32_t j = 0; j < VEC; j++) {
             float val = fmaf(to_f(e[j]), scale[j], offset[j]);
-            if (silu) val = sizeof(T) == 4 ? val / (1.f + expf(-val)) : silu_fast(val);
+            if (silu) val = silu_of<T>(val);
             oe[j] = from_f<T>(val);
         }
         os[(size_t)(t.p0 + k * t.rows) * pitch] = res;
