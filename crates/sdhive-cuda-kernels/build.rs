@@ -2,14 +2,14 @@
 //! PATH (`cargo xtask build-cuda` provides one); the library embeds the PTX and learns the capability through
 //! `SDHIVE_CUDA_COMPUTE_CAP`. For 9.0 the attention is compiled a second time for the arch-specific compute_90a,
 //! whose PTX holds the Hopper (wgmma) kernels and loads only on 9.0 devices, and the fused feed-forward product
-//! with GEGLU and the narrow products with their LayerNorm (`src/geglu_wgmma.cu`, `src/linear_norm_wgmma.cu`, Hopper
-//! only) are compiled for compute_90a alone; other builds get empty files
+//! with GEGLU, the narrow products with their LayerNorm and the 8² convolution (`src/geglu_wgmma.cu`,
+//! `src/linear_norm_wgmma.cu`, `src/conv_splitk.cu`, Hopper only) are compiled for compute_90a alone; other builds get empty files
 //! there. Without the feature, nothing to do.
 
 const SOURCES: [&str; 2] = ["kernels", "attention"];
 
 /// Sources that exist only as Hopper kernels: compiled for compute_90a alone.
-const HOPPER_ONLY: [&str; 2] = ["geglu_wgmma", "linear_norm_wgmma"];
+const HOPPER_ONLY: [&str; 3] = ["geglu_wgmma", "linear_norm_wgmma", "conv_splitk"];
 
 fn main() {
     for source in SOURCES.iter().chain(&HOPPER_ONLY) {

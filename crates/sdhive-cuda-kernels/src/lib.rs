@@ -15,6 +15,8 @@ use candle_core::{Result, Tensor};
 
 #[cfg(feature = "cuda")]
 mod attention;
+#[cfg(feature = "cudnn")]
+mod conv_splitk;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cudnn")]
@@ -387,7 +389,9 @@ pub fn conv2d_channels_last(x: &Tensor, weight: &Tensor, stride: usize, padding:
 }
 
 /// [`conv2d_channels_last`] `+ bias (+ skip)`, added in cuDNN's epilogue (the output written once, no add pass):
-/// `bias` `(K)`, `skip` the output's shape `(N, Ho, Wo, K)`. Only with the `cudnn` feature.
+/// `bias` `(K)`, `skip` the output's shape `(N, Ho, Wo, K)`. Only with the `cudnn` feature. On Hopper the 3×3
+/// convolutions of 8×8 maps (SD1.5's lowest UNet level) run a split-K kernel of this crate instead
+/// (`conv_splitk.cu`); `SDHIVE_CONV_SPLITK=0` keeps them on cuDNN.
 pub fn conv2d_channels_last_epilogue(
     x: &Tensor,
     weight: &Tensor,
@@ -397,7 +401,12 @@ pub fn conv2d_channels_last_epilogue(
     skip: Option<&Tensor>,
 ) -> Result<Tensor> {
     #[cfg(feature = "cudnn")]
-    return cudnn::conv2d_channels_last_epilogue(x, weight, stride, padding, bias, skip);
+    {
+        if switched_on!("SDHIVE_CONV_SPLITK") && conv_splitk::takes(x, weight, stride, padding, bias, skip) {
+            return conv_splitk::conv2d(x, weight, bias, skip);
+        }
+        cudnn::conv2d_channels_last_epilogue(x, weight, stride, padding, bias, skip)
+    }
     #[cfg(not(feature = "cudnn"))]
     {
         let _ = (x, weight, stride, padding, bias, skip);

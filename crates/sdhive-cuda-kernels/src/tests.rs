@@ -1087,3 +1087,88 @@ fn slab_group_norm_splits_maps_into_chunks_of_whole_groups() {
     let huge = plan(1, 4096 * 4096, 128, 32, 2).unwrap();
     assert_eq!((huge.apply_threads, huge.apply_blocks), (512, 32768));
 }
+
+/// The cluster split-K convolution of 8×8 maps against candle's f32 NCHW convolution of the same (rounded) inputs
+/// plus bias and skip: SD1.5's 8² shapes (1280 and 2560 input channels, one and two images), the four-split
+/// instantiation (256 and 512 input channels), one 64-channel slice per split (320), f16 and bf16; the same call
+/// twice gives the same bits (the partial sums are added in split order), and the channels-last epilogue entry
+/// point takes this kernel for these shapes. On other devices and builds it must say it is off.
+#[cfg(feature = "cudnn")]
+#[test]
+fn conv_splitk_matches_candle() {
+    let dev = gpu();
+    let here = geglu_product_here(&dev);
+    assert_eq!(conv_splitk::on(&dev), here);
+    if !here {
+        eprintln!("not a compute capability 9.0 device with a build for it: the 8² convolution is off");
+        return;
+    }
+    let nchw = |t: Tensor| t.permute((0, 3, 1, 2)).unwrap().contiguous().unwrap();
+    for (n, c, k) in
+        [(2, 1280, 1280), (1, 1280, 1280), (2, 2560, 1280), (2, 256, 64), (1, 512, 192), (2, 320, 128)]
+    {
+        let x = Tensor::randn(0f32, 1.0, (n, c, 8, 8), &dev).unwrap();
+        let w = Tensor::randn(0f32, 1.0 / (9.0 * c as f32).sqrt(), (k, c, 3, 3), &dev).unwrap();
+        let bias = Tensor::randn(0f32, 0.5, k, &dev).unwrap();
+        let skip = Tensor::randn(0f32, 1.0, (n, k, 8, 8), &dev).unwrap();
+        for dtype in [DType::F16, DType::BF16] {
+            let cast = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let (xd, wd, bd, sd) = (cast(&x), cast(&w), cast(&bias), cast(&skip));
+            let conv = f(&xd).conv2d(&f(&wd), 1, 1, 1, 1).unwrap();
+            let with_bias = conv.broadcast_add(&f(&bd).reshape((1, k, 1, 1)).unwrap()).unwrap();
+            let (xl, wl, sl) = (nhwc(&xd), nhwc(&wd), nhwc(&sd));
+            for with_skip in [false, true] {
+                let skip_l = with_skip.then_some(&sl);
+                assert!(conv_splitk::takes(&xl, &wl, 1, 1, &bd, skip_l));
+                let want = if with_skip { (&with_bias + f(&sd)).unwrap() } else { with_bias.clone() };
+                let ours = conv_splitk::conv2d(&xl, &wl, &bd, skip_l).unwrap();
+                assert_eq!(ours.dtype(), dtype);
+                let d = rel_diff(&nchw(ours.clone()), &want);
+                eprintln!("8² convolution n{n} c{c} k{k} skip={with_skip} {dtype:?}: rel diff {d:.2e}");
+                assert!(
+                    d <= 4.0 * tol(dtype),
+                    "8² convolution n{n} c{c} k{k} skip={with_skip} {dtype:?}: {d}"
+                );
+                let again = conv_splitk::conv2d(&xl, &wl, &bd, skip_l).unwrap();
+                assert_eq!(rel_diff(&again, &ours), 0.0, "the same call gives the same bits");
+                let entry = conv2d_channels_last_epilogue(&xl, &wl, 1, 1, &bd, skip_l).unwrap();
+                assert_eq!(rel_diff(&entry, &ours), 0.0, "the epilogue entry point runs this kernel");
+            }
+        }
+    }
+}
+
+/// What the 8² convolution refuses: other map sizes, strides, paddings and filter sizes, three images, channel
+/// counts no split divides, output channels off 64, f32, a bias or skip that does not fit, the CPU.
+#[cfg(feature = "cudnn")]
+#[test]
+fn conv_splitk_refuses_what_it_cannot_take() {
+    let dev = gpu();
+    let here = geglu_product_here(&dev);
+    let t = |shape: &[usize], dtype| Tensor::zeros(shape, dtype, &dev).unwrap();
+    let h = DType::F16;
+    let (x, w, b) = (t(&[2, 8, 8, 320], h), t(&[64, 3, 3, 320], h), t(&[64], h));
+    assert_eq!(conv_splitk::takes(&x, &w, 1, 1, &b, None), here);
+    assert_eq!(conv_splitk::conv2d(&x, &w, &b, None).is_ok(), here);
+    let refused = |x: &Tensor, w: &Tensor, stride, pad, b: &Tensor, skip: Option<&Tensor>| {
+        assert!(!conv_splitk::takes(x, w, stride, pad, b, skip), "{:?} * {:?}", x.dims(), w.dims());
+        if (stride, pad) == (1, 1) {
+            let err = conv_splitk::conv2d(x, w, b, skip).unwrap_err().to_string();
+            assert!(err.contains("8² convolution"), "{err}");
+        }
+    };
+    refused(&t(&[2, 16, 16, 320], h), &w, 1, 1, &b, None);
+    refused(&x, &w, 2, 1, &b, None);
+    refused(&x, &w, 1, 0, &b, None);
+    refused(&x, &t(&[64, 1, 1, 320], h), 1, 1, &b, None);
+    refused(&t(&[3, 8, 8, 320], h), &w, 1, 1, &b, None);
+    refused(&t(&[2, 8, 8, 192], h), &t(&[64, 3, 3, 192], h), 1, 1, &b, None);
+    refused(&x, &t(&[96, 3, 3, 320], h), 1, 1, &t(&[96], h), None);
+    let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    refused(&f(&x), &f(&w), 1, 1, &f(&b), None);
+    refused(&x, &w, 1, 1, &t(&[128], h), None);
+    refused(&x, &w, 1, 1, &b, Some(&t(&[2, 8, 8, 128], h)));
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
+    refused(&cpu(&x), &cpu(&w), 1, 1, &cpu(&b), None);
+}
