@@ -7,9 +7,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{
-    bail, builder_arg, CpuStorage, CudaDevice, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor,
-};
+use candle_core::{bail, builder_arg, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
 const MODULE: &str = "sdhive_attention";
@@ -350,31 +348,14 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
-impl CustomOp3 for Attention {
-    fn name(&self) -> &'static str {
-        "sdhive-attention"
-    }
+crate::cuda::cuda_op3!(Attention, "sdhive-attention", forward);
 
-    fn cpu_fwd(
+impl Attention {
+    fn forward(
         &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        crate::cuda::cpu_only(self.name())
-    }
-
-    fn cuda_fwd(
-        &self,
-        q: &CudaStorage,
-        ql: &Layout,
-        k: &CudaStorage,
-        kl: &Layout,
-        v: &CudaStorage,
-        vl: &Layout,
+        (q, ql): (&CudaStorage, &Layout),
+        (k, kl): (&CudaStorage, &Layout),
+        (v, vl): (&CudaStorage, &Layout),
     ) -> Result<(CudaStorage, Shape)> {
         let out = match q.dtype() {
             DType::F16 => attention_launch::<f16>(self, (q, ql), (k, kl), (v, vl))?,

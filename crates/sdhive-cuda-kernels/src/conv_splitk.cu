@@ -52,31 +52,17 @@ template <int S, int NB, int D> __host__ __device__ constexpr int smem_bytes() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
 using namespace sm90;
 
-#define CS_ACC8(i)                                                                                                \
-    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),   \
-        "+f"(d[i + 7])
-#define CS_ACC32(i) CS_ACC8(i), CS_ACC8(i + 8), CS_ACC8(i + 16), CS_ACC8(i + 24)
-#define CS_R8(i) "%" #i "0, %" #i "1, %" #i "2, %" #i "3, %" #i "4, %" #i "5, %" #i "6, %" #i "7, %" #i "8, %" #i "9"
-#define CS_R32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, " CS_R8(1) ", " CS_R8(2) ", %30, %31"
-#define CS_R64 CS_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, " CS_R8(4) ", " CS_R8(5) ", %60, %61, %62, %63"
-#define CS_WGMMA(TY, N, REGS, IA, IB, ...)                                                                        \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                                       \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" REGS "}, %" #IA ", %" #IB       \
-                 ", p, 1, 1, 0, 0;\n}\n"                                                                          \
-                 : __VA_ARGS__                                                                                    \
-                 : "l"(da), "l"(db))
-
 // D(64×N, f32) += A(64×16) · B(16×N), both K-major in shared memory: N = 64 per image.
 template <typename T, int NB> struct Mma;
 #define CS_MMA_FOR(T, TY)                                                                                         \
     template <> struct Mma<T, 1> {                                                                                \
         static __device__ __forceinline__ void run(float (&d)[32], uint64_t da, uint64_t db) {                    \
-            CS_WGMMA(TY, 64, CS_R32, 32, 33, CS_ACC32(0));                                                        \
+            WG_MMA_SS(TY, 64, WG_R32, 32, 33, WG_ACC32(0));                                                        \
         }                                                                                                         \
     };                                                                                                            \
     template <> struct Mma<T, 2> {                                                                                \
         static __device__ __forceinline__ void run(float (&d)[64], uint64_t da, uint64_t db) {                    \
-            CS_WGMMA(TY, 128, CS_R64, 64, 65, CS_ACC32(0), CS_ACC32(32));                                         \
+            WG_MMA_SS(TY, 128, WG_R64, 64, 65, WG_ACC32(0), WG_ACC32(32));                                         \
         }                                                                                                         \
     };
 CS_MMA_FOR(__half, "f16")

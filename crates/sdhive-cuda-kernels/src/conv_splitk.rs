@@ -8,9 +8,7 @@ use crate::cuda::{aligned16, contiguous, held_view, sm90a_loads};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{
-    bail, builder_arg, CpuStorage, CudaDevice, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor,
-};
+use candle_core::{bail, builder_arg, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
 const MODULE: &str = "sdhive_conv_splitk_sm90a";
@@ -150,31 +148,14 @@ fn launch<T: CudaDType + DeviceRepr>(
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
-impl CustomOp3 for ConvSplitK {
-    fn name(&self) -> &'static str {
-        "sdhive-conv-splitk"
-    }
+crate::cuda::cuda_op3!(ConvSplitK, "sdhive-conv-splitk", forward);
 
-    fn cpu_fwd(
+impl ConvSplitK {
+    fn forward(
         &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        crate::cuda::cpu_only(self.name())
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-        b: &CudaStorage,
-        bl: &Layout,
+        (x, xl): (&CudaStorage, &Layout),
+        (w, wl): (&CudaStorage, &Layout),
+        (b, bl): (&CudaStorage, &Layout),
     ) -> Result<(CudaStorage, Shape)> {
         if let Some(why) = shape_refusal(xl.dims(), wl.dims(), 1, 1) {
             bail!("8² convolution: {why}");

@@ -136,40 +136,59 @@ macro_rules! by_dtype {
     };
 }
 
-/// The custom op of a normalisation: input, weight and bias in, output shaped like the input, CUDA only; `$launch`
-/// is generic over the storage type.
-macro_rules! normalisation_op {
-    ($op:ty, $name:literal, $launch:ident) => {
-        impl CustomOp3 for $op {
+/// The custom op of a kernel over three operands, CUDA only: `$forward(&self, a, b, c)` takes each operand's
+/// storage and layout and returns the output with its shape.
+macro_rules! cuda_op3 {
+    ($op:ty, $name:literal, $forward:ident) => {
+        impl candle_core::CustomOp3 for $op {
             fn name(&self) -> &'static str {
                 $name
             }
 
             fn cpu_fwd(
                 &self,
-                _: &CpuStorage,
-                _: &Layout,
-                _: &CpuStorage,
-                _: &Layout,
-                _: &CpuStorage,
-                _: &Layout,
-            ) -> Result<(CpuStorage, Shape)> {
-                cpu_only(self.name())
+                _: &candle_core::CpuStorage,
+                _: &candle_core::Layout,
+                _: &candle_core::CpuStorage,
+                _: &candle_core::Layout,
+                _: &candle_core::CpuStorage,
+                _: &candle_core::Layout,
+            ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+                $crate::cuda::cpu_only($name)
             }
 
             fn cuda_fwd(
                 &self,
-                x: &CudaStorage,
-                xl: &Layout,
-                w: &CudaStorage,
-                wl: &Layout,
-                b: &CudaStorage,
-                bl: &Layout,
-            ) -> Result<(CudaStorage, Shape)> {
-                let out = by_dtype!(x.dtype(), $launch(self, (x, xl), (w, wl), (b, bl)))?;
-                Ok((out, xl.shape().clone()))
+                a: &candle_core::CudaStorage,
+                al: &candle_core::Layout,
+                b: &candle_core::CudaStorage,
+                bl: &candle_core::Layout,
+                c: &candle_core::CudaStorage,
+                cl: &candle_core::Layout,
+            ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+                self.$forward((a, al), (b, bl), (c, cl))
             }
         }
+    };
+}
+pub(crate) use cuda_op3;
+
+/// The custom op of a normalisation: input, weight and bias in, output shaped like the input, CUDA only; `$launch`
+/// is generic over the storage type.
+macro_rules! normalisation_op {
+    ($op:ty, $name:literal, $launch:ident) => {
+        impl $op {
+            fn normalisation_forward(
+                &self,
+                x: (&CudaStorage, &Layout),
+                w: (&CudaStorage, &Layout),
+                b: (&CudaStorage, &Layout),
+            ) -> Result<(CudaStorage, Shape)> {
+                let out = by_dtype!(x.0.dtype(), $launch(self, x, w, b))?;
+                Ok((out, x.1.shape().clone()))
+            }
+        }
+        cuda_op3!($op, $name, normalisation_forward);
     };
 }
 
@@ -203,35 +222,17 @@ macro_rules! optional_bias_op {
             }
         }
 
-        impl candle_core::CustomOp3 for $op {
-            fn name(&self) -> &'static str {
-                $name_bias
-            }
-
-            fn cpu_fwd(
+        impl $op {
+            fn forward_with_bias(
                 &self,
-                _: &candle_core::CpuStorage,
-                _: &candle_core::Layout,
-                _: &candle_core::CpuStorage,
-                _: &candle_core::Layout,
-                _: &candle_core::CpuStorage,
-                _: &candle_core::Layout,
-            ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-                $crate::cuda::cpu_only($name_bias)
-            }
-
-            fn cuda_fwd(
-                &self,
-                x: &candle_core::CudaStorage,
-                xl: &candle_core::Layout,
-                w: &candle_core::CudaStorage,
-                wl: &candle_core::Layout,
-                b: &candle_core::CudaStorage,
-                bl: &candle_core::Layout,
+                x: (&candle_core::CudaStorage, &candle_core::Layout),
+                w: (&candle_core::CudaStorage, &candle_core::Layout),
+                b: (&candle_core::CudaStorage, &candle_core::Layout),
             ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-                self.$run((x, xl), (w, wl), Some((b, bl)))
+                self.$run(x, w, Some(b))
             }
         }
+        $crate::cuda::cuda_op3!($op, $name_bias, forward_with_bias);
     };
 }
 pub(crate) use optional_bias_op;

@@ -8,10 +8,7 @@ use crate::cuda::{aligned16, contiguous, sm90a_loads};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{
-    bail, builder_arg, CpuStorage, CudaDevice, CudaStorage, CustomOp3, DType, Device, Layout, Result, Shape,
-    Tensor,
-};
+use candle_core::{bail, builder_arg, CudaDevice, CudaStorage, DType, Device, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
 const MODULE: &str = "sdhive_geglu_sm90a";
@@ -157,31 +154,14 @@ fn launch<T: CudaDType + DeviceRepr>(
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
-impl CustomOp3 for GegluProduct {
-    fn name(&self) -> &'static str {
-        "sdhive-geglu-product"
-    }
+crate::cuda::cuda_op3!(GegluProduct, "sdhive-geglu-product", forward);
 
-    fn cpu_fwd(
+impl GegluProduct {
+    fn forward(
         &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        crate::cuda::cpu_only(self.name())
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-        b: &CudaStorage,
-        bl: &Layout,
+        (x, xl): (&CudaStorage, &Layout),
+        (w, wl): (&CudaStorage, &Layout),
+        (b, bl): (&CudaStorage, &Layout),
     ) -> Result<(CudaStorage, Shape)> {
         let (n, k) = wl.shape().dims2()?;
         let h = n / 2;

@@ -23,35 +23,16 @@ constexpr int IL = 64; // the interleave block of W1's rows (and of b1)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
 
-// An m64nN f32 accumulator is N/2 registers per thread, all named in the instruction.
-#define GW_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
-#define GW_ACC16(i) GW_ACC4(i), GW_ACC4(i + 4), GW_ACC4(i + 8), GW_ACC4(i + 12)
-#define GW_ACC64(i) GW_ACC16(i), GW_ACC16(i + 16), GW_ACC16(i + 32), GW_ACC16(i + 48)
-#define GW_R8(i) "%" #i "0, %" #i "1, %" #i "2, %" #i "3, %" #i "4, %" #i "5, %" #i "6, %" #i "7, %" #i "8, %" #i "9"
-#define GW_R64                                                                                                    \
-    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, " GW_R8(1) ", " GW_R8(2) ", " GW_R8(3) ", " GW_R8(4) ", " GW_R8(5)   \
-    ", %60, %61, %62, %63"
-#define GW_R128                                                                                                   \
-    GW_R64 ", %64, %65, %66, %67, %68, %69, " GW_R8(7) ", " GW_R8(8) ", " GW_R8(9) ", " GW_R8(10) ", " GW_R8(11) \
-    ", %120, %121, %122, %123, %124, %125, %126, %127"
-// D(64×N, f32) += A(64×16) · B(16×N), both from shared memory, K-major.
-#define GW_WGMMA(TY, N, REGS, IA, IB, ...)                                                                        \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                                       \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" REGS "}, %" #IA ", %" #IB       \
-                 ", p, 1, 1, 0, 0;\n}\n"                                                                          \
-                 : __VA_ARGS__                                                                                    \
-                 : "l"(da), "l"(db))
-
 template <typename T, int N> struct Wgmma;
 #define GW_WGMMA_FOR(T, TY)                                                                                       \
     template <> struct Wgmma<T, 128> {                                                                            \
         static __device__ __forceinline__ void mma(float (&d)[64], uint64_t da, uint64_t db) {                    \
-            GW_WGMMA(TY, 128, GW_R64, 64, 65, GW_ACC64(0));                                                       \
+            WG_MMA_SS(TY, 128, WG_R64, 64, 65, WG_ACC32(0), WG_ACC32(32));                                                       \
         }                                                                                                         \
     };                                                                                                            \
     template <> struct Wgmma<T, 256> {                                                                            \
         static __device__ __forceinline__ void mma(float (&d)[128], uint64_t da, uint64_t db) {                   \
-            GW_WGMMA(TY, 256, GW_R128, 128, 129, GW_ACC64(0), GW_ACC64(64));                                      \
+            WG_MMA_SS(TY, 256, WG_R128, 128, 129, WG_ACC32(0), WG_ACC32(32), WG_ACC32(64), WG_ACC32(96));                                      \
         }                                                                                                         \
     };
 GW_WGMMA_FOR(__half, "f16")

@@ -8,10 +8,7 @@ use crate::cuda::{aligned16, contiguous, held_view, sm90a_loads};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{
-    bail, builder_arg, CpuStorage, CudaDevice, CudaStorage, CustomOp3, DType, Device, Layout, Result, Shape,
-    Tensor,
-};
+use candle_core::{bail, builder_arg, CudaDevice, CudaStorage, DType, Device, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
 const MODULE: &str = "sdhive_linear_norm_sm90a";
@@ -153,31 +150,14 @@ fn launch<T: CudaDType + DeviceRepr>(
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
-impl CustomOp3 for LinearNorm {
-    fn name(&self) -> &'static str {
-        "sdhive-linear-norm"
-    }
+crate::cuda::cuda_op3!(LinearNorm, "sdhive-linear-norm", forward);
 
-    fn cpu_fwd(
+impl LinearNorm {
+    fn forward(
         &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        crate::cuda::cpu_only(self.name())
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-        b: &CudaStorage,
-        bl: &Layout,
+        (x, xl): (&CudaStorage, &Layout),
+        (w, wl): (&CudaStorage, &Layout),
+        (b, bl): (&CudaStorage, &Layout),
     ) -> Result<(CudaStorage, Shape)> {
         let (n, k) = wl.shape().dims2()?;
         let dims = xl.dims();

@@ -25,20 +25,8 @@ constexpr int WN = 160; // product columns per warpgroup
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
 
-#define LN_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
-#define LN_ACC16(i) LN_ACC4(i), LN_ACC4(i + 4), LN_ACC4(i + 8), LN_ACC4(i + 12)
-#define LN_ACC80 LN_ACC16(0), LN_ACC16(16), LN_ACC16(32), LN_ACC16(48), LN_ACC16(64)
-#define LN_R10(i) "%" #i "0, %" #i "1, %" #i "2, %" #i "3, %" #i "4, %" #i "5, %" #i "6, %" #i "7, %" #i "8, %" #i "9"
-#define LN_R80                                                                                                    \
-    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, " LN_R10(1) ", " LN_R10(2) ", " LN_R10(3) ", " LN_R10(4) ", "        \
-        LN_R10(5) ", " LN_R10(6) ", " LN_R10(7)
 // D(64×160, f32) += A(64×16) · B(16×160), both from shared memory, K-major.
-#define LN_WGMMA(TY)                                                                                              \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                                       \
-                 "wgmma.mma_async.sync.aligned.m64n160k16.f32." TY "." TY " {" LN_R80 "}, %80, %81, p, 1, 1, 0, " \
-                 "0;\n}\n"                                                                                        \
-                 : LN_ACC80                                                                                       \
-                 : "l"(da), "l"(db))
+#define LN_WGMMA(TY) WG_MMA_SS(TY, 160, WG_R80, 80, 81, WG_ACC32(0), WG_ACC32(32), WG_ACC16(64))
 
 template <typename T> struct Wgmma;
 template <> struct Wgmma<__half> {

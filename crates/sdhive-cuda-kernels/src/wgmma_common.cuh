@@ -1,4 +1,5 @@
-// Shared by the Hopper (sm_90a) product kernels (geglu_wgmma.cu, linear_norm_wgmma.cu): wgmma's fences and waits,
+// Shared by the Hopper (sm_90a) product kernels (geglu_wgmma.cu, linear_norm_wgmma.cu, conv_splitk.cu): the
+// shared-memory wgmma instruction with its operand lists, wgmma's fences and waits,
 // the cp.async ring's copies and group waits and its per-thread copy plan (TileRing), the 128-byte-swizzled K-major
 // operand descriptor, and f16/bf16 pairs to and from f32. Only in the arch-specific sm_90a target (and for the host's view of the includers).
 #pragma once
@@ -7,6 +8,29 @@
 #include <stdint.h>
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
+
+// An m64nN f32 accumulator is N/2 registers per thread, all named in the instruction: WG_ACC* list `d[i]`.. as
+// read-write operands, WG_R* the text of their operand numbers (WG_R10(i): %i0 to %i9).
+#define WG_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define WG_ACC16(i) WG_ACC4(i), WG_ACC4(i + 4), WG_ACC4(i + 8), WG_ACC4(i + 12)
+#define WG_ACC32(i) WG_ACC16(i), WG_ACC16(i + 16)
+#define WG_R10(i) "%" #i "0, %" #i "1, %" #i "2, %" #i "3, %" #i "4, %" #i "5, %" #i "6, %" #i "7, %" #i "8, %" #i "9"
+#define WG_R30 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, " WG_R10(1) ", " WG_R10(2)
+#define WG_R32 WG_R30 ", %30, %31"
+#define WG_R64 WG_R30 ", " WG_R10(3) ", " WG_R10(4) ", " WG_R10(5) ", %60, %61, %62, %63"
+#define WG_R80 WG_R30 ", " WG_R10(3) ", " WG_R10(4) ", " WG_R10(5) ", " WG_R10(6) ", " WG_R10(7)
+#define WG_R128                                                                                                   \
+    WG_R64 ", %64, %65, %66, %67, %68, %69, " WG_R10(7) ", " WG_R10(8) ", " WG_R10(9) ", " WG_R10(10) ", "        \
+        WG_R10(11) ", %120, %121, %122, %123, %124, %125, %126, %127"
+// D(64×N, f32) += A(64×16) · B(16×N), both from shared memory (descriptors `da`, `db`), K-major: REGS names the
+// accumulator's operands, IA and IB the descriptors' numbers, the rest the accumulator list.
+#define WG_MMA_SS(TY, N, REGS, IA, IB, ...)                                                                       \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                                       \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" REGS "}, %" #IA ", %" #IB       \
+                 ", p, 1, 1, 0, 0;\n}\n"                                                                          \
+                 : __VA_ARGS__                                                                                    \
+                 : "l"(da), "l"(db))
+
 namespace sm90 {
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
