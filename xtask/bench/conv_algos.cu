@@ -11,22 +11,11 @@
 //   C=~/.cache/sdhive-cuda-13.0/prefix/nvidia (the toolchain `cargo xtask build-cuda` caches; its nvcc on PATH)
 //   nvcc -O2 -std=c++17 -arch=sm_90 -cudart shared -I$C/cudnn/include xtask/bench/conv_algos.cu -o conv_algos \
 //        -L$C/cu13/lib -L$C/cudnn/lib -l:libcudnn.so.9
-#include <cudnn.h>
+#include "cudnn_conv.cuh"
 #include <cuda_fp16.h>
-#include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
-#define CK(x)                                                                                   \
-    do {                                                                                        \
-        auto e_ = (x);                                                                          \
-        if ((int)e_ != 0) {                                                                     \
-            printf("%s failed %d line %d\n", #x, (int)e_, __LINE__);                            \
-            exit(1);                                                                            \
-        }                                                                                       \
-    } while (0)
 
 __global__ void fill(__half *p, size_t n, unsigned seed, float scale) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
@@ -34,33 +23,6 @@ __global__ void fill(__half *p, size_t n, unsigned seed, float scale) {
     unsigned h = (unsigned)i * 2654435761u ^ seed;
     h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
     p[i] = __float2half(scale * ((h & 0xFFFFFF) / 8388608.f - 1.f));
-}
-
-template <typename F> float time_graph(cudaStream_t st, F f) {
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    for (int i = 0; i < 20; ++i) f();
-    CK(cudaStreamEndCapture(st, &g));
-    CK(cudaGraphInstantiate(&ge, g, 0));
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    CK(cudaGraphLaunch(ge, st));
-    CK(cudaStreamSynchronize(st));
-    float best = 1e9;
-    for (int r = 0; r < 5; ++r) {
-        cudaEventRecord(e0, st);
-        cudaGraphLaunch(ge, st);
-        cudaEventRecord(e1, st);
-        cudaEventSynchronize(e1);
-        float ms;
-        cudaEventElapsedTime(&ms, e0, e1);
-        best = std::min(best, ms);
-    }
-    cudaGraphExecDestroy(ge);
-    cudaGraphDestroy(g);
-    return best * 1000 / 20;
 }
 
 static float max_diff(const __half *a, const __half *b, size_t n) {
@@ -114,22 +76,11 @@ int main() {
         fill<<<(s.k * kk + 255) / 256, 256, 0, st>>>(w, s.k * kk, 2, 1.7f / sqrtf((float)kk));
         fill<<<(s.k + 255) / 256, 256, 0, st>>>(bias, s.k, 3, 0.1f);
         fill<<<(m * s.k + 255) / 256, 256, 0, st>>>(skip, m * s.k, 4, 1.f);
-        cudnnTensorDescriptor_t xd, yd, bd;
-        cudnnFilterDescriptor_t wd;
-        cudnnConvolutionDescriptor_t cd;
-        cudnnActivationDescriptor_t ad;
-        CK(cudnnCreateTensorDescriptor(&xd));
-        CK(cudnnCreateTensorDescriptor(&yd));
-        CK(cudnnCreateTensorDescriptor(&bd));
-        CK(cudnnCreateFilterDescriptor(&wd));
-        CK(cudnnCreateConvolutionDescriptor(&cd));
-        CK(cudnnCreateActivationDescriptor(&ad));
-        CK(cudnnSetTensor4dDescriptor(xd, CUDNN_TENSOR_NHWC, CUDNN_DATA_HALF, s.n, s.c, s.hw, s.hw));
-        CK(cudnnSetTensor4dDescriptor(yd, CUDNN_TENSOR_NHWC, CUDNN_DATA_HALF, s.n, s.k, s.hw, s.hw));
-        CK(cudnnSetTensor4dDescriptor(bd, CUDNN_TENSOR_NHWC, CUDNN_DATA_HALF, 1, s.k, 1, 1));
-        CK(cudnnSetFilter4dDescriptor(wd, CUDNN_DATA_HALF, CUDNN_TENSOR_NHWC, s.k, s.c, 3, 3));
-        CK(cudnnSetConvolution2dDescriptor(cd, 1, 1, 1, 1, 1, 1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
-        CK(cudnnSetActivationDescriptor(ad, CUDNN_ACTIVATION_IDENTITY, CUDNN_NOT_PROPAGATE_NAN, 0.0));
+        const Conv3x3Nhwc d(s.n, s.c, s.k, s.hw);
+        const auto xd = d.xd, yd = d.yd, bd = d.bd;
+        const auto wd = d.wd;
+        const auto cd = d.cd;
+        const auto ad = d.ad;
         float one = 1.f, zero = 0.f;
         printf("\n=== %s (M %zu, K %zu, N %d)\n", s.what, m, kk, s.k);
         for (cudnnMathType_t math : {CUDNN_TENSOR_OP_MATH, CUDNN_DEFAULT_MATH}) {
@@ -139,7 +90,7 @@ int main() {
             CK(cudnnConvolutionBiasActivationForward(dn, &one, xd, x, wd, w, cd,
                                                      CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM, ws, wsz, &one, yd,
                                                      yref, bd, bias, ad, yd, yref));
-            float t_engine = time_graph(st, [&] {
+            float t_engine = time_graph(st, [&](int) {
                 CK(cudnnConvolutionBiasActivationForward(dn, &one, xd, x, wd, w, cd,
                                                          CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM, ws, wsz,
                                                          &zero, yd, y, bd, bias, ad, yd, y));
@@ -147,7 +98,7 @@ int main() {
             size_t own = 0;
             CK(cudnnGetConvolutionForwardWorkspaceSize(dn, xd, wd, cd, yd, CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM,
                                                        &own));
-            float t_own = time_graph(st, [&] {
+            float t_own = time_graph(st, [&](int) {
                 CK(cudnnConvolutionBiasActivationForward(dn, &one, xd, x, wd, w, cd,
                                                          CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM, ws, own,
                                                          &zero, yd, y, bd, bias, ad, yd, y));
@@ -182,8 +133,8 @@ int main() {
                     continue;
                 CK(cudaStreamSynchronize(st));
                 const float d = max_diff(y, yref, m * s.k);
-                float t = time_graph(st, [&] { cudnnConvolutionForward(dn, &one, xd, x, wd, w, cd, algo, ws, wsz, &one, yd, y); });
-                float t0 = time_graph(st, [&] { cudnnConvolutionForward(dn, &one, xd, x, wd, w, cd, algo, ws, wsz, &zero, yd, y); });
+                float t = time_graph(st, [&](int) { cudnnConvolutionForward(dn, &one, xd, x, wd, w, cd, algo, ws, wsz, &one, yd, y); });
+                float t0 = time_graph(st, [&](int) { cudnnConvolutionForward(dn, &one, xd, x, wd, w, cd, algo, ws, wsz, &zero, yd, y); });
                 printf("  %-22s ws %4zu MB: beta 0 %6.1f us, beta 1 %6.1f us, max |diff| vs engine %.4f\n", algo_name[a],
                        need >> 20, t0, t, d);
             }

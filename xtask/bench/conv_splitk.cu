@@ -12,23 +12,10 @@
 //        -L$C/cu13/lib -L$C/cudnn/lib -l:libcudnn.so.9
 #define SDHIVE_CONV_SPLITK_NO_INSTANCES
 #include "../../crates/sdhive-cuda-kernels/src/conv_splitk.cu"
-#include <cuda_runtime.h>
-#include <cudnn.h>
-#include <algorithm>
+#include "cudnn_conv.cuh"
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
-
-#define CK(x)                                                                                                     \
-    do {                                                                                                          \
-        auto e_ = (x);                                                                                            \
-        if ((int)e_ != 0) {                                                                                       \
-            printf("%s failed: %d (line %d)\n", #x, (int)e_, __LINE__);                                          \
-            exit(1);                                                                                              \
-        }                                                                                                         \
-    } while (0)
 
 CONV_SPLITK(4, 2, 6, __half, f16)
 CONV_SPLITK(5, 2, 6, __half, f16)
@@ -61,33 +48,6 @@ __global__ void reference(const __half *x, const __half *w, const __half *bias, 
         for (int c = 0; c < C; ++c) acc += __half2float(xp[c]) * __half2float(wp[c]);
     }
     out[idx] = acc;
-}
-
-template <typename F> float time_graph(cudaStream_t st, F f) {
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    for (int i = 0; i < 20; ++i) f(i);
-    CK(cudaStreamEndCapture(st, &g));
-    CK(cudaGraphInstantiate(&ge, g, 0));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    CK(cudaGraphLaunch(ge, st));
-    CK(cudaStreamSynchronize(st));
-    float best = 1e9;
-    for (int r = 0; r < 5; ++r) {
-        CK(cudaEventRecord(e0, st));
-        CK(cudaGraphLaunch(ge, st));
-        CK(cudaEventRecord(e1, st));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        best = std::min(best, ms);
-    }
-    CK(cudaGraphExecDestroy(ge));
-    CK(cudaGraphDestroy(g));
-    return best * 1000.f / 20.f;
 }
 
 std::vector<__half> random_halves(size_t n, float scale, unsigned &seed) {
@@ -153,34 +113,19 @@ int main(int argc, char **argv) {
         printf("== 8x8 x%d, %d -> %d, %s; filter %.1f MB\n", NB, C, K, sh.skip ? "bias+skip" : "bias",
                nw * 2 / 1e6);
 
-        cudnnTensorDescriptor_t xd, yd, bd;
-        cudnnFilterDescriptor_t wd;
-        cudnnConvolutionDescriptor_t cd;
-        cudnnActivationDescriptor_t ad;
-        CK(cudnnCreateTensorDescriptor(&xd));
-        CK(cudnnCreateTensorDescriptor(&yd));
-        CK(cudnnCreateTensorDescriptor(&bd));
-        CK(cudnnCreateFilterDescriptor(&wd));
-        CK(cudnnCreateConvolutionDescriptor(&cd));
-        CK(cudnnCreateActivationDescriptor(&ad));
-        CK(cudnnSetTensor4dDescriptor(xd, CUDNN_TENSOR_NHWC, CUDNN_DATA_HALF, NB, C, 8, 8));
-        CK(cudnnSetTensor4dDescriptor(yd, CUDNN_TENSOR_NHWC, CUDNN_DATA_HALF, NB, K, 8, 8));
-        CK(cudnnSetTensor4dDescriptor(bd, CUDNN_TENSOR_NHWC, CUDNN_DATA_HALF, 1, K, 1, 1));
-        CK(cudnnSetFilter4dDescriptor(wd, CUDNN_DATA_HALF, CUDNN_TENSOR_NHWC, K, C, 3, 3));
-        CK(cudnnSetConvolution2dDescriptor(cd, 1, 1, 1, 1, 1, 1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
-        CK(cudnnSetConvolutionMathType(cd, CUDNN_TENSOR_OP_MATH));
-        CK(cudnnSetActivationDescriptor(ad, CUDNN_ACTIVATION_IDENTITY, CUDNN_NOT_PROPAGATE_NAN, 0.0));
+        const Conv3x3Nhwc d(NB, C, K, 8);
+        CK(cudnnSetConvolutionMathType(d.cd, CUDNN_TENSOR_OP_MATH));
         const auto algo = CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM;
         size_t wsz = 0;
-        CK(cudnnGetConvolutionForwardWorkspaceSize(dn, xd, wd, cd, yd, algo, &wsz));
+        CK(cudnnGetConvolutionForwardWorkspaceSize(dn, d.xd, d.wd, d.cd, d.yd, algo, &wsz));
         void *wsp = nullptr;
         if (wsz) CK(cudaMalloc(&wsp, wsz));
         const float one = 1.f, zero = 0.f;
         // The engine's call: z is the skip (alpha2 1) or y itself (alpha2 0).
         auto cudnn = [&](int i) {
-            CK(cudnnConvolutionBiasActivationForward(dn, &one, xd, xs[i % COPIES], wd, ws[i % COPIES], cd, algo, wsp,
-                                                     wsz, sh.skip ? &one : &zero, yd, skip ? skip : y, bd, bias,
-                                                     ad, yd, y));
+            CK(cudnnConvolutionBiasActivationForward(dn, &one, d.xd, xs[i % COPIES], d.wd, ws[i % COPIES], d.cd, algo,
+                                                     wsp, wsz, sh.skip ? &one : &zero, d.yd, skip ? skip : y, d.bd,
+                                                     bias, d.ad, d.yd, y));
         };
         reference_for(NB);
         cudnn(0);

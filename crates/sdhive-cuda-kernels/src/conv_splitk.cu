@@ -165,11 +165,9 @@ __device__ __forceinline__ void conv(const T *__restrict__ x, const T *__restric
 #pragma unroll
     for (int s = 0; s < D; ++s) load(s);
     for (int kt = 0; kt < KT; ++kt) {
-        cp_wait<D - 1>();
-        // cp.async (and the zeros above) wrote through the generic proxy, wgmma reads through the async one.
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        // Every thread's part of tile kt (and of its halo) has landed, and tile kt-2's products are done.
-        __syncthreads();
+        // Every thread's part of tile kt (and of its halo) has landed, the zeros above are visible to wgmma too,
+        // and tile kt-2's products are done.
+        ring_landed<D - 1>();
         load(kt + D);
         const int sl = kt / 9, tap = kt % 9;
         // The tap's window: output row y of image b reads halo row y + tap/3 from column tap%3 on.

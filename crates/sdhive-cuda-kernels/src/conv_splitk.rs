@@ -141,7 +141,7 @@ fn launch<T: CudaDType + DeviceRepr>(
         block_dim: (128, 1, 1),
         shared_mem_bytes: split.smem() as u32,
     };
-    // SAFETY: the arguments match the kernel's signature; `ConvSplitK::cuda_fwd` checked the shapes (8×8 maps,
+    // SAFETY: the arguments match the kernel's signature; `ConvSplitK::forward` checked the shapes (8×8 maps,
     // 3×3 filter, channels split evenly, whole 64-channel output tiles), that every view is contiguous and 16-byte
     // aligned, and `conv2d` the device's compute capability. The grid's x is the cluster size the kernel fixes.
     unsafe { a.launch(cfg) }.w()?;

@@ -147,7 +147,7 @@ fn launch<T: CudaDType + DeviceRepr>(
         block_dim: (128 * tile.warpgroups as u32, 1, 1),
         shared_mem_bytes: tile.smem() as u32,
     };
-    // SAFETY: the arguments match the kernel's signature; `GegluProduct::cuda_fwd` checked the shapes (K a whole
+    // SAFETY: the arguments match the kernel's signature; `GegluProduct::forward` checked the shapes (K a whole
     // number of steps, H of interleave blocks and of the tile's outputs), that every view is contiguous and
     // 16-byte aligned, and the device's compute capability.
     unsafe { a.launch(cfg) }.w()?;

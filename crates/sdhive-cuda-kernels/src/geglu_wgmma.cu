@@ -97,11 +97,8 @@ __device__ __forceinline__ void fused(const T *__restrict__ x, const T *__restri
 #pragma unroll
     for (int s = 0; s < D; ++s) load(s);
     for (int kt = 0; kt < KT; ++kt) {
-        cp_wait<D - 1>();
-        // cp.async writes through the generic proxy, wgmma reads through the async one.
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         // Every thread's part of tile kt has landed, and every warpgroup is done with the stage load() refills.
-        __syncthreads();
+        ring_landed<D - 1>();
         load(kt + D);
         const uint32_t st = base + (kt % S) * STAGE;
         const uint64_t da = desc_sw128(st + wg * 64 * 128), db = desc_sw128(st + A_BYTES);

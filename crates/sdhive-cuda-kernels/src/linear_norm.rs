@@ -142,7 +142,7 @@ fn launch<T: CudaDType + DeviceRepr>(
             shared_mem_bytes: tile.smem() as u32,
         };
         // SAFETY: the arguments match the kernel's signature (a null residual is allowed; without the norm so are
-        // gamma, beta and n, which that kernel never reads or writes); `LinearNorm::cuda_fwd` checked the shapes (K
+        // gamma, beta and n, which that kernel never reads or writes); `LinearNorm::forward` checked the shapes (K
         // whole steps, N an instantiation's, the residual M×N, gamma and beta N), that every view is contiguous and
         // 16-byte aligned, and `product` the device's compute capability.
         unsafe { a.launch(cfg) }.w()?;

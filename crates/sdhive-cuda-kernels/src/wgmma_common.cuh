@@ -45,6 +45,14 @@ template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+// The head of a cp.async ring's step: this thread's copies up to N groups back have landed and are visible to
+// wgmma (cp.async writes through the generic proxy, wgmma reads through the async one), and after the barrier
+// every thread's are, and every thread is past what it did in the step before.
+template <int N> __device__ __forceinline__ void ring_landed() {
+    cp_wait<N>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // `bytes` 0 writes zeros without reading (rows past M).
 __device__ __forceinline__ void cp16(uint32_t dst, const void *src, uint32_t bytes) {

@@ -1,0 +1,81 @@
+// Shared by the convolution harnesses that time against cuDNN (conv_algos.cu, conv_splitk.cu): the error check,
+// CUDA-graph timing, and the descriptors of a channels-last f16 3×3 convolution (stride 1, padding 1, f32
+// accumulation) with a (1, K, 1, 1) bias and the identity activation, as src/cudnn.rs sets them up.
+#pragma once
+#include <cuda_runtime.h>
+#include <cudnn.h>
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+
+#define CK(x)                                                                                                     \
+    do {                                                                                                          \
+        auto e_ = (x);                                                                                            \
+        if ((int)e_ != 0) {                                                                                       \
+            printf("%s failed: %d (line %d)\n", #x, (int)e_, __LINE__);                                          \
+            exit(1);                                                                                              \
+        }                                                                                                         \
+    } while (0)
+
+// µs per call of `f(i)`: a CUDA graph of 20 calls (i = 0..19) launched 5 times after one warm-up, the best launch.
+template <typename F> float time_graph(cudaStream_t st, F f) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < 20; ++i) f(i);
+    CK(cudaStreamEndCapture(st, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    CK(cudaGraphLaunch(ge, st));
+    CK(cudaStreamSynchronize(st));
+    float best = 1e9;
+    for (int r = 0; r < 5; ++r) {
+        CK(cudaEventRecord(e0, st));
+        CK(cudaGraphLaunch(ge, st));
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        best = std::min(best, ms);
+    }
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    return best * 1000.f / 20.f;
+}
+
+// Input (n, hw, hw, c), filter (k, 3, 3, c), output (n, hw, hw, k); the math type is the caller's.
+struct Conv3x3Nhwc {
+    cudnnTensorDescriptor_t xd, yd, bd;
+    cudnnFilterDescriptor_t wd;
+    cudnnConvolutionDescriptor_t cd;
+    cudnnActivationDescriptor_t ad;
+
+    Conv3x3Nhwc(int n, int c, int k, int hw) {
+        CK(cudnnCreateTensorDescriptor(&xd));
+        CK(cudnnCreateTensorDescriptor(&yd));
+        CK(cudnnCreateTensorDescriptor(&bd));
+        CK(cudnnCreateFilterDescriptor(&wd));
+        CK(cudnnCreateConvolutionDescriptor(&cd));
+        CK(cudnnCreateActivationDescriptor(&ad));
+        CK(cudnnSetTensor4dDescriptor(xd, CUDNN_TENSOR_NHWC, CUDNN_DATA_HALF, n, c, hw, hw));
+        CK(cudnnSetTensor4dDescriptor(yd, CUDNN_TENSOR_NHWC, CUDNN_DATA_HALF, n, k, hw, hw));
+        CK(cudnnSetTensor4dDescriptor(bd, CUDNN_TENSOR_NHWC, CUDNN_DATA_HALF, 1, k, 1, 1));
+        CK(cudnnSetFilter4dDescriptor(wd, CUDNN_DATA_HALF, CUDNN_TENSOR_NHWC, k, c, 3, 3));
+        CK(cudnnSetConvolution2dDescriptor(cd, 1, 1, 1, 1, 1, 1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
+        CK(cudnnSetActivationDescriptor(ad, CUDNN_ACTIVATION_IDENTITY, CUDNN_NOT_PROPAGATE_NAN, 0.0));
+    }
+    Conv3x3Nhwc(const Conv3x3Nhwc &) = delete;
+    Conv3x3Nhwc &operator=(const Conv3x3Nhwc &) = delete;
+    ~Conv3x3Nhwc() {
+        cudnnDestroyTensorDescriptor(xd);
+        cudnnDestroyTensorDescriptor(yd);
+        cudnnDestroyTensorDescriptor(bd);
+        cudnnDestroyFilterDescriptor(wd);
+        cudnnDestroyConvolutionDescriptor(cd);
+        cudnnDestroyActivationDescriptor(ad);
+    }
+};
