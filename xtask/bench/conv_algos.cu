@@ -17,23 +17,6 @@
 #include <cstring>
 #include <vector>
 
-__global__ void fill(__half *p, size_t n, unsigned seed, float scale) {
-    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    unsigned h = (unsigned)i * 2654435761u ^ seed;
-    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
-    p[i] = __float2half(scale * ((h & 0xFFFFFF) / 8388608.f - 1.f));
-}
-
-static float max_diff(const __half *a, const __half *b, size_t n) {
-    std::vector<__half> ha(n), hb(n);
-    cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost);
-    cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost);
-    float d = 0;
-    for (size_t i = 0; i < n; ++i) d = std::max(d, fabsf(__half2float(ha[i]) - __half2float(hb[i])));
-    return d;
-}
-
 int main() {
     struct S {
         const char *what;

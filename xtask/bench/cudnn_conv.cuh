@@ -1,12 +1,15 @@
-// Shared by the convolution harnesses that time against cuDNN (conv_algos.cu, conv_splitk.cu): the error check,
-// CUDA-graph timing, and the descriptors of a channels-last f16 3×3 convolution (stride 1, padding 1, f32
+// Shared by the convolution harnesses that time against cuDNN (conv_algos.cu, conv_splitk.cu, conv_streams.cu): the
+// error check, CUDA-graph timing, random f16 operands and their largest difference, and the descriptors of a channels-last f16 3×3 convolution (stride 1, padding 1, f32
 // accumulation) with a (1, K, 1, 1) bias and the identity activation, as src/cudnn.rs sets them up.
 #pragma once
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <cudnn.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #define CK(x)                                                                                                     \
     do {                                                                                                          \
@@ -16,6 +19,25 @@
             exit(1);                                                                                              \
         }                                                                                                         \
     } while (0)
+
+// n values in [-scale, scale), a hash of the index and the seed: random operands, since zeros flatter the clocks.
+__global__ void fill(__half *p, size_t n, unsigned seed, float scale) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    unsigned h = (unsigned)i * 2654435761u ^ seed;
+    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
+    p[i] = __float2half(scale * ((h & 0xFFFFFF) / 8388608.f - 1.f));
+}
+
+// The largest absolute difference between two device arrays of n f16 values.
+static float max_diff(const __half *a, const __half *b, size_t n) {
+    std::vector<__half> ha(n), hb(n);
+    CK(cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost));
+    float d = 0;
+    for (size_t i = 0; i < n; ++i) d = std::max(d, fabsf(__half2float(ha[i]) - __half2float(hb[i])));
+    return d;
+}
 
 // µs per call of `f(i)`: a CUDA graph of 20 calls (i = 0..19) launched 5 times after one warm-up, the best launch.
 template <typename F> float time_graph(cudaStream_t st, F f) {
