@@ -28,8 +28,8 @@
 // never straddles two images: H·W % BM == 0). Constraints: Cin % 64 == 0, Cout % BN == 0, M % BM == 0.
 // Build here (C: the toolchain `cargo xtask build-cuda` caches; its nvcc on PATH), run on the GPU machine:
 //   C=~/.cache/sdhive-cuda-13.0/prefix/nvidia
-//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Xptxas -v -I$C/cudnn/include \
-//        xtask/bench/conv_igemm.cu -o target/igemm/conv_igemm -L$C/cudnn/lib -l:libcudnn.so.9
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -cudart shared -Xptxas -v -I$C/cudnn/include \
+//        xtask/bench/conv_igemm.cu -o target/igemm/conv_igemm -L$C/cu13/lib -L$C/cudnn/lib -l:libcudnn.so.9
 //   libs=$(python3 -c 'import glob, os, site; print(":".join(d for p in site.getsitepackages() for d in
 //          sorted(glob.glob(os.path.join(p, "nvidia", "*", "lib")))))'); export LD_LIBRARY_PATH="$libs"
 //   target/igemm/conv_igemm [shape letters: A (64² 320>320 +res), a (same, no res), B (32² 640>640 +res),

@@ -113,20 +113,8 @@ int main(int argc, char **argv) {
         printf("== 8x8 x%d, %d -> %d, %s; filter %.1f MB\n", NB, C, K, sh.skip ? "bias+skip" : "bias",
                nw * 2 / 1e6);
 
-        const Conv3x3Nhwc d(NB, C, K, 8);
-        CK(cudnnSetConvolutionMathType(d.cd, CUDNN_TENSOR_OP_MATH));
-        const auto algo = CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM;
-        size_t wsz = 0;
-        CK(cudnnGetConvolutionForwardWorkspaceSize(dn, d.xd, d.wd, d.cd, d.yd, algo, &wsz));
-        void *wsp = nullptr;
-        if (wsz) CK(cudaMalloc(&wsp, wsz));
-        const float one = 1.f, zero = 0.f;
-        // The engine's call: z is the skip (alpha2 1) or y itself (alpha2 0).
-        auto cudnn = [&](int i) {
-            CK(cudnnConvolutionBiasActivationForward(dn, &one, d.xd, xs[i % COPIES], d.wd, ws[i % COPIES], d.cd, algo,
-                                                     wsp, wsz, sh.skip ? &one : &zero, d.yd, skip ? skip : y, d.bd,
-                                                     bias, d.ad, d.yd, y));
-        };
+        const EngineConv engine(dn, NB, C, K, 8);
+        auto cudnn = [&](int i) { engine.run(xs[i % COPIES], ws[i % COPIES], bias, skip, y); };
         reference_for(NB);
         cudnn(0);
         CK(cudaStreamSynchronize(st));
@@ -174,7 +162,6 @@ int main(int argc, char **argv) {
         if (skip) CK(cudaFree(skip));
         CK(cudaFree(y));
         CK(cudaFree(ref));
-        if (wsp) CK(cudaFree(wsp));
     }
     printf("done\n");
     return 0;

@@ -1,6 +1,7 @@
-// Shared by the convolution harnesses that time against cuDNN (conv_algos.cu, conv_splitk.cu, conv_streams.cu): the
-// error check, CUDA-graph timing, random f16 operands and their largest difference, and the descriptors of a channels-last f16 3×3 convolution (stride 1, padding 1, f32
-// accumulation) with a (1, K, 1, 1) bias and the identity activation, as src/cudnn.rs sets them up.
+// Shared by the convolution harnesses that time against cuDNN (conv_algos.cu, conv_splitk.cu, conv_streams.cu,
+// conv_tiled.cu, edge_conv.cu): the error check, CUDA-graph timing, random f16 operands and their largest difference,
+// the descriptors of a channels-last f16 3×3 convolution (stride 1, padding 1, f32 accumulation) with a (1, K, 1, 1)
+// bias and the identity activation, as src/cudnn.rs sets them up, and the engine's call on them.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -99,5 +100,32 @@ struct Conv3x3Nhwc {
         cudnnDestroyFilterDescriptor(wd);
         cudnnDestroyConvolutionDescriptor(cd);
         cudnnDestroyActivationDescriptor(ad);
+    }
+};
+
+// The engine's cuDNN call (src/cudnn.rs): cudnnConvolutionBiasActivationForward with IMPLICIT_PRECOMP_GEMM and
+// tensor-op math on its own workspace, bias and (with a skip) the skip added in the epilogue.
+struct EngineConv {
+    Conv3x3Nhwc d;
+    cudnnHandle_t dn;
+    size_t wsz = 0;
+    void *ws = nullptr;
+    static constexpr cudnnConvolutionFwdAlgo_t ALGO = CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM;
+
+    EngineConv(cudnnHandle_t dn, int n, int c, int k, int hw) : d(n, c, k, hw), dn(dn) {
+        CK(cudnnSetConvolutionMathType(d.cd, CUDNN_TENSOR_OP_MATH));
+        CK(cudnnGetConvolutionForwardWorkspaceSize(dn, d.xd, d.wd, d.cd, d.yd, ALGO, &wsz));
+        if (wsz) CK(cudaMalloc(&ws, wsz));
+    }
+    EngineConv(const EngineConv &) = delete;
+    EngineConv &operator=(const EngineConv &) = delete;
+    ~EngineConv() {
+        if (ws) cudaFree(ws);
+    }
+    // y = conv(x) + bias (+ skip): z is the skip (alpha2 1) or y itself (alpha2 0).
+    void run(const __half *x, const __half *w, const __half *bias, const __half *skip, __half *y) const {
+        const float one = 1.f, zero = 0.f;
+        CK(cudnnConvolutionBiasActivationForward(dn, &one, d.xd, x, d.wd, w, d.cd, ALGO, ws, wsz, skip ? &one : &zero,
+                                                 d.yd, skip ? skip : y, d.bd, bias, d.ad, d.yd, y));
     }
 };

@@ -136,6 +136,8 @@ macro_rules! by_dtype {
     };
 }
 
+pub(crate) use by_dtype;
+
 /// The custom op of a kernel over three operands, CUDA only: `$forward(&self, a, b, c)` takes each operand's
 /// storage and layout and returns the output with its shape.
 macro_rules! cuda_op3 {
@@ -619,6 +621,9 @@ struct GroupNormLast {
     silu: bool,
     /// `(N, C)`, added to every pixel of its sample before the statistics; its rows may be further apart than C.
     shift: Option<Tensor>,
+    /// `(N, …, C2)`: the map joined after the input's channels (the up path's skip), read in place; the output
+    /// is then `(2, N, …, C + C2)`, the normalised join and the join itself.
+    second: Option<Tensor>,
 }
 
 fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
@@ -630,9 +635,12 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
     let dev: &CudaDevice = x.0.device();
     let dims = x.1.dims();
     let samples = dims[0];
-    let channels = dims[dims.len() - 1];
-    let n = x.1.shape().elem_count();
-    let pixels = n / (samples * channels);
+    let first = dims[dims.len() - 1];
+    let pixels = x.1.shape().elem_count() / (samples * first);
+    let second = op.second.as_ref().map(|t| t.storage_and_layout());
+    let x2 = second.as_ref().map(|h| held_view::<T, _>(h, "group_norm joined map")).transpose()?;
+    let channels = first + op.second.as_ref().map_or(0, |t| t.dims().last().copied().unwrap_or(0));
+    let n = samples * pixels * channels;
     let sfx = suffix(x.0.dtype())?;
     let xs = contiguous::<T>(x.0, x.1, "group_norm input")?;
     let ws = contiguous::<T>(w.0, w.1, "group_norm weight")?;
@@ -641,11 +649,26 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
     let ss = shift.as_ref().map(|h| held_rows_view::<T, _>(h, "group_norm shift")).transpose()?;
     let null: u64 = 0;
     let shift_stride = ss.as_ref().map_or(0, |(_, stride)| *stride as u32);
-    // The kernels' first arguments: the input and the shift (a null pointer without one); those that normalise
-    // go on with weight, bias and output.
+    let c1 = first as u32;
+    // SAFETY: written in full by the kernels: the normalised map, and after it the joined one where there is one.
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(if x2.is_some() { 2 * n } else { n })? };
+    let (normed, joined) = (out.slice(0..n), x2.as_ref().map(|_| out.slice(n..2 * n)));
+    // The kernels' first arguments: the input, the joined map and where it starts (a null pointer without one),
+    // and the shift (likewise); those that normalise also take where the join goes, then weight, bias and output.
     macro_rules! input_and_shift {
-        ($a:ident) => {
+        ($a:ident, $cat:expr) => {
             $a.arg(&xs);
+            match &x2 {
+                Some(v) => $a.arg(v),
+                None => $a.arg(&null),
+            };
+            $a.arg(&c1);
+            if $cat {
+                match &joined {
+                    Some(v) => $a.arg(v),
+                    None => $a.arg(&null),
+                };
+            }
             match &ss {
                 Some((s, _)) => $a.arg(s),
                 None => $a.arg(&null),
@@ -654,21 +677,19 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
         };
     }
     macro_rules! normalisation_operands {
-        ($a:ident, $out:expr) => {
-            input_and_shift!($a);
+        ($a:ident) => {
+            input_and_shift!($a, true);
             $a.arg(&ws);
             $a.arg(&bs);
-            $a.arg($out);
+            $a.arg(&normed);
         };
     }
     if let Some((threads, cluster)) =
         group_norm_one_launch(pixels, channels, op.groups, std::mem::size_of::<T>(), clusters_built())
     {
-        // SAFETY: written in full by the kernel.
-        let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
         let func = dev.get_or_load_custom_func(&format!("gn_group_nhwc_c{cluster}_{sfx}"), MODULE, PTX)?;
         let mut a = func.builder();
-        normalisation_operands!(a, &out);
+        normalisation_operands!(a);
         builder_arg!(a, pixels as u32, channels as u32, op.groups as u32, op.eps, i32::from(op.silu));
         let cfg = LaunchConfig {
             grid_dim: ((op.groups * cluster) as u32, samples as u32, 1),
@@ -691,11 +712,9 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
     // SAFETY: every (sample, slab, group) triple is written by the moments kernel before the apply kernel reads
     // it.
     let partial: CudaSlice<f32> = unsafe { dev.alloc::<f32>(samples * plan.slabs * op.groups * 3)? };
-    // SAFETY: written in full by the apply kernel.
-    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
     let func = dev.get_or_load_custom_func(&format!("gn_slab_moments_nhwc_{sfx}"), MODULE, PTX)?;
     let mut a = func.builder();
-    input_and_shift!(a);
+    input_and_shift!(a, false);
     a.arg(&partial);
     builder_arg!(a, pixels as u32, channels as u32, op.groups as u32, plan.chunk as u32, plan.slabs as u32);
     let vec = per_vector::<T>();
@@ -710,7 +729,7 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
     unsafe { a.launch(cfg) }.w()?;
     let func = dev.get_or_load_custom_func(&format!("gn_slab_apply_nhwc_{sfx}"), MODULE, PTX)?;
     let mut a = func.builder();
-    normalisation_operands!(a, &out);
+    normalisation_operands!(a);
     a.arg(&partial);
     builder_arg!(
         a,
@@ -732,7 +751,25 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
-normalisation_op!(GroupNormLast, "sdhive-group-norm-channels-last", group_norm_last_launch);
+impl GroupNormLast {
+    fn forward(
+        &self,
+        x: (&CudaStorage, &Layout),
+        w: (&CudaStorage, &Layout),
+        b: (&CudaStorage, &Layout),
+    ) -> Result<(CudaStorage, Shape)> {
+        let out = by_dtype!(x.0.dtype(), group_norm_last_launch(self, x, w, b))?;
+        let Some(second) = &self.second else { return Ok((out, x.1.shape().clone())) };
+        let mut dims = vec![2];
+        dims.extend_from_slice(x.1.dims());
+        if let (Some(c), Some(c2)) = (dims.last_mut(), second.dims().last()) {
+            *c += c2;
+        }
+        Ok((out, Shape::from(dims)))
+    }
+}
+
+cuda_op3!(GroupNormLast, "sdhive-group-norm-channels-last", forward);
 
 /// The most channels the channels-last kernels take (the networks' widest map is 2560 channels, an up block's
 /// input); a GroupNorm's chunk of whole groups must also fit one block ([`group_norm_slabs`]).
@@ -752,8 +789,10 @@ pub fn channels_last_fits(x: &Tensor) -> bool {
     x.rank() >= 3 && c > 0 && c.is_multiple_of(vec) && c <= MAX_LAST_CHANNELS && starts_16_aligned(x)
 }
 
+/// GroupNorm over channels-last `x` (see the public wrapper); with `second`, over `x` and `second` joined along
+/// their channels, returning `(2, N, …, C + C2)`: the normalised join, then the join itself.
 pub fn group_norm_last(
-    x: &Tensor,
+    (x, second): (&Tensor, Option<&Tensor>),
     shift: Option<&Tensor>,
     weight: &Tensor,
     bias: &Tensor,
@@ -762,11 +801,26 @@ pub fn group_norm_last(
     silu: bool,
 ) -> Result<Tensor> {
     let dims = x.dims();
-    let c = dims.last().copied().unwrap_or(0);
+    let c = dims.last().copied().unwrap_or(0) + second.map_or(0, |s| s.dims().last().copied().unwrap_or(0));
     if !channels_last_fits(x) || groups == 0 || !c.is_multiple_of(groups) {
         bail!(
             "group_norm (channels-last): input {dims:?} cannot be split into {groups} groups of 16-byte runs"
         );
+    }
+    if let Some(s) = second {
+        let (sd, n) = (s.dims(), dims.len());
+        if !channels_last_fits(s)
+            || sd.len() != n
+            || sd[..n - 1] != dims[..n - 1]
+            || s.dtype() != x.dtype()
+            || !s.device().same_device(x.device())
+        {
+            bail!(
+                "group_norm (channels-last): cannot join {sd:?} {:?} to the input {dims:?} {:?}",
+                s.dtype(),
+                x.dtype()
+            );
+        }
     }
     if weight.elem_count() != c || bias.elem_count() != c {
         bail!("group_norm: weight/bias must have {c} values");
@@ -800,7 +854,7 @@ pub fn group_norm_last(
             _ => s.force_contiguous(),
         })
         .transpose()?;
-    let op = GroupNormLast { groups, eps: eps as f32, silu, shift };
+    let op = GroupNormLast { groups, eps: eps as f32, silu, shift, second: second.cloned() };
     x.apply_op3_no_bwd(&vectors(weight)?, &vectors(bias)?, &op)
 }
 

@@ -209,6 +209,22 @@ template <int CLUSTER> __device__ __forceinline__ float cluster_sum(float v, flo
     }
 }
 
+// Channel c0 of pixel 0 of `sample` in a channels-last map of `channels` read either from x alone (x2 null) or
+// from two maps joined along their channels, the up path's skip concatenation never written before its norm:
+// channels [0, c1) from x (rows of c1), [c1, channels) from x2 (rows of channels − c1). `pitch` gets the row
+// length of the map the channel lives in; a run of channels read together must not straddle c1 (the host keeps c1
+// a multiple of 16 bytes' worth).
+template <typename T>
+__device__ __forceinline__ const T *joined_at(const T *x, const T *x2, uint32_t c1, uint32_t sample,
+                                              uint32_t pixels, uint32_t channels, uint32_t c0, uint32_t &pitch) {
+    if (x2 == nullptr || c0 < c1) {
+        pitch = x2 == nullptr ? channels : c1;
+        return x + (size_t)sample * pixels * pitch + c0;
+    }
+    pitch = channels - c1;
+    return x2 + (size_t)sample * pixels * pitch + (c0 - c1);
+}
+
 // GroupNorm over channels-last (N, H·W, C) maps in one launch, one cluster of CLUSTER blocks per (group, sample),
 // for maps whose groups fit in the cluster's registers: the blocks load their share of the group's values once, 4
 // bytes at a time (a group's C/groups channels of a pixel are contiguous; the host takes this kernel where 4
@@ -219,10 +235,12 @@ template <int CLUSTER> __device__ __forceinline__ float cluster_sum(float v, flo
 // every rows-pixel slab (rows = blockDim / upp) whose index is its block's rank modulo CLUSTER, so its channels,
 // weights, biases and shifts are fixed and read once, and consecutive threads read consecutive bytes of a pixel's
 // run; the last blockDim % upp threads idle. More blocks per group (a larger cluster) put fewer pixels on each
-// thread, for larger maps. `shift` as in gn_slab_moments_nhwc.
+// thread, for larger maps. `shift` as in gn_slab_moments_nhwc; `x2`, `c1` as in joined_at, and a non-null `cat`
+// gets the joined map as read (for the products that take it whole).
 template <typename T, int CLUSTER>
-__device__ void gn_group_nhwc(const T *x, const T *shift, uint32_t shift_stride, const T *w, const T *b, T *out,
-                              uint32_t pixels, uint32_t channels, uint32_t groups, float eps, int silu) {
+__device__ void gn_group_nhwc(const T *x, const T *x2, uint32_t c1, T *cat, const T *shift, uint32_t shift_stride,
+                              const T *w, const T *b, T *out, uint32_t pixels, uint32_t channels, uint32_t groups,
+                              float eps, int silu) {
     constexpr uint32_t E = 4 / sizeof(T);
     __shared__ float red[32];
     __shared__ float total;
@@ -232,7 +250,8 @@ __device__ void gn_group_nhwc(const T *x, const T *shift, uint32_t shift_stride,
     // Pixels p0, p0 + step, … below `pixels` are this thread's; none for the idle threads.
     const uint32_t held = threadIdx.x / upp < rows && p0 < pixels ? (pixels - p0 + step - 1) / step : 0;
     const uint32_t c0 = g * per_group + u * E;
-    const T *xs = x + (size_t)sample * pixels * channels + c0;
+    uint32_t pitch;
+    const T *xs = joined_at(x, x2, c1, sample, pixels, channels, c0, pitch);
     float sh[E], wv[E], bv[E];
 #pragma unroll
     for (uint32_t j = 0; j < E; j++) {
@@ -245,7 +264,7 @@ __device__ void gn_group_nhwc(const T *x, const T *shift, uint32_t shift_stride,
 #pragma unroll
     for (uint32_t k = 0; k < GN_GROUP_UNITS; k++) {
         if (k >= held) break;
-        raw[k] = *reinterpret_cast<const uint32_t *>(xs + (size_t)(p0 + k * step) * channels);
+        raw[k] = *reinterpret_cast<const uint32_t *>(xs + (size_t)(p0 + k * step) * pitch);
     }
 #pragma unroll
     for (uint32_t k = 0; k < GN_GROUP_UNITS; k++) {
@@ -275,9 +294,11 @@ __device__ void gn_group_nhwc(const T *x, const T *shift, uint32_t shift_stride,
         offset[j] = bv[j] + (sh[j] - mean) * scale[j];
     }
     T *os = out + (size_t)sample * pixels * channels + c0;
+    T *cs = cat != nullptr ? cat + (size_t)sample * pixels * channels + c0 : nullptr;
 #pragma unroll
     for (uint32_t k = 0; k < GN_GROUP_UNITS; k++) {
         if (k >= held) break;
+        if (cs != nullptr) *reinterpret_cast<uint32_t *>(cs + (size_t)(p0 + k * step) * channels) = raw[k];
         const T *e = reinterpret_cast<const T *>(&raw[k]);
         uint32_t res;
         T *oe = reinterpret_cast<T *>(&res);
@@ -363,9 +384,9 @@ __device__ __forceinline__ void gn_block_group_sums(const float (&v)[VEC], float
 // then never has to add in a pass of its own. Its rows are strided because they are columns of the UNet's table
 // of every ResNet's projection.
 template <typename T>
-__device__ void gn_slab_moments_nhwc(const T *x, const T *shift, uint32_t shift_stride, float *partial,
-                                     uint32_t pixels, uint32_t channels, uint32_t groups, uint32_t chunk,
-                                     uint32_t slabs) {
+__device__ void gn_slab_moments_nhwc(const T *x, const T *x2, uint32_t c1, const T *shift, uint32_t shift_stride,
+                                     float *partial, uint32_t pixels, uint32_t channels, uint32_t groups,
+                                     uint32_t chunk, uint32_t slabs) {
     constexpr uint32_t VEC = 16 / sizeof(T);
     // blockDim · VEC floats of `red`, then max(blockDim, chunk) of `csum` (gn_block_group_sums), sized by the host.
     extern __shared__ float dyn[];
@@ -374,8 +395,9 @@ __device__ void gn_slab_moments_nhwc(const T *x, const T *shift, uint32_t shift_
     const uint32_t slab = blockIdx.y, sample = blockIdx.z, per_group = channels / groups, gpc = chunk / per_group;
     const uint2 range = share_of(pixels, slab, slabs);
     const uint32_t c0 = slab_channel<VEC>(chunk);
-    const uint4 *xv = reinterpret_cast<const uint4 *>(x + (size_t)sample * pixels * channels + c0);
-    const size_t pitch = channels / VEC;
+    uint32_t row;
+    const uint4 *xv = reinterpret_cast<const uint4 *>(joined_at(x, x2, c1, sample, pixels, channels, c0, row));
+    const size_t pitch = row / VEC;
     float sh[VEC];
     uint4 s = make_uint4(0, 0, 0, 0);
     if (shift != nullptr) s = *reinterpret_cast<const uint4 *>(shift + (size_t)sample * shift_stride + c0);
@@ -443,21 +465,23 @@ __device__ void gn_slab_moments_nhwc(const T *x, const T *shift, uint32_t shift_
 // group of the chunk merges the slabs' moments (a lane per slab, Chan's formula) into the mean and
 // 1 / sqrt(var + eps); then it normalises them (+ SiLU).
 template <typename T>
-__device__ void gn_slab_apply_nhwc(const T *x, const T *shift, uint32_t shift_stride, const T *w, const T *b, T *out,
-                                   const float *partial, uint32_t pixels, uint32_t channels, uint32_t groups,
-                                   uint32_t chunk, uint32_t slabs, float eps, int silu) {
+__device__ void gn_slab_apply_nhwc(const T *x, const T *x2, uint32_t c1, T *cat, const T *shift,
+                                   uint32_t shift_stride, const T *w, const T *b, T *out, const float *partial,
+                                   uint32_t pixels, uint32_t channels, uint32_t groups, uint32_t chunk,
+                                   uint32_t slabs, float eps, int silu) {
     constexpr uint32_t VEC = 16 / sizeof(T);
     __shared__ float stat[2][GN_SLAB_GROUPS];
     const uint32_t sample = blockIdx.z, per_group = channels / groups, gpc = chunk / per_group;
     const uint2 range = share_of(pixels, blockIdx.y, gridDim.y);
     const SlabThread t = slab_thread<VEC>(chunk, range.x, range.y, GN_SLAB_APPLY_HOLD);
-    const uint4 *xs = reinterpret_cast<const uint4 *>(x + (size_t)sample * pixels * channels + t.c0);
-    const size_t pitch = channels / VEC;
+    uint32_t row;
+    const uint4 *xs = reinterpret_cast<const uint4 *>(joined_at(x, x2, c1, sample, pixels, channels, t.c0, row));
+    const size_t pitch = channels / VEC, in_pitch = row / VEC;
     uint4 raw[GN_SLAB_APPLY_HOLD];
 #pragma unroll
     for (uint32_t k = 0; k < GN_SLAB_APPLY_HOLD; k++) {
         if (k >= t.held) break;
-        raw[k] = xs[(size_t)(t.p0 + k * t.rows) * pitch];
+        raw[k] = xs[(size_t)(t.p0 + k * t.rows) * in_pitch];
     }
     uint4 sraw = make_uint4(0, 0, 0, 0), wraw = sraw, braw = sraw;
     if (t.held > 0) {
@@ -489,9 +513,11 @@ __device__ void gn_slab_apply_nhwc(const T *x, const T *shift, uint32_t shift_st
         offset[j] = to_f(be[j]) + (to_f(se[j]) - stat[0][g]) * scale[j];
     }
     uint4 *os = reinterpret_cast<uint4 *>(out + (size_t)sample * pixels * channels + t.c0);
+    uint4 *cs = cat != nullptr ? reinterpret_cast<uint4 *>(cat + (size_t)sample * pixels * channels + t.c0) : nullptr;
 #pragma unroll
     for (uint32_t k = 0; k < GN_SLAB_APPLY_HOLD; k++) {
         if (k >= t.held) break;
+        if (cs != nullptr) cs[(size_t)(t.p0 + k * t.rows) * pitch] = raw[k];
         const T *e = reinterpret_cast<const T *>(&raw[k]);
         uint4 res;
         T *oe = reinterpret_cast<T *>(&res);
@@ -775,9 +801,10 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
 
 #define GN_GROUP_KERNEL(T, S, C, ATTR)                                                                          \
     extern "C" __global__ void ATTR __launch_bounds__(1024) gn_group_nhwc_c##C##_##S(                          \
-        const T *x, const T *shift, uint32_t shift_stride, const T *w, const T *b, T *out, uint32_t pixels,   \
-        uint32_t channels, uint32_t groups, float eps, int silu) {                                            \
-        gn_group_nhwc<T, C>(x, shift, shift_stride, w, b, out, pixels, channels, groups, eps, silu);          \
+        const T *x, const T *x2, uint32_t c1, T *cat, const T *shift, uint32_t shift_stride, const T *w,      \
+        const T *b, T *out, uint32_t pixels, uint32_t channels, uint32_t groups, float eps, int silu) {       \
+        gn_group_nhwc<T, C>(x, x2, c1, cat, shift, shift_stride, w, b, out, pixels, channels, groups, eps,    \
+                            silu);                                                                            \
     }
 #define GN_GROUP(T, S) GN_GROUP_KERNEL(T, S, 1, )
 
@@ -806,16 +833,17 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
     GN_GROUP(T, S)                                                                                           \
     GN_CLUSTER_GROUP(T, S, 2)                                                                                \
     extern "C" __global__ void __launch_bounds__(GN_SLAB_THREADS) gn_slab_moments_nhwc_##S(                  \
-        const T *x, const T *shift, uint32_t shift_stride, float *partial, uint32_t pixels, uint32_t channels, \
-        uint32_t groups, uint32_t chunk, uint32_t slabs) {                                                   \
-        gn_slab_moments_nhwc<T>(x, shift, shift_stride, partial, pixels, channels, groups, chunk, slabs);    \
+        const T *x, const T *x2, uint32_t c1, const T *shift, uint32_t shift_stride, float *partial,          \
+        uint32_t pixels, uint32_t channels, uint32_t groups, uint32_t chunk, uint32_t slabs) {               \
+        gn_slab_moments_nhwc<T>(x, x2, c1, shift, shift_stride, partial, pixels, channels, groups, chunk,    \
+                                slabs);                                                                      \
     }                                                                                                        \
     extern "C" __global__ void gn_slab_apply_nhwc_##S(                                                       \
-        const T *x, const T *shift, uint32_t shift_stride, const T *w, const T *b, T *out, const float *partial, \
-        uint32_t pixels, uint32_t channels, uint32_t groups, uint32_t chunk, uint32_t slabs, float eps,       \
-        int silu) {                                                                                          \
-        gn_slab_apply_nhwc<T>(x, shift, shift_stride, w, b, out, partial, pixels, channels, groups, chunk,   \
-                              slabs, eps, silu);                                                             \
+        const T *x, const T *x2, uint32_t c1, T *cat, const T *shift, uint32_t shift_stride, const T *w,      \
+        const T *b, T *out, const float *partial, uint32_t pixels, uint32_t channels, uint32_t groups,        \
+        uint32_t chunk, uint32_t slabs, float eps, int silu) {                                               \
+        gn_slab_apply_nhwc<T>(x, x2, c1, cat, shift, shift_stride, w, b, out, partial, pixels, channels,     \
+                              groups, chunk, slabs, eps, silu);                                              \
     }                                                                                                        \
     extern "C" __global__ void transpose_##S(const T *x, T *out, uint32_t m, uint32_t n, uint32_t in_stride, \
                                              uint32_t out_stride) {                                          \

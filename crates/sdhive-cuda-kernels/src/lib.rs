@@ -2,8 +2,9 @@
 //! bias / time-embedding / residual adds, row softmax, GEGLU, the im2col of the convolutions, and multi-head
 //! attention that never materialises its scores; on Hopper the feed-forward's first product with GEGLU in its
 //! epilogue and the transformers' narrow products with the LayerNorm after them; cuDNN convolutions and cuBLASLt linears; the channels-last
-//! (NHWC) variants of the map operations (the skip connections' channel concatenation among them), and the NCHW ↔
-//! NHWC transpose at a network's edges. Each replaces a chain of candle ops that made one pass
+//! (NHWC) variants of the map operations (the skip connections' channel concatenation among them, and a GroupNorm
+//! of two maps joined along their channels that writes the join itself), the NCHW ↔ NHWC transpose at a network's
+//! edges, and the 3×3 convolutions there that change layout in the same launch. Each replaces a chain of candle ops that made one pass
 //! over the tensor per op (several through candle's strided broadcast kernels). [`applies`] says when a call can
 //! take the element-wise ones: every tensor contiguous on one CUDA device, in f32, f16 or bf16;
 //! [`attention_applies`] the same for the attention. The callers (sdhive-models' ops) keep candle's ops as the
@@ -21,6 +22,8 @@ mod conv_splitk;
 mod cuda;
 #[cfg(feature = "cudnn")]
 mod cudnn;
+#[cfg(feature = "cuda")]
+mod edge_conv;
 #[cfg(feature = "cuda")]
 mod geglu;
 #[cfg(feature = "cuda")]
@@ -325,7 +328,59 @@ pub fn group_norm_channels_last(
     eps: f64,
     silu: bool,
 ) -> Result<Tensor> {
-    on_cuda!(cuda::group_norm_last(x, shift, weight, bias, groups, eps, silu); x, shift, weight, bias, groups, eps, silu)
+    on_cuda!(cuda::group_norm_last((x, None), shift, weight, bias, groups, eps, silu); x, shift, weight, bias, groups, eps, silu)
+}
+
+/// Whether [`group_norm_channels_last_joined`] takes `a` and `b`: both [`channels_last_fits`], on one CUDA device
+/// in one 16-bit type, their other dimensions equal. `SDHIVE_JOINED_NORM=0` turns it off (the join is then
+/// written by a concatenation pass before the norm).
+pub fn group_norm_joined_applies(a: &Tensor, b: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::DType;
+        let (da, db) = (a.dims(), b.dims());
+        switched_on!("SDHIVE_JOINED_NORM")
+            && matches!(a.dtype(), DType::F16 | DType::BF16)
+            && a.dtype() == b.dtype()
+            && a.device().is_cuda()
+            && a.device().same_device(b.device())
+            && da.len() == db.len()
+            && da.len() >= 3
+            && da[..da.len() - 1] == db[..db.len() - 1]
+            && cuda::channels_last_fits(a)
+            && cuda::channels_last_fits(b)
+            && da[da.len() - 1] + db[db.len() - 1] <= cuda::MAX_LAST_CHANNELS
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (a, b);
+        false
+    }
+}
+
+/// [`group_norm_channels_last`] of `a` and `b` joined along their channels (`torch.cat(dim=-1)`: the up path's
+/// skip connection), read in place, so the join is never written before the norm reads it: returns the
+/// normalised join and the join itself (for the products that read it whole), written by the same launch. Call
+/// only where both [`channels_last_fits`].
+pub fn group_norm_channels_last_joined(
+    a: &Tensor,
+    b: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    groups: usize,
+    eps: f64,
+    silu: bool,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    {
+        let both = cuda::group_norm_last((a, Some(b)), None, weight, bias, groups, eps, silu)?;
+        Ok((both.get(0)?, both.get(1)?))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (a, b, weight, bias, groups, eps, silu);
+        Err(unavailable())
+    }
 }
 
 /// `(B, M, N)` → `(B, N, M)`, contiguous (NCHW ↔ channels-last as `(B, C, H·W)` ↔ `(B, H·W, C)`) through shared-memory
@@ -344,6 +399,47 @@ pub fn transpose_last2_padded(x: &Tensor, width: usize) -> Result<Tensor> {
 /// channels. Call only where [`applies`].
 pub fn transpose_last2_narrow(x: &Tensor, n: usize) -> Result<Tensor> {
     on_cuda!(cuda::transpose_last2_narrow(x, n); x, n)
+}
+
+/// Whether [`edge_conv_out`] takes these operands (see it). `SDHIVE_EDGE_CONV=0` (or `SDHIVE_FUSED_KERNELS=0`)
+/// keeps the network's edges on a padded convolution and a transpose.
+pub fn edge_conv_out_applies(x: &Tensor, weight: &Tensor, bias: &Tensor, k: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    return switched_on!("SDHIVE_EDGE_CONV")
+        && switched_on!("SDHIVE_FUSED_KERNELS")
+        && edge_conv::out_takes(x, weight, bias, k);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (x, weight, bias, k);
+        false
+    }
+}
+
+/// A channels-last network's last 3×3 convolution (stride 1, padding 1) in one launch: map `(N, H, W, C)`, filter
+/// `(8, 3, 3, C)` with zero rows past `k`, bias `(8)`; returns NCHW `(N, k, H, W)`, so no transpose follows. Call
+/// only where [`edge_conv_out_applies`].
+pub fn edge_conv_out(x: &Tensor, weight: &Tensor, bias: &Tensor, k: usize) -> Result<Tensor> {
+    on_cuda!(edge_conv::conv_out(x, weight, bias, k); x, weight, bias, k)
+}
+
+/// Whether [`edge_conv_in`] takes these operands (see it); the same switches as [`edge_conv_out_applies`].
+pub fn edge_conv_in_applies(x: &Tensor, weight: &Tensor, bias: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    return switched_on!("SDHIVE_EDGE_CONV")
+        && switched_on!("SDHIVE_FUSED_KERNELS")
+        && edge_conv::in_takes(x, weight, bias);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (x, weight, bias);
+        false
+    }
+}
+
+/// A channels-last network's first 3×3 convolution (stride 1, padding 1) in one launch: NCHW input `(N, 4, H, W)`,
+/// channels-last filter `(K, 3, 3, CP)` (columns past 4 unused), bias `(K)`; returns channels-last `(N, H, W, K)`,
+/// so no transpose precedes it. Call only where [`edge_conv_in_applies`].
+pub fn edge_conv_in(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    on_cuda!(edge_conv::conv_in(x, weight, bias); x, weight, bias)
 }
 
 /// Nearest-neighbour ×2 upsampling of channels-last `(N, H, W, C)`. Call only where [`channels_last_fits`].

@@ -1172,3 +1172,144 @@ fn conv_splitk_refuses_what_it_cannot_take() {
     let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
     refused(&cpu(&x), &cpu(&w), 1, 1, &cpu(&b), None);
 }
+
+/// The edge convolutions against candle's f32 NCHW convolution of the same (rounded) operands plus bias: the last
+/// one on SD1.5's UNet (64²·320 → 4, batch 2), the VAE decoder's (128 → 3) and encoder's (512 → 8) shapes and a
+/// map one 16-pixel tile wide; the first one on the UNet's (4 → 320, batch 1 and 2) and the VAE decoder's
+/// (4 → 512) shapes; f16 and bf16. Both must say they are off where the build is older than sm_80.
+#[test]
+fn edge_convolutions_match_candle() {
+    let dev = gpu();
+    let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    // candle's f32 convolution (NCHW, stride 1, padding 1) of the rounded operands, plus the bias.
+    let reference = |x: &Tensor, w: &Tensor, b: &Tensor| {
+        let k = b.dims()[0];
+        f(x).conv2d(&f(w), 1, 1, 1, 1).unwrap().broadcast_add(&f(b).reshape((1, k, 1, 1)).unwrap()).unwrap()
+    };
+    for (n, c, k, h, w) in [(2, 320, 4, 64, 64), (1, 128, 3, 32, 64), (2, 512, 8, 16, 16), (1, 64, 1, 3, 16)]
+    {
+        let x = Tensor::randn(0f32, 1.0, (n, c, h, w), &dev).unwrap();
+        let wt = Tensor::randn(0f32, 1.0 / (9.0 * c as f32).sqrt(), (k, c, 3, 3), &dev).unwrap();
+        let bias = Tensor::randn(0f32, 0.5, k, &dev).unwrap();
+        for dtype in [DType::F16, DType::BF16] {
+            let cast = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let (xd, wd, bd) = (cast(&x), cast(&wt), cast(&bias));
+            let want = reference(&xd, &wd, &bd);
+            // The network's padded operands: filter rows and bias past k are zeros.
+            let wl = nhwc(&wd.pad_with_zeros(0, 0, 8 - k).unwrap());
+            let bl = bd.pad_with_zeros(0, 0, 8 - k).unwrap();
+            let xl = nhwc(&xd);
+            let here = crate::cuda::built_for() >= 80;
+            assert_eq!(edge_conv_out_applies(&xl, &wl, &bl, k), here);
+            if !here {
+                eprintln!("a build older than sm_80: the last edge convolution is off");
+                continue;
+            }
+            let ours = edge_conv_out(&xl, &wl, &bl, k).unwrap();
+            assert_eq!((ours.dims(), ours.dtype()), (&[n, k, h, w][..], dtype));
+            let d = rel_diff(&ours, &want);
+            eprintln!("last edge convolution n{n} c{c} k{k} {h}x{w} {dtype:?}: rel diff {d:.2e}");
+            assert!(d <= 2.0 * tol(dtype), "last edge convolution n{n} c{c} k{k} {h}x{w} {dtype:?}: {d}");
+        }
+    }
+    for (n, k, h, w) in [(1, 320, 64, 64), (2, 320, 64, 64), (1, 512, 32, 32), (1, 64, 5, 16)] {
+        let x = Tensor::randn(0f32, 1.0, (n, 4, h, w), &dev).unwrap();
+        let wt = Tensor::randn(0f32, 1.0 / 6.0, (k, 4, 3, 3), &dev).unwrap();
+        let bias = Tensor::randn(0f32, 0.5, k, &dev).unwrap();
+        for dtype in [DType::F16, DType::BF16] {
+            let cast = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let (xd, wd, bd) = (cast(&x), cast(&wt), cast(&bias));
+            let want = reference(&xd, &wd, &bd);
+            let wl = nhwc(&wd.pad_with_zeros(1, 0, 4).unwrap());
+            assert!(edge_conv_in_applies(&xd, &wl, &bd));
+            let ours = edge_conv_in(&xd, &wl, &bd).unwrap();
+            assert_eq!((ours.dims(), ours.dtype()), (&[n, h, w, k][..], dtype));
+            let d = rel_diff(&ours, &nhwc(&want));
+            eprintln!("first edge convolution n{n} k{k} {h}x{w} {dtype:?}: rel diff {d:.2e}");
+            assert!(d <= 2.0 * tol(dtype), "first edge convolution n{n} k{k} {h}x{w} {dtype:?}: {d}");
+        }
+    }
+}
+
+/// What the edge convolutions refuse, with an error naming the shape rather than a launch: other filter sizes,
+/// channel counts and widths off their tiles, more than 8 output channels, an input of other than 4 channels,
+/// f32, the CPU.
+#[test]
+fn edge_convolutions_refuse_what_they_cannot_take() {
+    let dev = gpu();
+    let h = DType::F16;
+    let t = |shape: &[usize], dtype: DType, dev: &Device| Tensor::zeros(shape, dtype, dev).unwrap();
+    let (x, w, b) = (t(&[1, 16, 16, 64], h, &dev), t(&[8, 3, 3, 64], h, &dev), t(&[8], h, &dev));
+    let out_refused = |x: &Tensor, w: &Tensor, b: &Tensor, k: usize| {
+        assert!(!edge_conv_out_applies(x, w, b, k), "{:?} * {:?} k {k}", x.dims(), w.dims());
+        let err = edge_conv_out(x, w, b, k).unwrap_err().to_string();
+        assert!(err.contains("edge convolution"), "{err}");
+    };
+    out_refused(&x, &t(&[8, 1, 1, 64], h, &dev), &b, 4);
+    out_refused(&t(&[1, 16, 16, 48], h, &dev), &t(&[8, 3, 3, 48], h, &dev), &b, 4);
+    out_refused(&t(&[1, 16, 24, 64], h, &dev), &w, &b, 4);
+    out_refused(&x, &w, &b, 9);
+    out_refused(&x, &w, &b, 0);
+    out_refused(&x, &t(&[16, 3, 3, 64], h, &dev), &t(&[16], h, &dev), 4);
+    let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    out_refused(&f32s(&x), &f32s(&w), &f32s(&b), 4);
+    out_refused(
+        &x.to_device(&Device::Cpu).unwrap(),
+        &w.to_device(&Device::Cpu).unwrap(),
+        &b.to_device(&Device::Cpu).unwrap(),
+        4,
+    );
+
+    let (xi, wi, bi) = (t(&[1, 4, 8, 32], h, &dev), t(&[64, 3, 3, 8], h, &dev), t(&[64], h, &dev));
+    assert!(edge_conv_in_applies(&xi, &wi, &bi));
+    let in_refused = |x: &Tensor, w: &Tensor, b: &Tensor| {
+        assert!(!edge_conv_in_applies(x, w, b), "{:?} * {:?}", x.dims(), w.dims());
+        let err = edge_conv_in(x, w, b).unwrap_err().to_string();
+        assert!(err.contains("edge convolution"), "{err}");
+    };
+    in_refused(&t(&[1, 3, 8, 32], h, &dev), &wi, &bi);
+    in_refused(&t(&[1, 4, 8, 24], h, &dev), &wi, &bi);
+    in_refused(&xi, &t(&[63, 3, 3, 8], h, &dev), &t(&[63], h, &dev));
+    in_refused(&xi, &wi, &t(&[32], h, &dev));
+    in_refused(&f32s(&xi), &f32s(&wi), &f32s(&bi));
+}
+
+/// The GroupNorm of two maps joined along their channels, read in place, against the concatenation kernel then
+/// the GroupNorm of the join: the same bits for the normalised join and the join itself, on the up path's shapes
+/// (8² and 16² maps of 2560 and 1920 channels through the one-launch kernel, groups straddling the seam in the
+/// latter; 32² of 1920 through the two-block cluster; 64² of 960 and 640 through the two launches), f16 and bf16;
+/// maps that do not match are refused with an error.
+#[test]
+fn joined_group_norm_matches_concat_then_norm() {
+    let dev = gpu();
+    for (hw, ca, cb) in
+        [(8, 1280, 1280), (16, 1280, 640), (16, 1280, 1280), (32, 1280, 640), (64, 640, 320), (64, 320, 320)]
+    {
+        let a = Tensor::randn(0.3f32, 1.5, (2, hw, hw, ca), &dev).unwrap();
+        let b = Tensor::randn(-0.2f32, 0.7, (2, hw, hw, cb), &dev).unwrap();
+        let w = Tensor::randn(1f32, 0.2, ca + cb, &dev).unwrap();
+        let bias = Tensor::randn(0f32, 0.2, ca + cb, &dev).unwrap();
+        for dtype in [DType::F16, DType::BF16] {
+            let cast = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let (a, b, w, bias) = (cast(&a), cast(&b), cast(&w), cast(&bias));
+            assert!(group_norm_joined_applies(&a, &b));
+            let cat = concat_channels_last(&a, &b).unwrap();
+            let want = group_norm_channels_last(&cat, None, &w, &bias, 32, 1e-5, true).unwrap();
+            let (normed, joined) =
+                group_norm_channels_last_joined(&a, &b, &w, &bias, 32, 1e-5, true).unwrap();
+            assert_eq!(joined.dims(), cat.dims());
+            assert_eq!(rel_diff(&joined, &cat), 0.0, "{hw}² {ca}+{cb} {dtype:?}: the join");
+            assert_eq!(rel_diff(&normed, &want), 0.0, "{hw}² {ca}+{cb} {dtype:?}: the normalised join");
+            assert!(normed.is_contiguous() && joined.is_contiguous());
+        }
+    }
+    let t = |shape: &[usize]| Tensor::zeros(shape, DType::F16, &dev).unwrap();
+    let (w, bias) = (t(&[640]), t(&[640]));
+    assert!(!group_norm_joined_applies(&t(&[2, 8, 8, 320]), &t(&[2, 8, 16, 320])));
+    assert!(!group_norm_joined_applies(&t(&[2, 8, 8, 320]), &t(&[1, 8, 8, 320])));
+    let err =
+        group_norm_channels_last_joined(&t(&[2, 8, 8, 320]), &t(&[2, 8, 16, 320]), &w, &bias, 32, 1e-5, true)
+            .unwrap_err()
+            .to_string();
+    assert!(err.contains("cannot join"), "{err}");
+}

@@ -4,6 +4,7 @@
 use crate::ops::{self, ConvExtras, MapLayout, PreNorm};
 use candle_core::{Result, Tensor};
 use candle_nn::{Init, Linear, VarBuilder};
+use sdhive_cuda_kernels as gpu;
 
 /// GroupNorm with diffusers' names `weight`/`bias`, over maps in its network's layout.
 #[derive(Debug, Clone)]
@@ -290,13 +291,40 @@ impl EdgeConv {
         let layout = self.conv.layout();
         match self.edge {
             Edge::First => {
+                if let Some(y) = self.on_gpu(x)? {
+                    return Ok(y);
+                }
                 let width = layout.dims(self.conv.weight())?.1;
                 ops::conv2d(&self.conv, &layout.from_nchw_padded(x, width)?, ConvExtras::default())
             }
             Edge::Last => {
+                if let Some(y) = self.on_gpu(x)? {
+                    return Ok(y);
+                }
                 let y = ops::conv2d(&self.conv, x, ConvExtras::default())?;
                 layout.to_nchw_narrow(&y, self.outside)
             }
+        }
+    }
+}
+
+impl EdgeConv {
+    /// Channels-last on the GPU, the convolution and the change of layout in one launch of the edge kernels
+    /// (`None` where they do not take the shapes: then the padded convolution and a transpose).
+    fn on_gpu(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let (w, Some(b)) = (self.conv.weight(), self.conv.bias()) else { return Ok(None) };
+        if self.conv.layout() != MapLayout::ChannelsLast
+            || self.conv.stride() != 1
+            || self.conv.padding() != 1
+        {
+            return Ok(None);
+        }
+        match self.edge {
+            Edge::First if gpu::edge_conv_in_applies(x, w, b) => gpu::edge_conv_in(x, w, b).map(Some),
+            Edge::Last if gpu::edge_conv_out_applies(x, w, b, self.outside) => {
+                gpu::edge_conv_out(x, w, b, self.outside).map(Some)
+            }
+            _ => Ok(None),
         }
     }
 }
@@ -383,6 +411,27 @@ impl ResnetBlock2D {
     /// [`Self::forward`] taking the input by value, so it is freed as soon as the block no
     /// longer needs it (when the caller holds no other reference): at 256² a VAE input is 67 MB.
     pub fn forward_owned(&self, x: Tensor, temb: Option<&Tensor>) -> Result<Tensor> {
+        self.forward_normed(x, None, temb)
+    }
+
+    /// [`Self::forward`] of `a` and `b` joined along their channels (an up block's input and its skip state):
+    /// channels-last on the GPU the first norm reads both where they lie and writes the join for the shortcut
+    /// in the same launch, so no concatenation pass runs before it.
+    pub fn forward_joined(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        layout: MapLayout,
+        temb: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        if let Some((normed, x)) = ops::group_norm_joined(layout, a, b, self.norm1.as_pre_norm())? {
+            return self.forward_normed(x, Some(normed), temb);
+        }
+        self.forward_owned(ops::cat_channels(layout, a, b)?, temb)
+    }
+
+    /// The block on input `x`, whose first norm (through SiLU) is `normed` where the caller made it already.
+    fn forward_normed(&self, x: Tensor, normed: Option<Tensor>, temb: Option<&Tensor>) -> Result<Tensor> {
         let temb = match (&self.time_emb_proj, temb) {
             (Some(proj), Some(temb)) => Some(proj.apply(temb, self.conv2.out_channels())?),
             _ => None,
@@ -395,15 +444,21 @@ impl ResnetBlock2D {
             None => (None, None),
         };
         // norm → SiLU → conv run as one op on the CPU: the activated input never exists whole.
-        let h = ops::conv2d(
-            &self.conv1,
-            &x,
-            ConvExtras {
-                per_sample: temb1.as_ref(),
-                pre_norm: Some(self.norm1.as_pre_norm()),
-                ..Default::default()
-            },
-        )?;
+        let h = match &normed {
+            Some(n) => {
+                ops::conv2d(&self.conv1, n, ConvExtras { per_sample: temb1.as_ref(), ..Default::default() })?
+            }
+            None => ops::conv2d(
+                &self.conv1,
+                &x,
+                ConvExtras {
+                    per_sample: temb1.as_ref(),
+                    pre_norm: Some(self.norm1.as_pre_norm()),
+                    ..Default::default()
+                },
+            )?,
+        };
+        drop(normed);
         let skip = match &self.conv_shortcut {
             Some(c) => ops::conv2d(c, &x, ConvExtras::default())?,
             None => x,

@@ -350,6 +350,26 @@ pub fn cat_channels(layout: MapLayout, a: &Tensor, b: &Tensor) -> Result<Tensor>
     Tensor::cat(&[a, b], layout.channel_dim())
 }
 
+/// `silu(group_norm(cat(a, b)))` and `cat(a, b)` (channels joined), channels-last on the GPU, in one launch that
+/// reads `a` and `b` where they lie; `None` where the kernels do not take them (the caller joins and normalises).
+pub(crate) fn group_norm_joined(
+    layout: MapLayout,
+    a: &Tensor,
+    b: &Tensor,
+    norm: PreNorm,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let takes = layout == MapLayout::ChannelsLast
+        && gpu::group_norm_joined_applies(a, b)
+        && gpu::applies(&[a, b])
+        && gpu::applies(&[norm.weight, norm.bias])
+        && norm.weight.dtype() == a.dtype()
+        && norm.shift.is_none();
+    if !takes {
+        return Ok(None);
+    }
+    gpu::group_norm_channels_last_joined(a, b, norm.weight, norm.bias, norm.groups, norm.eps, true).map(Some)
+}
+
 /// `x`, one sample, repeated to `batch` samples (`x` already at `batch` comes back as is): a state the samples
 /// of a batch share until they first differ (the UNet's guided prefix), made once and then copied.
 pub fn expand_batch(x: &Tensor, batch: usize) -> Result<Tensor> {

@@ -5,7 +5,7 @@
 use super::config::{BlockKind, BlockPlan};
 use super::transformer::{Transformer2DModel, TransformerSpec};
 use crate::layers::{Downsample2D, ResnetBlock2D, ResnetSpec, Upsample2D};
-use crate::ops::{self, MapLayout};
+use crate::ops::MapLayout;
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -238,8 +238,7 @@ impl UpBlock {
         let mut x = x.clone();
         for (i, resnet) in self.resnets.iter().enumerate() {
             let skip = &skips[skips.len() - 1 - i];
-            x = ops::cat_channels(self.layout, &x, skip)?;
-            x = resnet.forward_owned(x, Some(temb))?;
+            x = resnet.forward_joined(&x, skip, self.layout, Some(temb))?;
             if let Some(attn) = self.attentions.get(i) {
                 x = attn.forward(&x, context)?;
             }
