@@ -789,6 +789,22 @@ pub fn channels_last_fits(x: &Tensor) -> bool {
     x.rank() >= 3 && c > 0 && c.is_multiple_of(vec) && c <= MAX_LAST_CHANNELS && starts_16_aligned(x)
 }
 
+/// Whether channels-last `b` can follow `a`'s channels in one GroupNorm's join: both [`channels_last_fits`] and
+/// contiguous, of one type on one device, their other dimensions equal, the join at most [`MAX_LAST_CHANNELS`] wide.
+pub(crate) fn joinable(a: &Tensor, b: &Tensor) -> bool {
+    let (da, db) = (a.dims(), b.dims());
+    let n = da.len();
+    channels_last_fits(a)
+        && channels_last_fits(b)
+        && a.is_contiguous()
+        && b.is_contiguous()
+        && a.dtype() == b.dtype()
+        && a.device().same_device(b.device())
+        && db.len() == n
+        && da[..n - 1] == db[..n - 1]
+        && da[n - 1] + db[n - 1] <= MAX_LAST_CHANNELS
+}
+
 /// GroupNorm over channels-last `x` (see the public wrapper); with `second`, over `x` and `second` joined along
 /// their channels, returning `(2, N, …, C + C2)`: the normalised join, then the join itself.
 pub fn group_norm_last(
@@ -808,15 +824,10 @@ pub fn group_norm_last(
         );
     }
     if let Some(s) = second {
-        let (sd, n) = (s.dims(), dims.len());
-        if !channels_last_fits(s)
-            || sd.len() != n
-            || sd[..n - 1] != dims[..n - 1]
-            || s.dtype() != x.dtype()
-            || !s.device().same_device(x.device())
-        {
+        if !joinable(x, s) {
             bail!(
-                "group_norm (channels-last): cannot join {sd:?} {:?} to the input {dims:?} {:?}",
+                "group_norm (channels-last): cannot join {:?} {:?} to the input {dims:?} {:?}",
+                s.dims(),
                 s.dtype(),
                 x.dtype()
             );

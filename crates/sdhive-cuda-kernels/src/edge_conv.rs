@@ -25,11 +25,9 @@ fn sfx(dtype: DType) -> Result<&'static str> {
     })
 }
 
-fn half_on_one_device(ts: &[&Tensor]) -> bool {
-    let d = ts[0].dtype();
-    matches!(d, DType::F16 | DType::BF16)
-        && ts[0].device().is_cuda()
-        && ts.iter().all(|t| t.dtype() == d && t.device().same_device(ts[0].device()) && t.is_contiguous())
+/// The crate's element-wise conditions ([`crate::applies`]: contiguous, one CUDA device, one type) in f16 or bf16.
+fn half_operands(ts: &[&Tensor]) -> bool {
+    crate::applies(ts) && matches!(ts[0].dtype(), DType::F16 | DType::BF16)
 }
 
 /// Why `edge_out` cannot take map `(N, H, W, C)`, filter `(8, 3, 3, C)` and `k` output channels, or `None`.
@@ -66,19 +64,19 @@ fn in_refusal(x: &[usize], w: &[usize]) -> Option<String> {
     None
 }
 
-/// Whether [`conv_out`] takes these operands: f16 or bf16 on one CUDA device of a build for sm_80 or later,
-/// contiguous, the shapes of `out_refusal`, an `(8)` bias.
+/// Whether [`conv_out`] takes these operands: f16 or bf16 where the crate's kernels apply, on a build for sm_80 or
+/// later, the shapes of `out_refusal`, an `(8)` bias.
 pub fn out_takes(x: &Tensor, weight: &Tensor, bias: &Tensor, k: usize) -> bool {
     crate::cuda::built_for() >= 80
-        && half_on_one_device(&[x, weight, bias])
+        && half_operands(&[x, weight, bias])
         && out_refusal(x.dims(), weight.dims(), k).is_none()
         && bias.dims() == [OUT_ROWS]
 }
 
-/// Whether [`conv_in`] takes these operands: f16 or bf16 on one CUDA device, contiguous, the shapes of
+/// Whether [`conv_in`] takes these operands: f16 or bf16 where the crate's kernels apply, the shapes of
 /// `in_refusal`, a `(K)` bias.
 pub fn in_takes(x: &Tensor, weight: &Tensor, bias: &Tensor) -> bool {
-    half_on_one_device(&[x, weight, bias])
+    half_operands(&[x, weight, bias])
         && in_refusal(x.dims(), weight.dims()).is_none()
         && bias.dims() == [weight.dims()[0]]
 }
@@ -106,36 +104,26 @@ fn launch<T: CudaDType + DeviceRepr>(
     let bs = contiguous::<T>(b.0, b.1, "edge convolution bias")?;
     let sfx = sfx(x.0.dtype())?;
     let (xd, wd) = (x.1.dims(), w.1.dims());
-    let (name, out_dims, cfg, wide) = match edge {
+    // Both take a block per 16 pixels: the last one a warp per tap, the first one a thread per two output channels.
+    let (name, (n, h, wi), wide, threads, out_dims) = match edge {
         Edge::Out { k } => {
             let (n, h, wi, c) = (xd[0], xd[1], xd[2], xd[3]);
-            // A block per 16 pixels, a warp per tap.
-            let cfg = LaunchConfig {
-                grid_dim: ((n * h * wi / 16) as u32, 1, 1),
-                block_dim: (9 * 32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            (format!("edge_out_{sfx}"), vec![n, k, h, wi], cfg, (c, k))
+            ("edge_out", (n, h, wi), (c, k), 9 * 32, vec![n, k, h, wi])
         }
         Edge::In => {
-            let (n, h, wi) = (xd[0], xd[2], xd[3]);
-            let (k, cp) = (wd[0], wd[3]);
-            let cfg = LaunchConfig {
-                grid_dim: ((n * h * wi / 16) as u32, 1, 1),
-                block_dim: ((k / 2).next_multiple_of(32) as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            (format!("edge_in4_{sfx}"), vec![n, h, wi, k], cfg, (cp, k))
+            let (n, h, wi, k, cp) = (xd[0], xd[2], xd[3], wd[0], wd[3]);
+            ("edge_in4", (n, h, wi), (cp, k), (k / 2).next_multiple_of(32), vec![n, h, wi, k])
         }
     };
+    let cfg = LaunchConfig {
+        grid_dim: ((n * h * wi / 16) as u32, 1, 1),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
     let elems: usize = out_dims.iter().product();
-    let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+    let func = dev.get_or_load_custom_func(&format!("{name}_{sfx}"), MODULE, PTX)?;
     // SAFETY: written in full by the kernel: every pixel of the map, every kept output channel.
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(elems)? };
-    let (h, wi) = match edge {
-        Edge::Out { .. } => (xd[1], xd[2]),
-        Edge::In => (xd[2], xd[3]),
-    };
     let mut a = func.builder();
     a.arg(&xs);
     a.arg(&ws);

@@ -331,25 +331,17 @@ pub fn group_norm_channels_last(
     on_cuda!(cuda::group_norm_last((x, None), shift, weight, bias, groups, eps, silu); x, shift, weight, bias, groups, eps, silu)
 }
 
-/// Whether [`group_norm_channels_last_joined`] takes `a` and `b`: both [`channels_last_fits`], on one CUDA device
-/// in one 16-bit type, their other dimensions equal. `SDHIVE_JOINED_NORM=0` turns it off (the join is then
-/// written by a concatenation pass before the norm).
+/// Whether [`group_norm_channels_last_joined`] takes `a` and `b`: both [`channels_last_fits`], contiguous, on one
+/// CUDA device in one 16-bit type, their other dimensions equal. `SDHIVE_JOINED_NORM=0` turns it off (the join is
+/// then written by a concatenation pass before the norm).
 pub fn group_norm_joined_applies(a: &Tensor, b: &Tensor) -> bool {
     #[cfg(feature = "cuda")]
     {
         use candle_core::DType;
-        let (da, db) = (a.dims(), b.dims());
         switched_on!("SDHIVE_JOINED_NORM")
-            && matches!(a.dtype(), DType::F16 | DType::BF16)
-            && a.dtype() == b.dtype()
             && a.device().is_cuda()
-            && a.device().same_device(b.device())
-            && da.len() == db.len()
-            && da.len() >= 3
-            && da[..da.len() - 1] == db[..db.len() - 1]
-            && cuda::channels_last_fits(a)
-            && cuda::channels_last_fits(b)
-            && da[da.len() - 1] + db[db.len() - 1] <= cuda::MAX_LAST_CHANNELS
+            && matches!(a.dtype(), DType::F16 | DType::BF16)
+            && cuda::joinable(a, b)
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -405,9 +397,7 @@ pub fn transpose_last2_narrow(x: &Tensor, n: usize) -> Result<Tensor> {
 /// keeps the network's edges on a padded convolution and a transpose.
 pub fn edge_conv_out_applies(x: &Tensor, weight: &Tensor, bias: &Tensor, k: usize) -> bool {
     #[cfg(feature = "cuda")]
-    return switched_on!("SDHIVE_EDGE_CONV")
-        && switched_on!("SDHIVE_FUSED_KERNELS")
-        && edge_conv::out_takes(x, weight, bias, k);
+    return switched_on!("SDHIVE_EDGE_CONV") && edge_conv::out_takes(x, weight, bias, k);
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (x, weight, bias, k);
@@ -425,9 +415,7 @@ pub fn edge_conv_out(x: &Tensor, weight: &Tensor, bias: &Tensor, k: usize) -> Re
 /// Whether [`edge_conv_in`] takes these operands (see it); the same switches as [`edge_conv_out_applies`].
 pub fn edge_conv_in_applies(x: &Tensor, weight: &Tensor, bias: &Tensor) -> bool {
     #[cfg(feature = "cuda")]
-    return switched_on!("SDHIVE_EDGE_CONV")
-        && switched_on!("SDHIVE_FUSED_KERNELS")
-        && edge_conv::in_takes(x, weight, bias);
+    return switched_on!("SDHIVE_EDGE_CONV") && edge_conv::in_takes(x, weight, bias);
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (x, weight, bias);

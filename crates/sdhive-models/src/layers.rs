@@ -288,27 +288,22 @@ impl EdgeConv {
 
     /// A first convolution takes NCHW maps and returns them in the network's layout; a last one the reverse.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(y) = self.on_gpu(x)? {
+            return Ok(y);
+        }
         let layout = self.conv.layout();
         match self.edge {
             Edge::First => {
-                if let Some(y) = self.on_gpu(x)? {
-                    return Ok(y);
-                }
                 let width = layout.dims(self.conv.weight())?.1;
                 ops::conv2d(&self.conv, &layout.from_nchw_padded(x, width)?, ConvExtras::default())
             }
             Edge::Last => {
-                if let Some(y) = self.on_gpu(x)? {
-                    return Ok(y);
-                }
                 let y = ops::conv2d(&self.conv, x, ConvExtras::default())?;
                 layout.to_nchw_narrow(&y, self.outside)
             }
         }
     }
-}
 
-impl EdgeConv {
     /// Channels-last on the GPU, the convolution and the change of layout in one launch of the edge kernels
     /// (`None` where they do not take the shapes: then the padded convolution and a transpose).
     fn on_gpu(&self, x: &Tensor) -> Result<Option<Tensor>> {
@@ -458,7 +453,6 @@ impl ResnetBlock2D {
                 },
             )?,
         };
-        drop(normed);
         let skip = match &self.conv_shortcut {
             Some(c) => ops::conv2d(c, &x, ConvExtras::default())?,
             None => x,

@@ -359,11 +359,9 @@ pub(crate) fn group_norm_joined(
     norm: PreNorm,
 ) -> Result<Option<(Tensor, Tensor)>> {
     let takes = layout == MapLayout::ChannelsLast
-        && gpu::group_norm_joined_applies(a, b)
-        && gpu::applies(&[a, b])
-        && gpu::applies(&[norm.weight, norm.bias])
-        && norm.weight.dtype() == a.dtype()
-        && norm.shift.is_none();
+        && norm.shift.is_none()
+        && gpu::applies(&[a, b, norm.weight, norm.bias])
+        && gpu::group_norm_joined_applies(a, b);
     if !takes {
         return Ok(None);
     }
