@@ -1,12 +1,13 @@
 // The Hopper-native (wgmma) fused attention forward of crates/sdhive-cuda-kernels/src/attention.cu (`hopper`
 // there) for head dimensions 40, 64 and 80, against the mma.sync kernel attention.cu instantiates for each (its DP
 // 48 instance: two 16-row atoms per warp over 32-key tiles; DP 64 and 80: one atom over 64-key tiles), f16, q/k/v/o
-// in the projections' (B, S, H·D) layout, and once per D with q, k, v packed in one (B, S, 3·H·D) buffer (the row
+// in the projections' (B, S, H·D) layout (and the Hopper kernels with their tile copies by TMA, HOPPER_TMA there,
+// through tensor maps made as attention.rs makes them), and once per D with q, k, v packed in one (B, S, 3·H·D) buffer (the row
 // stride three heads' widths). For each shape: max and mean absolute error of both kernels against an f32 reference
 // (two passes over the keys, as in attention_shapes.cu), then time per call (3 warm-up launches, mean of 20 timed
 // with CUDA events) and TFLOP/s at 4·B·H·Sq·Sk·D. Not part of the build. Build here, run on the H100 machine (driver
 // only):
-//   nvcc -O3 -arch=sm_90a -std=c++17 xtask/bench/attention_wgmma.cu -o attention_wgmma && ./attention_wgmma
+//   nvcc -O3 -arch=sm_90a -std=c++17 -cudart shared xtask/bench/attention_wgmma.cu -o attention_wgmma && ./attention_wgmma
 //
 // The kernel and its design: `hopper` in attention.cu. Before the block shapes were chosen this harness also timed
 // other warpgroup counts, blocks per SM and Q in registers or shared memory (attention.cu's notes on the
@@ -14,6 +15,9 @@
 
 #define SDHIVE_ATTENTION_NO_INSTANCES
 #include "../../crates/sdhive-cuda-kernels/src/attention.cu"
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -38,7 +42,28 @@ template <int D, int NWG, int BLOCKS> __global__ void __launch_bounds__(128 * NW
     SDHIVE_SM90A((hopper::attention<__half, D, NWG>(q, k, v, o, sq, sk, heads, q_bs, q_ss, k_bs, k_ss, v_bs, v_ss, c)));
 }
 
-struct Impl { const char *name; Kernel fn; int threads, rows, smem; };
+// The Hopper kernels with their tile copies by TMA (HOPPER_TMA in attention.cu), two tensor maps over k and v.
+template <int D, int NWG, int BLOCKS>
+__global__ void __launch_bounds__(128 * NWG, BLOCKS) wgmma_tma(SDHIVE_ARGS, const __grid_constant__ TmaMap km,
+                                                               const __grid_constant__ TmaMap vm) {
+    SDHIVE_SM90A((hopper::attention<__half, D, NWG, true>(q, k, v, o, sq, sk, heads, q_bs, q_ss, k_bs, k_ss, v_bs,
+                                                           v_ss, c, &km, &vm)));
+}
+using TmaKernel = void (*)(SDHIVE_ARGS, TmaMap, TmaMap);
+static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled;
+// As attention.rs's `kv_map`: 8 values, keys, D/8 chunks, heads, batch; a box of one 64-key tile.
+static bool kv_map(TmaMap *m, const __half *p, int D, int sk, int heads, int b, long long ss, long long bs) {
+    const cuuint64_t dim[5] = {8, (cuuint64_t)sk, (cuuint64_t)D / 8, (cuuint64_t)heads, (cuuint64_t)b};
+    const cuuint64_t stride[4] = {(cuuint64_t)ss * 2, 16, (cuuint64_t)D * 2, (cuuint64_t)bs * 2};
+    const cuuint32_t box[5] = {8, 64, (cuuint32_t)D / 8, 1, 1}, es[5] = {1, 1, 1, 1, 1};
+    const CUresult r = encode_tiled(reinterpret_cast<CUtensorMap *>(m), CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5,
+                                    const_cast<__half *>(p), dim, stride, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                    CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) printf("  cuTensorMapEncodeTiled: %d\n", (int)r);
+    return r == CUDA_SUCCESS;
+}
+struct Impl { const char *name; Kernel fn; int threads, rows, smem; TmaKernel tma = nullptr; };
 // flash_attention's two stages of K and V tiles of BK keys × DP + 8 columns, the query tile staged from the second
 // stage on (`smem_bytes` in attention.rs).
 template <int DP, int BK, int ROWS> Impl mma_sync(Kernel fn) {
@@ -52,11 +77,18 @@ template <int D, int NWG, int BLOCKS> Impl wg() {
     return {"wgmma", wgmma<D, NWG, BLOCKS>, 128 * NWG, 64 * NWG,
             STAGES * 64 * (KC + VCX) * 16 + (D == 80 ? NWG * 64 * KC * 16 : 0)};
 }
-struct Case { int d; Impl impls[2]; };
+template <int D, int NWG, int BLOCKS> Impl wg_tma() {
+    Impl i = wg<D, NWG, BLOCKS>();
+    i.name = "tma";
+    i.fn = nullptr;
+    i.tma = wgmma_tma<D, NWG, BLOCKS>;
+    return i;
+}
+struct Case { int d; Impl impls[3]; };
 static Case cases[] = {
-    {40, {mma_sync<48, 32, 128>(mma_sync_d48), wg<40, 2, 2>()}},
-    {64, {mma_sync<64, 64, 64>(mma_sync_d64), wg<64, 3, 1>()}},
-    {80, {mma_sync<80, 64, 64>(mma_sync_d80), wg<80, 2, 2>()}},
+    {40, {mma_sync<48, 32, 128>(mma_sync_d48), wg<40, 2, 2>(), wg_tma<40, 2, 2>()}},
+    {64, {mma_sync<64, 64, 64>(mma_sync_d64), wg<64, 3, 1>(), wg_tma<64, 3, 1>()}},
+    {80, {mma_sync<80, 64, 64>(mma_sync_d80), wg<80, 2, 2>(), wg_tma<80, 2, 2>()}},
 };
 // SD1.5's heads of 40 (64x64 maps) and 80 (32x32), SDXL's of 64; ragged: row and key counts off every tile size.
 struct Shape { int d; const char *what; int b, sq, sk, h; bool packed; };
@@ -123,8 +155,20 @@ static bool check(const char *what) {
 struct Result { bool ok; double us, max_err, mean_err; };
 
 int main() {
+    cudaDriverEntryPointQueryResult qr;
+    cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void **>(&encode_tiled), 12000,
+                                    cudaEnableDefault, &qr);
     for (auto &c : cases) {
         for (auto &k : c.impls) {
+            if (!k.name) continue;
+            if (k.tma) {
+                cudaFuncSetAttribute(k.tma, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem);
+                cudaFuncAttributes at;
+                cudaFuncGetAttributes(&at, k.tma);
+                printf("D %d %-12s regs %3d  spill %zu B  smem %6d B\n", c.d, k.name, at.numRegs, at.localSizeBytes,
+                       k.smem);
+                continue;
+            }
             cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem);
             cudaFuncAttributes at;
             int nb = 0;
@@ -177,9 +221,17 @@ int main() {
         // then 3 warm-up launches and 20 timed.
         auto measure = [&](const Impl &k_) {
             Result r{false, 0, 0, 0};
+            TmaMap km, vm;
+            if (k_.tma && !(kv_map(&km, k, D, s.sk, s.h, s.b, row, k_bs) && kv_map(&vm, v, D, s.sk, s.h, s.b, row, k_bs)))
+                return r;
             auto launch = [&]() {
-                k_.fn<<<dim3((s.sq + k_.rows - 1) / k_.rows, s.h, s.b), k_.threads, k_.smem>>>(
-                    q, k, v, o, s.sq, s.sk, D, s.h, q_bs, row, k_bs, row, k_bs, row, scale_log2);
+                const dim3 grid((s.sq + k_.rows - 1) / k_.rows, s.h, s.b);
+                if (k_.tma)
+                    k_.tma<<<grid, k_.threads, k_.smem>>>(q, k, v, o, s.sq, s.sk, D, s.h, q_bs, row, k_bs, row, k_bs,
+                                                          row, scale_log2, km, vm);
+                else
+                    k_.fn<<<grid, k_.threads, k_.smem>>>(q, k, v, o, s.sq, s.sk, D, s.h, q_bs, row, k_bs, row, k_bs,
+                                                         row, scale_log2);
             };
             cudaMemset(o, 0xff, nq * 2);
             launch();
@@ -213,6 +265,7 @@ int main() {
         printf("D %d %-6s B %d Sq %4d Sk %4d H %2d%s", D, s.what, s.b, s.sq, s.sk, s.h, s.packed ? " packed" : "");
         double first = 0;
         for (auto &k_ : cp->impls) {
+            if (!k_.name) continue;
             const Result r = measure(k_);
             if (first == 0) first = r.us;
             printf(" | %s %7.1f us %5.1f TFLOP/s err max %.2e mean %.2e", k_.name, r.us, flop / (r.us * 1e-6) / 1e12,

@@ -5,8 +5,10 @@
 // against the baseline's and against an f64 reference (a few rows of the large shapes, every row of the ragged ones;
 // rows past M must stay unwritten); bf16 against the f64 reference only. Besides the crate's instantiations
 // (as src/geglu.rs picks them by shape) a few other tilings and the approximate-erf epilogue (FAST) are timed, to check
-// the choice. Build here, run on the GPU machine (cuBLAS from PyTorch's wheels):
-//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a xtask/bench/geglu_gemm.cu -o geglu_gemm -lcublasLt -lcublas
+// the choice; cuBLASLt's product alone; and the warp-specialised TMA forms of geglu_tma.cuh (not taken: results
+// there). Build here, run on the GPU machine (cuBLAS from PyTorch's wheels):
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -cudart shared xtask/bench/geglu_gemm.cu -o geglu_gemm \
+//     -lcublasLt -lcublas
 //   ./geglu_gemm
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -22,6 +24,8 @@
 #include <vector>
 #include "../../crates/sdhive-cuda-kernels/src/kernels.cu"
 #include "../../crates/sdhive-cuda-kernels/src/geglu_wgmma.cu"
+#include "geglu_tma.cuh"
+#include <cudaTypedefs.h>
 
 #define CK(x)                                                                                       \
     do {                                                                                            \
@@ -231,8 +235,53 @@ static double max_diff(const std::vector<__half> &a, const std::vector<__half> &
     return m;
 }
 
+// The warp-specialised TMA form (geglu_tma.cuh): tensor maps over x and the interleaved W1.
+static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled;
+static CUtensorMap tmap(const void *p, int K, int rows, int box_rows) {
+    CUtensorMap m;
+    const cuuint64_t dim[2] = {(cuuint64_t)K, (cuuint64_t)rows}, stride[1] = {(cuuint64_t)K * 2};
+    const cuuint32_t box[2] = {64, (cuuint32_t)box_rows}, es[2] = {1, 1};
+    const CUresult r = encode_tiled(&m, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<void *>(p), dim, stride, box,
+                                    es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        fprintf(stderr, "cuTensorMapEncodeTiled: %d\n", (int)r);
+        exit(1);
+    }
+    return m;
+}
+typedef void (*TmaKern)(CUtensorMap, CUtensorMap, const __half *, __half *, int, int, int);
+struct TmaCfg {
+    const char *name;
+    int bn, cm, smem;
+    TmaKern k;
+    bool persistent;
+};
+#define TVAR(BN, S, CM, MINB, FAST)                                                                            \
+    TmaCfg {                                                                                                  \
+        "tma bn" #BN " s" #S " cm" #CM " mb" #MINB " fast" #FAST, BN, CM, geglu_tma::smem_bytes<BN, S>(),      \
+            geglu_tma_kernel<__half, BN, S, CM, MINB, FAST>, false                                            \
+    }
+#define PVAR(S, CM, FAST)                                                                                      \
+    TmaCfg {                                                                                                  \
+        "pingpong bn128 s" #S " cm" #CM " fast" #FAST, 128, CM, geglu_tma::pp_smem_bytes<128, S>(),            \
+            geglu_pp_kernel<__half, S, CM, FAST>, true                                                        \
+    }
+static TmaCfg tcfgs[] = {
+    TVAR(128, 3, 1, 2, false), PVAR(4, 1, false), PVAR(5, 1, false), PVAR(4, 2, false), PVAR(5, 2, false),
+    PVAR(5, 1, true), PVAR(5, 2, true),
+};
+static int sms;
+
 int main() {
     CK(cudaStreamCreate(&tm.s));
+    {
+        cudaDriverEntryPointQueryResult q;
+        CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void **>(&encode_tiled),
+                                            12000, cudaEnableDefault, &q));
+        if (!encode_tiled) { fprintf(stderr, "no cuTensorMapEncodeTiled\n"); return 1; }
+    }
+    for (auto &c : tcfgs) CK(cudaFuncSetAttribute(c.k, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
     CK(cudaEventCreate(&tm.e0));
     CK(cudaEventCreate(&tm.e1));
     for (auto &c : cfgs) CK(cudaFuncSetAttribute(c.k, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
@@ -246,6 +295,7 @@ int main() {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     printf("device %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+    sms = prop.multiProcessorCount;
 
     struct Shape { const char *what; int M, K, H; bool timed; };
     const Shape shapes[] = {
@@ -299,6 +349,36 @@ int main() {
         float t_base = 0;
         if (sh.timed) t_base = tm.time([&] { prod(); gg(); });
         printf("  baseline cuBLASLt + geglu: %8.2f us   max|baseline-exact| %.3g\n", t_base, d.exact_err(href));
+        if (sh.timed) printf("  cuBLASLt product alone:    %8.2f us\n", tm.time([&] { prod(); }));
+        for (const TmaCfg &c : tcfgs) {
+            if (H % (c.bn / 2) != 0) continue;
+            const CUtensorMap xm = tmap(d.x, K, M, 128), wm = tmap(d.wi, K, N, c.bn / c.cm);
+            const unsigned mt = (M + 127) / 128;
+            const unsigned units = (mt + c.cm - 1) / c.cm * (N / c.bn);
+            const dim3 grid = c.persistent ? dim3(std::min<unsigned>(units, sms / c.cm) * c.cm, 1)
+                                           : dim3((mt + c.cm - 1) / c.cm * c.cm, N / c.bn);
+            const size_t n = (size_t)M * H, guard = (size_t)128 * H;
+            CK(cudaMemset(o, 0xff, (n + guard) * 2));
+            c.k<<<grid, 288, c.smem, tm.s>>>(xm, wm, d.bi, o, M, K, H);
+            CK(cudaGetLastError());
+            CK(cudaStreamSynchronize(tm.s));
+            std::vector<__half> all(n + guard);
+            CK(cudaMemcpy(all.data(), o, all.size() * 2, cudaMemcpyDeviceToHost));
+            bool clean = true;
+            for (size_t i = n; i < all.size(); ++i) {
+                uint16_t v;
+                memcpy(&v, &all[i], 2);
+                if (v != 0xffff) clean = false;
+            }
+            all.resize(n);
+            const double e_base = max_diff(all, href), e_exact = d.exact_err(all);
+            float us = 0;
+            if (sh.timed) us = tm.time([&] { c.k<<<grid, 288, c.smem, tm.s>>>(xm, wm, d.bi, o, M, K, H); });
+            const bool ok = clean && e_exact <= 2 * d.exact_err(href) + 1e-3;
+            all_ok = all_ok && ok;
+            printf("    %-46s %8.2f us   max|fused-baseline| %.3g   max|fused-exact| %.3g%s%s\n", c.name, us, e_base,
+                   e_exact, clean ? "" : "   ROWS PAST M WRITTEN", ok ? "" : "   FAIL");
+        }
 
         const int pick = crate_choice(M, K, H);
         for (int ci = 0; ci < (int)(sizeof cfgs / sizeof cfgs[0]); ++ci) {

@@ -935,11 +935,18 @@ template <bool B> struct Last {
 
 // Head dimension D, NWG warpgroups of 64 query rows per block. q, k, v with any batch and row strides (rows 16-byte
 // aligned), the output contiguous (B, Sq, H·D), as flash_attention.
-template <typename T, int D, int NWG>
+// TMA: K and V tiles come in by the tensor memory accelerator instead of every thread's cp.async: km and vm are the
+// generic addresses of two 5-D tensor maps (TmaMap) over k and v, dimensions (8 values, keys, D/8 chunks, heads,
+// batch), boxes of one 64-key tile; thread 0 requests each tile on its stage's full mbarrier (with RING, once the
+// stage's empty one says every thread is done with it), which every thread waits on. The maps' order of dimensions
+// lays a tile out [chunk][key][8 values] (unlike the cp.async path's [key group][chunk][key % 8][8 values]), so the
+// descriptors' strides differ (kdesc, vdesc, K_LO and the rest below). Q in shared memory (D 80) keeps cp.async.
+template <typename T, int D, int NWG, bool TMA = false>
 __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                           T *__restrict__ o, int sq, int sk, int heads, long long q_bs,
                                           long long q_ss, long long k_bs, long long k_ss, long long v_bs,
-                                          long long v_ss, float c) {
+                                          long long v_ss, float c, const void *km = nullptr,
+                                          const void *vm = nullptr) {
     constexpr int KC = Tiles<D>::KC, VC = Tiles<D>::VC, VCX = Tiles<D>::VCX, K_BYTES = Tiles<D>::K_BYTES;
     constexpr int STAGE = Tiles<D>::STAGE, STAGES = Tiles<D>::STAGES;
     constexpr int THREADS = 128 * NWG, NS = BN / 2, KS = KC / 2, NA = D / 2, NAX = Tiles<D>::PV_N / 2;
@@ -959,14 +966,28 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
     if constexpr (RING) {
         if (tid == 0) {
             for (int s = 0; s < STAGES; ++s) {
-                mbar_init(full0 + 8 * s, THREADS);
+                mbar_init(full0 + 8 * s, TMA ? 1 : THREADS);
                 mbar_init(empty0 + 8 * s, THREADS);
             }
+            if constexpr (TMA) asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         }
     }
     // K's pad chunk (d D..KC·8-1) meets Q's zero columns but must not hold NaN or Inf bit patterns: zeroed once in
     // every stage; cp.async never writes it. With ONES, V's ones chunk likewise.
     auto pads = [&]() {
+        if constexpr (TMA) {
+            const uint32_t one = ones2(T{});
+            for (int i = tid; i < STAGES * BN; i += THREADS) {
+                const int st = i / BN, key = i % BN;
+                if constexpr (D % 16 != 0)
+                    *reinterpret_cast<uint4 *>(flash_smem + st * STAGE + ((KC - 1) * BN + key) * 16) =
+                        make_uint4(0, 0, 0, 0);
+                if constexpr (ONES)
+                    *reinterpret_cast<uint4 *>(flash_smem + st * STAGE + K_BYTES + (VC * BN + key) * 16) =
+                        make_uint4(one, one, one, one);
+            }
+            return;
+        }
         if constexpr (D % 16 != 0) {
             for (int i = tid; i < STAGES * BN; i += THREADS) {
                 const int st = i / BN, kg = (i % BN) / 8, r = i % 8;
@@ -1000,6 +1021,11 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(qs + i * 16), "l"(src),
                          "r"(ok ? 16 : 0));
         }
+        if constexpr (TMA) { // no tile's arrival covers these copies
+            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncthreads();
+        }
     }
     using Loader = typename Pick<RING, TileLoader<T, D, THREADS>, StreamLoader<T, D, THREADS>>::type;
     Loader loader = [&] {
@@ -1008,8 +1034,31 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
         else
             return Loader(kh, vh, k_ss, v_ss);
     }();
+    // TMA: thread 0 requests tile `tile` (keys past sk arrive as zeros) into stage tile % STAGES, on that stage's
+    // full barrier.
+    auto tma_tile = [&](int tile) {
+        if constexpr (TMA) {
+            if (tid == 0 && tile < nt) {
+                const int s = tile % STAGES;
+                const uint32_t st = base + s * STAGE, bar = full0 + 8 * s;
+                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+                             "r"(2 * BN * VC * 16)
+                             : "memory");
+                asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
+                             "{%2, %3, %4, %5, %6}], [%7];\n" ::"r"(st),
+                             "l"(km), "r"(0), "r"(tile * BN), "r"(0), "r"(h), "r"(b), "r"(bar)
+                             : "memory");
+                asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
+                             "{%2, %3, %4, %5, %6}], [%7];\n" ::"r"(st + K_BYTES),
+                             "l"(vm), "r"(0), "r"(tile * BN), "r"(0), "r"(h), "r"(b), "r"(bar)
+                             : "memory");
+            }
+        }
+    };
     auto load = [&](int tile) {
-        if constexpr (RING)
+        if constexpr (RING && TMA)
+            tma_tile(tile);
+        else if constexpr (RING)
             loader.load(base + (tile % STAGES) * STAGE, kh, vh, tile * BN, sk, k_ss, v_ss,
                         full0 + 8 * (tile % STAGES));
     };
@@ -1020,6 +1069,15 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
         load(0);
         load(1);
         load(2);
+    } else if constexpr (TMA) {
+        if (tid == 0) {
+            for (int s = 0; s < STAGES; ++s) mbar_init(full0 + 8 * s, 1);
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        }
+        pads();
+        __syncthreads();
+        tma_tile(0);
+        tma_tile(1);
     } else {
         loader.load(s_a << 4, 0, sk);
         loader.load(s_b << 4, BN, sk);
@@ -1050,18 +1108,25 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
     for (int i = 0; i < NAX; ++i) acc[i] = 0.f;
 
     // S = Q Kᵀ for the tile in `stage`, issued and committed, not waited for.
+    // K's k-step s and V's k-step kk of a stage's tiles, in either layout (TMA's [chunk][key]: K's LBO, the next d
+    // chunk, 64 keys · 16 bytes and its SBO, the next key group, 128; V's LBO, the next key group, 128 and its
+    // SBO, the next d chunk, 1024).
+    auto kdesc = [](uint32_t stage, int s) {
+        return TMA ? smem_desc(stage + 2048 * s, 1024, 128) : smem_desc(stage + 256 * s, 128, KC * 128);
+    };
+    auto vdesc = [](uint32_t vs, int kk) {
+        return TMA ? smem_desc(vs + 256 * kk, 128, 1024) : smem_desc(vs + kk * 2 * VCX * 128, VCX * 128, 128);
+    };
     auto issue_s = [&](uint32_t stage) {
         if constexpr (QS) {
-            Wgmma<T>::template qk<0>(sc, smem_desc(qs, 128, KC * 128), smem_desc(stage, 128, KC * 128));
+            Wgmma<T>::template qk<0>(sc, smem_desc(qs, 128, KC * 128), kdesc(stage, 0));
 #pragma unroll
             for (int s = 1; s < KS; ++s)
-                Wgmma<T>::template qk<1>(sc, smem_desc(qs + 256 * s, 128, KC * 128),
-                                         smem_desc(stage + 256 * s, 128, KC * 128));
+                Wgmma<T>::template qk<1>(sc, smem_desc(qs + 256 * s, 128, KC * 128), kdesc(stage, s));
         } else {
-            Wgmma<T>::template qk<0>(sc, qa[0], smem_desc(stage, 128, KC * 128));
+            Wgmma<T>::template qk<0>(sc, qa[0], kdesc(stage, 0));
 #pragma unroll
-            for (int s = 1; s < KS; ++s)
-                Wgmma<T>::template qk<1>(sc, qa[s], smem_desc(stage + 256 * s, 128, KC * 128));
+            for (int s = 1; s < KS; ++s) Wgmma<T>::template qk<1>(sc, qa[s], kdesc(stage, s));
         }
         wgmma_commit();
     };
@@ -1069,24 +1134,27 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
         const uint32_t vs = base + (j % STAGES) * STAGE + K_BYTES;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            Wgmma<T>::template pv<Tiles<D>::PV_N>(acc, p + 4 * kk,
-                                                  smem_desc(vs + kk * 2 * VCX * 128, VCX * 128, 128));
+            Wgmma<T>::template pv<Tiles<D>::PV_N>(acc, p + 4 * kk, vdesc(vs, kk));
         wgmma_commit();
     };
     // The same products for the three-stage loop from a stage address in 16-byte units, the descriptors' constant
     // words folded (shared addresses lie below 2^18: smem_desc's mask is a no-op): no % 3 and no mask per tile.
-    constexpr uint32_t K_LO = 8 << 16, K_HI = KC * 8, V_LO = VCX * 8 << 16, V_HI = 8;
+    // The same strides as kdesc and vdesc, a k-step two chunks (K) or two key groups (V) on.
+    constexpr uint32_t K_LO = TMA ? 64 << 16 : 8 << 16, K_HI = TMA ? 8 : KC * 8;
+    constexpr uint32_t V_LO = TMA ? 8 << 16 : VCX * 8 << 16, V_HI = TMA ? 64 : 8;
+    constexpr uint32_t K_STEP = TMA ? 128 : 16, V_STEP = TMA ? 16 : 2 * VCX * 8;
     auto desc = [](uint32_t lo, uint32_t hi) { return (uint64_t)hi << 32 | lo; };
     auto issue_s16 = [&](uint32_t s16) {
         if constexpr (QS) {
             Wgmma<T>::template qk<0>(sc, desc(K_LO + (qs >> 4), K_HI), desc(K_LO + s16, K_HI));
 #pragma unroll
             for (int s = 1; s < KS; ++s)
-                Wgmma<T>::template qk<1>(sc, desc(K_LO + (qs >> 4) + 16 * s, K_HI), desc(K_LO + s16 + 16 * s, K_HI));
+                Wgmma<T>::template qk<1>(sc, desc(K_LO + (qs >> 4) + 16 * s, K_HI),
+                                         desc(K_LO + s16 + K_STEP * s, K_HI));
         } else {
             Wgmma<T>::template qk<0>(sc, qa[0], desc(K_LO + s16, K_HI));
 #pragma unroll
-            for (int s = 1; s < KS; ++s) Wgmma<T>::template qk<1>(sc, qa[s], desc(K_LO + s16 + 16 * s, K_HI));
+            for (int s = 1; s < KS; ++s) Wgmma<T>::template qk<1>(sc, qa[s], desc(K_LO + s16 + K_STEP * s, K_HI));
         }
         wgmma_commit();
     };
@@ -1094,7 +1162,7 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
             Wgmma<T>::template pv<Tiles<D>::PV_N>(acc, p + 4 * kk,
-                                                  desc(V_LO + s16 + K_BYTES / 16 + kk * 2 * VCX * 8, V_HI));
+                                                  desc(V_LO + s16 + K_BYTES / 16 + kk * V_STEP, V_HI));
         wgmma_commit();
     };
     auto rescale = [&]() {
@@ -1109,7 +1177,7 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
 
     // Tile 0 complete (tile 1's group may still be in flight); the cp.async and pad writes made visible to the
     // async proxy through which wgmma reads shared memory, then to every thread.
-    if constexpr (RING) {
+    if constexpr (RING || TMA) {
         mbar_wait(full0, 0);
     } else {
         asm volatile("cp.async.wait_group 1;\n" ::: "memory");
@@ -1158,7 +1226,8 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
             rescale();
             pack_p<T, NS>(p, sc);
             if constexpr (!LAST) {
-                if (j >= 1) mbar_wait(empty0 + 8 * ((j - 1) % STAGES), ((j - 1) / STAGES) & 1);
+                if ((!TMA || tid == 0) && j >= 1)
+                    mbar_wait(empty0 + 8 * ((j - 1) % STAGES), ((j - 1) / STAGES) & 1);
                 load(j + 3);
             }
         };
@@ -1172,10 +1241,19 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
         for (int j = 0; j + 1 < nt; ++j) {
             // Tile j+1 has landed (this thread's copies; the barrier makes it everyone's) and every warpgroup has
             // finished tile j-1, so its stage can take tile j+2.
-            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            __syncthreads();
-            loader.load(s_c << 4, (j + 2) * BN, sk);
+            if constexpr (TMA) {
+                // The copies write through the async proxy that wgmma reads through: no proxy fence. The barrier
+                // still frees tile j-1's stage for tile j+2 (an empty mbarrier per stage, waited for by thread 0
+                // alone, measured slower: 154-156 against 152-154 us at (2, 4096, 8, 40)).
+                mbar_wait(full0 + 8 * ((j + 1) % STAGES), ((j + 1) / STAGES) & 1);
+                __syncthreads();
+                tma_tile(j + 2);
+            } else {
+                asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                __syncthreads();
+                loader.load(s_c << 4, (j + 2) * BN, sk);
+            }
 
             wgmma_fence(); // p and acc were written by ordinary instructions
             issue_s16(s_b);
@@ -1346,8 +1424,32 @@ CROSS_BOTH(160, 4, 1, (128, 2))
 #define HOPPER_BOTH(D, NWG, BLOCKS)                                                                               \
     HOPPER(D, NWG, BLOCKS, __half, f16)                                                                           \
     HOPPER(D, NWG, BLOCKS, __nv_bfloat16, bf16)
+// The tensor map argument: CUtensorMap's 128 opaque bytes (attention.rs's `TmaMap`), passed by value. Every Hopper
+// instantiation has a TMA twin (attention.rs takes it unless SDHIVE_ATTENTION_TMA=0).
+struct alignas(64) TmaMap {
+    unsigned long long opaque[16];
+};
+#define HOPPER_TMA(D, NWG, BLOCKS, T, SFX)                                                                        \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, BLOCKS) attention_wgmma_d##D##_tma_##SFX(             \
+        const T *q, const T *k, const T *v, T *o, int sq, int sk, int d, int heads, long long q_bs, long long q_ss, \
+        long long k_bs, long long k_ss, long long v_bs, long long v_ss, float scale_log2,                         \
+        const __grid_constant__ TmaMap km, const __grid_constant__ TmaMap vm) {                                   \
+        SDHIVE_SM90A(hopper::attention<T, D, NWG, true>(q, k, v, o, sq, sk, heads, q_bs, q_ss, k_bs, k_ss, v_bs,  \
+                                                        v_ss, scale_log2, &km, &vm));                             \
+    }
 #ifndef SDHIVE_ATTENTION_NO_INSTANCES
 HOPPER_BOTH(40, 2, 2)
 HOPPER_BOTH(64, 3, 1)
 HOPPER_BOTH(80, 2, 2)
+// D 40 with TMA tile copies: (2, 4096, 8, 40) 151.7-152.4 us against 166.4-167.8 (q, k, v packed 153.7-154.4
+// against 168.6-169.8), errors identical (H100, xtask/bench/attention_wgmma.cu); 110 registers against 121.
+// Cross-attention's 77 keys go to the short-key kernel either way.
+#define HOPPER_TMA_BOTH(D, NWG, BLOCKS)                                                                           \
+    HOPPER_TMA(D, NWG, BLOCKS, __half, f16)                                                                       \
+    HOPPER_TMA(D, NWG, BLOCKS, __nv_bfloat16, bf16)
+// D 64: (2, 4096, 10, 64) 293.8 against 310.2 us, (2, 1024, 20, 64) 44.3 against 48.5 (packed 45.5 against 50.3);
+// D 80: (2, 1024, 8, 80) 23.0 against 26.6 us (packed 22.9 against 26.5), 127 and 119 registers.
+HOPPER_TMA_BOTH(40, 2, 2)
+HOPPER_TMA_BOTH(64, 3, 1)
+HOPPER_TMA_BOTH(80, 2, 2)
 #endif

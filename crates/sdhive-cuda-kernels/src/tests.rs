@@ -945,8 +945,12 @@ fn heads_of_40_64_and_80_take_the_hopper_kernels_on_hopper() {
         && cuda.cuda_stream().context().compute_capability().unwrap() == (9, 0);
     for dtype in [DType::F16, DType::BF16] {
         let sfx = if dtype == DType::F16 { "f16" } else { "bf16" };
+        // The TMA instantiations unless SDHIVE_ATTENTION_TMA=0.
+        let tma = std::env::var("SDHIVE_ATTENTION_TMA").map_or(true, |v| v != "0");
         for (d, padded) in [(40, 48), (64, 64), (80, 80)] {
-            let want = if hopper {
+            let want = if hopper && tma {
+                format!("attention_wgmma_d{d}_tma_{sfx}")
+            } else if hopper {
                 format!("attention_wgmma_d{d}_{sfx}")
             } else {
                 format!("flash_attention_d{padded}_{sfx}")
@@ -960,6 +964,62 @@ fn heads_of_40_64_and_80_take_the_hopper_kernels_on_hopper() {
         assert_eq!(d160, format!("flash_attention_d160_{sfx}"));
     }
     eprintln!("heads of 40 run {}", attention_kernel(&dev, 40, DType::F16, 3 * 320).unwrap());
+}
+
+/// The Hopper kernels' TMA instantiations (tiles by the tensor memory accelerator, laid out [chunk][key]) compute
+/// exactly what the cp.async ones do: the same products over the same values. Heads of 40 (three stages), 64 and
+/// 80 (the ring, Q in shared memory at 80); key counts off the 64-key tile (its zero fill past the end) and past
+/// the cross kernel's 128, q, k and v packed, both batches' tiles, large logits.
+#[test]
+fn attention_tma_tiles_match_the_cp_async_tiles() {
+    let dev = gpu();
+    for (b, sq, sk, heads, d, amplitude, packed) in [
+        (2, 300, 300, 8, 40, 1.0, false),
+        (1, 129, 1000, 3, 40, 6.0, true),
+        (2, 64, 129, 2, 40, 1.0, false),
+        (2, 1024, 1024, 8, 40, 1.0, true),
+        (2, 257, 257, 10, 64, 1.0, true),
+        (1, 200, 700, 4, 64, 6.0, false),
+        (2, 300, 150, 8, 80, 1.0, false),
+        (1, 777, 1000, 3, 80, 6.0, true),
+    ] {
+        let c = heads * d;
+        let scale = 1.0 / (d as f64).sqrt();
+        for dtype in [DType::F16, DType::BF16] {
+            let (q, k, v) = if packed {
+                let qkv =
+                    Tensor::randn(0f32, 1.0, (b, sq.max(sk), 3 * c), &dev).unwrap().to_dtype(dtype).unwrap();
+                let qkv = (qkv * amplitude).unwrap();
+                (
+                    qkv.narrow(1, 0, sq).unwrap().narrow(2, 0, c).unwrap(),
+                    qkv.narrow(1, 0, sk).unwrap().narrow(2, c, c).unwrap(),
+                    qkv.narrow(1, 0, sk).unwrap().narrow(2, 2 * c, c).unwrap(),
+                )
+            } else {
+                let r = |s| (Tensor::randn(0f32, 1.0, (b, s, c), &dev).unwrap() * amplitude).unwrap();
+                (
+                    r(sq).to_dtype(dtype).unwrap(),
+                    r(sk).to_dtype(dtype).unwrap(),
+                    r(sk).to_dtype(dtype).unwrap(),
+                )
+            };
+            let with = crate::attention::attention_with(&q, &k, &v, heads, scale, true).unwrap();
+            let without = crate::attention::attention_with(&q, &k, &v, heads, scale, false).unwrap();
+            let diff = (with.to_dtype(DType::F32).unwrap() - without.to_dtype(DType::F32).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            let want = attention_reference(&q, &k, &v, heads, scale);
+            let err = rel_diff(&with, &want);
+            eprintln!("attention TMA b{b} sq{sq} sk{sk} h{heads} packed {packed} {dtype:?}: |tma - cp.async| {diff:e}, rel diff {err:.2e}");
+            assert_eq!(diff, 0.0, "TMA and cp.async tiles differ at b{b} sq{sq} sk{sk} {dtype:?}");
+            assert!(err <= tol(dtype), "attention TMA sq{sq} sk{sk} {dtype:?}: {err}");
+        }
+    }
 }
 
 #[test]
