@@ -95,7 +95,20 @@ struct Cfg {
     int nwg, smem;
     Kern<__half> k;
     Kern<__nv_bfloat16> kb; // the crate's only
+    int split = 1;          // column blocks per row (h only)
 };
+// h only, the row split into column blocks of 160·NWG.
+template <typename T, int NWG, int S, bool W1>
+__global__ void __launch_bounds__(128 * NWG, 1)
+    split_variant(const T *x, const T *w, const T *b, const T *r, const T *g, const T *be, T *h, T *n, int M, int K,
+                  float eps) {
+    linear_norm_wgmma::fused<T, NWG, S, W1, false>(x, w, b, r, g, be, h, n, M, K, eps);
+}
+#define SPLIT(NWG, S, W1, SPLITS)                                                                              \
+    Cfg {                                                                                                     \
+        "h only wg" #NWG " s" #S " w" #W1 " split" #SPLITS " (no LN)", NWG,                                     \
+            linear_norm_wgmma::smem_bytes<NWG, S>(), split_variant<__half, NWG, S, W1>, nullptr, SPLITS        \
+    }
 #define VAR(NWG, S, W1)                                                                                        \
     Cfg { "wg" #NWG " s" #S " w" #W1, NWG, linear_norm_wgmma::smem_bytes<NWG, S>(), variant<__half, NWG, S, W1>, \
           nullptr }
@@ -107,6 +120,10 @@ static Cfg cfgs[] = {
     {"crate n320 h only (no LN)", 2, linear_norm_wgmma::smem_bytes<2, 3>(), linear_wgmma_n320_f16, nullptr},
     {"W copies 8", 2, linear_norm_wgmma::smem_bytes<2, 3>(), copies<__half, 8>, nullptr},
     {"W copies 128", 2, linear_norm_wgmma::smem_bytes<2, 3>(), copies<__half, 128>, nullptr},
+    SPLIT(1, 3, false, 2),
+    SPLIT(1, 3, true, 2),
+    SPLIT(1, 2, false, 2),
+    SPLIT(1, 4, true, 2),
 };
 
 template <typename T> static T cvt(float v);
@@ -223,8 +240,8 @@ template <typename T> struct Out {
 
 template <typename T>
 static void launch(Kern<T> k, const Cfg &c, const Data<T> &d, Out<T> &o) {
-    k<<<(d.M + 63) / 64, 128 * c.nwg, c.smem, tm.s>>>(d.x, d.w, d.b, d.res ? d.r : nullptr, d.g, d.be, o.h, o.n,
-                                                       d.M, d.K, 1e-5f);
+    k<<<dim3((d.M + 63) / 64, c.split), 128 * c.nwg, c.smem, tm.s>>>(d.x, d.w, d.b, d.res ? d.r : nullptr, d.g, d.be,
+                                                                       o.h, o.n, d.M, d.K, 1e-5f);
 }
 
 int main() {

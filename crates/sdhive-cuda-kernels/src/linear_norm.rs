@@ -41,6 +41,11 @@ impl Tile {
         TILES.iter().copied().find(|t| t.n == n)
     }
 
+    /// The h-only instantiation's block (`linear_wgmma_half`): one warpgroup over half the columns, as many stages.
+    fn half(&self) -> Self {
+        Tile { n: self.n / 2, warpgroups: self.warpgroups / 2, stages: self.stages }
+    }
+
     /// `smem_bytes` in linear_norm_wgmma.cu: the stages of an x and a W tile (128 bytes a row), the residual rows
     /// (N values padded by 16 bytes), bias, gamma and beta, a pair of f32 moments per warpgroup and row, and 1024
     /// bytes to align.
@@ -66,6 +71,13 @@ fn shape_refusal(k: usize, n: usize) -> Option<String> {
     None
 }
 
+/// Whether the products without the LayerNorm split each row over two blocks (`linear_wgmma_half`);
+/// `SDHIVE_LINEAR_SPLIT=0` keeps whole rows per block, to measure the two against each other.
+fn split_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SDHIVE_LINEAR_SPLIT").map_or(true, |v| v != "0"))
+}
+
 /// [`crate::linear_norm_on`] without the environment switch.
 pub fn product_on(device: &Device, dtype: DType, k: usize, n: usize) -> bool {
     matches!(dtype, DType::F16 | DType::BF16) && shape_refusal(k, n).is_none() && sm90a_loads(device, PTX)
@@ -88,7 +100,12 @@ fn launch<T: CudaDType + DeviceRepr>(
 ) -> Result<CudaStorage> {
     let dev: &CudaDevice = x.0.device();
     let sfx = if x.0.dtype() == DType::F16 { "f16" } else { "bf16" };
-    let kernel = if op.norm.is_some() { "linear_norm_wgmma" } else { "linear_wgmma" };
+    // Without the norm, each row in two blocks of half the columns (`linear_wgmma_half`), where the switch allows.
+    let (kernel, block) = match &op.norm {
+        Some(_) => ("linear_norm_wgmma", tile),
+        None if split_on() => ("linear_wgmma_half", tile.half()),
+        None => ("linear_wgmma", tile),
+    };
     let func = dev.get_or_load_custom_func(&format!("{kernel}_n{}_{sfx}", tile.n), MODULE, PTX)?;
     let xs = contiguous::<T>(x.0, x.1, "product-and-LayerNorm input")?;
     let ws = contiguous::<T>(w.0, w.1, "product-and-LayerNorm weight")?;
@@ -110,7 +127,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     {
         let h = out.slice(0..m * n);
         let normed = (halves == 2).then(|| out.slice(m * n..2 * m * n));
-        crate::cuda::opt_in_shared(&func, tile.smem())?;
+        crate::cuda::opt_in_shared(&func, block.smem())?;
         let null = 0u64;
         let mut a = func.builder();
         a.arg(&xs);
@@ -137,9 +154,9 @@ fn launch<T: CudaDType + DeviceRepr>(
         };
         builder_arg!(a, m as i32, k as i32, op.eps);
         let cfg = LaunchConfig {
-            grid_dim: (m.div_ceil(ROWS) as u32, 1, 1),
-            block_dim: (128 * tile.warpgroups as u32, 1, 1),
-            shared_mem_bytes: tile.smem() as u32,
+            grid_dim: (m.div_ceil(ROWS) as u32, (tile.n / block.n) as u32, 1),
+            block_dim: (128 * block.warpgroups as u32, 1, 1),
+            shared_mem_bytes: block.smem() as u32,
         };
         // SAFETY: the arguments match the kernel's signature (a null residual is allowed; without the norm so are
         // gamma, beta and n, which that kernel never reads or writes); `LinearNorm::forward` checked the shapes (K

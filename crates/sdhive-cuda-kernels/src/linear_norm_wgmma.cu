@@ -55,7 +55,9 @@ template <int NWG, int S> constexpr int smem_bytes() { return S * (64 + WN * NWG
 
 // NWG warpgroups of WN columns each (N = WN·NWG), S stages. W1: wgmma wait<1> (one K tile's products in flight
 // while the next is issued, prefetch distance S-2) or wait<0> (distance S-1). Without NORM only h is made (the
-// products with a residual that no LayerNorm follows); gamma, beta and n_out are not touched.
+// products with a residual that no LayerNorm follows); gamma, beta and n_out are not touched, and the grid's y may
+// split the row into gridDim.y blocks of N columns (block y the columns y·N.., rows gridDim.y·N wide), so that
+// more, smaller blocks share the SMs.
 template <typename T, int NWG, int S, bool W1, bool NORM = true>
 __device__ __forceinline__ void fused(const T *__restrict__ x, const T *__restrict__ w, const T *__restrict__ bias,
                                       const T *__restrict__ residual, const T *__restrict__ gamma,
@@ -73,16 +75,18 @@ __device__ __forceinline__ void fused(const T *__restrict__ x, const T *__restri
     const uint32_t base = (raw + 1023) & ~1023u;
     const uint32_t res_s = base + S * STAGE, par_s = res_s + 64 * PITCH; // bias, gamma, beta: N values each
     const int tid = threadIdx.x, wg = tid / 128;
-    const int m0 = blockIdx.x * 64;
+    const int m0 = blockIdx.x * 64, n0 = NORM ? 0 : blockIdx.y * N, NT = NORM ? N : gridDim.y * N;
     const T *xa = x + (size_t)m0 * K;
     const int KT = K / BK;
+    w += (size_t)n0 * K;
+    bias += n0;
 
     // The residual rows (zeros past M, or without one) and the three parameter vectors, one cp.async group ahead
     // of the K tiles'.
     for (int i = tid; i < 64 * CH; i += THREADS) {
         const int r = i / CH, c = i % CH;
         const bool ok = residual && m0 + r < M;
-        cp16(res_s + r * PITCH + c * 16, ok ? residual + (size_t)(m0 + r) * N + c * 8 : bias, ok ? 16 : 0);
+        cp16(res_s + r * PITCH + c * 16, ok ? residual + (size_t)(m0 + r) * NT + n0 + c * 8 : bias, ok ? 16 : 0);
     }
     for (int i = tid; i < (NORM ? 3 : 1) * CH; i += THREADS) {
         const T *src = i < CH ? bias : i < 2 * CH ? gamma : beta;
@@ -162,7 +166,7 @@ __device__ __forceinline__ void fused(const T *__restrict__ x, const T *__restri
                 asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                              : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                              : "r"(slab + r * PITCH + c * 16));
-                *reinterpret_cast<uint4 *>(out + (size_t)row * N + c * 8) = v;
+                *reinterpret_cast<uint4 *>(out + (size_t)row * NT + n0 + c * 8) = v;
             }
         }
     };
@@ -258,4 +262,9 @@ __device__ __forceinline__ void fused(const T *__restrict__ x, const T *__restri
 #ifndef SDHIVE_LINEAR_NORM_NO_INSTANCES
 // N 320 (SD1.5's 64² transformers): two warpgroups, three stages.
 LINEAR_NORM_BOTH(320, 2, 3, false)
+// h only, each row in two blocks of 160 columns (one warpgroup; grid (M/64, 2)), so that two blocks share an SM:
+// xtask/bench/linear_norm.cu (H100 2026-11-27 14:3x) at 8192 rows, K 1280 with the residual 16.8 against 18.5 µs,
+// K 320 with the residual 7.9 against 8.5, 4096 rows 6.0 against 7.6.
+LINEAR_NORM(linear_wgmma_half, 320, 1, 3, false, false, __half, f16)
+LINEAR_NORM(linear_wgmma_half, 320, 1, 3, false, false, __nv_bfloat16, bf16)
 #endif

@@ -292,7 +292,8 @@ fn fused_geglu_product_refuses_what_it_cannot_take() {
 /// residual, rounded to the storage type as the unfused product stores it, then LayerNorm in f32: the SD1.5 UNet's
 /// 64² shapes (proj_in without a residual, the attentions' to_out with one, the feed-forward's second product at K
 /// 1280; batch 2), K 640 and row counts off the 64-row block (77, 1000, 1; 3-D and 2-D inputs), f16 and bf16; and
-/// the kernel without the norm ([`linear_rows`]) giving the same h bit for bit. The residual carries a large offset per row, as
+/// the kernel without the norm ([`linear_rows`]: each row over two blocks, unless `SDHIVE_LINEAR_SPLIT=0`) giving the
+/// same h bit for bit. The residual carries a large offset per row, as
 /// the residual stream does, so that the LayerNorm's mean matters. On other devices and builds it must say it is
 /// off.
 #[test]
