@@ -16,7 +16,7 @@
 // written here, costs far more than the L2 reads it saves.
 #pragma once
 #include <cuda.h>
-#include "../../crates/sdhive-cuda-kernels/src/wgmma_common.cuh"
+// geglu_wgmma.cu (crates/sdhive-cuda-kernels/src) must be included before this file: its products and GEGLU.
 
 namespace geglu_tma {
 
@@ -27,20 +27,9 @@ template <int BN, int S> constexpr int smem_bytes() { return S * (BM + BN) * 128
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
 using namespace sm90;
 
-template <typename T, int N> struct Mma;
-#define GT_WGMMA_FOR(T, TY)                                                                                       \
-    template <> struct Mma<T, 128> {                                                                              \
-        static __device__ __forceinline__ void mma(float (&d)[64], uint64_t da, uint64_t db) {                    \
-            WG_MMA_SS(TY, 128, WG_R64, 64, 65, WG_ACC32(0), WG_ACC32(32));                                        \
-        }                                                                                                         \
-    };                                                                                                            \
-    template <> struct Mma<T, 256> {                                                                              \
-        static __device__ __forceinline__ void mma(float (&d)[128], uint64_t da, uint64_t db) {                   \
-            WG_MMA_SS(TY, 256, WG_R128, 128, 129, WG_ACC32(0), WG_ACC32(32), WG_ACC32(64), WG_ACC32(96));         \
-        }                                                                                                         \
-    };
-GT_WGMMA_FOR(__half, "f16")
-GT_WGMMA_FOR(__nv_bfloat16, "bf16")
+// The products and the GEGLU are geglu_wgmma.cu's.
+using geglu_wgmma::geglu;
+template <typename T, int N> using Mma = geglu_wgmma::Wgmma<T, N>;
 
 __device__ __forceinline__ void bar_init(uint32_t bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -84,20 +73,6 @@ __device__ __forceinline__ void tma_load_mc(uint32_t dst, const CUtensorMap *map
                  "[%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
                  "l"(map), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
                  : "memory");
-}
-
-template <bool FAST> __device__ __forceinline__ float geglu(float a, float g) {
-    if constexpr (FAST) {
-        const float z = fabsf(g) * 0.70710678118654752f;
-        const float t = __fdividef(1.f, fmaf(0.3275911f, z, 1.f));
-        const float poly =
-            t * fmaf(t, fmaf(t, fmaf(t, fmaf(t, 1.061405429f, -1.453152027f), 1.421413741f), -0.284496736f),
-                     0.254829592f);
-        const float q = poly * __expf(-z * z);
-        return a * 0.5f * g * (g >= 0.f ? 2.f - q : q);
-    } else {
-        return a * 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
-    }
 }
 
 // xm: x (M, K) as a 2-D map of boxes {64, 128}; wm: W1 interleaved (2H, K), boxes {64, BN/CM}. Grid: x the M tiles
