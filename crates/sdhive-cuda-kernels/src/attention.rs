@@ -359,7 +359,22 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
     let sk = k.1.shape().dims3()?.1;
     let d = c / op.heads;
     let key_stride = k.1.stride()[1].max(v.1.stride()[1]);
-    let kernel = Kernel::for_launch(dev, d, sk, key_stride, op.tma, |rows| b * op.heads * sq.div_ceil(rows))?;
+    let mut kernel =
+        Kernel::for_launch(dev, d, sk, key_stride, op.tma, |rows| b * op.heads * sq.div_ceil(rows))?;
+    let (qs, ks, vs) = (view::<T>(q.0, q.1)?, view::<T>(k.0, k.1)?, view::<T>(v.0, v.1)?);
+    // The TMA kernel's tensor maps; where the driver refuses one (a stride it cannot take, as a batch stride of
+    // 0), the same kernel with cp.async tile loads.
+    let mut maps = None;
+    if let Kernel::Hopper { tma: tma @ true, .. } = &mut kernel {
+        let stream = dev.cuda_stream();
+        let map = |t: &CudaView<'_, T>, l: &Layout| {
+            kv_map(t, &stream, q.0.dtype(), d, sk, op.heads, b, l.stride()[1], l.stride()[0])
+        };
+        match (map(&ks, k.1), map(&vs, v.1)) {
+            (Ok(km), Ok(vm)) => maps = Some((km, vm)),
+            _ => *tma = false,
+        }
+    }
     let name = kernel.name(q.0.dtype())?;
     // Blocks per (batch, head): one per block of query rows, or for the short-key kernel as many as give each warp
     // the fewest chunks of 16·atoms rows that the resident warps allow, so that its blocks run in one wave and
@@ -388,17 +403,6 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
             let per_warp = (b * op.heads * chunks).div_ceil(sms * resident as usize * warps).max(1);
             (func, smem, chunks.div_ceil(warps * per_warp), threads)
         }
-    };
-    let (qs, ks, vs) = (view::<T>(q.0, q.1)?, view::<T>(k.0, k.1)?, view::<T>(v.0, v.1)?);
-    let maps = match kernel {
-        Kernel::Hopper { tma: true, .. } => {
-            let stream = dev.cuda_stream();
-            let map = |t: &CudaView<'_, T>, l: &Layout| {
-                kv_map(t, &stream, q.0.dtype(), d, sk, op.heads, b, l.stride()[1], l.stride()[0])
-            };
-            Some((map(&ks, k.1)?, map(&vs, v.1)?))
-        }
-        _ => None,
     };
     // SAFETY: every element is written by the kernel (each (row, head) by its block, all D columns).
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(b * sq * c)? };

@@ -982,6 +982,36 @@ fn heads_of_40_64_and_80_take_the_hopper_kernels_on_hopper() {
     eprintln!("heads of 40 run {}", attention_kernel(&dev, 40, DType::F16, 3 * 320).unwrap());
 }
 
+/// Keys and values shared by the batch (a batch stride of 0, as a broadcast view has): the kernels read them in
+/// place, the Hopper ones whether or not the driver takes such a stride in a tensor map (else their cp.async
+/// twins run), heads of 40, 64 and 80.
+#[test]
+fn attention_reads_keys_shared_by_the_batch() {
+    let dev = gpu();
+    for (sq, sk, heads, d) in [(300, 300, 8, 40), (257, 200, 5, 64), (150, 300, 4, 80)] {
+        let c = heads * d;
+        let scale = 1.0 / (d as f64).sqrt();
+        for dtype in [DType::F16, DType::BF16] {
+            let r = |shape: (usize, usize, usize)| {
+                Tensor::randn(0f32, 1.0, shape, &dev).unwrap().to_dtype(dtype).unwrap()
+            };
+            let q = r((2, sq, c));
+            let (k1, v1) = (r((1, sk, c)), r((1, sk, c)));
+            let (k, v) = (k1.broadcast_as((2, sk, c)).unwrap(), v1.broadcast_as((2, sk, c)).unwrap());
+            assert_eq!(k.stride()[0], 0);
+            assert!(attention_applies(&q, &k, &v, heads), "sq{sq} sk{sk} d{d} {dtype:?}");
+            let want =
+                attention_reference(&q, &k.contiguous().unwrap(), &v.contiguous().unwrap(), heads, scale);
+            let ours = attention(&q, &k, &v, heads, scale).unwrap();
+            let diff = rel_diff(&ours, &want);
+            eprintln!(
+                "attention with shared keys sq{sq} sk{sk} h{heads} d{d} {dtype:?}: rel diff {diff:.2e}"
+            );
+            assert!(diff <= tol(dtype), "shared keys d{d} {dtype:?}: {diff}");
+        }
+    }
+}
+
 #[test]
 fn attention_declines_what_it_cannot_take() {
     let dev = gpu();
