@@ -1437,18 +1437,18 @@ struct alignas(64) TmaMap {
         SDHIVE_SM90A(hopper::attention<T, D, NWG, true>(q, k, v, o, sq, sk, heads, q_bs, q_ss, k_bs, k_ss, v_bs,  \
                                                         v_ss, scale_log2, &km, &vm));                             \
     }
+#define HOPPER_TMA_BOTH(D, NWG, BLOCKS)                                                                           \
+    HOPPER_TMA(D, NWG, BLOCKS, __half, f16)                                                                       \
+    HOPPER_TMA(D, NWG, BLOCKS, __nv_bfloat16, bf16)
 #ifndef SDHIVE_ATTENTION_NO_INSTANCES
 HOPPER_BOTH(40, 2, 2)
 HOPPER_BOTH(64, 3, 1)
 HOPPER_BOTH(80, 2, 2)
-// D 40 with TMA tile copies: (2, 4096, 8, 40) 151.7-152.4 us against 166.4-167.8 (q, k, v packed 153.7-154.4
-// against 168.6-169.8), errors identical (H100, xtask/bench/attention_wgmma.cu); 110 registers against 121.
+// The TMA twins against the above (H100, xtask/bench/attention_wgmma.cu, errors identical): D 40 (2, 4096, 8, 40)
+// 151.7-152.4 us against 166.4-167.8 (q, k, v packed 153.7-154.4 against 168.6-169.8), 110 registers against 121;
+// D 64 (2, 4096, 10, 64) 293.8 against 310.2 us, (2, 1024, 20, 64) 44.3 against 48.5 (packed 45.5 against 50.3),
+// 127 registers; D 80 (2, 1024, 8, 80) 23.0 against 26.6 us (packed 22.9 against 26.5), 119 registers.
 // Cross-attention's 77 keys go to the short-key kernel either way.
-#define HOPPER_TMA_BOTH(D, NWG, BLOCKS)                                                                           \
-    HOPPER_TMA(D, NWG, BLOCKS, __half, f16)                                                                       \
-    HOPPER_TMA(D, NWG, BLOCKS, __nv_bfloat16, bf16)
-// D 64: (2, 4096, 10, 64) 293.8 against 310.2 us, (2, 1024, 20, 64) 44.3 against 48.5 (packed 45.5 against 50.3);
-// D 80: (2, 1024, 8, 80) 23.0 against 26.6 us (packed 22.9 against 26.5), 127 and 119 registers.
 HOPPER_TMA_BOTH(40, 2, 2)
 HOPPER_TMA_BOTH(64, 3, 1)
 HOPPER_TMA_BOTH(80, 2, 2)
