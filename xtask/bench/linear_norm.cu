@@ -5,10 +5,13 @@
 // attentions' to_out (bias and residual), the feed-forward's second product (K 1280), and ragged row counts; both
 // timed as CUDA graphs of 20 calls on random data. h and n are checked against an f64 reference (h as stored, n from
 // the stored h, as the unfused pair computes it) next to the baseline's own error; rows past M must stay unwritten;
-// bf16 against the f64 reference only. Other stage counts, the crate's h-only instantiation (no LayerNorm), and
-// each block reading its own copy of W (whether the blocks' shared reads of W from L2 cost) are timed too.
+// bf16 against the f64 reference only. Other stage counts, the crate's h-only instantiation (no LayerNorm), the
+// h-only kernel with each row split over blocks of 160 columns (the crate's linear_wgmma_half is the first such
+// row), and each block reading its own copy of W (whether the blocks' shared reads of W from L2 cost) are timed
+// too.
 // Build here, run on the GPU machine (cuBLAS from PyTorch's wheels):
-//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a xtask/bench/linear_norm.cu -o linear_norm -lcublasLt
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -cudart shared xtask/bench/linear_norm.cu -o linear_norm \
+//     -lcublasLt
 //   ./linear_norm
 #include <cublasLt.h>
 #include <cuda_bf16.h>
