@@ -7,13 +7,13 @@
 // - Operands as geglu_wgmma.cu (W1 and b1 interleaved in blocks of 64 rows), 128-byte swizzle written by TMA in
 //   the layout desc_sw128 describes; rows past M come in as zeros (TMA's out-of-bounds fill) and are not stored.
 // - Empty barriers count CM·2 arrivals: one per consumer warpgroup of every block whose multicast writes the stage.
-// Measured in geglu_gemm.cu (H100 2026-11-27 14:0x, two runs, errors identical to the crate's kernel) and not
-// taken: at SD1.5's (8192, 320, 1280) the crate's 128×128 cp.async kernel 40.1 µs, cuBLASLt's product alone (no
+// Measured in geglu_gemm.cu (H100 2026-11-27 14:0x and 15:4x, errors identical to the crate's kernel), not yet
+// in the crate: at SD1.5's (8192, 320, 1280) the crate's 128×128 cp.async kernel 40.1 µs, cuBLASLt's product alone (no
 // GEGLU) 30.0-30.2; this kernel with two blocks per SM 39.5-39.8, with clusters of two multicasting W1 57.1, one
-// block per SM 48.5 (128×256: 41.4); the persistent ping-pong below 43.0-46.1, with clusters 51.9-56.4. At
-// (2048, 640, 2560) 31.8 / 31.4 against 31.1-31.2, at (512, 1280, 5120) 33.2-36.6 against the crate's 28.9. The
-// TMA main loop and the overlapped epilogues buy nothing over two cp.async blocks per SM, and the multicast, as
-// written here, costs far more than the L2 reads it saves.
+// block per SM 48.5 (128×256: 41.4). The persistent ping-pong below (15:4x, once its epilogue no longer spilled):
+// 39.4 µs (36.3 with the A&S erf) against the crate's 40.2; at (2048, 640, 2560) 28.7 (26.3) against 31.2, at
+// (512, 1280, 5120) 31.2 against the crate's 29.3; with clusters 44-54 µs everywhere: the multicast, as written
+// here, costs far more than the L2 reads it saves.
 #pragma once
 #include <cuda.h>
 // geglu_wgmma.cu (crates/sdhive-cuda-kernels/src) must be included before this file: its products and GEGLU.
@@ -73,6 +73,50 @@ __device__ __forceinline__ void tma_load_mc(uint32_t dst, const CUtensorMap *map
                  "[%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
                  "l"(map), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
                  : "memory");
+}
+
+// One warpgroup's 64 accumulator rows (BN product columns in a/gate pairs of IL, as geglu_wgmma.cu lays them) with
+// the bias and the GEGLU into rows row0.. of a staging slab of BN + 16 bytes a row.
+template <typename T, int BN, bool FAST>
+__device__ __forceinline__ void stage_rows(const float (&acc)[BN / 2], const T *bt, uint32_t slab, int row0) {
+    constexpr int PITCH = BN + 16;
+    const int lane = threadIdx.x % 32, t = lane % 4, r0 = row0 + ((threadIdx.x % 128) / 32) * 16 + lane / 4;
+#pragma unroll
+    for (int p = 0; p < BN / (2 * IL); ++p) {
+#pragma unroll
+        for (int j = 0; j < IL / 8; ++j) {
+            const int c = 2 * IL * p + 8 * j + 2 * t;
+            const float2 ba = to_f2(*reinterpret_cast<const uint32_t *>(bt + c), T());
+            const float2 bg = to_f2(*reinterpret_cast<const uint32_t *>(bt + c + IL), T());
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const int i = 64 * p + 4 * j + 2 * hr;
+                const float o0 = geglu<FAST>(acc[i] + ba.x, acc[i + 32] + bg.x);
+                const float o1 = geglu<FAST>(acc[i + 1] + ba.y, acc[i + 33] + bg.y);
+                const int col = IL * p + 8 * j + 2 * t;
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slab + (r0 + 8 * hr) * PITCH + col * 2),
+                             "r"(pack2(o0, o1, T())));
+            }
+        }
+    }
+}
+
+// ROWS staged rows out to rows m0.. of `out` (H outputs a row, from column h0) as 16-byte chunks by one
+// warpgroup; rows past M are not written.
+template <typename T, int BN, int ROWS>
+__device__ __forceinline__ void store_rows(uint32_t slab, T *out, int m0, int M, int H, int h0) {
+    constexpr int PITCH = BN + 16, CH = BN / 16;
+#pragma unroll
+    for (int q = 0; q < ROWS * CH / 128; ++q) {
+        const int idx = threadIdx.x % 128 + q * 128, r = idx / CH, c = idx % CH;
+        if (m0 + r < M) {
+            uint4 v;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(slab + r * PITCH + c * 16));
+            *reinterpret_cast<uint4 *>(out + (size_t)(m0 + r) * H + h0 + c * 8) = v;
+        }
+    }
 }
 
 // xm: x (M, K) as a 2-D map of boxes {64, 128}; wm: W1 interleaved (2H, K), boxes {64, BN/CM}. Grid: x the M tiles
@@ -150,44 +194,11 @@ __device__ __forceinline__ void fused(const CUtensorMap *xm, const CUtensorMap *
         // Both warpgroups' products have read the ring before the staging slabs overwrite it; every stage's
         // bytes (multicast ones included) have landed, since each was waited for.
         asm volatile("bar.sync 1, 256;\n" ::: "memory");
-        const int w4 = (tid % 128) / 32, lane = tid % 32, t = lane % 4;
-        constexpr int PITCH = BN + 16, CH = BN / 16;
-        const uint32_t slab = base + wg * 64 * PITCH;
-        const int r0 = w4 * 16 + lane / 4;
-        const T *bt = bias + (size_t)n_tile * BN;
-#pragma unroll
-        for (int p = 0; p < BN / (2 * IL); ++p) {
-#pragma unroll
-            for (int j = 0; j < IL / 8; ++j) {
-                const int c = 2 * IL * p + 8 * j + 2 * t;
-                const float2 ba = to_f2(*reinterpret_cast<const uint32_t *>(bt + c), T());
-                const float2 bg = to_f2(*reinterpret_cast<const uint32_t *>(bt + c + IL), T());
-#pragma unroll
-                for (int hr = 0; hr < 2; ++hr) {
-                    const int i = 64 * p + 4 * j + 2 * hr;
-                    const float o0 = geglu<FAST>(acc[i] + ba.x, acc[i + 32] + bg.x);
-                    const float o1 = geglu<FAST>(acc[i + 1] + ba.y, acc[i + 33] + bg.y);
-                    const int col = IL * p + 8 * j + 2 * t;
-                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slab + (r0 + 8 * hr) * PITCH + col * 2),
-                                 "r"(pack2(o0, o1, T())));
-                }
-            }
-        }
+        const uint32_t slab = base + wg * 64 * (BN + 16);
+        stage_rows<T, BN, FAST>(acc, bias + (size_t)n_tile * BN, slab, 0);
         if (wg == 0) asm volatile("bar.sync 2, 128;\n" ::: "memory");
         else asm volatile("bar.sync 3, 128;\n" ::: "memory");
-        const int h0 = n_tile * (BN / 2);
-#pragma unroll
-        for (int q = 0; q < 64 * CH / 128; ++q) {
-            const int idx = lt + q * 128, r = idx / CH, c = idx % CH;
-            const int row = m0 + wg * 64 + r;
-            if (row < M) {
-                uint4 v;
-                asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                             : "r"(slab + r * PITCH + c * 16));
-                *reinterpret_cast<uint4 *>(out + (size_t)row * H + h0 + c * 8) = v;
-            }
-        }
+        store_rows<T, BN, 64>(slab, out, m0 + wg * 64, M, H, n_tile * (BN / 2));
     }
     // No block leaves while a peer may still arrive on its barriers or write its ring.
     if constexpr (CM > 1) {
@@ -209,7 +220,7 @@ __device__ __forceinline__ void pingpong(const CUtensorMap *xm, const CUtensorMa
                                          T *__restrict__ out, int M, int K, int H) {
     static_assert(BN == 128, "a warpgroup's tile is two m64n128 accumulators");
     constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128, STAGE = A_BYTES + B_BYTES, ACC = BN / 2;
-    constexpr int B_PART = BN / CM, PITCH = BN + 16, CH = BN / 16;
+    constexpr int B_PART = BN / CM, PITCH = BN + 16;
     extern __shared__ uint8_t smem_raw[];
     __shared__ __align__(8) uint64_t bars[2 * S];
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
@@ -253,7 +264,6 @@ __device__ __forceinline__ void pingpong(const CUtensorMap *xm, const CUtensorMa
         __syncwarp();
     } else {
         const int wg = tid / 128, lt = tid % 128;
-        const int w4 = lt / 32, lane = tid % 32, t = lane % 4, r0 = w4 * 16 + lane / 4;
         const uint32_t slab = base + S * STAGE + wg * BM * PITCH;
         auto release = [&](int g) {
             if (lt < CM) {
@@ -300,39 +310,11 @@ __device__ __forceinline__ void pingpong(const CUtensorMap *xm, const CUtensorMa
             fence_regs(acc[1]);
             release(g - 1);
 
-            const T *bt = bias + (size_t)n_tile * BN;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-#pragma unroll
-                for (int jj = 0; jj < IL / 8; ++jj) {
-                    const int c = 8 * jj + 2 * t;
-                    const float2 ba = to_f2(*reinterpret_cast<const uint32_t *>(bt + c), T());
-                    const float2 bg = to_f2(*reinterpret_cast<const uint32_t *>(bt + c + IL), T());
-#pragma unroll
-                    for (int hr = 0; hr < 2; ++hr) {
-                        const int i = 4 * jj + 2 * hr;
-                        const float o0 = geglu<FAST>(acc[h][i] + ba.x, acc[h][i + 32] + bg.x);
-                        const float o1 = geglu<FAST>(acc[h][i + 1] + ba.y, acc[h][i + 33] + bg.y);
-                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slab + (64 * h + r0 + 8 * hr) * PITCH + c * 2),
-                                     "r"(pack2(o0, o1, T())));
-                    }
-                }
-            }
+            for (int h = 0; h < 2; ++h) stage_rows<T, BN, FAST>(acc[h], bias + (size_t)n_tile * BN, slab, 64 * h);
             if (wg == 0) asm volatile("bar.sync 3, 128;\n" ::: "memory");
             else asm volatile("bar.sync 4, 128;\n" ::: "memory");
-            const int h0 = n_tile * (BN / 2);
-#pragma unroll
-            for (int q = 0; q < BM * CH / 128; ++q) {
-                const int idx = lt + q * 128, r = idx / CH, c = idx % CH;
-                const int row = m0 + r;
-                if (row < M) {
-                    uint4 v;
-                    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                                 : "r"(slab + r * PITCH + c * 16));
-                    *reinterpret_cast<uint4 *>(out + (size_t)row * H + h0 + c * 8) = v;
-                }
-            }
+            store_rows<T, BN, BM>(slab, out, m0, M, H, n_tile * (BN / 2));
             // The slab is read before the next tile's epilogue writes it: the hand-over barrier at the top of
             // the next tile has every thread of this warpgroup.
         }

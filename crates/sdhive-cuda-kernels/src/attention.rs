@@ -271,8 +271,7 @@ pub fn unsupported(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize) -> Option<S
 /// (2, 1024, 8, 80) 23 against 26.6, SDXL's (2, 4096, 10, 64) 294 against 310). `SDHIVE_ATTENTION_TMA=0` keeps
 /// the cp.async tile loads, to measure the two against each other.
 fn tma_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SDHIVE_ATTENTION_TMA").map_or(true, |v| v != "0"))
+    switched_on!("SDHIVE_ATTENTION_TMA")
 }
 
 /// CUtensorMap's 128 opaque bytes as a kernel argument passed by value (attention.cu's `TmaMap`).

@@ -14,6 +14,16 @@
 
 use candle_core::{Result, Tensor};
 
+/// Whether the environment switch `$var` is on (anything but `0`, unset included), read once per process (defined
+/// before the modules, which use it too).
+#[cfg(feature = "cuda")]
+macro_rules! switched_on {
+    ($var:literal) => {{
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| std::env::var($var).map_or(true, |v| v != "0"))
+    }};
+}
+
 #[cfg(feature = "cuda")]
 mod attention;
 #[cfg(feature = "cudnn")]
@@ -58,15 +68,6 @@ pub enum Side {
     Tokens,
     /// `(B, features, S)`: one row per channel (NCHW with `S = H·W`).
     ChannelsFirst,
-}
-
-/// Whether the environment switch `$var` is on (anything but `0`, unset included), read once per process.
-#[cfg(feature = "cuda")]
-macro_rules! switched_on {
-    ($var:literal) => {{
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ON.get_or_init(|| std::env::var($var).map_or(true, |v| v != "0"))
-    }};
 }
 
 /// The body of a public wrapper: `$call` with the `cuda` feature; without it the arguments are unused and the

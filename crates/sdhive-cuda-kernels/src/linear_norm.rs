@@ -74,8 +74,7 @@ fn shape_refusal(k: usize, n: usize) -> Option<String> {
 /// Whether the products without the LayerNorm split each row over two blocks (`linear_wgmma_half`);
 /// `SDHIVE_LINEAR_SPLIT=0` keeps whole rows per block, to measure the two against each other.
 fn split_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SDHIVE_LINEAR_SPLIT").map_or(true, |v| v != "0"))
+    switched_on!("SDHIVE_LINEAR_SPLIT")
 }
 
 /// [`crate::linear_norm_on`] without the environment switch.

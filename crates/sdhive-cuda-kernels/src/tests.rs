@@ -25,6 +25,12 @@ fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
     diff / b.iter().fold(1f32, |m, v| m.max(v.abs()))
 }
 
+/// The largest absolute difference between two tensors of one shape, in f32: 0 when they agree to the bit.
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap();
+    d.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+}
+
 /// Each dtype's tolerance: its rounding of the output.
 fn tol(dtype: DType) -> f32 {
     match dtype {
@@ -594,15 +600,11 @@ fn channels_last_group_norm_adds_its_shift_first() {
             let columns = table.narrow(1, 24, shape.1).unwrap();
             let strided =
                 group_norm_channels_last(&nhwc(&xd), Some(&columns), &wd, &bd, groups, 1e-5, true).unwrap();
-            let gap = (strided.to_dtype(DType::F32).unwrap() - ours.to_dtype(DType::F32).unwrap())
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            assert_eq!(gap, 0.0, "group_norm + shift read from a table {shape:?} {dtype:?}");
+            assert_eq!(
+                max_abs_diff(&strided, &ours),
+                0.0,
+                "group_norm + shift read from a table {shape:?} {dtype:?}"
+            );
         }
     }
     // Weight, bias and shift that do not start on a 16-byte boundary (views into larger tensors).
@@ -885,15 +887,11 @@ fn attention_matches_the_reference() {
             );
             assert!(diff <= tol(dtype), "attention d{d} sq{sq} sk{sk} {dtype:?}: {diff}");
             let cp_async = crate::attention::attention_with(&qd, &kd, &vd, heads, scale, false).unwrap();
-            let apart = (ours.to_dtype(DType::F32).unwrap() - cp_async.to_dtype(DType::F32).unwrap())
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            assert_eq!(apart, 0.0, "attention d{d} sq{sq} sk{sk} {dtype:?}: TMA and cp.async tiles differ");
+            assert_eq!(
+                max_abs_diff(&ours, &cp_async),
+                0.0,
+                "attention d{d} sq{sq} sk{sk} {dtype:?}: TMA and cp.async tiles differ"
+            );
         }
     }
 }
