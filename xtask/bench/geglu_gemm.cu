@@ -5,8 +5,8 @@
 // against the baseline's and against an f64 reference (a few rows of the large shapes, every row of the ragged ones;
 // rows past M must stay unwritten); bf16 against the f64 reference only. Besides the crate's instantiations
 // (as src/geglu.rs picks them by shape) a few other tilings and the approximate-erf epilogue (FAST) are timed, to check
-// the choice; cuBLASLt's product alone; and the warp-specialised TMA forms of geglu_tma.cuh (not taken: results
-// there). Build here, run on the GPU machine (cuBLAS from PyTorch's wheels):
+// the choice; cuBLASLt's product alone; and the crate's persistent TMA forms (geglu_pp_m128 and _m64, taken above 256 rows) with
+// variants of its stages and erf, at every shape. Build here, run on the GPU machine (cuBLAS from PyTorch's wheels):
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -cudart shared xtask/bench/geglu_gemm.cu -o geglu_gemm \
 //     -lcublasLt -lcublas
 //   ./geglu_gemm
@@ -21,10 +21,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 #include "../../crates/sdhive-cuda-kernels/src/kernels.cu"
 #include "../../crates/sdhive-cuda-kernels/src/geglu_wgmma.cu"
-#include "geglu_tma.cuh"
 #include <cudaTypedefs.h>
 
 #define CK(x)                                                                                       \
@@ -205,13 +205,12 @@ template <typename T> struct Data {
     }
 };
 
-// Runs cfg into an output with 128 guard rows past M filled with 0xff bytes; returns the output's first M rows,
-// `clean` whether the guard rows stayed untouched.
-template <typename T, typename K>
-static std::vector<T> run_once(K k, const Cfg &c, const Data<T> &d, T *o, bool &clean) {
+// Runs `launch(out)` into an output with 128 guard rows past M filled with 0xff bytes; returns the output's first
+// M rows, `clean` whether the guard rows stayed untouched.
+template <typename T, typename L> static std::vector<T> run_once(L launch, const Data<T> &d, T *o, bool &clean) {
     const size_t n = (size_t)d.M * d.H, guard = (size_t)128 * d.H;
     CK(cudaMemset(o, 0xff, (n + guard) * sizeof(T)));
-    k<<<c.grid(d.M, d.H), 128 * c.nwg, c.smem, tm.s>>>(d.x, d.wi, d.bi, o, d.M, d.K, d.H);
+    launch(o);
     CK(cudaGetLastError());
     CK(cudaStreamSynchronize(tm.s));
     std::vector<T> all(n + guard);
@@ -225,6 +224,10 @@ static std::vector<T> run_once(K k, const Cfg &c, const Data<T> &d, T *o, bool &
     all.resize(n);
     return all;
 }
+// The tiled kernel `k` of `c` as run_once's launch.
+template <typename T, typename K> static auto tiled(K k, const Cfg &c, const Data<T> &d) {
+    return [k, &c, &d](T *o) { k<<<c.grid(d.M, d.H), 128 * c.nwg, c.smem, tm.s>>>(d.x, d.wi, d.bi, o, d.M, d.K, d.H); };
+}
 
 static double max_diff(const std::vector<__half> &a, const std::vector<__half> &b) {
     double m = 0;
@@ -235,43 +238,55 @@ static double max_diff(const std::vector<__half> &a, const std::vector<__half> &
     return m;
 }
 
-// The warp-specialised TMA form (geglu_tma.cuh): tensor maps over x and the interleaved W1.
+// The persistent TMA form (geglu_wgmma.cu's `pingpong`): the crate's instantiation and variants of its ring's
+// stages and erf, with tensor maps over x and the interleaved W1 as src/geglu.rs makes them.
 static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled;
-static CUtensorMap tmap(const void *p, int K, int rows, int box_rows) {
+template <typename T> static TmaMap tmap(const T *p, int K, int rows, int box_rows) {
+    static_assert(sizeof(TmaMap) == sizeof(CUtensorMap), "TmaMap is CUtensorMap's bytes");
     CUtensorMap m;
     const cuuint64_t dim[2] = {(cuuint64_t)K, (cuuint64_t)rows}, stride[1] = {(cuuint64_t)K * 2};
     const cuuint32_t box[2] = {64, (cuuint32_t)box_rows}, es[2] = {1, 1};
-    const CUresult r = encode_tiled(&m, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<void *>(p), dim, stride, box,
-                                    es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    const CUtensorMapDataType dt =
+        std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    const CUresult r = encode_tiled(&m, dt, 2, const_cast<T *>(p), dim, stride, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                    CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {
         fprintf(stderr, "cuTensorMapEncodeTiled: %d\n", (int)r);
         exit(1);
     }
-    return m;
+    TmaMap t;
+    memcpy(&t, &m, sizeof t);
+    return t;
 }
-typedef void (*TmaKern)(CUtensorMap, CUtensorMap, const __half *, __half *, int, int, int);
-struct TmaCfg {
+template <typename T> using PpKern = void (*)(TmaMap, TmaMap, const T *, T *, int, int, int);
+template <typename T, int S, int BM, bool FAST>
+__global__ void __launch_bounds__(288, 1) pp_variant(const __grid_constant__ TmaMap xm, const __grid_constant__ TmaMap wm,
+                                                     const T *bias, T *out, int M, int K, int H) {
+    geglu_wgmma::pingpong<T, S, BM, FAST>(&xm, &wm, bias, out, M, K, H);
+}
+struct PpCfg {
     const char *name;
-    int bn, cm, smem;
-    TmaKern k;
-    bool persistent;
+    int smem, bm;
+    PpKern<__half> k;
+    PpKern<__nv_bfloat16> kb; // bf16, for the crate's instantiation
 };
-#define TVAR(BN, S, CM, MINB, FAST)                                                                            \
-    TmaCfg {                                                                                                  \
-        "tma bn" #BN " s" #S " cm" #CM " mb" #MINB " fast" #FAST, BN, CM, geglu_tma::smem_bytes<BN, S>(),      \
-            geglu_tma_kernel<__half, BN, S, CM, MINB, FAST>, false                                            \
-    }
-#define PVAR(S, CM, FAST)                                                                                      \
-    TmaCfg {                                                                                                  \
-        "pingpong bn128 s" #S " cm" #CM " fast" #FAST, 128, CM, geglu_tma::pp_smem_bytes<128, S>(),            \
-            geglu_pp_kernel<__half, S, CM, FAST>, true                                                        \
-    }
-static TmaCfg tcfgs[] = {
-    TVAR(128, 3, 1, 2, false), PVAR(4, 1, false), PVAR(5, 1, false), PVAR(4, 2, false), PVAR(5, 2, false),
-    PVAR(5, 1, true), PVAR(5, 2, true),
+static PpCfg pcfgs[] = {
+    {"crate geglu_pp_m128 (s5, A&S erf)", geglu_wgmma::pp_smem_bytes<5, 128>(), 128, geglu_pp_m128_f16,
+     geglu_pp_m128_bf16},
+    {"crate geglu_pp_m64 (s8, A&S erf)", geglu_wgmma::pp_smem_bytes<8, 64>(), 64, geglu_pp_m64_f16, geglu_pp_m64_bf16},
+    {"pingpong m128 s4 A&S erf", geglu_wgmma::pp_smem_bytes<4, 128>(), 128, pp_variant<__half, 4, 128, true>, nullptr},
+    {"pingpong m128 s5 erff", geglu_wgmma::pp_smem_bytes<5, 128>(), 128, pp_variant<__half, 5, 128, false>, nullptr},
+    {"pingpong m64 s6 A&S erf", geglu_wgmma::pp_smem_bytes<6, 64>(), 64, pp_variant<__half, 6, 64, true>, nullptr},
 };
+constexpr int CRATE_PP = 2;
 static int sms;
+// The persistent kernel `k` as run_once's launch: one block per SM at most, as src/geglu.rs launches it.
+template <typename T> static auto persistent(PpKern<T> k, int smem, int bm, const Data<T> &d) {
+    const TmaMap xm = tmap(d.x, d.K, d.M, bm), wm = tmap(d.wi, d.K, 2 * d.H, 128);
+    const unsigned tiles = (d.M + bm - 1) / bm * (2 * d.H / 128), grid = std::min<unsigned>(tiles, sms);
+    return [=, &d](T *o) { k<<<grid, 288, smem, tm.s>>>(xm, wm, d.bi, o, d.M, d.K, d.H); };
+}
 
 int main() {
     CK(cudaStreamCreate(&tm.s));
@@ -281,7 +296,10 @@ int main() {
                                             12000, cudaEnableDefault, &q));
         if (!encode_tiled) { fprintf(stderr, "no cuTensorMapEncodeTiled\n"); return 1; }
     }
-    for (auto &c : tcfgs) CK(cudaFuncSetAttribute(c.k, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
+    for (auto &c : pcfgs) {
+        CK(cudaFuncSetAttribute(c.k, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
+        if (c.kb) CK(cudaFuncSetAttribute(c.kb, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
+    }
     CK(cudaEventCreate(&tm.e0));
     CK(cudaEventCreate(&tm.e1));
     for (auto &c : cfgs) CK(cudaFuncSetAttribute(c.k, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
@@ -350,34 +368,21 @@ int main() {
         if (sh.timed) t_base = tm.time([&] { prod(); gg(); });
         printf("  baseline cuBLASLt + geglu: %8.2f us   max|baseline-exact| %.3g\n", t_base, d.exact_err(href));
         if (sh.timed) printf("  cuBLASLt product alone:    %8.2f us\n", tm.time([&] { prod(); }));
-        for (const TmaCfg &c : tcfgs) {
-            if (H % (c.bn / 2) != 0) continue;
-            const CUtensorMap xm = tmap(d.x, K, M, 128), wm = tmap(d.wi, K, N, c.bn / c.cm);
-            const unsigned mt = (M + 127) / 128;
-            const unsigned units = (mt + c.cm - 1) / c.cm * (N / c.bn);
-            const dim3 grid = c.persistent ? dim3(std::min<unsigned>(units, sms / c.cm) * c.cm, 1)
-                                           : dim3((mt + c.cm - 1) / c.cm * c.cm, N / c.bn);
-            const size_t n = (size_t)M * H, guard = (size_t)128 * H;
-            CK(cudaMemset(o, 0xff, (n + guard) * 2));
-            c.k<<<grid, 288, c.smem, tm.s>>>(xm, wm, d.bi, o, M, K, H);
-            CK(cudaGetLastError());
-            CK(cudaStreamSynchronize(tm.s));
-            std::vector<__half> all(n + guard);
-            CK(cudaMemcpy(all.data(), o, all.size() * 2, cudaMemcpyDeviceToHost));
-            bool clean = true;
-            for (size_t i = n; i < all.size(); ++i) {
-                uint16_t v;
-                memcpy(&v, &all[i], 2);
-                if (v != 0xffff) clean = false;
-            }
-            all.resize(n);
-            const double e_base = max_diff(all, href), e_exact = d.exact_err(all);
+        // src/geglu.rs's `Persistent::for_rows`: pcfgs[0] from 1024 rows, pcfgs[1] above 256.
+        const int pp_pick = M >= 1024 ? 0 : M > 256 ? 1 : -1;
+        for (int pi = 0; pi < (int)(sizeof pcfgs / sizeof pcfgs[0]); ++pi) {
+            const PpCfg &c = pcfgs[pi];
+            bool clean;
+            const auto launch = persistent(c.k, c.smem, c.bm, d);
+            const auto out = run_once(launch, d, o, clean);
+            const double e_base = max_diff(out, href), e_exact = d.exact_err(out);
             float us = 0;
-            if (sh.timed) us = tm.time([&] { c.k<<<grid, 288, c.smem, tm.s>>>(xm, wm, d.bi, o, M, K, H); });
+            if (sh.timed) us = tm.time([&] { launch(o); });
             const bool ok = clean && e_exact <= 2 * d.exact_err(href) + 1e-3;
             all_ok = all_ok && ok;
-            printf("    %-46s %8.2f us   max|fused-baseline| %.3g   max|fused-exact| %.3g%s%s\n", c.name, us, e_base,
-                   e_exact, clean ? "" : "   ROWS PAST M WRITTEN", ok ? "" : "   FAIL");
+            printf("  %s %-44s %8.2f us   max|fused-baseline| %.3g   max|fused-exact| %.3g%s%s\n",
+                   pi == pp_pick ? "*" : " ", c.name, us, e_base, e_exact, clean ? "" : "   ROWS PAST M WRITTEN",
+                   ok ? "" : "   FAIL");
         }
 
         const int pick = crate_choice(M, K, H);
@@ -385,7 +390,7 @@ int main() {
             const Cfg &c = cfgs[ci];
             if (!c.ok(H) || (!sh.timed && !c.kb)) continue;
             bool clean;
-            const auto out = run_once(c.k, c, d, o, clean);
+            const auto out = run_once(tiled(c.k, c, d), d, o, clean);
             const double e_base = max_diff(out, href), e_exact = d.exact_err(out);
             float us = 0;
             if (sh.timed)
@@ -395,7 +400,7 @@ int main() {
             const bool ok = clean && e_exact <= 2 * d.exact_err(href) + 1e-3;
             if (c.kb) all_ok = all_ok && ok;
             printf("  %s %-44s %8.2f us   max|fused-baseline| %.3g   max|fused-exact| %.3g%s%s\n",
-                   ci == pick ? "*" : " ", c.name, us, e_base, e_exact, clean ? "" : "   ROWS PAST M WRITTEN",
+                   ci == pick && pp_pick < 0 ? "*" : " ", c.name, us, e_base, e_exact, clean ? "" : "   ROWS PAST M WRITTEN",
                    ok ? "" : "   FAIL");
         }
         // bf16: the crate's instantiations against the f64 reference of bf16 inputs.
@@ -403,20 +408,29 @@ int main() {
             Data<__nv_bfloat16> db(M, K, H, 999 + si, !sh.timed);
             __nv_bfloat16 *ob;
             CK(cudaMalloc(&ob, (size_t)(M + 128) * H * 2));
-            for (int ci = 0; ci < CRATE_CFGS; ++ci) {
-                const Cfg &c = cfgs[ci];
-                if (!c.ok(H)) continue;
-                bool clean;
-                const auto out = run_once(c.kb, c, db, ob, clean);
-                double amax = 0;
-                for (double v : db.exact) amax = std::max(amax, fabs(v));
+            double amax = 0;
+            for (double v : db.exact) amax = std::max(amax, fabs(v));
+            auto check = [&](const char *name, const std::vector<__nv_bfloat16> &out, bool clean) {
                 const double e = db.exact_err(out);
                 // bf16 keeps 8 significant bits: half a unit of the largest value's last place, and the products'
                 // inputs' rounding on top.
                 const bool ok = clean && e <= amax / 128.0;
                 all_ok = all_ok && ok;
-                printf("    bf16 %-42s max|fused-exact| %.3g (largest |value| %.3g)%s%s\n", c.name, e, amax,
+                printf("    bf16 %-42s max|fused-exact| %.3g (largest |value| %.3g)%s%s\n", name, e, amax,
                        clean ? "" : "   ROWS PAST M WRITTEN", ok ? "" : "   FAIL");
+            };
+            for (int ci = 0; ci < CRATE_CFGS; ++ci) {
+                const Cfg &c = cfgs[ci];
+                if (!c.ok(H)) continue;
+                bool clean;
+                const auto out = run_once(tiled(c.kb, c, db), db, ob, clean);
+                check(c.name, out, clean);
+            }
+            for (int pi = 0; pi < CRATE_PP; ++pi) {
+                const PpCfg &c = pcfgs[pi];
+                bool clean;
+                const auto out = run_once(persistent(c.kb, c.smem, c.bm, db), db, ob, clean);
+                check(c.name, out, clean);
             }
             cudaFree(ob);
         }

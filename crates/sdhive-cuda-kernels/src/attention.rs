@@ -2,14 +2,16 @@
 //! v: layout checks, the instantiation for the head dimension, storage type and device (the Hopper kernels from the
 //! compute_90a PTX on compute capability 9.0), the launch.
 
-use crate::cuda::built_for;
+use crate::cuda::{built_for, tensor_map, MapShape, TmaMap};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::{self, CUdevice_attribute};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{bail, builder_arg, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor};
+use candle_core::{
+    bail, builder_arg, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor, WithDType,
+};
 use half::{bf16, f16};
 
 const MODULE: &str = "sdhive_attention";
@@ -274,21 +276,13 @@ fn tma_on() -> bool {
     switched_on!("SDHIVE_ATTENTION_TMA")
 }
 
-/// CUtensorMap's 128 opaque bytes as a kernel argument passed by value (attention.cu's `TmaMap`).
-#[repr(transparent)]
-#[derive(Clone, Copy)]
-struct TmaMap(sys::CUtensorMap);
-// SAFETY: plain bytes written by the driver, copied into the kernel's parameter space as they are.
-unsafe impl DeviceRepr for TmaMap {}
-
 /// The 5-D tensor map the TMA kernel reads K or V through: (8 values, `sk` keys, D/8 chunks of 8, heads, batch)
 /// with the tensor's row and batch strides (`ss`, `bs` elements), boxes of one 64-key tile; keys past `sk` read
 /// as zeros. `unsupported` has made every stride a multiple of 8 elements (16 bytes, as the driver requires).
 #[allow(clippy::too_many_arguments)]
-fn kv_map<T: CudaDType>(
+fn kv_map<T: CudaDType + WithDType>(
     t: &CudaView<'_, T>,
     stream: &CudaStream,
-    dtype: DType,
     d: usize,
     sk: usize,
     heads: usize,
@@ -296,41 +290,15 @@ fn kv_map<T: CudaDType>(
     ss: usize,
     bs: usize,
 ) -> Result<TmaMap> {
-    let data_type = match dtype {
-        DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        other => bail!("fused attention: no tensor map for {other:?}"),
+    let elem = T::DTYPE.size_in_bytes() as u64;
+    let shape = MapShape {
+        dims: &[8, sk as u64, (d / 8) as u64, heads as u64, b as u64],
+        strides: &[ss as u64 * elem, 8 * elem, d as u64 * elem, bs as u64 * elem],
+        boxes: &[8, 64, (d / 8) as u32, 1, 1],
+        swizzle: sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+        l2: sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
     };
-    let elem = dtype.size_in_bytes() as u64;
-    let dims = [8u64, sk as u64, (d / 8) as u64, heads as u64, b as u64];
-    let strides = [ss as u64 * elem, 8 * elem, d as u64 * elem, bs as u64 * elem];
-    let boxes = [8u32, 64, (d / 8) as u32, 1, 1];
-    let ones = [1u32; 5];
-    let (ptr, _guard) = t.device_ptr(stream);
-    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
-    // SAFETY: the arrays hold the 5 dimensions, 4 strides, 5 box sizes and 5 element strides the rank asks for;
-    // `map` is written in full on success, and the pointer is the view's live device address.
-    let r = unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            data_type,
-            5,
-            ptr as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            ones.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        bail!("fused attention: tensor map over {dims:?} with strides {strides:?} refused: {r:?}");
-    }
-    // SAFETY: written by the successful call above.
-    Ok(TmaMap(unsafe { map.assume_init() }))
+    tensor_map(t, stream, &shape, "fused attention")
 }
 
 struct Attention {
@@ -347,7 +315,7 @@ fn view<'a, T: CudaDType>(
     Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..))
 }
 
-fn attention_launch<T: CudaDType + DeviceRepr>(
+fn attention_launch<T: CudaDType + DeviceRepr + WithDType>(
     op: &Attention,
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
@@ -367,7 +335,7 @@ fn attention_launch<T: CudaDType + DeviceRepr>(
     if let Kernel::Hopper { tma: tma @ true, .. } = &mut kernel {
         let stream = dev.cuda_stream();
         let map = |t: &CudaView<'_, T>, l: &Layout| {
-            kv_map(t, &stream, q.0.dtype(), d, sk, op.heads, b, l.stride()[1], l.stride()[0])
+            kv_map(t, &stream, d, sk, op.heads, b, l.stride()[1], l.stride()[0])
         };
         match (map(&ks, k.1), map(&vs, v.1)) {
             (Ok(km), Ok(vm)) => maps = Some((km, vm)),

@@ -84,12 +84,6 @@ __device__ __forceinline__ uint32_t in_block(uint32_t addr, uint32_t rank) {
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(ra) : "r"(addr), "r"(rank));
     return ra;
 }
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    asm volatile("{\n.reg .pred p;\nw_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra w_%=;\n}\n" ::"r"(
-                     bar),
-                 "r"(parity)
-                 : "memory");
-}
 
 // Block (rank, n) of the grid (S, K/64), cluster (S, 1, 1): output channels 64·n.., input channel slices
 // rank·C/(64·S).. (each 64 channels, all 9 taps). `nb` images (at most NB); `skip` may be null. D: tiles in flight.
@@ -110,11 +104,9 @@ __device__ __forceinline__ void conv(const T *__restrict__ x, const T *__restric
     // partials for them, which its barrier counts in bytes.
     const int np = nb * 64, p0 = rank * np / S, p1 = (rank + 1) * np / S;
     if (tid == 0) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
+        mbar_init(bar, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-                     "r"((S - 1) * (p1 - p0) * PITCH * 4)
-                     : "memory");
+        mbar_expect(bar, (S - 1) * (p1 - p0) * PITCH * 4);
     }
     // Every block's barrier is ready before any block sends to it (the wait is just before the first send).
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");

@@ -2,9 +2,9 @@
 //! launches on the tensors' own device and stream.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+use candle_core::cuda_backend::cudarc::driver::sys::{self, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{
@@ -92,6 +92,75 @@ pub(crate) fn sm90a_loads(device: &Device, ptx: &str) -> bool {
         }
         _ => false,
     }
+}
+
+/// CUtensorMap's 128 opaque bytes as a kernel argument passed by value (`TmaMap` in wgmma_common.cuh and
+/// attention.cu).
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+pub(crate) struct TmaMap(sys::CUtensorMap);
+// SAFETY: plain bytes written by the driver, copied into the kernel's parameter space as they are.
+unsafe impl DeviceRepr for TmaMap {}
+
+/// How a tensor map lays its boxes out in shared memory and what it asks of L2.
+pub(crate) struct MapShape<'a> {
+    /// Elements per dimension, innermost first.
+    pub dims: &'a [u64],
+    /// Bytes between consecutive indices of every dimension but the innermost (multiples of 16).
+    pub strides: &'a [u64],
+    /// Elements per box in each dimension.
+    pub boxes: &'a [u32],
+    pub swizzle: sys::CUtensorMapSwizzle,
+    pub l2: sys::CUtensorMapL2promotion,
+}
+
+/// A tiled tensor map over the f16/bf16 view `t` for the tensor memory accelerator; elements outside `dims` read
+/// as zeros. `what` names the op in the error where the driver refuses the map (an unaligned address or stride).
+pub(crate) fn tensor_map<T: CudaDType + candle_core::WithDType>(
+    t: &CudaView<'_, T>,
+    stream: &CudaStream,
+    shape: &MapShape<'_>,
+    what: &str,
+) -> Result<TmaMap> {
+    let data_type = match T::DTYPE {
+        DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        other => bail!("{what}: no tensor map for {other:?}"),
+    };
+    let rank = shape.dims.len();
+    if !(1..=5).contains(&rank) || shape.strides.len() + 1 != rank || shape.boxes.len() != rank {
+        bail!(
+            "{what}: a tensor map of {rank} dimensions with {} strides and {} box sizes",
+            shape.strides.len(),
+            shape.boxes.len()
+        );
+    }
+    let ones = [1u32; 5];
+    let (ptr, _guard) = t.device_ptr(stream);
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
+    // SAFETY: the arrays hold the `rank` dimensions, rank - 1 strides, rank box sizes and (at least) rank element
+    // strides the driver reads; `map` is written in full on success, and the pointer is the view's live address.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            data_type,
+            rank as u32,
+            ptr as *mut std::ffi::c_void,
+            shape.dims.as_ptr(),
+            shape.strides.as_ptr(),
+            shape.boxes.as_ptr(),
+            ones.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            shape.swizzle,
+            shape.l2,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        bail!("{what}: tensor map over {:?} with strides {:?} refused: {r:?}", shape.dims, shape.strides);
+    }
+    // SAFETY: written by the successful call above.
+    Ok(TmaMap(unsafe { map.assume_init() }))
 }
 
 /// Whether a view starts on 16 bytes for 2-byte elements (an element offset that is a multiple of 8; candle's

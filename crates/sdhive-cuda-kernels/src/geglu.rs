@@ -1,14 +1,19 @@
 //! The transformer feed-forward's first product with GEGLU in its epilogue (`geglu_wgmma.cu`, Hopper only) as a
 //! candle custom op: `x·W1ᵀ + b1` never reaches memory, only its GEGLU does. The kernel reads W1 and b1 with their
 //! rows interleaved in blocks of [`INTERLEAVE`] (a block of the first half's rows, then the matching block of the
-//! gate's), which [`interleave`] makes once, when a network loads; this module also owns the shape checks and the
-//! choice of tiling per shape.
+//! gate's), which [`interleave`] makes once, when a network loads; this module also owns the shape checks, the
+//! choice of tiling per shape and the persistent form's tensor maps.
 
-use crate::cuda::{aligned16, contiguous, sm90a_loads};
+use crate::cuda::{aligned16, contiguous, sm90a_loads, tensor_map, MapShape};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::sys::{self, CUdevice_attribute};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{bail, builder_arg, CudaDevice, CudaStorage, DType, Device, Layout, Result, Shape, Tensor};
+use candle_core::{
+    bail, builder_arg, CudaDevice, CudaStorage, DType, Device, Layout, Result, Shape, Tensor, WithDType,
+};
 use half::{bf16, f16};
 
 const MODULE: &str = "sdhive_geglu_sm90a";
@@ -21,6 +26,45 @@ pub const INTERLEAVE: usize = 64;
 const K_STEP: usize = 64;
 /// The kernel's 32-bit in-tile offsets and arguments: K and H up to 2^20, M up to 2^31.
 const MAX_DIM: usize = 1 << 20;
+
+/// One instantiation of the persistent form (geglu_wgmma.cu's `GEGLU_PP` lines, whose parameters these repeat).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Persistent {
+    name: &'static str,
+    /// Rows per tile (64 or 128): one or two m64n128 accumulators per consumer warpgroup.
+    rows: usize,
+    stages: usize,
+}
+
+const PP_M128: Persistent = Persistent { name: "m128", rows: 128, stages: 5 };
+const PP_M64: Persistent = Persistent { name: "m64", rows: 64, stages: 8 };
+
+impl Persistent {
+    /// Where the persistent form beats every tiling on an H100 (xtask/bench/geglu_gemm.cu, docs/benchmarks.md):
+    /// 128-row tiles from SD1.5's 32² (2048 rows) up, 64-row tiles (so that the grid's last wave is short) at
+    /// its 16² (512 rows). At a few hundred rows and below the 128-row tiling with five stages stays ahead.
+    fn for_rows(m: usize) -> Option<Self> {
+        if m >= 1024 {
+            Some(PP_M128)
+        } else if m > 256 {
+            Some(PP_M64)
+        } else {
+            None
+        }
+    }
+
+    /// `pp_smem_bytes` in geglu_wgmma.cu: the stages of an x tile and a 128-row W1 tile, 128 bytes a row, two
+    /// staging slabs of `rows` rows of 128 + 16 bytes, 1024 bytes to align.
+    fn smem(&self) -> usize {
+        self.stages * (self.rows + 128) * 128 + 2 * self.rows * (128 + 16) + 1024
+    }
+}
+
+/// Whether more than a few hundred rows take the persistent form: `SDHIVE_GEGLU_PINGPONG=0` keeps the tilings,
+/// to measure the two against each other.
+fn pingpong_on() -> bool {
+    switched_on!("SDHIVE_GEGLU_PINGPONG")
+}
 
 /// One instantiation of geglu_wgmma.cu (its `GEGLU_WGMMA_BOTH` lines, whose parameters these repeat).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,23 +162,81 @@ pub fn interleave(w1: &Tensor, b1: &Tensor) -> Result<(Tensor, Tensor)> {
     Ok((w, b))
 }
 
-struct GegluProduct;
+struct GegluProduct {
+    /// Whether the persistent form may run.
+    pingpong: bool,
+}
 
-fn launch<T: CudaDType + DeviceRepr>(
+/// The persistent form's two tensor maps, over x `(M, K)` and the interleaved W1 `(2H, K)`: boxes of 64 K values
+/// × `rows` rows of x and × 128 rows of W1, 128-byte swizzle, rows past M read as zeros. `None` where the driver
+/// refuses one.
+fn pp_maps<T: CudaDType + WithDType>(
+    dev: &CudaDevice,
+    x: &CudaView<'_, T>,
+    w: &CudaView<'_, T>,
+    (m, k, h): (usize, usize, usize),
+    rows: usize,
+) -> Option<(crate::cuda::TmaMap, crate::cuda::TmaMap)> {
+    let stream = dev.cuda_stream();
+    let row_bytes = [k as u64 * T::DTYPE.size_in_bytes() as u64];
+    let map = |t: &CudaView<'_, T>, n: usize, box_rows: usize| {
+        let shape = MapShape {
+            dims: &[k as u64, n as u64],
+            strides: &row_bytes,
+            boxes: &[K_STEP as u32, box_rows as u32],
+            swizzle: sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            l2: sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        };
+        tensor_map(t, &stream, &shape, "fused GEGLU product").ok()
+    };
+    Some((map(x, m, rows)?, map(w, 2 * h, 128)?))
+}
+
+fn launch<T: CudaDType + DeviceRepr + WithDType>(
+    op: &GegluProduct,
     x: (&CudaStorage, &Layout),
     w: (&CudaStorage, &Layout),
     b: (&CudaStorage, &Layout),
     (m, k, h): (usize, usize, usize),
 ) -> Result<CudaStorage> {
     let dev: &CudaDevice = x.0.device();
-    let tile = Tile::for_shape(m, k, h);
     let sfx = if x.0.dtype() == DType::F16 { "f16" } else { "bf16" };
-    let func = dev.get_or_load_custom_func(&format!("geglu_wgmma_{}_{sfx}", tile.name), MODULE, PTX)?;
     let xs = contiguous::<T>(x.0, x.1, "fused GEGLU product input")?;
     let ws = contiguous::<T>(w.0, w.1, "fused GEGLU product weight")?;
     let bs = contiguous::<T>(b.0, b.1, "fused GEGLU product bias")?;
-    // SAFETY: every element of the M×H output is written by the kernel (each block stores its rows below M).
+    // SAFETY: every element of the M×H output is written by the kernel (each tile stores its rows below M).
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(m * h)? };
+    let persistent = Persistent::for_rows(m).filter(|_| op.pingpong);
+    if let Some(pp) = persistent {
+        if let Some((xm, wm)) = pp_maps(dev, &xs, &ws, (m, k, h), pp.rows) {
+            let func = dev.get_or_load_custom_func(&format!("geglu_pp_{}_{sfx}", pp.name), MODULE, PTX)?;
+            crate::cuda::opt_in_shared(&func, pp.smem())?;
+            let sms = dev
+                .cuda_stream()
+                .context()
+                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .w()?;
+            let tiles = m.div_ceil(pp.rows) * (2 * h / 128);
+            let mut a = func.builder();
+            a.arg(&xm);
+            a.arg(&wm);
+            a.arg(&bs);
+            a.arg(&out);
+            builder_arg!(a, m as i32, k as i32, h as i32);
+            let cfg = LaunchConfig {
+                grid_dim: (tiles.min(sms.max(1) as usize) as u32, 1, 1),
+                block_dim: (288, 1, 1),
+                shared_mem_bytes: pp.smem() as u32,
+            };
+            // SAFETY: the arguments match `geglu_pp_*`'s signature; the maps cover the views passed beside them,
+            // and `GegluProduct::forward` checked the shapes (K a whole number of steps, H of 64-output blocks),
+            // that every view is contiguous and 16-byte aligned, and the device's compute capability.
+            unsafe { a.launch(cfg) }.w()?;
+            return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
+        }
+    }
+    let tile = Tile::for_shape(m, k, h);
+    let func = dev.get_or_load_custom_func(&format!("geglu_wgmma_{}_{sfx}", tile.name), MODULE, PTX)?;
     crate::cuda::opt_in_shared(&func, tile.smem())?;
     let mut a = func.builder();
     a.arg(&xs);
@@ -188,8 +290,8 @@ impl GegluProduct {
         }
         let shape = Shape::from(out_dims);
         let out = match x.dtype() {
-            DType::F16 => launch::<f16>((x, xl), (w, wl), (b, bl), (m, k, h))?,
-            DType::BF16 => launch::<bf16>((x, xl), (w, wl), (b, bl), (m, k, h))?,
+            DType::F16 => launch::<f16>(self, (x, xl), (w, wl), (b, bl), (m, k, h))?,
+            DType::BF16 => launch::<bf16>(self, (x, xl), (w, wl), (b, bl), (m, k, h))?,
             other => bail!("fused GEGLU product: unsupported dtype {other:?} (f16 or bf16)"),
         };
         Ok((out, shape))
@@ -199,6 +301,11 @@ impl GegluProduct {
 /// [`crate::linear_geglu_interleaved`]: checks what the op cannot see (devices, dtypes, the compute capability),
 /// then the op.
 pub fn product(x: &Tensor, w_il: &Tensor, b_il: &Tensor) -> Result<Tensor> {
+    product_with(x, w_il, b_il, pingpong_on())
+}
+
+/// [`product`] with the persistent form allowed or not (the tests compare the two).
+pub(crate) fn product_with(x: &Tensor, w_il: &Tensor, b_il: &Tensor, pingpong: bool) -> Result<Tensor> {
     let (n, k) = w_il.dims2()?;
     if let Some(why) = shape_refusal(k, n / 2) {
         bail!("fused GEGLU product: {why}");
@@ -231,5 +338,5 @@ pub fn product(x: &Tensor, w_il: &Tensor, b_il: &Tensor) -> Result<Tensor> {
         }
         return Tensor::zeros(dims, x.dtype(), x.device());
     }
-    x.apply_op3_no_bwd(w_il, b_il, &GegluProduct)
+    x.apply_op3_no_bwd(w_il, b_il, &GegluProduct { pingpong })
 }

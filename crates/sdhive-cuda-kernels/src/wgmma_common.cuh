@@ -1,11 +1,18 @@
 // Shared by the Hopper (sm_90a) product kernels (geglu_wgmma.cu, linear_norm_wgmma.cu, conv_splitk.cu): the
 // shared-memory wgmma instruction with its operand lists, wgmma's fences and waits,
-// the cp.async ring's copies and group waits and its per-thread copy plan (TileRing), the 128-byte-swizzled K-major
+// the cp.async ring's copies and group waits and its per-thread copy plan (TileRing), the mbarriers and the
+// tensor memory accelerator's 2-D copies (with the tensor map argument, TmaMap), the 128-byte-swizzled K-major
 // operand descriptor, and f16/bf16 pairs to and from f32. Only in the arch-specific sm_90a target (and for the host's view of the includers).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+
+// A tensor map kernel argument: CUtensorMap's 128 opaque bytes (cuda.rs's `TmaMap`), passed by value as a
+// __grid_constant__ parameter so that its generic address can name it to the TMA.
+struct alignas(64) TmaMap {
+    uint64_t opaque[16];
+};
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
 
@@ -57,6 +64,30 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 // `bytes` 0 writes zeros without reading (rows past M).
 __device__ __forceinline__ void cp16(uint32_t dst, const void *src, uint32_t bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrives, and expects `bytes` more of asynchronous copies before the phase completes.
+__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile("{\n.reg .pred p;\nw_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra w_%=;\n}\n" ::"r"(
+                     bar),
+                 "r"(parity)
+                 : "memory");
+}
+// The box at (c0, c1) of a 2-D tensor map into shared memory at `dst`, its bytes counted on `bar`.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaMap *map, int c0, int c1, uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+                 "[%4];\n" ::"r"(dst),
+                 "l"(map), "r"(c0), "r"(c1), "r"(bar)
+                 : "memory");
 }
 
 // K-major operand tile, rows of 64 values (128 bytes), 128-byte swizzle: 16-byte chunk c of row r sits at chunk

@@ -1,0 +1,160 @@
+// cuBLASLt's algorithms for the SD1.5 UNet's token products below 64² (batch 2: 32², 16² and 8² maps, where every
+// product takes 7-17 µs for 0.4-6.7 GFLOP), set up as src/gemm.rs sets them up (x·Wᵀ with the bias in the
+// epilogue, the residual as C where the UNet adds one): the heuristic's first choice (what the crate runs) against
+// the next ones it offers, each timed as a CUDA graph of 20 calls on random data and checked against the first
+// choice's output. Whether another algorithm (split-K among them) is worth an autotuning pass at load.
+// Build here, run on the GPU machine (cuBLAS from PyTorch's wheels):
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -cudart shared xtask/bench/linear_algos.cu \
+//     -o linear_algos -lcublasLt
+//   ./linear_algos
+#include <cublasLt.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <vector>
+
+#define CK(x)                                                                                       \
+    do {                                                                                            \
+        cudaError_t e_ = (x);                                                                       \
+        if (e_ != cudaSuccess) {                                                                    \
+            fprintf(stderr, "CUDA %s at %s:%d: %s\n", #x, __FILE__, __LINE__, cudaGetErrorString(e_)); \
+            exit(1);                                                                                \
+        }                                                                                           \
+    } while (0)
+#define CL(x)                                                                                        \
+    do {                                                                                             \
+        cublasStatus_t s_ = (x);                                                                     \
+        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                           \
+            fprintf(stderr, "cuBLAS %s at %s:%d: %d\n", #x, __FILE__, __LINE__, (int)s_);            \
+            exit(1);                                                                                 \
+        }                                                                                            \
+    } while (0)
+
+static float frand(uint64_t &s) { // uniform in [-1, 1)
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((s >> 40) & 0xFFFFFF) / 8388608.f - 1.f;
+}
+
+static __half *upload(size_t n, float scale, uint64_t seed) {
+    std::vector<__half> h(n);
+    for (auto &v : h) v = __float2half(frand(seed) * scale);
+    __half *d;
+    CK(cudaMalloc(&d, n * 2));
+    CK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
+    return d;
+}
+
+// Mean time of one call of fn, timed as a CUDA graph of 20 calls launched 10 times; 0 if the capture fails.
+template <typename F> static float time_graph(cudaStream_t s, F fn) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    bool ok = true;
+    for (int i = 0; i < 20; ++i) ok = fn() && ok;
+    CK(cudaStreamEndCapture(s, &g));
+    if (!ok) return 0.f;
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    CK(cudaGraphLaunch(ge, s));
+    CK(cudaStreamSynchronize(s));
+    CK(cudaEventRecord(e0, s));
+    for (int r = 0; r < 10; ++r) CK(cudaGraphLaunch(ge, s));
+    CK(cudaEventRecord(e1, s));
+    CK(cudaEventSynchronize(e1));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    return ms * 1000.f / 200.f;
+}
+
+int main() {
+    cudaStream_t s;
+    CK(cudaStreamCreate(&s));
+    cublasLtHandle_t lt;
+    CL(cublasLtCreate(&lt));
+    const size_t WS = 32 << 20;
+    void *ws;
+    CK(cudaMalloc(&ws, WS));
+    struct Shape { const char *what; int M, K, N; bool residual; };
+    const Shape shapes[] = {
+        {"32² proj_in", 2048, 640, 640, false},    {"32² qkv", 2048, 640, 1920, false},
+        {"32² to_out", 2048, 640, 640, true},      {"32² q", 2048, 640, 640, false},
+        {"32² ff2", 2048, 2560, 640, true},        {"16² proj_in", 512, 1280, 1280, false},
+        {"16² qkv", 512, 1280, 3840, false},       {"16² to_out", 512, 1280, 1280, true},
+        {"16² ff2", 512, 5120, 1280, true},        {"8² to_out", 128, 1280, 1280, true},
+        {"8² qkv", 128, 1280, 3840, false},        {"8² ff2", 128, 5120, 1280, true},
+        {"64² q", 8192, 320, 320, false},          {"64² qkv", 8192, 320, 960, false},
+    };
+    for (const Shape &sh : shapes) {
+        const int M = sh.M, K = sh.K, N = sh.N;
+        __half *x = upload((size_t)M * K, 1.f, 1), *w = upload((size_t)N * K, 1.f / sqrtf((float)K), 2);
+        __half *b = upload(N, 0.5f, 3), *r = upload((size_t)M * N, 1.f, 4), *o, *o0;
+        CK(cudaMalloc(&o, (size_t)M * N * 2));
+        CK(cudaMalloc(&o0, (size_t)M * N * 2));
+        cublasLtMatmulDesc_t desc;
+        CL(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+        cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+        CL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+        CL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+        cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+        CL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
+        CL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof b));
+        cublasLtMatrixLayout_t la, lb, lc;
+        CL(cublasLtMatrixLayoutCreate(&la, CUDA_R_16F, K, N, K));
+        CL(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16F, K, M, K));
+        CL(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16F, N, M, N));
+        cublasLtMatmulPreference_t pref;
+        CL(cublasLtMatmulPreferenceCreate(&pref));
+        CL(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &WS, sizeof WS));
+        cublasLtMatmulHeuristicResult_t hr[32];
+        int got = 0;
+        CL(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 32, hr, &got));
+        const float one = 1.f, zero = 0.f;
+        const float *beta = sh.residual ? &one : &zero;
+        printf("\n%s: M %d K %d N %d%s, %d algorithms\n", sh.what, M, K, N, sh.residual ? " + residual" : "", got);
+        std::vector<__half> ref((size_t)M * N), out((size_t)M * N);
+        float best = 1e9f, first = 0.f;
+        for (int i = 0; i < got; ++i) {
+            auto call = [&] {
+                return cublasLtMatmul(lt, desc, &one, w, la, x, lb, beta, sh.residual ? r : o, lc, o, lc,
+                                      &hr[i].algo, ws, WS, s) == CUBLAS_STATUS_SUCCESS;
+            };
+            if (!call()) {
+                printf("  #%2d refused\n", i);
+                continue;
+            }
+            CK(cudaStreamSynchronize(s));
+            CK(cudaMemcpy(out.data(), o, out.size() * 2, cudaMemcpyDeviceToHost));
+            if (i == 0) ref = out;
+            double diff = 0;
+            for (size_t j = 0; j < out.size(); ++j)
+                diff = fmax(diff, fabs(__half2float(out[j]) - __half2float(ref[j])));
+            const float us = time_graph(s, call);
+            if (i == 0) first = us;
+            if (us > 0 && us < best) best = us;
+            int tile = 0, splitk = 0, stages = 0, cluster = 0;
+            size_t sz;
+            cublasLtMatmulAlgoConfigGetAttribute(&hr[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof tile, &sz);
+            cublasLtMatmulAlgoConfigGetAttribute(&hr[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof splitk,
+                                                 &sz);
+            cublasLtMatmulAlgoConfigGetAttribute(&hr[i].algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof stages,
+                                                 &sz);
+            cublasLtMatmulAlgoConfigGetAttribute(&hr[i].algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster,
+                                                 sizeof cluster, &sz);
+            printf("  #%2d %7.2f us  tile %3d split-K %2d stages %3d cluster %2d  workspace %8zu  max|d| %.3g\n", i, us,
+                   tile, splitk, stages, cluster, hr[i].workspaceSize, diff);
+        }
+        printf("  first %.2f us, best %.2f us (%.2fx)\n", first, best, first / best);
+        cublasLtMatmulPreferenceDestroy(pref);
+        cublasLtMatrixLayoutDestroy(la); cublasLtMatrixLayoutDestroy(lb); cublasLtMatrixLayoutDestroy(lc);
+        cublasLtMatmulDescDestroy(desc);
+        cudaFree(x); cudaFree(w); cudaFree(b); cudaFree(r); cudaFree(o); cudaFree(o0);
+    }
+    return 0;
+}
