@@ -2,16 +2,18 @@
 //! read as its C operand (`D = x·Wᵀ + bias + C`), the way PyTorch's `addmm` adds a linear's bias. The activation
 //! side is either tokens `(B, S, ·)` or channels-first `(B, ·, S)` (an NCHW map seen by a 1×1 projection), on
 //! input and on output, so moving between the two layouts costs no copy. Each use replaces a product followed by a
-//! full pass over its output (and, into channels-first, a transpose copy as well).
+//! full pass over its output (and, into channels-first, a transpose copy as well). Each shape's algorithm is the
+//! fastest of cuBLASLt's offers, timed on its first call (see [`Plan::candidates`]).
 
 use crate::cuda::{contiguous, held_view};
 use crate::Side;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cublaslt::result::{self as lt, CublasError};
 use candle_core::cuda_backend::cudarc::cublaslt::sys;
+use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
-use candle_core::cuda_backend::{CudaDType, DeviceId};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 use std::cell::RefCell;
@@ -29,12 +31,31 @@ fn lt_err(e: CublasError, what: &str) -> candle_core::Error {
     candle_core::Error::Msg(format!("cuBLASLt {what}: {e:?}"))
 }
 
+/// Algorithms asked of the heuristic per shape.
+const OFFERS: usize = 8;
+/// Calls per algorithm when the offers are timed (after one untimed).
+const TIMED_CALLS: usize = 8;
+/// How much faster than the heuristic's first choice another offer must run to replace it: timing noise must not
+/// flip a shape between two algorithms of the same speed.
+const MARGIN: f32 = 0.97;
+
+/// Whether each shape's offers are timed (`SDHIVE_LINEAR_TUNE=0` keeps the heuristic's first choice).
+fn tuning_on() -> bool {
+    switched_on!("SDHIVE_LINEAR_TUNE")
+}
+
 /// One shape's product description, layouts and algorithm.
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
     /// A, B, and C and D (the residual and the output share one layout).
     layouts: [sys::cublasLtMatrixLayout_t; 3],
     algo: sys::cublasLtMatmulAlgo_t,
+    /// The heuristic's other offers, until the first call outside a CUDA graph capture times them against `algo`
+    /// on its own operands and keeps the fastest. The heuristic's first choice is often not the fastest at the
+    /// UNet's shapes (on an H100 the 64² attention's 320 → 320 query projection runs 1.5x faster on its fifth
+    /// offer; xtask/bench/linear_algos.cu). Offers that split K are left out: their sums differ in the last
+    /// bits from the others', and a timing must not change what a product computes.
+    candidates: Vec<sys::cublasLtMatmulAlgo_t>,
 }
 
 impl Drop for Plan {
@@ -166,7 +187,7 @@ fn make_plan(handle: sys::cublasLtHandle_t, key: &Key) -> Result<Plan> {
     };
     // The plan owns the descriptors from here, so every early return below destroys them.
     // SAFETY: the algorithm is plain data (an array of integers), replaced by the heuristic's before any use.
-    let mut plan = Plan { desc, layouts, algo: unsafe { std::mem::zeroed() } };
+    let mut plan = Plan { desc, layouts, algo: unsafe { std::mem::zeroed() }, candidates: Vec::new() };
     set_desc(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &op_a)?;
     set_desc(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &op_b)?;
     if bias {
@@ -178,8 +199,12 @@ fn make_plan(handle: sys::cublasLtHandle_t, key: &Key) -> Result<Plan> {
     }
     let pref = lt::create_matmul_pref().map_err(|e| lt_err(e, "preference"))?;
     let ws = WORKSPACE as u64;
-    // SAFETY: `pref` is live; the attribute is a u64.
-    let heuristic = unsafe {
+    // SAFETY: the results are plain data, written by the query for the first `found` entries.
+    let mut offers: [sys::cublasLtMatmulHeuristicResult_t; OFFERS] = unsafe { std::mem::zeroed() };
+    let mut found = 0i32;
+    // SAFETY: `pref`, the descriptor and the layouts are live; the attribute is a u64, and the query writes at
+    // most OFFERS results.
+    let queried = unsafe {
         lt::set_matmul_pref_attribute(
             pref,
             sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -187,13 +212,90 @@ fn make_plan(handle: sys::cublasLtHandle_t, key: &Key) -> Result<Plan> {
             std::mem::size_of::<u64>(),
         )
         .and_then(|()| {
-            lt::get_matmul_algo_heuristic(handle, desc, layouts[0], layouts[1], layouts[2], layouts[2], pref)
+            sys::cublasLtMatmulAlgoGetHeuristic(
+                handle,
+                desc,
+                layouts[0],
+                layouts[1],
+                layouts[2],
+                layouts[2],
+                pref,
+                OFFERS as i32,
+                offers.as_mut_ptr(),
+                &mut found,
+            )
+            .result()
         })
     };
     // SAFETY: created above, used only for the query.
     let _ = unsafe { lt::destroy_matmul_pref(pref) };
-    plan.algo = heuristic.map_err(|e| lt_err(e, &format!("no algorithm for {key:?}")))?.algo;
+    queried.map_err(|e| lt_err(e, &format!("no algorithm for {key:?}")))?;
+    let offers = &offers[..(found.max(0) as usize).min(OFFERS)];
+    let first = offers.first().ok_or_else(|| {
+        lt_err(
+            CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED),
+            &format!("no algorithm for {key:?}"),
+        )
+    })?;
+    plan.algo = first.algo;
+    if tuning_on() {
+        plan.candidates = offers[1..]
+            .iter()
+            .filter(|o| {
+                o.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                    && o.workspaceSize <= WORKSPACE
+                    && split_k(&o.algo) <= 1
+            })
+            .map(|o| o.algo)
+            .collect();
+    }
     Ok(plan)
+}
+
+/// How many slices an algorithm splits K into (1 when it does not say).
+fn split_k(algo: &sys::cublasLtMatmulAlgo_t) -> i32 {
+    let mut splits = 1i32;
+    let mut written = 0usize;
+    // SAFETY: the attribute is an int32 written into `splits`, whose size is passed.
+    let _ = unsafe {
+        sys::cublasLtMatmulAlgoConfigGetAttribute(
+            algo,
+            sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+            (&mut splits) as *mut i32 as *mut c_void,
+            std::mem::size_of::<i32>(),
+            &mut written,
+        )
+    };
+    splits
+}
+
+/// Of `first` and `others`, the algorithm whose `TIMED_CALLS` calls of `call` take least time on `stream`, kept
+/// over `first` only by more than [`MARGIN`]; an offer whose call fails is passed over.
+fn fastest(
+    stream: &CudaStream,
+    first: sys::cublasLtMatmulAlgo_t,
+    others: &[sys::cublasLtMatmulAlgo_t],
+    call: impl Fn(&sys::cublasLtMatmulAlgo_t) -> Result<()>,
+) -> Result<sys::cublasLtMatmulAlgo_t> {
+    let timed = |algo: &sys::cublasLtMatmulAlgo_t| -> Result<f32> {
+        call(algo)?;
+        let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let start = stream.record_event(flags).w()?;
+        for _ in 0..TIMED_CALLS {
+            call(algo)?;
+        }
+        let end = stream.record_event(flags).w()?;
+        start.elapsed_ms(&end).w()
+    };
+    let (mut best, mut best_ms) = (first, timed(&first)? * MARGIN);
+    for algo in others {
+        if let Ok(ms) = timed(algo) {
+            if ms < best_ms {
+                (best, best_ms) = (*algo, ms);
+            }
+        }
+    }
+    Ok(best)
 }
 
 struct Linear {
@@ -283,29 +385,38 @@ fn launch<T: CudaDType + DeviceRepr>(
         let (alpha, beta) = (1f32, if rp.is_some() { 1f32 } else { 0f32 });
         let c = rp.as_ref().map_or(dp, |(p, _)| *p);
         let [al, bl, cdl] = plan.layouts;
-        // SAFETY: the layouts were made for exactly these shapes and this storage type; every buffer is
-        // contiguous at its offset and lives until the guards above drop, after the launch is queued.
-        unsafe {
-            lt::matmul(
-                handle,
-                plan.desc,
-                (&alpha) as *const f32 as *const c_void,
-                (&beta) as *const f32 as *const c_void,
-                a as *const c_void,
-                al,
-                b as *const c_void,
-                bl,
-                c as *const c_void,
-                cdl,
-                dp as *mut c_void,
-                cdl,
-                &plan.algo,
-                wsp as *mut c_void,
-                WORKSPACE,
-                stream.cu_stream() as sys::cudaStream_t,
-            )
+        let desc = plan.desc;
+        let call = |algo: &sys::cublasLtMatmulAlgo_t| {
+            // SAFETY: the layouts were made for exactly these shapes and this storage type; every buffer is
+            // contiguous at its offset and lives until the guards above drop, after the launch is queued. D is
+            // never C, so calling again recomputes the same D.
+            unsafe {
+                lt::matmul(
+                    handle,
+                    desc,
+                    (&alpha) as *const f32 as *const c_void,
+                    (&beta) as *const f32 as *const c_void,
+                    a as *const c_void,
+                    al,
+                    b as *const c_void,
+                    bl,
+                    c as *const c_void,
+                    cdl,
+                    dp as *mut c_void,
+                    cdl,
+                    algo,
+                    wsp as *mut c_void,
+                    WORKSPACE,
+                    stream.cu_stream() as sys::cudaStream_t,
+                )
+            }
+            .map_err(|e| lt_err(e, &format!("product {key:?}")))
+        };
+        if !plan.candidates.is_empty() && !crate::graph::capturing() {
+            plan.algo = fastest(&stream, plan.algo, &plan.candidates, call)?;
+            plan.candidates.clear();
         }
-        .map_err(|e| lt_err(e, &format!("product {key:?}")))
+        call(&plan.algo)
     })?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
