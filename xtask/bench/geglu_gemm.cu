@@ -3,10 +3,11 @@
 // product, then kernels.cu's geglu with the bias), at the SD1.5 UNet's four first feed-forward shapes, SDXL's two at
 // batch 2, and ragged row counts; both timed as CUDA graphs of 20 calls on random data. The fused output is checked
 // against the baseline's and against an f64 reference (a few rows of the large shapes, every row of the ragged ones;
-// rows past M must stay unwritten); bf16 against the f64 reference only. Besides the crate's instantiations
-// (as src/geglu.rs picks them by shape) a few other tilings and the approximate-erf epilogue (FAST) are timed, to check
-// the choice; cuBLASLt's product alone; and the crate's persistent TMA forms (geglu_pp_m128 and _m64, taken above 256 rows) with
-// variants of its stages and erf, at every shape. Build here, run on the GPU machine (cuBLAS from PyTorch's wheels):
+// rows past M must stay unwritten); bf16 against the f64 reference only. Besides the crate's instantiations (as
+// src/geglu.rs picks them by shape) a few other tilings and the approximate-erf epilogue (FAST) are timed, to check
+// the choice; cuBLASLt's product alone; the crate's persistent TMA forms (geglu_pp_m128 and _m64, taken above 256
+// rows) with variants of their stages and erf; and an x-stationary persistent form (xs_kernel: measured, not
+// taken, docs/benchmarks.md). Build here, run on the GPU machine (cuBLAS from PyTorch's wheels):
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -cudart shared xtask/bench/geglu_gemm.cu -o geglu_gemm \
 //     -lcublasLt -lcublas
 //   ./geglu_gemm
@@ -259,6 +260,115 @@ template <typename T> static TmaMap tmap(const T *p, int K, int rows, int box_ro
     memcpy(&t, &m, sizeof t);
     return t;
 }
+// x-stationary persistent form: a block takes items of one BM-row tile of x and `chunk` consecutive 128-column W1
+// tiles; x's BM × K tile comes in once per item (KT boxes on one mbarrier) and stays, only W1's K tiles stream
+// through the ring, so the L2 serves x once per item instead of once per tile.
+template <int S, int BM, int KT> constexpr int xs_smem_bytes() {
+    return KT * BM * 128 + S * 128 * 128 + 2 * BM * (128 + 16) + 1024;
+}
+template <typename T, int S, int BM, int KT, bool FAST>
+__global__ void __launch_bounds__(288, 1) xs_kernel(const __grid_constant__ TmaMap xm, const __grid_constant__ TmaMap wm,
+                                                    const T *bias, T *out, int M, int K, int H, int chunk) {
+    using namespace geglu_wgmma;
+    constexpr int BN = 128, HALVES = BM / 64, X_BYTES = KT * BM * 128, STAGE = BN * 128, ACC = BN / 2;
+    constexpr int PITCH = BN + 16;
+    extern __shared__ uint8_t smem_raw[];
+    __shared__ __align__(8) uint64_t bars[2 * S + 2];
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
+    const uint32_t xbase = (raw + 1023) & ~1023u, ring = xbase + X_BYTES;
+    const uint32_t full0 = (uint32_t)__cvta_generic_to_shared(bars), empty0 = full0 + 8 * S;
+    const uint32_t xfull = empty0 + 8 * S, xempty = xfull + 8;
+    const int tid = threadIdx.x;
+    const int m_tiles = (M + BM - 1) / BM, n_tiles = 2 * H / BN, per_row = n_tiles / chunk;
+    const int items = m_tiles * per_row, step = gridDim.x;
+    if (tid == 0) {
+        for (int s = 0; s < S; ++s) {
+            mbar_init(full0 + 8 * s, 1);
+            mbar_init(empty0 + 8 * s, 1);
+        }
+        mbar_init(xfull, 1);
+        mbar_init(xempty, 2);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (tid / 32 == 8) {
+        if (tid % 32 == 0) {
+            int g = 0, j = 0;
+            for (int it = blockIdx.x; it < items; it += step, ++j) {
+                const int m0 = (it / per_row) * BM, n0 = (it % per_row) * chunk;
+                if (j > 0) mbar_wait(xempty, (j - 1) & 1); // both warpgroups are done with the last item's x
+                mbar_expect(xfull, X_BYTES);
+                for (int kt = 0; kt < KT; ++kt) tma_load_2d(xbase + kt * BM * 128, &xm, kt * BK, m0, xfull);
+                for (int n = 0; n < chunk; ++n)
+                    for (int kt = 0; kt < KT; ++kt, ++g) {
+                        const int s = g % S;
+                        mbar_wait(empty0 + 8 * s, ((g / S) & 1) ^ 1);
+                        mbar_expect(full0 + 8 * s, STAGE);
+                        tma_load_2d(ring + s * STAGE, &wm, kt * BK, (n0 + n) * BN, full0 + 8 * s);
+                    }
+            }
+        }
+        __syncwarp();
+        return;
+    }
+    const int wg = tid / 128;
+    const uint32_t slab = ring + S * STAGE + wg * BM * PITCH;
+    const int my_items = items > (int)blockIdx.x ? (items - 1 - (int)blockIdx.x) / step + 1 : 0;
+    const int total = my_items * chunk; // tiles of this block, in order q = 0 ..
+    int q = wg;
+    for (int j = 0; j < my_items; ++j) {
+        const int it = blockIdx.x + j * step;
+        const int m0 = (it / per_row) * BM, n0 = (it % per_row) * chunk;
+        // This warpgroup's tiles of item j: q in [j·chunk, (j+1)·chunk) with its parity (chunk ≥ 2: both have one).
+        for (; q < (j + 1) * chunk; q += 2) {
+            const int n_tile = n0 + (q - j * chunk);
+            if (q > 0) {
+                if (wg == 0) asm volatile("bar.sync 1, 256;\n" ::: "memory");
+                else asm volatile("bar.sync 2, 256;\n" ::: "memory");
+            }
+            mbar_wait(xfull, j & 1);
+            float acc[HALVES][ACC];
+#pragma unroll
+            for (int h = 0; h < HALVES; ++h)
+#pragma unroll
+                for (int i = 0; i < ACC; ++i) acc[h][i] = 0.f;
+            int g = q * KT;
+#pragma unroll 1
+            for (int kt = 0; kt < KT; ++kt, ++g) {
+                const int s = g % S;
+                mbar_wait(full0 + 8 * s, (g / S) & 1);
+                const uint64_t da = desc_sw128(xbase + kt * BM * 128), db = desc_sw128(ring + s * STAGE);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < BK / 16; ++kk) {
+#pragma unroll
+                    for (int h = 0; h < HALVES; ++h)
+                        Wgmma<T, BN>::mma(acc[h], da + h * 64 * 8 + 2 * kk, db + 2 * kk);
+                }
+                wgmma_commit();
+                wgmma_wait<1>();
+                if (kt > 0 && tid % 128 == 0) mbar_arrive(empty0 + 8 * ((g - 1) % S));
+            }
+            if (q + 1 < total) {
+                if (wg == 0) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+                else asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+            }
+            wgmma_wait<0>();
+#pragma unroll
+            for (int h = 0; h < HALVES; ++h) fence_regs(acc[h]);
+            if (tid % 128 == 0) {
+                mbar_arrive(empty0 + 8 * ((g - 1) % S));
+                // This warpgroup's last tile of the item: its products no longer read x.
+                if (q + 2 >= (j + 1) * chunk) mbar_arrive(xempty);
+            }
+#pragma unroll
+            for (int h = 0; h < HALVES; ++h) stage_rows<T, BN, FAST>(acc[h], bias + (size_t)n_tile * BN, slab, 64 * h);
+            if (wg == 0) asm volatile("bar.sync 3, 128;\n" ::: "memory");
+            else asm volatile("bar.sync 4, 128;\n" ::: "memory");
+            store_rows<T, BN, BM>(slab, out, m0, M, H, n_tile * (BN / 2));
+        }
+    }
+}
 template <typename T> using PpKern = void (*)(TmaMap, TmaMap, const T *, T *, int, int, int);
 template <typename T, int S, int BM, bool FAST>
 __global__ void __launch_bounds__(288, 1) pp_variant(const __grid_constant__ TmaMap xm, const __grid_constant__ TmaMap wm,
@@ -280,6 +390,29 @@ static PpCfg pcfgs[] = {
     {"pingpong m64 s6 A&S erf", geglu_wgmma::pp_smem_bytes<6, 64>(), 64, pp_variant<__half, 6, 64, true>, nullptr},
 };
 constexpr int CRATE_PP = 2;
+// The x-stationary form: (S, BM, KT) per instantiation; it runs only at shapes of its K.
+typedef void (*XsKern)(TmaMap, TmaMap, const __half *, __half *, int, int, int, int);
+struct XsCfg {
+    const char *name;
+    int smem, bm, kt;
+    XsKern k;
+};
+#define XVAR(S, BM, KT)                                                                                        \
+    XsCfg {                                                                                                   \
+        "x-stationary m" #BM " s" #S " K " #KT "x64", xs_smem_bytes<S, BM, KT>(), BM, KT, xs_kernel<__half, S, BM, KT, true> \
+    }
+static XsCfg xcfgs[] = {XVAR(5, 128, 5), XVAR(4, 128, 5), XVAR(8, 64, 5), XVAR(7, 64, 10), XVAR(5, 64, 10)};
+// Of the divisors c ≥ 2 of the column tiles, the one whose waves of items take fewest tile times (the larger on a
+// tie: fewer x loads).
+static int xs_chunk(int m_tiles, int n_tiles, int sms) {
+    int best = 0, cost = 1 << 30;
+    for (int c = 2; c <= n_tiles; ++c) {
+        if (n_tiles % c) continue;
+        const int items = m_tiles * (n_tiles / c), t = (items + sms - 1) / sms * c;
+        if (t <= cost) best = c, cost = t;
+    }
+    return best;
+}
 static int sms;
 // The persistent kernel `k` as run_once's launch: one block per SM at most, as src/geglu.rs launches it.
 template <typename T> static auto persistent(PpKern<T> k, int smem, int bm, const Data<T> &d) {
@@ -296,6 +429,7 @@ int main() {
                                             12000, cudaEnableDefault, &q));
         if (!encode_tiled) { fprintf(stderr, "no cuTensorMapEncodeTiled\n"); return 1; }
     }
+    for (auto &c : xcfgs) CK(cudaFuncSetAttribute(c.k, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
     for (auto &c : pcfgs) {
         CK(cudaFuncSetAttribute(c.k, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
         if (c.kb) CK(cudaFuncSetAttribute(c.kb, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
@@ -383,6 +517,24 @@ int main() {
             printf("  %s %-44s %8.2f us   max|fused-baseline| %.3g   max|fused-exact| %.3g%s%s\n",
                    pi == pp_pick ? "*" : " ", c.name, us, e_base, e_exact, clean ? "" : "   ROWS PAST M WRITTEN",
                    ok ? "" : "   FAIL");
+        }
+
+        for (const XsCfg &c : xcfgs) {
+            if (K != c.kt * 64) continue;
+            const int mt = (M + c.bm - 1) / c.bm, nt = 2 * H / 128, chunk = xs_chunk(mt, nt, sms);
+            if (!chunk) continue;
+            const TmaMap xm = tmap(d.x, K, M, c.bm), wm = tmap(d.wi, K, 2 * H, 128);
+            const unsigned grid = std::min(mt * (nt / chunk), sms);
+            auto launch = [&](__half *out) { c.k<<<grid, 288, c.smem, tm.s>>>(xm, wm, d.bi, out, M, K, H, chunk); };
+            bool clean;
+            const auto out = run_once(launch, d, o, clean);
+            const double e_base = max_diff(out, href), e_exact = d.exact_err(out);
+            float us = 0;
+            if (sh.timed) us = tm.time([&] { launch(o); });
+            const bool ok = clean && e_exact <= 2 * d.exact_err(href) + 1e-3;
+            all_ok = all_ok && ok;
+            printf("    %-38s c%-3d %8.2f us   max|fused-baseline| %.3g   max|fused-exact| %.3g%s%s\n", c.name, chunk, us,
+                   e_base, e_exact, clean ? "" : "   ROWS PAST M WRITTEN", ok ? "" : "   FAIL");
         }
 
         const int pick = crate_choice(M, K, H);
