@@ -16,27 +16,7 @@
 #include <stdlib.h>
 #include <vector>
 
-#define CK(x)                                                                                       \
-    do {                                                                                            \
-        cudaError_t e_ = (x);                                                                       \
-        if (e_ != cudaSuccess) {                                                                    \
-            fprintf(stderr, "CUDA %s at %s:%d: %s\n", #x, __FILE__, __LINE__, cudaGetErrorString(e_)); \
-            exit(1);                                                                                \
-        }                                                                                           \
-    } while (0)
-#define CL(x)                                                                                        \
-    do {                                                                                             \
-        cublasStatus_t s_ = (x);                                                                     \
-        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                           \
-            fprintf(stderr, "cuBLAS %s at %s:%d: %d\n", #x, __FILE__, __LINE__, (int)s_);            \
-            exit(1);                                                                                 \
-        }                                                                                            \
-    } while (0)
-
-static float frand(uint64_t &s) { // uniform in [-1, 1)
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((s >> 40) & 0xFFFFFF) / 8388608.f - 1.f;
-}
+#include "harness.cuh"
 
 static __half *upload(size_t n, float scale, uint64_t seed) {
     std::vector<__half> h(n);
@@ -47,35 +27,12 @@ static __half *upload(size_t n, float scale, uint64_t seed) {
     return d;
 }
 
-// Mean time of one call of fn, timed as a CUDA graph of 20 calls launched 10 times; 0 if the capture fails.
-template <typename F> static float time_graph(cudaStream_t s, F fn) {
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    bool ok = true;
-    for (int i = 0; i < 20; ++i) ok = fn() && ok;
-    CK(cudaStreamEndCapture(s, &g));
-    if (!ok) return 0.f;
-    CK(cudaGraphInstantiate(&ge, g, 0));
-    CK(cudaGraphLaunch(ge, s));
-    CK(cudaStreamSynchronize(s));
-    CK(cudaEventRecord(e0, s));
-    for (int r = 0; r < 10; ++r) CK(cudaGraphLaunch(ge, s));
-    CK(cudaEventRecord(e1, s));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    CK(cudaGraphExecDestroy(ge));
-    CK(cudaGraphDestroy(g));
-    return ms * 1000.f / 200.f;
-}
-
 int main() {
-    cudaStream_t s;
-    CK(cudaStreamCreate(&s));
+    Timer tm;
+    CK(cudaStreamCreate(&tm.s));
+    CK(cudaEventCreate(&tm.e0));
+    CK(cudaEventCreate(&tm.e1));
+    const cudaStream_t s = tm.s;
     cublasLtHandle_t lt;
     CL(cublasLtCreate(&lt));
     const size_t WS = 32 << 20;
@@ -135,7 +92,7 @@ int main() {
             double diff = 0;
             for (size_t j = 0; j < out.size(); ++j)
                 diff = fmax(diff, fabs(__half2float(out[j]) - __half2float(ref[j])));
-            const float us = time_graph(s, call);
+            const float us = tm.time(call);
             if (i == 0) first = us;
             if (us > 0 && us < best) best = us;
             int tile = 0, splitk = 0, stages = 0, cluster = 0;

@@ -206,51 +206,47 @@ fn launch<T: CudaDType + DeviceRepr + WithDType>(
     let bs = contiguous::<T>(b.0, b.1, "fused GEGLU product bias")?;
     // SAFETY: every element of the M×H output is written by the kernel (each tile stores its rows below M).
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(m * h)? };
-    let persistent = Persistent::for_rows(m).filter(|_| op.pingpong);
-    if let Some(pp) = persistent {
-        if let Some((xm, wm)) = pp_maps(dev, &xs, &ws, (m, k, h), pp.rows) {
-            let func = dev.get_or_load_custom_func(&format!("geglu_pp_{}_{sfx}", pp.name), MODULE, PTX)?;
-            crate::cuda::opt_in_shared(&func, pp.smem())?;
+    // The persistent form where it runs and the driver takes its tensor maps, else the tiling for the shape.
+    let maps = Persistent::for_rows(m)
+        .filter(|_| op.pingpong)
+        .and_then(|pp| Some((pp, pp_maps(dev, &xs, &ws, (m, k, h), pp.rows)?)));
+    let (name, smem, grid, threads) = match &maps {
+        Some((pp, _)) => {
             let sms = dev
                 .cuda_stream()
                 .context()
                 .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                 .w()?;
             let tiles = m.div_ceil(pp.rows) * (2 * h / 128);
-            let mut a = func.builder();
-            a.arg(&xm);
-            a.arg(&wm);
-            a.arg(&bs);
-            a.arg(&out);
-            builder_arg!(a, m as i32, k as i32, h as i32);
-            let cfg = LaunchConfig {
-                grid_dim: (tiles.min(sms.max(1) as usize) as u32, 1, 1),
-                block_dim: (288, 1, 1),
-                shared_mem_bytes: pp.smem() as u32,
-            };
-            // SAFETY: the arguments match `geglu_pp_*`'s signature; the maps cover the views passed beside them,
-            // and `GegluProduct::forward` checked the shapes (K a whole number of steps, H of 64-output blocks),
-            // that every view is contiguous and 16-byte aligned, and the device's compute capability.
-            unsafe { a.launch(cfg) }.w()?;
-            return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
+            let grid = (tiles.min(sms.max(1) as usize) as u32, 1, 1);
+            (format!("geglu_pp_{}_{sfx}", pp.name), pp.smem(), grid, 288)
+        }
+        None => {
+            let tile = Tile::for_shape(m, k, h);
+            let threads = 128 * tile.warpgroups as u32;
+            (format!("geglu_wgmma_{}_{sfx}", tile.name), tile.smem(), tile.grid(m, h), threads)
+        }
+    };
+    let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+    crate::cuda::opt_in_shared(&func, smem)?;
+    let mut a = func.builder();
+    match &maps {
+        Some((_, (xm, wm))) => {
+            a.arg(xm);
+            a.arg(wm);
+        }
+        None => {
+            a.arg(&xs);
+            a.arg(&ws);
         }
     }
-    let tile = Tile::for_shape(m, k, h);
-    let func = dev.get_or_load_custom_func(&format!("geglu_wgmma_{}_{sfx}", tile.name), MODULE, PTX)?;
-    crate::cuda::opt_in_shared(&func, tile.smem())?;
-    let mut a = func.builder();
-    a.arg(&xs);
-    a.arg(&ws);
     a.arg(&bs);
     a.arg(&out);
     builder_arg!(a, m as i32, k as i32, h as i32);
-    let cfg = LaunchConfig {
-        grid_dim: tile.grid(m, h),
-        block_dim: (128 * tile.warpgroups as u32, 1, 1),
-        shared_mem_bytes: tile.smem() as u32,
-    };
-    // SAFETY: the arguments match the kernel's signature; `GegluProduct::forward` checked the shapes (K a whole
-    // number of steps, H of interleave blocks and of the tile's outputs), that every view is contiguous and
+    let cfg = LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 };
+    // SAFETY: the arguments match the kernel's signature (tensor maps over the views passed beside them for the
+    // persistent form, the views themselves for the tilings); `GegluProduct::forward` checked the shapes (K a
+    // whole number of steps, H of interleave blocks and of the tile's outputs), that every view is contiguous and
     // 16-byte aligned, and the device's compute capability.
     unsafe { a.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
