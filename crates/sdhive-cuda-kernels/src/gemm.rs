@@ -10,7 +10,7 @@ use crate::Side;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cublaslt::result::{self as lt, CublasError};
 use candle_core::cuda_backend::cudarc::cublaslt::sys;
-use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+use candle_core::cuda_backend::cudarc::driver::sys::{self as sys_driver, CUevent_flags};
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};
@@ -269,23 +269,28 @@ fn split_k(algo: &sys::cublasLtMatmulAlgo_t) -> i32 {
     splits
 }
 
-/// Of `first` and `others`, the algorithm whose `TIMED_CALLS` calls of `call` take least time on `stream`, kept
-/// over `first` only by more than [`MARGIN`]; an offer whose call fails is passed over.
+/// Of `first` and `others`, the algorithm whose `TIMED_CALLS` calls of `call` take least time on `stream`, each
+/// call timed alone after `prepare` (which puts the L2 in the state a step leaves it in), kept over `first` only by
+/// more than [`MARGIN`]; an offer whose call fails is passed over.
 fn fastest(
     stream: &CudaStream,
     first: sys::cublasLtMatmulAlgo_t,
     others: &[sys::cublasLtMatmulAlgo_t],
+    mut prepare: impl FnMut() -> Result<()>,
     call: impl Fn(&sys::cublasLtMatmulAlgo_t) -> Result<()>,
 ) -> Result<sys::cublasLtMatmulAlgo_t> {
-    let timed = |algo: &sys::cublasLtMatmulAlgo_t| -> Result<f32> {
+    let mut timed = |algo: &sys::cublasLtMatmulAlgo_t| -> Result<f32> {
         call(algo)?;
         let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-        let start = stream.record_event(flags).w()?;
+        let mut ms = 0f32;
         for _ in 0..TIMED_CALLS {
+            prepare()?;
+            let start = stream.record_event(flags).w()?;
             call(algo)?;
+            let end = stream.record_event(flags).w()?;
+            ms += start.elapsed_ms(&end).w()?;
         }
-        let end = stream.record_event(flags).w()?;
-        start.elapsed_ms(&end).w()
+        Ok(ms)
     };
     let (mut best, mut best_ms) = (first, timed(&first)? * MARGIN);
     for algo in others {
@@ -413,7 +418,29 @@ fn launch<T: CudaDType + DeviceRepr>(
             .map_err(|e| lt_err(e, &format!("product {key:?}")))
         };
         if !plan.candidates.is_empty() && !crate::graph::capturing() {
-            plan.algo = fastest(&stream, plan.algo, &plan.candidates, call)?;
+            // A step streams every weight from memory once while its activations are still in the L2 from the
+            // kernel that wrote them: before each timed call, the L2 is flushed (by writing twice its size) and
+            // the input and residual read back into it. Timed on warm weights instead, the offers rank
+            // differently (xtask/bench/linear_algos.cu) and the pick lost as much in the step as it won.
+            let l2 = dev
+                .cuda_stream()
+                .context()
+                .attribute(sys_driver::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+                .w()?
+                .max(1 << 20) as usize;
+            let mut flush = dev.alloc_zeros::<u8>(2 * l2)?;
+            let rlen = rv.as_ref().map_or(0, |r| r.len());
+            // SAFETY: scratch that only receives copies.
+            let mut warm: CudaSlice<T> = unsafe { dev.alloc::<T>(xv.len() + rlen)? };
+            let prepare = || -> Result<()> {
+                stream.memset_zeros(&mut flush).w()?;
+                stream.memcpy_dtod(&xv, &mut warm.slice_mut(..xv.len())).w()?;
+                if let Some(r) = &rv {
+                    stream.memcpy_dtod(r, &mut warm.slice_mut(xv.len()..)).w()?;
+                }
+                Ok(())
+            };
+            plan.algo = fastest(&stream, plan.algo, &plan.candidates, prepare, call)?;
             plan.candidates.clear();
         }
         call(&plan.algo)
