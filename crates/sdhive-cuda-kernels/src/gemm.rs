@@ -52,9 +52,9 @@ struct Plan {
     algo: sys::cublasLtMatmulAlgo_t,
     /// The heuristic's other offers, until the first call outside a CUDA graph capture times them against `algo`
     /// on its own operands and keeps the fastest. The heuristic's first choice is often not the fastest at the
-    /// UNet's shapes (on an H100 the 64² attention's 320 → 320 query projection runs 1.5x faster on its fifth
-    /// offer; xtask/bench/linear_algos.cu). Offers that split K are left out: their sums differ in the last
-    /// bits from the others', and a timing must not change what a product computes.
+    /// UNet's shapes (on an H100 the 64² attention's 320 → 320 query projection runs 1.4x faster on its eighth
+    /// offer, with the L2 as a step leaves it; xtask/bench/linear_algos.cu). Offers that split K are left out:
+    /// their sums differ in the last bits from the others', and a timing must not change what a product computes.
     candidates: Vec<sys::cublasLtMatmulAlgo_t>,
 }
 
