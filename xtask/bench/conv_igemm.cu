@@ -45,15 +45,8 @@
 #include <string.h>
 #include <algorithm>
 #include <vector>
+#include "harness.cuh"
 
-#define CK(x)                                                                                       \
-    do {                                                                                            \
-        cudaError_t e_ = (x);                                                                       \
-        if (e_ != cudaSuccess) {                                                                    \
-            fprintf(stderr, "CUDA %s at %s:%d: %s\n", #x, __FILE__, __LINE__, cudaGetErrorString(e_)); \
-            exit(1);                                                                                \
-        }                                                                                           \
-    } while (0)
 #define CD(x)                                                                                            \
     do {                                                                                                 \
         cudnnStatus_t s_ = (x);                                                                          \
@@ -1081,36 +1074,6 @@ __global__ void gn_apply(const uint4 *x, uint4 *y, const float *mean, const floa
     y[i] = v;
 }
 
-static float frand(uint64_t &s) { // uniform in [-1, 1)
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((s >> 40) & 0xFFFFFF) / 8388608.f - 1.f;
-}
-
-struct Timer {
-    cudaStream_t s;
-    cudaEvent_t e0, e1;
-    // Mean time of one call of fn, timed as a CUDA graph of 20 calls launched `reps` times.
-    template <typename F> float time(F fn, int reps = 10) {
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-        for (int i = 0; i < 20; ++i) fn();
-        CK(cudaStreamEndCapture(s, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
-        CK(cudaGraphLaunch(ge, s));
-        CK(cudaGraphLaunch(ge, s));
-        CK(cudaStreamSynchronize(s));
-        CK(cudaEventRecord(e0, s));
-        for (int r = 0; r < reps; ++r) CK(cudaGraphLaunch(ge, s));
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        CK(cudaGraphExecDestroy(ge));
-        CK(cudaGraphDestroy(g));
-        return ms * 1000.f / (20 * reps);
-    }
-};
 
 using Kern = void (*)(igemm::Params);
 struct Cfg {

@@ -421,25 +421,13 @@ int main() {
         CK(cudaMalloc(&o, (size_t)(M + 128) * H * 2));
 
         // cuBLASLt: D (N×M col-major = M×N row-major) = op(A)·B, A = W1 as K×N col-major transposed, B = x as K×M.
-        cublasLtMatmulDesc_t desc;
-        CL(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-        cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-        CL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-        CL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-        cublasLtMatrixLayout_t la, lb, lc;
-        CL(cublasLtMatrixLayoutCreate(&la, CUDA_R_16F, K, N, K));
-        CL(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16F, K, M, K));
-        CL(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16F, N, M, N));
-        cublasLtMatmulPreference_t pref;
-        CL(cublasLtMatmulPreferenceCreate(&pref));
-        CL(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &WS, sizeof WS));
+        const LtProduct lp(M, K, N, nullptr, WS);
         cublasLtMatmulHeuristicResult_t hr;
-        int got = 0;
-        CL(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &hr, &got));
+        const int got = lp.offers(lt, &hr, 1);
         if (!got) { fprintf(stderr, "no algo\n"); return 1; }
         const float one = 1.f, zero = 0.f;
         auto prod = [&] {
-            CL(cublasLtMatmul(lt, desc, &one, d.w, la, d.x, lb, &zero, ff1, lc, ff1, lc, &hr.algo, ws, WS, tm.s));
+            CL(cublasLtMatmul(lt, lp.desc, &one, d.w, lp.a, d.x, lp.b, &zero, ff1, lp.cd, ff1, lp.cd, &hr.algo, ws, WS, tm.s));
         };
         const size_t items = (size_t)M * H / 8;
         const unsigned grid = (unsigned)std::min<size_t>((items + 255) / 256, 65535);
@@ -454,39 +442,34 @@ int main() {
         if (sh.timed) t_base = tm.time([&] { prod(); gg(); });
         printf("  baseline cuBLASLt + geglu: %8.2f us   max|baseline-exact| %.3g\n", t_base, d.exact_err(href));
         if (sh.timed) printf("  cuBLASLt product alone:    %8.2f us\n", tm.time([&] { prod(); }));
-        // src/geglu.rs's `Persistent::for_rows`: pcfgs[0] from 1024 rows, pcfgs[1] above 256.
-        const int pp_pick = M >= 1024 ? 0 : M > 256 ? 1 : -1;
-        for (int pi = 0; pi < (int)(sizeof pcfgs / sizeof pcfgs[0]); ++pi) {
-            const PpCfg &c = pcfgs[pi];
+        // Runs `launch` once (checked against both references, rows past M untouched) and, at timed shapes, as a
+        // graph; one line after `mark` and `label`.
+        auto check_and_time = [&](auto launch, const char *mark, const char *label) {
             bool clean;
-            const auto launch = persistent(c.k, c.smem, c.bm, d);
             const auto out = run_once(launch, d, o, clean);
             const double e_base = max_diff(out, href), e_exact = d.exact_err(out);
             float us = 0;
             if (sh.timed) us = tm.time([&] { launch(o); });
             const bool ok = clean && e_exact <= 2 * d.exact_err(href) + 1e-3;
             all_ok = all_ok && ok;
-            printf("  %s %-44s %8.2f us   max|fused-baseline| %.3g   max|fused-exact| %.3g%s%s\n",
-                   pi == pp_pick ? "*" : " ", c.name, us, e_base, e_exact, clean ? "" : "   ROWS PAST M WRITTEN",
-                   ok ? "" : "   FAIL");
-        }
-
+            printf("  %s %-44s %8.2f us   max|fused-baseline| %.3g   max|fused-exact| %.3g%s%s\n", mark, label, us,
+                   e_base, e_exact, clean ? "" : "   ROWS PAST M WRITTEN", ok ? "" : "   FAIL");
+        };
+        // src/geglu.rs's `Persistent::for_rows`: pcfgs[0] from 1024 rows, pcfgs[1] above 256.
+        const int pp_pick = M >= 1024 ? 0 : M > 256 ? 1 : -1;
+        for (int pi = 0; pi < (int)(sizeof pcfgs / sizeof pcfgs[0]); ++pi)
+            check_and_time(persistent(pcfgs[pi].k, pcfgs[pi].smem, pcfgs[pi].bm, d), pi == pp_pick ? "*" : " ",
+                           pcfgs[pi].name);
         for (const XsCfg &c : xcfgs) {
             if (K != c.kt * 64) continue;
             const int mt = (M + c.bm - 1) / c.bm, nt = 2 * H / 128, chunk = xs_chunk(mt, nt, sms);
             if (!chunk) continue;
             const TmaMap xm = tmap(d.x, K, M, c.bm), wm = tmap(d.wi, K, 2 * H, 128);
             const unsigned grid = std::min(mt * (nt / chunk), sms);
-            auto launch = [&](__half *out) { c.k<<<grid, 288, c.smem, tm.s>>>(xm, wm, d.bi, out, M, K, H, chunk); };
-            bool clean;
-            const auto out = run_once(launch, d, o, clean);
-            const double e_base = max_diff(out, href), e_exact = d.exact_err(out);
-            float us = 0;
-            if (sh.timed) us = tm.time([&] { launch(o); });
-            const bool ok = clean && e_exact <= 2 * d.exact_err(href) + 1e-3;
-            all_ok = all_ok && ok;
-            printf("    %-38s c%-3d %8.2f us   max|fused-baseline| %.3g   max|fused-exact| %.3g%s%s\n", c.name, chunk, us,
-                   e_base, e_exact, clean ? "" : "   ROWS PAST M WRITTEN", ok ? "" : "   FAIL");
+            char label[64];
+            snprintf(label, sizeof label, "%s c%d", c.name, chunk);
+            check_and_time([&](__half *out) { c.k<<<grid, 288, c.smem, tm.s>>>(xm, wm, d.bi, out, M, K, H, chunk); },
+                           " ", label);
         }
 
         const int pick = crate_choice(M, K, H);
@@ -539,9 +522,6 @@ int main() {
             cudaFree(ob);
         }
         cudaFree(ff1); cudaFree(ref); cudaFree(o);
-        cublasLtMatmulDescDestroy(desc);
-        cublasLtMatrixLayoutDestroy(la); cublasLtMatrixLayoutDestroy(lb); cublasLtMatrixLayoutDestroy(lc);
-        cublasLtMatmulPreferenceDestroy(pref);
     }
     printf("\n%s\n", all_ok ? "all checks passed" : "SOME CHECKS FAILED");
     return all_ok ? 0 : 1;

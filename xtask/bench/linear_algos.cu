@@ -61,24 +61,9 @@ int main() {
         __half *b = upload(N, 0.5f, 3), *r = upload((size_t)M * N, 1.f, 4), *o, *o0;
         CK(cudaMalloc(&o, (size_t)M * N * 2));
         CK(cudaMalloc(&o0, (size_t)M * N * 2));
-        cublasLtMatmulDesc_t desc;
-        CL(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-        cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-        CL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-        CL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-        cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-        CL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
-        CL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof b));
-        cublasLtMatrixLayout_t la, lb, lc;
-        CL(cublasLtMatrixLayoutCreate(&la, CUDA_R_16F, K, N, K));
-        CL(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16F, K, M, K));
-        CL(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16F, N, M, N));
-        cublasLtMatmulPreference_t pref;
-        CL(cublasLtMatmulPreferenceCreate(&pref));
-        CL(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &WS, sizeof WS));
+        const LtProduct lp(M, K, N, b, WS);
         cublasLtMatmulHeuristicResult_t hr[32];
-        int got = 0;
-        CL(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 32, hr, &got));
+        const int got = lp.offers(lt, hr, 32);
         const float one = 1.f, zero = 0.f;
         const float *beta = sh.residual ? &one : &zero;
         printf("\n%s: M %d K %d N %d%s, %d algorithms\n", sh.what, M, K, N, sh.residual ? " + residual" : "", got);
@@ -87,7 +72,7 @@ int main() {
         int pick_warm = 0, pick_cold = 0;
         for (int i = 0; i < got; ++i) {
             auto call = [&] {
-                return cublasLtMatmul(lt, desc, &one, w, la, x, lb, beta, sh.residual ? r : o, lc, o, lc,
+                return cublasLtMatmul(lt, lp.desc, &one, w, lp.a, x, lp.b, beta, sh.residual ? r : o, lp.cd, o, lp.cd,
                                       &hr[i].algo, ws, WS, s) == CUBLAS_STATUS_SUCCESS;
             };
             if (!call()) {
@@ -134,9 +119,6 @@ int main() {
         }
         printf("  first %.2f us, best %.2f us (#%d, %.2fx); cold: first %.2f us, best %.2f us (#%d, %.2fx)\n", first,
                best, pick_warm, first / best, first_cold, best_cold, pick_cold, first_cold / best_cold);
-        cublasLtMatmulPreferenceDestroy(pref);
-        cublasLtMatrixLayoutDestroy(la); cublasLtMatrixLayoutDestroy(lb); cublasLtMatrixLayoutDestroy(lc);
-        cublasLtMatmulDescDestroy(desc);
         cudaFree(x); cudaFree(w); cudaFree(b); cudaFree(r); cudaFree(o); cudaFree(o0);
     }
     return 0;

@@ -241,28 +241,13 @@ int main() {
 
         // cuBLASLt as src/gemm.rs: D (N×M col-major = M×N row-major) = op(A)·B + bias + C, A = W (K×N col-major,
         // transposed), B = x (K×M), C the residual.
-        cublasLtMatmulDesc_t desc;
-        CL(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-        cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-        CL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-        CL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-        cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-        CL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
-        CL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d.b, sizeof d.b));
-        cublasLtMatrixLayout_t la, lb, lc;
-        CL(cublasLtMatrixLayoutCreate(&la, CUDA_R_16F, K, N, K));
-        CL(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16F, K, M, K));
-        CL(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16F, N, M, N));
-        cublasLtMatmulPreference_t pref;
-        CL(cublasLtMatmulPreferenceCreate(&pref));
-        CL(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &WS, sizeof WS));
+        const LtProduct lp(M, K, N, d.b, WS);
         cublasLtMatmulHeuristicResult_t hr;
-        int got = 0;
-        CL(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &hr, &got));
+        const int got = lp.offers(lt, &hr, 1);
         if (!got) { fprintf(stderr, "no algo\n"); return 1; }
         const float one = 1.f, zero = 0.f;
         auto prod = [&] {
-            CL(cublasLtMatmul(lt, desc, &one, d.w, la, d.x, lb, sh.res ? &one : &zero, sh.res ? d.r : bh, lc, bh, lc,
+            CL(cublasLtMatmul(lt, lp.desc, &one, d.w, lp.a, d.x, lp.b, sh.res ? &one : &zero, sh.res ? d.r : bh, lp.cd, bh, lp.cd,
                               &hr.algo, ws, WS, tm.s));
         };
         const unsigned ln_blocks = (unsigned)(((size_t)M * 32 + 255) / 256);
@@ -321,9 +306,6 @@ int main() {
                    eh, hmax, en, nmax, clean ? "" : "   ROWS PAST M WRITTEN", ok ? "" : "   FAIL");
         }
         cudaFree(bh); cudaFree(bn);
-        cublasLtMatmulDescDestroy(desc);
-        cublasLtMatrixLayoutDestroy(la); cublasLtMatrixLayoutDestroy(lb); cublasLtMatrixLayoutDestroy(lc);
-        cublasLtMatmulPreferenceDestroy(pref);
     }
     printf("\n%s\n", all_ok ? "all checks passed" : "SOME CHECKS FAILED");
     return all_ok ? 0 : 1;
