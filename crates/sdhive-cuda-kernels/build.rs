@@ -15,7 +15,7 @@ fn main() {
     for source in SOURCES.iter().chain(&HOPPER_ONLY) {
         println!("cargo:rerun-if-changed=src/{source}.cu");
     }
-    // Included by the Hopper-only sources.
+    // Included by the Hopper-only sources and the attention.
     println!("cargo:rerun-if-changed=src/wgmma_common.cuh");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {

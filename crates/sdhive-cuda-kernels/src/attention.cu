@@ -22,6 +22,8 @@
 #include <cuda_fp16.h>
 #include <math.h>
 #include <stdint.h>
+// The Hopper kernels' mbarriers and tensor map argument (TmaMap).
+#include "wgmma_common.cuh"
 
 namespace {
 
@@ -850,19 +852,10 @@ template <typename X, typename Y> struct Pick<false, X, Y> {
     using type = Y;
 };
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    asm volatile("{\n.reg .pred p;\nwait_%=:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 "@!p bra wait_%=;\n}\n" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
-}
+using sm90::mbar_arrive;
+using sm90::mbar_expect;
+using sm90::mbar_init;
+using sm90::mbar_wait;
 __device__ __forceinline__ uint32_t ones2(__half) { return 0x3C003C00u; }
 __device__ __forceinline__ uint32_t ones2(__nv_bfloat16) { return 0x3F803F80u; }
 
@@ -1041,9 +1034,7 @@ __device__ __forceinline__ void attention(const T *__restrict__ q, const T *__re
             if (tid == 0 && tile < nt) {
                 const int s = tile % STAGES;
                 const uint32_t st = base + s * STAGE, bar = full0 + 8 * s;
-                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-                             "r"(2 * BN * VC * 16)
-                             : "memory");
+                mbar_expect(bar, 2 * BN * VC * 16);
                 asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
                              "{%2, %3, %4, %5, %6}], [%7];\n" ::"r"(st),
                              "l"(km), "r"(0), "r"(tile * BN), "r"(0), "r"(h), "r"(b), "r"(bar)
@@ -1424,11 +1415,8 @@ CROSS_BOTH(160, 4, 1, (128, 2))
 #define HOPPER_BOTH(D, NWG, BLOCKS)                                                                               \
     HOPPER(D, NWG, BLOCKS, __half, f16)                                                                           \
     HOPPER(D, NWG, BLOCKS, __nv_bfloat16, bf16)
-// The tensor map argument: CUtensorMap's 128 opaque bytes (attention.rs's `TmaMap`), passed by value. Every Hopper
-// instantiation has a TMA twin (attention.rs takes it unless SDHIVE_ATTENTION_TMA=0).
-struct alignas(64) TmaMap {
-    unsigned long long opaque[16];
-};
+// Every Hopper instantiation has a TMA twin (attention.rs takes it unless SDHIVE_ATTENTION_TMA=0), its tensor maps
+// passed by value (wgmma_common.cuh's TmaMap).
 #define HOPPER_TMA(D, NWG, BLOCKS, T, SFX)                                                                        \
     extern "C" __global__ void __launch_bounds__(128 * NWG, BLOCKS) attention_wgmma_d##D##_tma_##SFX(             \
         const T *q, const T *k, const T *v, T *o, int sq, int sk, int d, int heads, long long q_bs, long long q_ss, \

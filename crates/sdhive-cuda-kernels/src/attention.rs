@@ -272,28 +272,24 @@ pub fn unsupported(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize) -> Option<S
 /// tensor memory accelerator; on an H100 SD1.5's (2, 4096, 8, 40) self-attention 152-154 against 167-170 µs,
 /// (2, 1024, 8, 80) 23 against 26.6, SDXL's (2, 4096, 10, 64) 294 against 310). `SDHIVE_ATTENTION_TMA=0` keeps
 /// the cp.async tile loads, to measure the two against each other.
-fn tma_on() -> bool {
+pub(crate) fn tma_on() -> bool {
     switched_on!("SDHIVE_ATTENTION_TMA")
 }
 
-/// The 5-D tensor map the TMA kernel reads K or V through: (8 values, `sk` keys, D/8 chunks of 8, heads, batch)
-/// with the tensor's row and batch strides (`ss`, `bs` elements), boxes of one 64-key tile; keys past `sk` read
-/// as zeros. `unsupported` has made every stride a multiple of 8 elements (16 bytes, as the driver requires).
-#[allow(clippy::too_many_arguments)]
+/// The 5-D tensor map the TMA kernel reads K or V (laid out as `l`) through: (8 values, `sk` keys, D/8 chunks of
+/// 8, heads, batch) with the tensor's row and batch strides, boxes of one 64-key tile; keys past `sk` read as zeros.
+/// `unsupported` has made every stride a multiple of 8 elements (16 bytes, as the driver requires).
 fn kv_map<T: CudaDType + WithDType>(
     t: &CudaView<'_, T>,
+    l: &Layout,
     stream: &CudaStream,
-    d: usize,
-    sk: usize,
-    heads: usize,
-    b: usize,
-    ss: usize,
-    bs: usize,
+    (d, sk, heads, b): (usize, usize, usize, usize),
 ) -> Result<TmaMap> {
     let elem = T::DTYPE.size_in_bytes() as u64;
+    let (bs, ss) = (l.stride()[0] as u64, l.stride()[1] as u64);
     let shape = MapShape {
         dims: &[8, sk as u64, (d / 8) as u64, heads as u64, b as u64],
-        strides: &[ss as u64 * elem, 8 * elem, d as u64 * elem, bs as u64 * elem],
+        strides: &[ss * elem, 8 * elem, d as u64 * elem, bs * elem],
         boxes: &[8, 64, (d / 8) as u32, 1, 1],
         swizzle: sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
         l2: sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
@@ -334,9 +330,7 @@ fn attention_launch<T: CudaDType + DeviceRepr + WithDType>(
     let mut maps = None;
     if let Kernel::Hopper { tma: tma @ true, .. } = &mut kernel {
         let stream = dev.cuda_stream();
-        let map = |t: &CudaView<'_, T>, l: &Layout| {
-            kv_map(t, &stream, d, sk, op.heads, b, l.stride()[1], l.stride()[0])
-        };
+        let map = |t: &CudaView<'_, T>, l: &Layout| kv_map(t, l, &stream, (d, sk, op.heads, b));
         match (map(&ks, k.1), map(&vs, v.1)) {
             (Ok(km), Ok(vm)) => maps = Some((km, vm)),
             _ => *tma = false,

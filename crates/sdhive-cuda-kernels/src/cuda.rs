@@ -94,8 +94,7 @@ pub(crate) fn sm90a_loads(device: &Device, ptx: &str) -> bool {
     }
 }
 
-/// CUtensorMap's 128 opaque bytes as a kernel argument passed by value (`TmaMap` in wgmma_common.cuh and
-/// attention.cu).
+/// CUtensorMap's 128 opaque bytes as a kernel argument passed by value (`TmaMap` in wgmma_common.cuh).
 #[repr(transparent)]
 #[derive(Clone, Copy)]
 pub(crate) struct TmaMap(sys::CUtensorMap);

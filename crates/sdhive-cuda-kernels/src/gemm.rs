@@ -12,7 +12,7 @@ use candle_core::cuda_backend::cudarc::cublaslt::result::{self as lt, CublasErro
 use candle_core::cuda_backend::cudarc::cublaslt::sys;
 use candle_core::cuda_backend::cudarc::driver::sys::{self as sys_driver, CUevent_flags};
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut};
 use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
@@ -20,6 +20,7 @@ use std::cell::RefCell;
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::Arc;
 
 /// Hopper's recommended cuBLASLt workspace; other GPUs are content with less.
 const WORKSPACE: usize = 32 << 20;
@@ -269,6 +270,35 @@ fn split_k(algo: &sys::cublasLtMatmulAlgo_t) -> i32 {
     splits
 }
 
+/// What puts the L2 in the state a step leaves it in before a timed call: a step streams every weight from memory
+/// once while its activations are still in the L2 from the kernel that wrote them, so the L2 is flushed (by writing
+/// twice its size) and the input `x` and the residual read back into it. Timed on warm weights instead, the offers
+/// rank differently (xtask/bench/linear_algos.cu) and the picks lost as much in the step as they won.
+fn step_like_l2<'a, T: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    stream: &'a Arc<CudaStream>,
+    x: &'a CudaView<'a, T>,
+    residual: Option<&'a CudaView<'a, T>>,
+) -> Result<impl FnMut() -> Result<()> + 'a> {
+    let l2 = stream
+        .context()
+        .attribute(sys_driver::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+        .w()?
+        .max(1 << 20) as usize;
+    let mut flush = dev.alloc_zeros::<u8>(2 * l2)?;
+    let rlen = residual.map_or(0, |r| r.len());
+    // SAFETY: scratch that only receives copies.
+    let mut warm: CudaSlice<T> = unsafe { dev.alloc::<T>(x.len() + rlen)? };
+    Ok(move || -> Result<()> {
+        stream.memset_zeros(&mut flush).w()?;
+        stream.memcpy_dtod(x, &mut warm.slice_mut(..x.len())).w()?;
+        if let Some(r) = residual {
+            stream.memcpy_dtod(r, &mut warm.slice_mut(x.len()..)).w()?;
+        }
+        Ok(())
+    })
+}
+
 /// Of `first` and `others`, the algorithm whose `TIMED_CALLS` calls of `call` take least time on `stream`, each
 /// call timed alone after `prepare` (which puts the L2 in the state a step leaves it in), kept over `first` only by
 /// more than [`MARGIN`]; an offer whose call fails is passed over.
@@ -418,29 +448,13 @@ fn launch<T: CudaDType + DeviceRepr>(
             .map_err(|e| lt_err(e, &format!("product {key:?}")))
         };
         if !plan.candidates.is_empty() && !crate::graph::capturing() {
-            // A step streams every weight from memory once while its activations are still in the L2 from the
-            // kernel that wrote them: before each timed call, the L2 is flushed (by writing twice its size) and
-            // the input and residual read back into it. Timed on warm weights instead, the offers rank
-            // differently (xtask/bench/linear_algos.cu) and the pick lost as much in the step as it won.
-            let l2 = dev
-                .cuda_stream()
-                .context()
-                .attribute(sys_driver::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
-                .w()?
-                .max(1 << 20) as usize;
-            let mut flush = dev.alloc_zeros::<u8>(2 * l2)?;
-            let rlen = rv.as_ref().map_or(0, |r| r.len());
-            // SAFETY: scratch that only receives copies.
-            let mut warm: CudaSlice<T> = unsafe { dev.alloc::<T>(xv.len() + rlen)? };
-            let prepare = || -> Result<()> {
-                stream.memset_zeros(&mut flush).w()?;
-                stream.memcpy_dtod(&xv, &mut warm.slice_mut(..xv.len())).w()?;
-                if let Some(r) = &rv {
-                    stream.memcpy_dtod(r, &mut warm.slice_mut(xv.len()..)).w()?;
-                }
-                Ok(())
-            };
-            plan.algo = fastest(&stream, plan.algo, &plan.candidates, prepare, call)?;
+            plan.algo = fastest(
+                &stream,
+                plan.algo,
+                &plan.candidates,
+                step_like_l2(dev, &stream, &xv, rv.as_ref())?,
+                call,
+            )?;
             plan.candidates.clear();
         }
         call(&plan.algo)

@@ -1004,7 +1004,7 @@ fn heads_of_40_64_and_80_take_the_hopper_kernels_on_hopper() {
     for dtype in [DType::F16, DType::BF16] {
         let sfx = if dtype == DType::F16 { "f16" } else { "bf16" };
         // The TMA instantiations unless SDHIVE_ATTENTION_TMA=0.
-        let tma = std::env::var("SDHIVE_ATTENTION_TMA").map_or(true, |v| v != "0");
+        let tma = crate::attention::tma_on();
         for (d, padded) in [(40, 48), (64, 64), (80, 80)] {
             let want = if hopper && tma {
                 format!("attention_wgmma_d{d}_tma_{sfx}")

@@ -1,8 +1,9 @@
 // Shared by the Hopper (sm_90a) product kernels (geglu_wgmma.cu, linear_norm_wgmma.cu, conv_splitk.cu): the
-// shared-memory wgmma instruction with its operand lists, wgmma's fences and waits,
-// the cp.async ring's copies and group waits and its per-thread copy plan (TileRing), the mbarriers and the
-// tensor memory accelerator's 2-D copies (with the tensor map argument, TmaMap), the 128-byte-swizzled K-major
-// operand descriptor, and f16/bf16 pairs to and from f32. Only in the arch-specific sm_90a target (and for the host's view of the includers).
+// shared-memory wgmma instruction with its operand lists, wgmma's fences and waits, the cp.async ring's copies and
+// group waits and its per-thread copy plan (TileRing), the mbarriers and the tensor memory accelerator's 2-D copies
+// (with the tensor map argument, TmaMap; attention.cu's Hopper kernels take these two too), the 128-byte-swizzled
+// K-major operand descriptor, and f16/bf16 pairs to and from f32. Only in the arch-specific sm_90a target (and for
+// the host's view of the includers), but for TmaMap, which every target's kernel signatures may name.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
