@@ -5,7 +5,7 @@ use crate::util::workspace_root;
 use anyhow::{bail, Context, Result};
 use std::process::Command;
 
-const SCRIPTS: &[&str] = &["gen_models.py", "gen_single_file.py", "gen_schedulers.py"];
+const SCRIPTS: &[&str] = &["gen_models.py", "gen_single_file.py", "gen_external_vae.py", "gen_schedulers.py"];
 
 pub fn run(python: &str) -> Result<()> {
     let root = workspace_root();

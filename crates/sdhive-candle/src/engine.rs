@@ -107,6 +107,16 @@ impl CandleEngine {
         Ok(Self::from_model(loaded, opts))
     }
 
+    /// As [`CandleEngine::load`], through the RAM cache of recently used checkpoints.
+    pub fn load_cached(
+        model: &ResolvedModel,
+        opts: LoadOptions,
+        cache: &mut crate::HostCache,
+    ) -> Result<Self, LoadError> {
+        let loaded = cache.load(model, &opts.targets)?;
+        Ok(Self::from_model(loaded, opts))
+    }
+
     pub fn from_model(model: SdModel, opts: LoadOptions) -> Self {
         let dtype = model.unet.dtype();
         let (first_attention_level, heads) = model.unet_config.first_attention().unwrap_or((0, 0));

@@ -6,6 +6,7 @@
 // closures here unchanged; they are made at most once per load or job, so their size costs nothing.
 #![allow(clippy::result_large_err)]
 
+mod cache;
 mod conditioning;
 mod engine;
 mod model;
@@ -13,6 +14,7 @@ mod pipeline;
 mod residency;
 mod tensor_image;
 
+pub use cache::HostCache;
 pub use engine::{CandleEngine, LoadOptions, MemoryQuery};
 pub use model::{Family, LoadError, SdModel};
 pub use residency::{ModuleTarget, Resident, Targets};

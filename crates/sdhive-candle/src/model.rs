@@ -16,6 +16,7 @@ use sdhive_schedulers::SchedulerConfig;
 use sdhive_tokenizer::{ClipTokenizer, PadToken};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use thiserror::Error;
 
 /// Which pipeline shape the model needs.
@@ -69,7 +70,8 @@ impl From<sdhive_checkpoint::CheckpointError> for LoadError {
 
 /// One text encoder with the tokenizer that feeds it.
 pub struct TextEncoder {
-    pub tokenizer: ClipTokenizer,
+    /// Shared with the host copy the RAM cache keeps.
+    pub tokenizer: Arc<ClipTokenizer>,
     pub model: Resident<ClipTextModel>,
 }
 
@@ -104,11 +106,80 @@ fn layout_err(path: &Path, message: impl Into<String>) -> LoadError {
 }
 
 impl SdModel {
+    /// The model on `targets`, with the standalone VAE `model.vae` in place of its own when given.
     pub fn load(model: &ResolvedModel, targets: &Targets) -> Result<Self, LoadError> {
-        match &model.location {
-            ModelLocation::DiffusersDir(dir) => Self::from_diffusers_dir_on(&model.name, dir, targets),
-            ModelLocation::SingleFile(file) => Self::from_single_file_on(&model.name, file, None, targets),
+        let mut loaded = match &model.location {
+            ModelLocation::DiffusersDir(dir) => Self::from_diffusers_dir_on(&model.name, dir, targets)?,
+            ModelLocation::SingleFile(file) => {
+                let config = config_beside(file);
+                Self::from_single_file_on(&model.name, file, config.as_deref(), targets)?
+            }
+        };
+        if let Some(vae) = &model.vae {
+            loaded.replace_vae(vae, &targets.vae)?;
         }
+        Ok(loaded)
+    }
+
+    /// Swaps in a standalone VAE file (A1111's `sd_vae`), read in the original layout and built with this model's
+    /// VAE config: the scaling factor stays the model's, as in A1111 and diffusers' `from_single_file(vae=…)`.
+    pub fn replace_vae(&mut self, file: &Path, target: &ModuleTarget) -> Result<(), LoadError> {
+        let weights = sdhive_checkpoint::load_vae_file_on(file, &Device::Cpu)?;
+        let cfg = self.vae_config.clone();
+        let target = ModuleTarget { dtype: vae_dtype(self.family, target.dtype, &cfg), ..target.clone() };
+        self.vae = Resident::from_host(weights, target, move |vb| AutoencoderKL::new(vb, &cfg))
+            .map_err(|e| layout_err(file, format!("this VAE does not fit the model `{}`: {e}", self.name)))?;
+        Ok(())
+    }
+
+    /// The model with every network kept as host tensors (on the CPU, each in the dtype its target asks for):
+    /// what the RAM cache of recently used checkpoints holds. [`SdModel::place`] builds it on a device.
+    pub fn load_host(model: &ResolvedModel, targets: &Targets) -> Result<Self, LoadError> {
+        let host = |t: &ModuleTarget| ModuleTarget { device: Device::Cpu, dtype: t.dtype, offload: true };
+        let host_targets =
+            Targets { unet: host(&targets.unet), text: host(&targets.text), vae: host(&targets.vae) };
+        Self::load(model, &host_targets)
+    }
+
+    /// Bytes of host memory held by a model from [`SdModel::load_host`].
+    pub fn host_bytes(&self) -> u64 {
+        self.unet.host_bytes()
+            + self.vae.host_bytes()
+            + self.encoders.iter().map(|e| e.model.host_bytes()).sum::<u64>()
+    }
+
+    /// A model from [`SdModel::load_host`] built on `targets`' devices, sharing its host tensors (nothing is read
+    /// from disk; on a GPU only the upload remains).
+    pub fn place(&self, name: &str, targets: &Targets) -> Result<Self, LoadError> {
+        fn put<T>(r: &Resident<T>, t: &ModuleTarget) -> Result<Resident<T>, LoadError> {
+            match r.place(&t.device, t.offload) {
+                Some(placed) => Ok(placed?),
+                None => Err(LoadError::Layout {
+                    path: PathBuf::from("<host cache>"),
+                    message: "the cached model holds no host copy".into(),
+                }),
+            }
+        }
+        let encoders = self
+            .encoders
+            .iter()
+            .map(|e| {
+                Ok(TextEncoder { tokenizer: Arc::clone(&e.tokenizer), model: put(&e.model, &targets.text)? })
+            })
+            .collect::<Result<Vec<_>, LoadError>>()?;
+        Ok(SdModel {
+            name: name.to_string(),
+            family: self.family,
+            unet: put(&self.unet, &targets.unet)?,
+            unet_config: self.unet_config.clone(),
+            vae: put(&self.vae, &targets.vae)?,
+            vae_config: self.vae_config.clone(),
+            encoders,
+            scheduler_config: self.scheduler_config.clone(),
+            force_zeros_for_empty_prompt: self.force_zeros_for_empty_prompt,
+            vae_scale_factor: self.vae_scale_factor,
+            native_size: self.native_size,
+        })
     }
 
     /// A diffusers pipeline folder with every network on `device` in `dtype`.
@@ -155,7 +226,7 @@ impl SdModel {
         let encoder = |sub: &str, tok: &str, projection: bool| -> Result<TextEncoder, LoadError> {
             let cfg = ClipTextConfig::from_file(&dir.join(sub).join("config.json"))?;
             Ok(TextEncoder {
-                tokenizer: ClipTokenizer::from_dir(&dir.join(tok))?,
+                tokenizer: Arc::new(ClipTokenizer::from_dir(&dir.join(tok))?),
                 model: component(&dir.join(sub), targets.text.clone(), move |vb| {
                     ClipTextModel::new(vb, &cfg, projection)
                 })?,
@@ -219,10 +290,10 @@ impl SdModel {
         // Single files carry no tokenizer. A config folder's tokenizer wins (as in diffusers' `config=`); otherwise
         // the bundled CLIP vocabulary serves, padded as each encoder was trained (CLIP-L with its end token,
         // OpenCLIP with "!").
-        let tokenizer = |sub: &str, pad: PadToken| -> Result<ClipTokenizer, LoadError> {
+        let tokenizer = |sub: &str, pad: PadToken| -> Result<Arc<ClipTokenizer>, LoadError> {
             match config_dir.map(|d| d.join(sub)).filter(|d| d.join("vocab.json").is_file()) {
-                Some(dir) => Ok(ClipTokenizer::from_dir(&dir)?),
-                None => Ok(ClipTokenizer::bundled(pad)?),
+                Some(dir) => Ok(Arc::new(ClipTokenizer::from_dir(&dir)?)),
+                None => Ok(Arc::new(ClipTokenizer::bundled(pad)?)),
             }
         };
         let first_pad = if configs.text_encoder.get("hidden_act").and_then(Value::as_str) == Some("gelu") {
@@ -300,6 +371,14 @@ impl SdModel {
             .map(|e| e.model.resident_bytes())
             .sum::<u64>()
     }
+}
+
+/// A diffusers folder of the same name beside a single-file checkpoint (`sd15/` next to `sd15.safetensors`): the
+/// file's config, as diffusers' `from_single_file(config=…)` takes one. Its tokenizers and component configs win
+/// over what the weights' shapes imply (a checkpoint with a vocabulary of its own needs this).
+pub fn config_beside(file: &Path) -> Option<PathBuf> {
+    let dir = file.with_extension("");
+    (dir != file && dir.join("model_index.json").is_file()).then_some(dir)
 }
 
 /// A diffusers component folder as a network on `target`: memory-mapped straight onto the device, or read into

@@ -357,3 +357,57 @@ fn placed_and_offloaded_networks_generate_the_diffusers_images() {
         r.latent_rel
     );
 }
+
+/// A standalone VAE file in place of the model's own (A1111's `sd_vae`): the images diffusers makes with
+/// `vae=AutoencoderKL.from_single_file(<file>, config=<sd1>, subfolder="vae")` (`golden/external_vae.json`, whose
+/// VAE changes the image by up to 245 levels), through a diffusers folder, and through a single file whose
+/// config folder sits beside it, loaded by [`SdModel::load`] as a worker does.
+#[test]
+fn external_vae_generates_the_diffusers_images() {
+    let (dev, dtype) = (&test_device().device, test_device().dtype);
+    let tol = test_device().tolerance;
+    let records: Vec<Value> = serde_json::from_slice(
+        &std::fs::read(fixtures().join("golden/external_vae.json"))
+            .expect("tests/fixtures/golden/external_vae.json"),
+    )
+    .expect("external_vae.json");
+    assert_eq!(records.len(), 2);
+    for source in ["sd1", "sd1.safetensors"] {
+        for case in &records {
+            let vae = fixtures().join("models").join(case["vae"].as_str().expect("vae"));
+            let resolved = sdhive_modelsource::resolve(
+                &fixtures().join("models").join(source).to_string_lossy(),
+                &Default::default(),
+            )
+            .expect("fixture model");
+            let resolved = sdhive_modelsource::ResolvedModel { vae: Some(vae), ..resolved };
+            let model = SdModel::load(&resolved, &Targets::all(dev, dtype)).expect("sd1 with the other VAE");
+            let mut models = HashMap::from([("sd1".to_string(), model)]);
+            let r = run_case(&mut models, case);
+            eprintln!(
+                "{source} + sd1-alt VAE {}: latent rel diff {:.2e}, pixels off {}",
+                case["case"], r.latent_rel, r.pixels_off
+            );
+            assert!(
+                r.latent_rel <= tol.latent_rel
+                    && r.pixels_off as f32 <= tol.pixels_off * (64 * 64 * 3) as f32,
+                "{source} {} with the other VAE is off diffusers",
+                case["case"]
+            );
+        }
+    }
+}
+
+/// A file that is no VAE is refused at load, naming the file; the model keeps its own VAE.
+#[test]
+fn a_file_that_is_no_vae_is_refused() {
+    let (dev, dtype) = (&test_device().device, test_device().dtype);
+    let mut model =
+        SdModel::from_diffusers_dir("sd1", &fixtures().join("models/sd1"), dev, dtype).expect("sd1");
+    let target = ModuleTarget { device: dev.clone(), dtype, offload: false };
+    let junk = fixtures().join("models/sd1/text_encoder/model.safetensors");
+    let err = model.replace_vae(&junk, &target).expect_err("a text encoder is no VAE").to_string();
+    assert!(err.contains("model.safetensors"), "{err}");
+    let mut models = HashMap::from([("sd1".to_string(), model)]);
+    check_cases(&mut models, &["sd1_euler"], "after a refused VAE");
+}

@@ -5,6 +5,7 @@
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// One network's device, dtype and residency.
 #[derive(Debug, Clone)]
@@ -35,7 +36,8 @@ impl Targets {
     }
 }
 
-type Build<T> = Box<dyn Fn(VarBuilder<'static>) -> sdhive_models::Result<T> + Send + Sync>;
+// Shared so that a host copy kept in the RAM cache can build the network again on another target.
+type Build<T> = Arc<dyn Fn(VarBuilder<'static>) -> sdhive_models::Result<T> + Send + Sync>;
 
 enum State<T> {
     Loaded(T),
@@ -63,9 +65,21 @@ impl<T> Resident<T> {
         target: ModuleTarget,
         build: impl Fn(VarBuilder<'static>) -> sdhive_models::Result<T> + Send + Sync + 'static,
     ) -> sdhive_models::Result<Self> {
+        let mut weights = weights;
+        if target.offload && target.device.is_cpu() {
+            // A host copy kept on the CPU holds what the network will be built from: converted once here (half
+            // the memory of an f32 checkpoint used in f16), not at every build.
+            for tensor in weights.values_mut() {
+                if tensor.dtype() != target.dtype && tensor.dtype().is_float() {
+                    *tensor = tensor
+                        .to_dtype(target.dtype)
+                        .map_err(|source| sdhive_models::ModelError::Tensor { model: "host copy", source })?;
+                }
+            }
+        }
         let weight_bytes =
             weights.values().map(|t| (t.elem_count() * target.dtype.size_in_bytes()) as u64).sum();
-        let build: Build<T> = Box::new(build);
+        let build: Build<T> = Arc::new(build);
         let state = if target.offload {
             // Built once now so a bad checkpoint fails at load, not at the first request.
             build(builder(&weights, &target))?;
@@ -74,6 +88,29 @@ impl<T> Resident<T> {
             State::Loaded(build(builder(&weights, &target))?)
         };
         Ok(Resident { target, state, weight_bytes })
+    }
+
+    /// Bytes of the host copy's tensors (0 for a network built on its device).
+    pub fn host_bytes(&self) -> u64 {
+        match &self.state {
+            State::Host { weights, .. } => {
+                weights.values().map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64).sum()
+            }
+            State::Loaded(_) => 0,
+        }
+    }
+
+    /// The same network from this host copy on `target` (its dtype is this copy's): built there now unless
+    /// `target.offload`. The host tensors are shared, not copied; `None` when this network is not a host copy.
+    pub fn place(&self, device: &Device, offload: bool) -> Option<sdhive_models::Result<Resident<T>>> {
+        let State::Host { weights, build } = &self.state else { return None };
+        let target = ModuleTarget { device: device.clone(), dtype: self.target.dtype, offload };
+        let state = if offload {
+            Ok(State::Host { weights: weights.clone(), build: Arc::clone(build) })
+        } else {
+            build(builder(weights, &target)).map(State::Loaded)
+        };
+        Some(state.map(|state| Resident { target, state, weight_bytes: self.weight_bytes }))
     }
 
     /// Runs `f` on the network, building it on its device first when offloaded.

@@ -126,6 +126,18 @@ pub fn load_single_file_on(
     SingleFile::open(path)?.convert(overrides, device)
 }
 
+/// A standalone VAE file in the original (LDM) layout, as A1111's `sd_vae` files are (`vae-ft-mse-840000…`,
+/// `sdxl_vae.safetensors`): its tensors under diffusers' `AutoencoderKL` names, on `device`. Tensors may carry the
+/// checkpoint's `first_stage_model.` prefix or none. The scaling factor is not in the file: the model the VAE is
+/// used with keeps its own, as in A1111.
+pub fn load_vae_file_on(path: impl AsRef<Path>, device: &Device) -> Result<Weights> {
+    let file = CheckpointFile::open(path.as_ref())?;
+    let prefix = if file.has_prefix(layout::VAE) { layout::VAE } else { "" };
+    let mut skipped = Vec::new();
+    let (plan, _) = vae::plan(&file, prefix, &mut skipped)?;
+    plan.materialize(&file, device)
+}
+
 impl SingleFile {
     /// Maps the file, parses its header and recognises the layout; reads no tensor data.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
@@ -173,7 +185,7 @@ impl SingleFile {
         let f = &self.file;
         let family = self.layout.family;
         let mut skipped = Vec::new();
-        let (vae_plan, vae) = vae::plan(f, &mut skipped)?;
+        let (vae_plan, vae) = vae::plan(f, layout::VAE, &mut skipped)?;
         let (mut te_plan, te) = clip::plan(f, self.layout.text_encoder, "text encoder", &mut skipped)?;
         let te2 = self
             .layout

@@ -4,7 +4,6 @@
 
 use crate::error::{CheckpointError, Result};
 use crate::file::CheckpointFile;
-use crate::layout::VAE;
 use crate::plan::{Op, Plan, Shapes};
 use std::collections::BTreeSet;
 
@@ -40,13 +39,19 @@ pub(crate) struct VaeStructure {
     pub norm_channels: Vec<usize>,
 }
 
-pub(crate) fn plan(file: &CheckpointFile, skipped: &mut Vec<String>) -> Result<(Plan, VaeStructure)> {
+/// Plans the VAE's tensors found under `prefix` (`first_stage_model.` in a checkpoint, empty in a standalone VAE
+/// file).
+pub(crate) fn plan(
+    file: &CheckpointFile,
+    prefix: &str,
+    skipped: &mut Vec<String>,
+) -> Result<(Plan, VaeStructure)> {
     let unexpected = |key: &str| CheckpointError::UnexpectedTensor {
         path: file.path.clone(),
         tensor: key.to_string(),
         component: COMPONENT,
     };
-    let rests: Vec<(&str, &str)> = file.names_with_prefix(VAE).map(|k| (k, &k[VAE.len()..])).collect();
+    let rests: Vec<(&str, &str)> = file.names_with_prefix(prefix).map(|k| (k, &k[prefix.len()..])).collect();
     let levels: BTreeSet<usize> = rests
         .iter()
         .filter_map(|(_, r)| r.strip_prefix("encoder.down.")?.split('.').next()?.parse().ok())
@@ -55,7 +60,7 @@ pub(crate) fn plan(file: &CheckpointFile, skipped: &mut Vec<String>) -> Result<(
     if n == 0 || levels.iter().enumerate().any(|(i, l)| i != *l) {
         return Err(CheckpointError::MissingTensor {
             path: file.path.clone(),
-            tensor: format!("{VAE}encoder.down.0.*"),
+            tensor: format!("{prefix}encoder.down.0.*"),
             context: "encoder levels are numbered from 0 without gaps".into(),
         });
     }
@@ -67,6 +72,15 @@ pub(crate) fn plan(file: &CheckpointFile, skipped: &mut Vec<String>) -> Result<(
         let level = |i: &str| i.parse::<usize>().ok().filter(|i| *i < n);
         let mapped: Option<(String, Op)> =
             match s.as_slice() {
+                // A standalone VAE file has no prefix to tell its tensors apart: EMA bookkeeping and the like
+                // beside them are not the VAE's.
+                [first, ..]
+                    if prefix.is_empty()
+                        && !matches!(*first, "encoder" | "decoder" | "quant_conv" | "post_quant_conv") =>
+                {
+                    skipped.push(key.to_string());
+                    continue;
+                }
                 ["loss", ..] => {
                     // Training-time discriminator / LPIPS weights some checkpoints still carry.
                     skipped.push(key.to_string());
@@ -108,18 +122,18 @@ pub(crate) fn plan(file: &CheckpointFile, skipped: &mut Vec<String>) -> Result<(
         plan.add(file, target, key, op)?;
     }
 
-    let structure = check(file, n)?;
+    let structure = check(file, prefix, n)?;
     Ok((plan, structure))
 }
 
-fn check(file: &CheckpointFile, n: usize) -> Result<VaeStructure> {
+fn check(file: &CheckpointFile, prefix: &str, n: usize) -> Result<VaeStructure> {
     let sh = Shapes { file };
-    let k = |s: &str| format!("{VAE}{s}");
+    let k = |s: &str| format!("{prefix}{s}");
     let mut norms = Vec::new();
     let conv_in = sh.rank(&k("encoder.conv_in.weight"), 4, "encoder conv_in")?;
     let in_channels = conv_in[1];
     let blocks_at = |coder: &str, i: usize| {
-        let p = format!("{VAE}{coder}.{i}.block.");
+        let p = format!("{prefix}{coder}.{i}.block.");
         let set: BTreeSet<usize> = file
             .names_with_prefix(&p)
             .filter_map(|key| key[p.len()..].split('.').next()?.parse().ok())

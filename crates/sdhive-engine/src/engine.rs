@@ -43,7 +43,7 @@ pub struct GenerateOutput {
 }
 
 /// What the serving layers show about a loaded engine (`/v1/info`, registration).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct EngineInfo {
     pub engine: String,
     pub backend: String,

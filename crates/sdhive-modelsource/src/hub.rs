@@ -55,7 +55,7 @@ fn resolved(repo: &RepoRef, snapshot: &Path) -> Result<ResolvedModel, SourceErro
     let canonical = std::fs::canonicalize(snapshot).map_err(|e| SourceError::io(snapshot, e))?;
     let name =
         if repo.revision == "main" { repo.id.clone() } else { format!("{}@{}", repo.id, repo.revision) };
-    Ok(ResolvedModel { name, location: ModelLocation::DiffusersDir(canonical) })
+    Ok(ResolvedModel { name, location: ModelLocation::DiffusersDir(canonical), vae: None })
 }
 
 /// Downloads whatever the snapshot of `repo` lacks and returns the snapshot folder. Kept small on purpose: it

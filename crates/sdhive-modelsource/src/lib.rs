@@ -31,6 +31,8 @@ pub enum ModelLocation {
 pub struct ResolvedModel {
     pub name: String,
     pub location: ModelLocation,
+    /// A standalone VAE file that replaces the model's own (A1111's `sd_vae`); `None` keeps the model's.
+    pub vae: Option<PathBuf>,
 }
 
 impl ModelLocation {
@@ -39,6 +41,12 @@ impl ModelLocation {
             ModelLocation::DiffusersDir(p) | ModelLocation::SingleFile(p) => p,
         }
     }
+}
+
+/// Resolves a standalone VAE file (A1111's `sd_vae`): it must exist inside the model roots and be a `.safetensors`
+/// file; pickles are refused.
+pub fn resolve_vae(path: &Path, opts: &ResolveOptions) -> Result<PathBuf, SourceError> {
+    local::resolve_vae(&local::expand_home(&path.to_string_lossy()), opts)
 }
 
 /// Resolves `arg` in this order: an existing path (diffusers folder or `.safetensors` file), else a path-looking

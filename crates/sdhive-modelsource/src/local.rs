@@ -66,7 +66,7 @@ pub(crate) fn resolve_path(path: &Path, opts: &ResolveOptions) -> Result<Resolve
             });
         }
         diffusers::check_complete(&canonical)?;
-        return Ok(ResolvedModel { name, location: ModelLocation::DiffusersDir(canonical) });
+        return Ok(ResolvedModel { name, location: ModelLocation::DiffusersDir(canonical), vae: None });
     }
     // The given name decides the format: hub-cache blobs that snapshot symlinks point at have no extension.
     let ext = path
@@ -78,7 +78,7 @@ pub(crate) fn resolve_path(path: &Path, opts: &ResolveOptions) -> Result<Resolve
     if ext == "safetensors" || ext == "sft" {
         check_safetensors_header(&canonical)
             .map_err(|reason| SourceError::InvalidSafetensors { path: path.to_path_buf(), reason })?;
-        return Ok(ResolvedModel { name, location: ModelLocation::SingleFile(canonical) });
+        return Ok(ResolvedModel { name, location: ModelLocation::SingleFile(canonical), vae: None });
     }
     if PICKLE_EXTENSIONS.contains(&ext.as_str()) {
         return Err(SourceError::PickleUnsupported { path: path.to_path_buf() });
@@ -87,6 +87,28 @@ pub(crate) fn resolve_path(path: &Path, opts: &ResolveOptions) -> Result<Resolve
         path: path.to_path_buf(),
         reason: "expected a .safetensors checkpoint or a diffusers folder containing model_index.json".into(),
     })
+}
+
+/// A standalone VAE file: canonical, inside the roots, a `.safetensors` whose framing is sound.
+pub(crate) fn resolve_vae(path: &Path, opts: &ResolveOptions) -> Result<PathBuf, SourceError> {
+    let canonical = std::fs::canonicalize(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => SourceError::NotFound { path: path.to_path_buf() },
+        _ => SourceError::io(path, e),
+    })?;
+    check_roots(path, &canonical, &opts.model_roots)?;
+    let ext = canonical.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).unwrap_or_default();
+    if PICKLE_EXTENSIONS.contains(&ext.as_str()) {
+        return Err(SourceError::PickleUnsupported { path: path.to_path_buf() });
+    }
+    if ext != "safetensors" {
+        return Err(SourceError::UnknownFormat {
+            path: path.to_path_buf(),
+            reason: "a VAE must be a .safetensors file".into(),
+        });
+    }
+    check_safetensors_header(&canonical)
+        .map_err(|reason| SourceError::InvalidSafetensors { path: path.to_path_buf(), reason })?;
+    Ok(canonical)
 }
 
 /// Refuses `canonical` unless it lies inside a root. Roots that do not exist confine nothing and are skipped.

@@ -168,6 +168,12 @@ pub struct JobRequest {
     /// Accepted for forward compatibility; previews are not produced yet (`capabilities.preview` is false).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preview_every: Option<u32>,
+    /// The checkpoint, by any name A1111 accepts (title, name, file name, hash); default: the selected one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// A1111's `sd_vae` values: `Automatic`, `None` or a VAE file name; default: the selected choice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vae: Option<String>,
 }
 
 /// `202 Accepted` answer to a submission.
@@ -217,6 +223,9 @@ pub struct RequestSummary {
     pub strength: Option<f32>,
     pub img2img: bool,
     pub inpaint: bool,
+    /// The checkpoint's title (A1111's), when the worker knows it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -22,8 +22,15 @@ pub struct RegisterRequest {
     pub api_key_required: bool,
     pub backend: String,
     pub device: DeviceDescription,
-    /// The loaded model's name.
+    /// The loaded model's name (empty when the worker started without one).
     pub model: String,
+    /// The loaded checkpoint as the worker's model library knows it: its canonical path (or the `--model`
+    /// argument for a model outside the library). A hive scanning the same folders maps it to its catalogue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_source: Option<String>,
+    /// Whether the worker switches models per request (it has a model library).
+    #[serde(default)]
+    pub switchable: bool,
     /// `sd1`, `sd2`, `sdxl`, … as the engine detected it.
     pub model_family: String,
     pub capabilities: Capabilities,
@@ -111,6 +118,12 @@ pub struct Heartbeat {
     pub jobs_failed: u64,
     pub jobs_cancelled: u64,
     pub uptime_secs: f64,
+    /// The loaded model's name now (`None`: nothing loaded); models change at run time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// As [`RegisterRequest::model_source`], now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_source: Option<String>,
 }
 
 /// `POST <deregister_url>` once, on shutdown, after the last job ended.

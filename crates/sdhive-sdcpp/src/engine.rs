@@ -97,6 +97,12 @@ impl SdCppEngine {
             CString::new(path.to_string_lossy().into_owned()).map_err(|_| LoadError::Nul("model path"))?;
         let c_runtime = CString::new(runtime).map_err(|_| LoadError::Nul("placement"))?;
         let c_params = CString::new(params_backend).map_err(|_| LoadError::Nul("offload"))?;
+        // A1111's `sd_vae`: stable-diffusion.cpp loads a standalone VAE file in place of the model's own.
+        let c_vae = model
+            .vae
+            .as_ref()
+            .map(|v| CString::new(v.to_string_lossy().into_owned()).map_err(|_| LoadError::Nul("VAE path")))
+            .transpose()?;
 
         // SAFETY: sd_ctx_params_init fills every field; the strings outlive new_sd_ctx, which copies what it
         // keeps.
@@ -109,6 +115,9 @@ impl SdCppEngine {
                 ModelLocation::DiffusersDir(_) | ModelLocation::SingleFile(_) => {
                     p.model_path = c_path.as_ptr()
                 }
+            }
+            if let Some(vae) = &c_vae {
+                p.vae_path = vae.as_ptr();
             }
             if let Some(threads) = opts.threads {
                 p.n_threads = threads.min(i32::MAX as usize) as i32;

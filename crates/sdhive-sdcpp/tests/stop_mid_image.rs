@@ -13,8 +13,11 @@ fn engine() -> SdCppEngine {
     let dir = std::env::var_os("SDHIVE_SD15_RANDOM")
         .map(PathBuf::from)
         .expect("SDHIVE_SD15_RANDOM must name the folder `cargo xtask random-model` writes");
-    let model =
-        ResolvedModel { name: "sd15-random".into(), location: ModelLocation::DiffusersDir(dir.clone()) };
+    let model = ResolvedModel {
+        name: "sd15-random".into(),
+        location: ModelLocation::DiffusersDir(dir.clone()),
+        vae: None,
+    };
     // stable-diffusion.cpp's own log (why a load failed, which device it took) at RUST_LOG=sdcpp=info.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())

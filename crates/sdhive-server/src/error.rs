@@ -3,6 +3,7 @@
 //! error shape (A1111) convert from the same value.
 
 use crate::jobs::{LookupError, RunError, SubmitError};
+use crate::models::ModelError;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use sdhive_engine::ValidationError;
@@ -124,7 +125,24 @@ impl From<SubmitError> for ApiError {
                 e.retry_after = Some(10);
                 e
             }
+            SubmitError::Model(e) => ApiError::from(e),
         }
+    }
+}
+
+impl From<ModelError> for ApiError {
+    /// An unknown model is a 404 `model_not_found` (OpenAI's answer for a model it does not have), naming the
+    /// closest ones; the rest are the request's to fix (400).
+    fn from(e: ModelError) -> Self {
+        let (status, code, param) = match &e {
+            ModelError::UnknownCheckpoint { .. } => (StatusCode::NOT_FOUND, "model_not_found", "model"),
+            ModelError::UnknownVae { .. } => (StatusCode::BAD_REQUEST, "vae_not_found", "vae"),
+            ModelError::NothingSelected => (StatusCode::BAD_REQUEST, "no_model", "model"),
+            ModelError::Catalog(_) => {
+                (StatusCode::INTERNAL_SERVER_ERROR, "model_library_unreadable", "model")
+            }
+        };
+        ApiError::new(status, "invalid_request_error", Some(code), Some(param.into()), e.to_string())
     }
 }
 

@@ -1,20 +1,25 @@
-//! The engine thread: the only owner of the loaded model. It takes one job at a time from the queue, runs it
-//! with a progress callback that records steps and answers cancellation, encodes the images, and turns every
-//! failure — engine errors and engine panics alike — into a failed job, so the worker keeps serving.
+//! The engine thread: the only owner of the loaded model. It takes one job at a time from the queue, switches to
+//! the job's model first when another is loaded (a switch that fails fails the job and leaves the previous model
+//! serving), runs it with a progress callback that records steps and answers cancellation, encodes the images,
+//! and turns every failure — engine errors and engine panics alike — into a failed job, so the worker keeps
+//! serving.
 
-use crate::jobs::{FinishedImage, JobManager, Next, Outcome, Shared, StartedJob};
+use crate::jobs::{FinishedImage, JobManager, Next, Outcome, Shared, StartedJob, Work};
 use bytes::Bytes;
-use sdhive_engine::{encode_png, Control, Engine, EngineError, GenerateOutput, Progress};
+use sdhive_engine::{
+    encode_png, Control, Engine, EngineError, GenerateOutput, GenerateRequest, ModelHost, ModelSpec, Progress,
+};
+use sdhive_protocol::JobId;
 use sdhive_protocol::{JobError, JobErrorKind};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Weak;
 use std::thread::JoinHandle;
 
-pub(crate) fn spawn(jobs: Weak<Shared>, engine: Box<dyn Engine>) -> JoinHandle<()> {
+pub(crate) fn spawn(jobs: Weak<Shared>, host: ModelHost) -> JoinHandle<()> {
     let spawned = std::thread::Builder::new().name("sdhive-engine".into()).spawn({
         let jobs = jobs.clone();
-        move || run(jobs, engine)
+        move || run(jobs, host)
     });
     match spawned {
         Ok(handle) => handle,
@@ -42,13 +47,37 @@ impl Drop for AliveGuard {
 
 /// Serves jobs until told to stop or until nothing can submit any more (every manager handle dropped); the
 /// engine, and with it the model's memory, is freed when this returns.
-fn run(weak: Weak<Shared>, mut engine: Box<dyn Engine>) {
+fn run(weak: Weak<Shared>, mut host: ModelHost) {
     let _alive = AliveGuard(weak.clone());
     while let Some(jobs) = JobManager::upgrade(&weak) {
         match jobs.next_job() {
             Next::Job(job) => {
-                let outcome = run_one(&jobs, engine.as_mut(), &job);
-                jobs.finish(&job.id, outcome);
+                let StartedJob { id, work, cancel } = *job;
+                let outcome = match work {
+                    Work::Generate { request, model } => match switch(&jobs, &mut host, &id, &model) {
+                        Err(failure) => failure,
+                        Ok(()) => match host.engine() {
+                            Some(engine) => {
+                                let native = engine.info();
+                                jobs.set_size(
+                                    &id,
+                                    request.output_size((native.native_width, native.native_height)),
+                                );
+                                run_one(&jobs, engine, &id, &request, &cancel)
+                            }
+                            None => model_failure("no model is loaded".into()),
+                        },
+                    },
+                    Work::Load(model) => switch(&jobs, &mut host, &id, &model)
+                        .map_or_else(|f| f, |()| Outcome::Succeeded(vec![])),
+                    Work::Unload => {
+                        host.unload_model();
+                        jobs.library().record_unloaded();
+                        tracing::info!("model unloaded");
+                        Outcome::Succeeded(vec![])
+                    }
+                };
+                jobs.finish(&id, outcome);
             }
             Next::Idle => {}
             Next::Stop => break,
@@ -56,17 +85,61 @@ fn run(weak: Weak<Shared>, mut engine: Box<dyn Engine>) {
     }
 }
 
-fn run_one(jobs: &JobManager, engine: &mut dyn Engine, job: &StartedJob) -> Outcome {
-    tracing::info!(job = %job.id, steps = job.request.steps, n = job.request.n, "job started");
+/// A job that could not run because its model could not be loaded: the model is what the client asked for, so
+/// the failure is reported against the request's `model` field.
+fn model_failure(message: String) -> Outcome {
+    Outcome::Failed(JobError { kind: JobErrorKind::InvalidRequest, message, param: Some("model".into()) })
+}
+
+/// Makes `model` the loaded one, recording the outcome in the library. Engine panics during a load are caught
+/// like generation panics.
+fn switch(jobs: &JobManager, host: &mut ModelHost, id: &JobId, model: &ModelSpec) -> Result<(), Outcome> {
+    if host.current_model() == Some(model) {
+        return Ok(());
+    }
+    let library = jobs.library();
+    let title = library.title_of(model);
+    jobs.set_activity(id, Some(format!("loading model {title}")));
+    tracing::info!(job = %id, model = %title, vae = ?model.vae, "switching model");
+    let started = std::time::Instant::now();
+    let result = catch_unwind(AssertUnwindSafe(|| host.load_model(model)));
+    jobs.set_activity(id, None);
+    match (host.current_model().cloned(), host.info()) {
+        (Some(spec), Some(info)) => library.record_loaded(&spec, &info),
+        _ => library.record_unloaded(),
+    }
+    match result {
+        Ok(Ok(())) => {
+            tracing::info!(model = %title, seconds = started.elapsed().as_secs_f64(), "model loaded");
+            library.hash_loaded(model);
+            Ok(())
+        }
+        Ok(Err(e)) => Err(model_failure(e.to_string())),
+        Err(payload) => {
+            let message = panic_message(payload.as_ref());
+            tracing::error!(model = %title, "loading panicked: {message}");
+            Err(model_failure(format!("cannot load model `{title}`: the loader panicked: {message}")))
+        }
+    }
+}
+
+fn run_one(
+    jobs: &JobManager,
+    engine: &mut dyn Engine,
+    id: &JobId,
+    request: &GenerateRequest,
+    cancel: &std::sync::atomic::AtomicBool,
+) -> Outcome {
+    tracing::info!(job = %id, steps = request.steps, n = request.n, "job started");
     let mut on_progress = |p: &Progress| {
-        jobs.on_progress(&job.id, p);
-        if job.cancel.load(Ordering::SeqCst) {
+        jobs.on_progress(id, p);
+        if cancel.load(Ordering::SeqCst) {
             Control::Cancel
         } else {
             Control::Continue
         }
     };
-    let result = catch_unwind(AssertUnwindSafe(|| engine.generate(&job.request, &mut on_progress)));
+    let result = catch_unwind(AssertUnwindSafe(|| engine.generate(request, &mut on_progress)));
     let outcome = match result {
         Ok(Ok(output)) => encode_all(output),
         Ok(Err(EngineError::Cancelled)) => Outcome::Cancelled,
@@ -89,7 +162,7 @@ fn run_one(jobs: &JobManager, engine: &mut dyn Engine, job: &StartedJob) -> Outc
         }
         Err(payload) => {
             let message = panic_message(payload.as_ref());
-            tracing::error!(job = %job.id, "engine panicked: {message}");
+            tracing::error!(job = %id, "engine panicked: {message}");
             Outcome::Failed(JobError {
                 kind: JobErrorKind::EnginePanic,
                 message: format!("the engine panicked: {message}"),
@@ -98,11 +171,11 @@ fn run_one(jobs: &JobManager, engine: &mut dyn Engine, job: &StartedJob) -> Outc
         }
     };
     match &outcome {
-        Outcome::Succeeded(_) => tracing::info!(job = %job.id, "job succeeded"),
+        Outcome::Succeeded(_) => tracing::info!(job = %id, "job succeeded"),
         Outcome::Failed(e) => {
-            tracing::warn!(job = %job.id, kind = e.kind.as_str(), "job failed: {}", e.message)
+            tracing::warn!(job = %id, kind = e.kind.as_str(), "job failed: {}", e.message)
         }
-        Outcome::Cancelled => tracing::info!(job = %job.id, "job cancelled"),
+        Outcome::Cancelled => tracing::info!(job = %id, "job cancelled"),
     }
     outcome
 }

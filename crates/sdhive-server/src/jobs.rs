@@ -5,10 +5,11 @@
 
 use crate::infer;
 use crate::metrics::Metrics;
+use crate::models::{ModelError, ModelLibrary};
 use crate::{unix_secs, ServerConfig};
 use base64::Engine as _;
 use bytes::Bytes;
-use sdhive_engine::{Engine, GenerateRequest, Progress};
+use sdhive_engine::{GenerateRequest, ModelHost, ModelSpec, Progress};
 use sdhive_protocol::{
     JobError, JobErrorKind, JobEvent, JobId, JobImage, JobLinks, JobSnapshot, JobState, RequestSummary,
     RunningJob,
@@ -27,12 +28,24 @@ pub type JobErrorView = JobError;
 /// Events buffered per job before a slow subscriber lags (it then resynchronises from the job's state).
 const EVENT_CAPACITY: usize = 256;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum SubmitError {
     #[error("the job queue is full; retry in about {retry_after_secs} s")]
     QueueFull { retry_after_secs: u64 },
     #[error("the worker is shutting down")]
     ShuttingDown,
+    /// The model the request names (or the selection) cannot be served.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+/// What a queued job asks of the engine thread. Model switches are jobs too, so they wait their turn behind the
+/// jobs submitted before them and `/progress` shows the worker busy while one runs.
+#[derive(Debug)]
+pub(crate) enum Work {
+    Generate { request: GenerateRequest, model: ModelSpec },
+    Load(ModelSpec),
+    Unload,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -100,6 +113,10 @@ pub struct JobView {
     pub request: RequestSummary,
     /// The latest latent preview (PNG at latent resolution) of a running job that asked for previews.
     pub preview: Option<Bytes>,
+    /// What the job is doing besides denoising (`loading model X`), while it does it.
+    pub activity: Option<String>,
+    /// A model load or unload rather than a generation.
+    pub control: bool,
 }
 
 impl JobView {
@@ -174,7 +191,9 @@ struct Job {
     id: JobId,
     state: JobState,
     /// Taken by the engine thread when the job starts.
-    request: Option<GenerateRequest>,
+    work: Option<Work>,
+    control: bool,
+    activity: Option<String>,
     summary: RequestSummary,
     step: u32,
     total_steps: u32,
@@ -239,6 +258,8 @@ impl Job {
             images: self.images.clone(),
             request: self.summary.clone(),
             preview: self.preview.clone(),
+            activity: self.activity.clone(),
+            control: self.control,
         }
     }
 
@@ -322,7 +343,7 @@ pub(crate) struct Shared {
     idle: Condvar,
     pub(crate) config: Arc<ServerConfig>,
     pub(crate) metrics: Arc<Metrics>,
-    native_size: (u32, u32),
+    pub(crate) library: Arc<ModelLibrary>,
     engine_thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -335,7 +356,7 @@ pub struct JobManager {
 /// What the engine thread gets for one job.
 pub(crate) struct StartedJob {
     pub id: JobId,
-    pub request: GenerateRequest,
+    pub work: Work,
     pub cancel: Arc<AtomicBool>,
 }
 
@@ -376,6 +397,27 @@ fn random_seed() -> u64 {
     })
 }
 
+/// What a model load or unload job shows as its request.
+fn control_summary(what: String) -> RequestSummary {
+    RequestSummary {
+        prompt: what,
+        negative_prompt: String::new(),
+        steps: 0,
+        cfg_scale: 0.0,
+        width: 0,
+        height: 0,
+        seed: 0,
+        n: 0,
+        sampler: String::new(),
+        scheduler: String::new(),
+        clip_skip: 0,
+        strength: None,
+        img2img: false,
+        inpaint: false,
+        model: None,
+    }
+}
+
 fn summarize(req: &GenerateRequest, native: (u32, u32)) -> RequestSummary {
     let (width, height) = req.output_size(native);
     RequestSummary {
@@ -393,13 +435,18 @@ fn summarize(req: &GenerateRequest, native: (u32, u32)) -> RequestSummary {
         strength: req.effective_strength(),
         img2img: req.init_image.is_some(),
         inpaint: req.mask.is_some(),
+        model: None,
     }
 }
 
 impl JobManager {
-    /// Starts the engine thread that owns `engine` and serves this manager's queue.
-    pub fn start(config: Arc<ServerConfig>, metrics: Arc<Metrics>, engine: Box<dyn Engine>) -> JobManager {
-        let info = engine.info();
+    /// Starts the engine thread that owns `host` (and its loaded model) and serves this manager's queue.
+    pub fn start(
+        config: Arc<ServerConfig>,
+        metrics: Arc<Metrics>,
+        library: Arc<ModelLibrary>,
+        host: ModelHost,
+    ) -> JobManager {
         let shared = Arc::new(Shared {
             inner: Mutex::new(Inner {
                 jobs: HashMap::new(),
@@ -416,11 +463,11 @@ impl JobManager {
             idle: Condvar::new(),
             config,
             metrics,
-            native_size: (info.native_width, info.native_height),
+            library,
             engine_thread: Mutex::new(None),
         });
         let manager = JobManager { shared };
-        let handle = infer::spawn(manager.downgrade(), engine);
+        let handle = infer::spawn(manager.downgrade(), host);
         *lock_handle(&manager.shared.engine_thread) = Some(handle);
         manager
     }
@@ -437,8 +484,44 @@ impl JobManager {
         inner
     }
 
-    /// Queues a validated request. A request without a seed gets one drawn here, so the job reports it.
-    pub fn submit(&self, mut req: GenerateRequest) -> Result<JobId, SubmitError> {
+    /// Queues a validated request for the selected model.
+    pub fn submit(&self, req: GenerateRequest) -> Result<JobId, SubmitError> {
+        let model = self.shared.library.resolve(None, None)?;
+        self.submit_for(req, model)
+    }
+
+    pub fn library(&self) -> &Arc<ModelLibrary> {
+        &self.shared.library
+    }
+
+    /// Queues a validated request for `model` (switched to when the job starts). A request without a seed gets
+    /// one drawn here, so the job reports it.
+    pub fn submit_for(&self, mut req: GenerateRequest, model: ModelSpec) -> Result<JobId, SubmitError> {
+        if req.seed.is_none() {
+            req.seed = Some(random_seed());
+        }
+        let native = match self.shared.library.current() {
+            Some((spec, info)) if spec == model => (info.native_width, info.native_height),
+            // Not known before the model loads; the job's summary is corrected when it starts.
+            _ => self.shared.library.info().map(|i| (i.native_width, i.native_height)).unwrap_or((512, 512)),
+        };
+        let mut summary = summarize(&req, native);
+        summary.model = Some(self.shared.library.title_of(&model));
+        self.enqueue(Work::Generate { request: req, model }, summary, false)
+    }
+
+    /// Queues a switch to `model`; it runs after the jobs queued before it.
+    pub fn submit_load(&self, model: ModelSpec) -> Result<JobId, SubmitError> {
+        let what = format!("load model {}", self.shared.library.title_of(&model));
+        self.enqueue(Work::Load(model), control_summary(what), true)
+    }
+
+    /// Queues freeing the loaded model.
+    pub fn submit_unload(&self) -> Result<JobId, SubmitError> {
+        self.enqueue(Work::Unload, control_summary("unload model".into()), true)
+    }
+
+    fn enqueue(&self, work: Work, summary: RequestSummary, control: bool) -> Result<JobId, SubmitError> {
         let mut inner = self.lock_fresh();
         if !inner.accepting {
             return Err(SubmitError::ShuttingDown);
@@ -448,18 +531,22 @@ impl JobManager {
             let retry_after_secs = inner.avg_job_secs.ceil().clamp(1.0, 60.0) as u64;
             return Err(SubmitError::QueueFull { retry_after_secs });
         }
-        if req.seed.is_none() {
-            req.seed = Some(random_seed());
-        }
         let id = new_job_id();
         let (events, _) = broadcast::channel(EVENT_CAPACITY);
+        let (total_steps, images_total) = match &work {
+            Work::Generate { request, .. } => (request.steps, request.n),
+            // A switch counts as one job for A1111's `job_count`, so pollers see the worker busy.
+            Work::Load(_) | Work::Unload => (0, 1),
+        };
         let job = Job {
             id: id.clone(),
             state: JobState::Queued,
-            summary: summarize(&req, self.shared.native_size),
-            total_steps: req.steps,
-            images_total: req.n,
-            request: Some(req),
+            summary,
+            total_steps,
+            images_total,
+            work: Some(work),
+            control,
+            activity: None,
             step: 0,
             image_index: 0,
             created_at: SystemTime::now(),
@@ -590,7 +677,29 @@ impl JobManager {
     /// Submits and waits for the result. If the returned future is dropped first (an HTTP client went away and
     /// its handler was dropped), the job is cancelled.
     pub async fn run_to_completion(&self, req: GenerateRequest) -> Result<JobView, RunError> {
-        let id = self.submit(req)?;
+        let model = self.shared.library.resolve(None, None).map_err(SubmitError::from)?;
+        self.run_for(req, model).await
+    }
+
+    /// [`JobManager::run_to_completion`] for `model`.
+    pub async fn run_for(&self, req: GenerateRequest, model: ModelSpec) -> Result<JobView, RunError> {
+        let id = self.submit_for(req, model)?;
+        self.await_job(id).await
+    }
+
+    /// Switches to `model` after the jobs queued before, and waits for the switch.
+    pub async fn load_model(&self, model: ModelSpec) -> Result<JobView, RunError> {
+        let id = self.submit_load(model)?;
+        self.await_job(id).await
+    }
+
+    /// Frees the loaded model after the jobs queued before, and waits for it.
+    pub async fn unload_model(&self) -> Result<JobView, RunError> {
+        let id = self.submit_unload()?;
+        self.await_job(id).await
+    }
+
+    async fn await_job(&self, id: JobId) -> Result<JobView, RunError> {
         let guard = CancelOnDrop::new(self.clone(), id.clone());
         let view = self.wait(&id).await?;
         guard.disarm();
@@ -611,7 +720,7 @@ impl JobManager {
                     param: None,
                 };
                 job.state = JobState::Failed;
-                job.request = None;
+                job.work = None;
                 job.finished = Some((SystemTime::now(), Instant::now()));
                 job.error = Some(error.clone());
                 job.emit(JobEvent::Failed { id: id.clone(), error });
@@ -677,13 +786,13 @@ impl JobManager {
             }
             if let Some(id) = inner.queue.pop_front() {
                 let started = inner.jobs.get_mut(&id).and_then(|job| {
-                    let request = job.request.take()?;
+                    let work = job.work.take()?;
                     let now = (SystemTime::now(), Instant::now());
                     job.state = JobState::Running;
                     job.started = Some(now);
                     job.last_step = Some(now.1);
                     job.emit(JobEvent::Started { id: id.clone(), started_at: unix_secs(now.0) });
-                    Some(StartedJob { id: id.clone(), request, cancel: Arc::clone(&job.cancel) })
+                    Some(StartedJob { id: id.clone(), work, cancel: Arc::clone(&job.cancel) })
                 });
                 if let Some(started) = started {
                     inner.running = Some(id);
@@ -750,12 +859,28 @@ impl JobManager {
         }
     }
 
+    /// Says what a running job does besides denoising (`None` once it denoises).
+    pub(crate) fn set_activity(&self, id: &JobId, activity: Option<String>) {
+        if let Some(job) = self.lock().jobs.get_mut(id) {
+            job.activity = activity;
+        }
+    }
+
+    /// The job's output size once its model is loaded (a request without a size gets the model's).
+    pub(crate) fn set_size(&self, id: &JobId, (width, height): (u32, u32)) {
+        if let Some(job) = self.lock().jobs.get_mut(id) {
+            job.summary.width = width;
+            job.summary.height = height;
+        }
+    }
+
     pub(crate) fn finish(&self, id: &JobId, outcome: Outcome) {
         let mut inner = self.lock();
         inner.running = None;
         if let Some(job) = inner.jobs.get_mut(id) {
             let now = (SystemTime::now(), Instant::now());
             job.finished = Some(now);
+            job.activity = None;
             let run_secs = job.started.map(|(_, s)| now.1.duration_since(s).as_secs_f64()).unwrap_or(0.0);
             let state = match outcome {
                 Outcome::Succeeded(images) => {
@@ -816,7 +941,7 @@ fn lock_handle(m: &Mutex<Option<JoinHandle<()>>>) -> MutexGuard<'_, Option<JoinH
 
 fn finish_cancelled(job: &mut Job, metrics: &Metrics) {
     job.state = JobState::Cancelled;
-    job.request = None;
+    job.work = None;
     job.finished = Some((SystemTime::now(), Instant::now()));
     job.emit(JobEvent::Cancelled { id: job.id.clone(), step: job.step });
     metrics.job_entered(JobState::Cancelled);

@@ -9,6 +9,7 @@ pub mod extract;
 mod infer;
 pub mod jobs;
 pub mod metrics;
+pub mod models;
 pub mod registration;
 pub mod routes;
 pub mod serve;
@@ -20,11 +21,12 @@ pub use jobs::{
     CancelOnDrop, FinishedImage, JobErrorView, JobManager, JobView, LookupError, RunError, SubmitError,
 };
 pub use metrics::Metrics;
+pub use models::{ModelError, ModelLibrary, VaeChoice};
 pub use registration::RegistrationConfig;
-pub use serve::{run, serve, shutdown_signal, EngineLoader, ServeError};
+pub use serve::{run, serve, shutdown_signal, EngineLoader, LibraryStartup, ServeError, Startup};
 
 use axum::extract::DefaultBodyLimit;
-use sdhive_engine::{Engine, EngineInfo, Limits};
+use sdhive_engine::{Engine, EngineFactory, EngineInfo, Limits, ModelHost, ModelSpec};
 use sdhive_protocol::{Capabilities, DeviceDescription};
 use std::fmt;
 use std::sync::Arc;
@@ -97,19 +99,49 @@ impl Default for ServerConfig {
 pub struct AppState {
     pub jobs: JobManager,
     pub config: Arc<ServerConfig>,
-    pub info: EngineInfo,
+    pub library: Arc<ModelLibrary>,
     pub metrics: Arc<Metrics>,
     pub started_at: SystemTime,
 }
 
+/// The factory of a worker that serves one engine for life: it loads nothing else.
+struct NoSwitching;
+
+impl EngineFactory for NoSwitching {
+    fn load(&mut self, spec: &ModelSpec) -> Result<Box<dyn Engine>, sdhive_engine::BoxError> {
+        Err(format!("this worker serves one model and cannot load `{}`", spec.name).into())
+    }
+}
+
 impl AppState {
-    /// Starts the engine thread around an already loaded engine and returns the state the routes share.
+    /// Starts the engine thread around an already loaded engine, which it serves for life, and returns the
+    /// state the routes share.
     pub fn new(config: ServerConfig, engine: Box<dyn Engine>) -> AppState {
+        let info = engine.info();
+        let library = Arc::new(ModelLibrary::fixed(&config.model_name, &info));
+        let spec = library.selected_checkpoint().unwrap_or_else(|| ModelSpec::new(info.model.clone(), ""));
+        let host = ModelHost::with_engine(Box::new(NoSwitching), spec, engine);
+        AppState::with_library(config, library, host)
+    }
+
+    /// Starts the engine thread around `host` (with or without a model loaded) over `library`.
+    pub fn with_library(config: ServerConfig, library: Arc<ModelLibrary>, host: ModelHost) -> AppState {
+        if let (Some(spec), Some(info)) = (host.current_model().cloned(), host.info()) {
+            library.record_loaded(&spec, &info);
+        }
         let config = Arc::new(config);
         let metrics = Arc::new(Metrics::new());
-        let info = engine.info();
-        let jobs = JobManager::start(Arc::clone(&config), Arc::clone(&metrics), engine);
-        AppState { jobs, config, info, metrics, started_at: SystemTime::now() }
+        let jobs = JobManager::start(Arc::clone(&config), Arc::clone(&metrics), Arc::clone(&library), host);
+        AppState { jobs, config, library, metrics, started_at: SystemTime::now() }
+    }
+
+    /// The loaded engine's description (the last one's while none is loaded).
+    pub fn info(&self) -> EngineInfo {
+        self.library.info().unwrap_or_else(|| EngineInfo {
+            backend: self.config.device.backend.clone(),
+            device: self.config.device.name.clone(),
+            ..EngineInfo::default()
+        })
     }
 
     /// The device's memory now (falls back to what was known at start).
@@ -126,16 +158,17 @@ impl AppState {
     /// What this worker can run, for `/v1/info` and the hive registration.
     pub fn capabilities(&self) -> Capabilities {
         let limits = &self.config.limits;
+        let info = self.info();
         Capabilities {
-            engine: self.info.engine.clone(),
-            dtype: self.info.dtype.clone(),
-            samplers: self.info.samplers.clone(),
+            engine: info.engine.clone(),
+            dtype: info.dtype.clone(),
+            samplers: info.samplers.clone(),
             schedulers: [sdhive_engine::Schedule::Automatic, sdhive_engine::Schedule::Karras]
                 .iter()
                 .map(|s| s.name().to_string())
                 .collect(),
-            native_width: self.info.native_width,
-            native_height: self.info.native_height,
+            native_width: info.native_width,
+            native_height: info.native_height,
             max_width: limits.max_width,
             max_height: limits.max_height,
             max_steps: limits.max_steps,
@@ -143,8 +176,8 @@ impl AppState {
             max_prompt_chars: limits.max_prompt_chars,
             max_queue: self.config.max_queue,
             max_body_bytes: self.config.max_body_bytes,
-            img2img: self.info.supports_img2img,
-            inpaint: self.info.supports_inpaint,
+            img2img: info.supports_img2img,
+            inpaint: info.supports_inpaint,
             preview: true,
         }
     }

@@ -90,15 +90,18 @@ impl HiveLink {
 
     fn registration(&self) -> RegisterRequest {
         let state = &self.state;
+        let loaded = state.library.current();
         RegisterRequest {
             protocol_version: PROTOCOL_VERSION,
             worker_id: state.config.worker_id.clone(),
             base_url: self.base_url.clone(),
             api_key_required: state.config.api_key.is_some(),
-            backend: state.info.backend.clone(),
+            backend: state.info().backend.clone(),
             device: state.device(),
-            model: state.info.model.clone(),
-            model_family: state.info.family.clone(),
+            model: loaded.as_ref().map(|(_, info)| info.model.clone()).unwrap_or_default(),
+            model_source: loaded.as_ref().map(|(spec, _)| spec.source.clone()),
+            switchable: state.library.switchable(),
+            model_family: state.info().family.clone(),
             capabilities: state.capabilities(),
             version: state.config.version.clone(),
             pid: std::process::id(),
@@ -120,7 +123,10 @@ impl HiveLink {
         };
         let device = state.device();
         let m = &state.metrics;
+        let loaded = state.library.current();
         Heartbeat {
+            model: loaded.as_ref().map(|(_, info)| info.model.clone()),
+            model_source: loaded.map(|(spec, _)| spec.source),
             worker_id: state.config.worker_id.clone(),
             state: worker_state,
             queue_depth,

@@ -4,6 +4,7 @@
 
 use crate::auth;
 use crate::error::ApiError;
+use crate::models::ModelLibrary;
 use crate::registration::{HiveLink, RegistrationConfig, RegistrationError};
 use crate::{router, AppState, ServerConfig};
 use axum::extract::Request;
@@ -11,7 +12,7 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
-use sdhive_engine::Engine;
+use sdhive_engine::{Engine, EngineFactory, ModelHost, ModelSpec};
 use serde_json::json;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -26,6 +27,64 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Loads the engine; runs on a blocking thread, so it may read files and download for minutes.
 pub type EngineLoader = Box<dyn FnOnce() -> Result<Box<dyn Engine>, BoxError> + Send>;
+
+/// A worker that switches models: its library, the factory that loads from it, and the model loaded before it
+/// is ready (none: it starts empty and loads what the first job asks for).
+pub struct LibraryStartup {
+    pub library: Arc<ModelLibrary>,
+    pub factory: Box<dyn EngineFactory>,
+    pub initial: Option<ModelSpec>,
+    /// Whether a failure to load `initial` stops the worker (the operator named it) or only leaves it without a
+    /// model (it was the library's first checkpoint, picked for them).
+    pub initial_required: bool,
+}
+
+/// How `serve` gets its model: one engine for life, or a model library.
+pub enum Startup {
+    Engine(EngineLoader),
+    Library(LibraryStartup),
+}
+
+impl From<EngineLoader> for Startup {
+    fn from(loader: EngineLoader) -> Self {
+        Startup::Engine(loader)
+    }
+}
+
+impl From<LibraryStartup> for Startup {
+    fn from(startup: LibraryStartup) -> Self {
+        Startup::Library(startup)
+    }
+}
+
+enum Loaded {
+    Engine(Box<dyn Engine>),
+    Host(Arc<ModelLibrary>, ModelHost),
+}
+
+impl Startup {
+    fn load(self) -> Result<Loaded, BoxError> {
+        match self {
+            Startup::Engine(loader) => Ok(Loaded::Engine(loader()?)),
+            Startup::Library(LibraryStartup { library, factory, initial, initial_required }) => {
+                let mut host = ModelHost::new(factory);
+                if let Some(spec) = initial {
+                    match host.load_model(&spec) {
+                        Ok(()) => {
+                            library.select_checkpoint(&spec);
+                            library.hash_loaded(&spec);
+                        }
+                        Err(e) if !initial_required => {
+                            tracing::error!("{e}; starting without a model (requests must name one)")
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                Ok(Loaded::Host(library, host))
+            }
+        }
+    }
+}
 
 /// How long a cancelled job may take to stop (one denoising step) before shutdown goes on without it.
 const CANCEL_WAIT: Duration = Duration::from_secs(60);
@@ -86,7 +145,7 @@ pub fn run(
     host: &str,
     port: u16,
     config: ServerConfig,
-    loader: EngineLoader,
+    startup: impl Into<Startup>,
     registration: Option<RegistrationConfig>,
     on_listening: impl FnOnce(SocketAddr),
 ) -> Result<(), ServeError> {
@@ -108,7 +167,7 @@ pub fn run(
                 std::process::exit(130);
             });
         };
-        serve(listener, config, loader, registration, signal).await
+        serve(listener, config, startup, registration, signal).await
     })
 }
 
@@ -137,7 +196,7 @@ fn loading_router(api_key: Option<String>) -> Router {
 pub async fn serve(
     listener: TcpListener,
     config: ServerConfig,
-    loader: EngineLoader,
+    startup: impl Into<Startup>,
     registration: Option<RegistrationConfig>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
@@ -163,7 +222,8 @@ pub async fn serve(
     });
     let mut shutdown = std::pin::pin!(shutdown);
     let load_started = Instant::now();
-    let load = tokio::task::spawn_blocking(loader);
+    let startup: Startup = startup.into();
+    let load = tokio::task::spawn_blocking(move || startup.load());
     let engine = tokio::select! {
         loaded = load => loaded,
         _ = &mut shutdown => {
@@ -183,9 +243,12 @@ pub async fn serve(
         }
     };
     let load_time = load_started.elapsed();
-    let state = AppState::new(config, engine);
+    let state = match engine {
+        Loaded::Engine(engine) => AppState::new(config, engine),
+        Loaded::Host(library, host) => AppState::with_library(config, library, host),
+    };
     state.metrics.set_model_load_time(load_time);
-    tracing::info!(model = %state.info.model, seconds = load_time.as_secs_f64(), "model loaded; ready");
+    tracing::info!(model = %state.info().model, seconds = load_time.as_secs_f64(), "model loaded; ready");
     // Only ever set here, once; a second set cannot happen.
     let _ = full.set(router(state.clone()));
 

@@ -148,7 +148,7 @@ async fn txt2img_matches_the_engine_and_reports_info() {
     assert_eq!((info["batch_size"].clone(), info["n_iter"].clone()), (json!(2), json!(2)));
     assert_eq!(info["clip_skip"], 2);
     assert_eq!(info["denoising_strength"], 0.0, "txt2img ignores denoising_strength");
-    assert_eq!(info["sd_model_name"], server.state.info.model.as_str());
+    assert_eq!(info["sd_model_name"], server.state.info().model.as_str());
     let infotexts = info["infotexts"].as_array().expect("infotexts");
     assert_eq!(infotexts.len(), 4);
     assert!(infotexts[1].as_str().is_some_and(|t| t.contains("Seed: 101") && t.contains("Clip skip: 2")));
@@ -178,7 +178,7 @@ async fn txt2img_defaults_aliases_random_seed_and_send_images() {
     let seed = info["seed"].as_u64().expect("the drawn seed is reported");
     assert!(seed < 1 << 32);
     assert_eq!(info["sampler_name"], "Euler a");
-    let native = (server.state.info.native_width, server.state.info.native_height);
+    let native = (server.state.info().native_width, server.state.info().native_height);
     assert_eq!(
         (info["width"].as_u64(), info["height"].as_u64()),
         (Some(native.0.into()), Some(native.1.into()))

@@ -200,7 +200,7 @@ async fn generations_match_the_engine() {
     let (status, got) = server.post_json("/v1/images/generations", &json!({"prompt": "x", "steps": 2})).await;
     assert_eq!(status, 200, "{got}");
     assert_eq!(got["data"].as_array().map(Vec::len), Some(1));
-    let native = (server.state.info.native_width, server.state.info.native_height);
+    let native = (server.state.info().native_width, server.state.info().native_height);
     assert_eq!(got["size"], format!("{}x{}", native.0, native.1));
 }
 
@@ -380,7 +380,7 @@ async fn models_are_listed_in_openai_shape() {
     assert_eq!(got["object"], "list");
     let model = &got["data"][0];
     let id = model["id"].as_str().expect("an id");
-    assert_eq!(id, server.state.info.model);
+    assert_eq!(id, server.state.info().model);
     assert_eq!(model["object"], "model");
     assert!(model["created"].as_u64().is_some_and(|t| t > 1_600_000_000));
     assert_eq!(model["owned_by"], "sdhive");

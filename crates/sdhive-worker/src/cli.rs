@@ -82,6 +82,10 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "FILE")]
     pub mask: Option<PathBuf>,
 
+    /// A standalone VAE (.safetensors, original layout) in place of the model's own, as A1111's `sd_vae`.
+    #[arg(long, value_name = "FILE")]
+    pub vae: Option<PathBuf>,
+
     /// Only load local models inside this folder (repeatable).
     #[arg(long = "model-root", value_name = "DIR")]
     pub model_roots: Vec<PathBuf>,

@@ -1,12 +1,13 @@
 //! Building the engine for a backend: the candle engine on the devices candle drives (CPU, CUDA, Metal), the
 //! stable-diffusion.cpp engine on the ggml ones (Vulkan, ROCm). Both subcommands load through here, so which
-//! engine a binary runs is decided in one place.
+//! engine a binary runs is decided in one place; `serve` gets an [`EngineFactory`] that does the same for every
+//! model switch (the candle one through its RAM cache of recently used checkpoints).
 
 use anyhow::{bail, Context};
 use candle_core::DType;
 use sdhive_candle::{ModuleTarget, Targets};
-use sdhive_engine::{Engine, Limits, Module, Placement};
-use sdhive_modelsource::ResolvedModel;
+use sdhive_engine::{BoxError, Engine, EngineFactory, Limits, ModelSpec, Module, Placement};
+use sdhive_modelsource::{ResolveOptions, ResolvedModel};
 use shared_worker::{Backend, DeviceHandle, DeviceInfo};
 use std::sync::Arc;
 
@@ -27,6 +28,76 @@ pub fn load(
     info: &DeviceInfo,
     model: &ResolvedModel,
     opts: EngineOptions,
+) -> anyhow::Result<Box<dyn Engine>> {
+    load_with(backend, device, info, model, opts, None)
+}
+
+/// Loads the models a serving worker is asked for, on one device.
+pub struct Factory {
+    backend: Backend,
+    device: DeviceHandle,
+    info: DeviceInfo,
+    opts: EngineOptions,
+    resolve: ResolveOptions,
+    cache: sdhive_candle::HostCache,
+}
+
+impl Factory {
+    /// `checkpoint_cache`: how many recently used checkpoints the candle engine keeps in host memory.
+    pub fn new(
+        backend: Backend,
+        device: DeviceHandle,
+        info: DeviceInfo,
+        opts: EngineOptions,
+        resolve: ResolveOptions,
+        checkpoint_cache: usize,
+    ) -> Self {
+        Factory {
+            backend,
+            device,
+            info,
+            opts,
+            resolve,
+            cache: sdhive_candle::HostCache::new(checkpoint_cache),
+        }
+    }
+}
+
+impl EngineFactory for Factory {
+    fn load(&mut self, spec: &ModelSpec) -> Result<Box<dyn Engine>, BoxError> {
+        let mut model = sdhive_modelsource::resolve(&spec.source, &self.resolve)
+            .with_context(|| format!("cannot use model {}", spec.source))?;
+        if !spec.name.is_empty() {
+            model.name = spec.name.clone();
+        }
+        model.vae = spec
+            .vae
+            .as_ref()
+            .map(|vae| {
+                sdhive_modelsource::resolve_vae(vae, &self.resolve)
+                    .with_context(|| format!("cannot use VAE {}", vae.display()))
+            })
+            .transpose()?;
+        tracing::info!(model = %model.name, path = %model.location.path().display(), vae = ?model.vae, "loading");
+        let engine = load_with(
+            self.backend,
+            self.device.clone(),
+            &self.info,
+            &model,
+            self.opts.clone(),
+            Some(&mut self.cache),
+        )?;
+        Ok(engine)
+    }
+}
+
+fn load_with(
+    backend: Backend,
+    device: DeviceHandle,
+    info: &DeviceInfo,
+    model: &ResolvedModel,
+    opts: EngineOptions,
+    cache: Option<&mut sdhive_candle::HostCache>,
 ) -> anyhow::Result<Box<dyn Engine>> {
     let context = || format!("cannot load model {} from {}", model.name, model.location.path().display());
     match device {
@@ -57,7 +128,11 @@ pub fn load(
                 memory: Some(Arc::new(move || shared_worker::memory(&planned))),
                 memory_budget: opts.memory_budget,
             };
-            let engine = sdhive_candle::CandleEngine::load(model, load_opts).with_context(context)?;
+            let engine = match cache {
+                Some(cache) => sdhive_candle::CandleEngine::load_cached(model, load_opts, cache),
+                None => sdhive_candle::CandleEngine::load(model, load_opts),
+            }
+            .with_context(context)?;
             Ok(Box::new(engine.with_limits(opts.limits)))
         }
         DeviceHandle::Ggml(name) => load_sdcpp(backend, name, info, model, opts).with_context(context),

@@ -26,8 +26,16 @@ pub fn run(backend: Backend, args: &GenerateArgs) -> anyhow::Result<()> {
     let env = ResolveOptions::from_env();
     let opts =
         ResolveOptions { model_roots: args.model_roots.clone(), offline: args.offline || env.offline, ..env };
-    let model = sdhive_modelsource::resolve(&args.model, &opts)
+    let mut model = sdhive_modelsource::resolve(&args.model, &opts)
         .with_context(|| format!("cannot use --model {}", args.model))?;
+    model.vae = args
+        .vae
+        .as_ref()
+        .map(|vae| {
+            sdhive_modelsource::resolve_vae(vae, &opts)
+                .with_context(|| format!("cannot use --vae {}", vae.display()))
+        })
+        .transpose()?;
     let (device, info) = shared_worker::init(backend, args.device)
         .with_context(|| format!("cannot open --device {} on backend {backend}", args.device))?;
     tracing::info!(model = %model.name, path = %model.location.path().display(), device = %info.name, %placement, "loading");

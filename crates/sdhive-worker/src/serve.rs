@@ -1,6 +1,7 @@
 //! The `serve` subcommand: its flags (each also an environment variable, for containers), turning them into the
 //! server's configuration, opening the device up front (a wrong `--device` fails before anything listens),
-//! and handing model resolution and loading to the server, which runs them while `/health` already answers.
+//! scanning the model library, and handing the first model's load to the server, which runs it while `/health`
+//! already answers; later switches go through the same engine factory.
 
 use crate::cli::DTypeArg;
 use crate::engine::EngineOptions;
@@ -9,7 +10,7 @@ use clap::Args;
 use sdhive_engine::{Limits, Placement};
 use sdhive_modelsource::ResolveOptions;
 use sdhive_protocol::DeviceDescription;
-use sdhive_server::{EngineLoader, MemoryProbe, RegistrationConfig, ServerConfig};
+use sdhive_server::{LibraryStartup, MemoryProbe, ModelLibrary, RegistrationConfig, ServerConfig};
 use shared_worker::Backend;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -17,9 +18,28 @@ use std::time::Duration;
 
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
-    /// A diffusers folder, a .safetensors checkpoint, or a Hugging Face repo id `org/name[@revision]`.
+    /// The model to load first: a diffusers folder, a .safetensors checkpoint, a Hugging Face repo id
+    /// `org/name[@revision]`, or a name from the models dirs; default: the models dirs' first checkpoint.
     #[arg(long, short = 'm', env = "MODEL_PATH", value_name = "MODEL")]
-    pub model: String,
+    pub model: Option<String>,
+
+    /// A folder of checkpoints (diffusers folders, .safetensors), scanned recursively; requests pick among
+    /// them by name. Also a model root. Repeatable; the variable takes a comma-separated list.
+    #[arg(long = "models-dir", env = "MODELS_DIRS", value_name = "DIR", value_delimiter = ',')]
+    pub models_dirs: Vec<PathBuf>,
+
+    /// A folder of standalone VAE files (A1111's `sd_vae`); a `VAE` folder inside a models dir counts too.
+    #[arg(long = "vae-dir", env = "VAE_DIRS", value_name = "DIR", value_delimiter = ',')]
+    pub vae_dirs: Vec<PathBuf>,
+
+    /// Recently used checkpoints kept in host memory, so switching back only uploads (0: none). Entries are
+    /// dropped early while the machine is short of memory.
+    #[arg(long, env = "CHECKPOINT_CACHE", default_value_t = 2)]
+    pub checkpoint_cache: usize,
+
+    /// Where checkpoint hashes are cached (by path, size and mtime); default ~/.cache/sdhive/hashes.json.
+    #[arg(long, env = "HASH_CACHE", value_name = "FILE")]
+    pub hash_cache: Option<PathBuf>,
 
     /// Address to listen on; loopback unless you mean to expose the worker.
     #[arg(long, env = "HOST", default_value = "127.0.0.1")]
@@ -143,7 +163,37 @@ fn default_worker_id(backend: Backend, device: usize) -> String {
     format!("{host}-{backend}{device}-{}", std::process::id())
 }
 
+/// What `serve` runs with, built from its flags: the server's configuration, the model library with its engine
+/// factory and first model, and the hive link.
+pub struct Prepared {
+    pub config: ServerConfig,
+    pub startup: LibraryStartup,
+    pub registration: Option<RegistrationConfig>,
+}
+
 pub fn run(backend: Backend, args: &ServeArgs) -> anyhow::Result<()> {
+    let Prepared { config, startup, registration } = prepare(backend, args)?;
+    sdhive_server::run(&args.host, args.port, config, startup, registration, |addr| {
+        // Scripts and the hive's supervisor wait for this exact line to learn the port.
+        eprintln!("listening on http://{addr}");
+    })
+    .map_err(|e| {
+        let hint = match &e {
+            sdhive_server::ServeError::Bind { addr, .. } => {
+                Some(format!("is another process using {addr}? pick another --port"))
+            }
+            _ => None,
+        };
+        let e = anyhow::Error::new(e);
+        match hint {
+            Some(hint) => e.context(hint),
+            None => e,
+        }
+    })
+}
+
+/// Opens the device and scans the model library: everything `serve` does before it listens.
+pub fn prepare(backend: Backend, args: &ServeArgs) -> anyhow::Result<Prepared> {
     let placement = Placement::parse(&args.placement, &args.offload)?;
     let (device, info) = shared_worker::init(backend, args.device)
         .with_context(|| format!("cannot open --device {} on backend {backend}", args.device))?;
@@ -164,7 +214,7 @@ pub fn run(backend: Backend, args: &ServeArgs) -> anyhow::Result<()> {
         job_ttl: args.job_ttl,
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         max_body_bytes: args.max_body_bytes,
-        model_name: args.model.clone(),
+        model_name: args.model.clone().unwrap_or_default(),
         max_decode_pixels: args.max_image_pixels,
         shutdown_grace: args.shutdown_grace,
         worker_id: args.worker_id.clone().unwrap_or_else(|| default_worker_id(backend, args.device)),
@@ -185,35 +235,39 @@ pub fn run(backend: Backend, args: &ServeArgs) -> anyhow::Result<()> {
         reg
     });
 
-    let model_arg = args.model.clone();
     let env = ResolveOptions::from_env();
-    let resolve_opts =
-        ResolveOptions { model_roots: args.model_roots.clone(), offline: args.offline || env.offline, ..env };
-    let loader: EngineLoader = Box::new(move || {
-        let model = sdhive_modelsource::resolve(&model_arg, &resolve_opts)
-            .with_context(|| format!("cannot use --model {model_arg}"))?;
-        tracing::info!(model = %model.name, path = %model.location.path().display(), device = %info.name, %placement, "loading");
-        let opts = EngineOptions { dtype, placement, limits, memory_budget };
-        Ok(crate::engine::load(backend, device, &info, &model, opts)?)
-    });
-
-    sdhive_server::run(&args.host, args.port, config, loader, registration, |addr| {
-        // Scripts and the hive's supervisor wait for this exact line to learn the port.
-        eprintln!("listening on http://{addr}");
-    })
-    .map_err(|e| {
-        let hint = match &e {
-            sdhive_server::ServeError::Bind { addr, .. } => {
-                Some(format!("is another process using {addr}? pick another --port"))
-            }
-            _ => None,
-        };
-        let e = anyhow::Error::new(e);
-        match hint {
-            Some(hint) => e.context(hint),
-            None => e,
-        }
-    })
+    let mut model_roots = args.model_roots.clone();
+    if !model_roots.is_empty() || !args.models_dirs.is_empty() || !args.vae_dirs.is_empty() {
+        // Models and VAE dirs confine like roots: with any of them given, nothing outside them all loads.
+        model_roots.extend(args.models_dirs.iter().chain(&args.vae_dirs).cloned());
+    }
+    let resolve_opts = ResolveOptions { model_roots, offline: args.offline || env.offline, ..env };
+    let catalog = sdhive_catalog::CatalogConfig {
+        models_dirs: args.models_dirs.clone(),
+        vae_dirs: args.vae_dirs.clone(),
+        hash_cache: args.hash_cache.clone().or_else(sdhive_catalog::default_hash_cache),
+    };
+    let library = Arc::new(ModelLibrary::scan(catalog).context("cannot read the model library")?);
+    let initial = match &args.model {
+        // A name from the library (`--model v1-5`) is as good as its path.
+        Some(arg) => Some(match library.find(arg) {
+            Ok(spec) if !std::path::Path::new(arg).exists() => spec,
+            _ => library.add_model_arg(arg),
+        }),
+        None => library.first_checkpoint(),
+    };
+    let initial =
+        initial.map(|spec| library.resolve(Some(&spec.source), None).unwrap_or(spec)).or_else(|| {
+            tracing::warn!("no --model and no checkpoint in the models dirs: starting without a model");
+            None
+        });
+    tracing::info!(device = %info.name, %placement, first = ?initial.as_ref().map(|s| &s.source), "serving");
+    let opts = EngineOptions { dtype, placement, limits, memory_budget };
+    let factory =
+        crate::engine::Factory::new(backend, device, info, opts, resolve_opts, args.checkpoint_cache);
+    let initial_required = args.model.is_some();
+    let startup = LibraryStartup { library, factory: Box::new(factory), initial, initial_required };
+    Ok(Prepared { config, startup, registration })
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 use crate::error::ApiError;
 use crate::extract::parse_json;
 use crate::jobs::{FinishedImage, JobView};
+use crate::models::{ModelError, VaeChoice};
 use crate::routes::openai::{decode_capped, job_outcome, JobFailure};
 use crate::validation::{decode_base64, decode_base64_image, parse_sampler};
 use crate::AppState;
@@ -19,7 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use base64::Engine as _;
-use sdhive_engine::{GenerateRequest, GrayImage, Sampler, Schedule, ValidationError};
+use sdhive_engine::{GenerateRequest, GrayImage, ModelSpec, Sampler, Schedule, ValidationError};
 use sdhive_protocol::{JobId, Seed};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
@@ -34,6 +35,11 @@ pub fn router() -> Router<AppState> {
         .route("/sdapi/v1/interrupt", post(interrupt))
         .route("/sdapi/v1/skip", post(skip))
         .route("/sdapi/v1/sd-models", get(sd_models))
+        .route("/sdapi/v1/sd-vae", get(sd_vae))
+        .route("/sdapi/v1/refresh-checkpoints", post(refresh))
+        .route("/sdapi/v1/refresh-vae", post(refresh))
+        .route("/sdapi/v1/unload-checkpoint", post(unload_checkpoint))
+        .route("/sdapi/v1/reload-checkpoint", post(reload_checkpoint))
         .route("/sdapi/v1/samplers", get(samplers))
         .route("/sdapi/v1/schedulers", get(schedulers))
         .route("/sdapi/v1/options", get(get_options).post(set_options))
@@ -121,6 +127,7 @@ impl Spelling {
             "strength" => "denoising_strength",
             "init_image" => "init_images",
             "clip_skip" => "override_settings.CLIP_stop_at_last_layers",
+            "model" => "override_settings.sd_model_checkpoint",
             "sampler" => self.sampler,
             other => other,
         }
@@ -184,6 +191,7 @@ struct SdapiRequest {
     sampler_index: Option<String>,
     scheduler: Option<String>,
     override_settings: Option<Map<String, Value>>,
+    override_settings_restore_afterwards: Option<bool>,
     denoising_strength: Option<f32>,
     send_images: Option<bool>,
     enable_hr: Option<bool>,
@@ -207,6 +215,9 @@ enum Mode {
 /// A parsed request, with what the response needs besides the job's own record.
 struct Prepared {
     req: GenerateRequest,
+    model: ModelSpec,
+    /// `override_settings_restore_afterwards: false`: the overriding model and VAE stay selected afterwards.
+    keep_override: Option<(ModelSpec, Option<VaeChoice>)>,
     spelling: Spelling,
     batch_size: u32,
     n_iter: u32,
@@ -260,14 +271,43 @@ fn parse_clip_skip(value: &Value) -> Result<u32, String> {
     }
 }
 
-/// Checks a checkpoint name a client asks for against the one model this worker has.
-fn check_checkpoint(state: &AppState, field: &str, name: &Value) -> Result<(), A1111Error> {
-    let matches = name.as_str().is_some_and(|n| model_matches(state, n));
-    if matches {
-        Ok(())
-    } else {
-        Err(invalid(field, format!("this worker serves only `{}`, got {name}", checkpoint_title(state))))
+/// A model-library refusal as A1111's 400 about `field`.
+fn model_error(field: &str, e: ModelError) -> A1111Error {
+    let code = match &e {
+        ModelError::UnknownCheckpoint { .. } => "model_not_found",
+        ModelError::UnknownVae { .. } => "vae_not_found",
+        ModelError::NothingSelected => "no_model",
+        ModelError::Catalog(_) => "model_library_unreadable",
+    };
+    A1111Error(ApiError::new(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        Some(code),
+        Some(field.into()),
+        format!("invalid `{field}`: {e}"),
+    ))
+}
+
+fn string_option<'a>(field: &str, value: &'a Value) -> Result<&'a str, A1111Error> {
+    value.as_str().ok_or_else(|| invalid(field, format!("must be a string, got {value}")))
+}
+
+/// The model a txt2img/img2img runs with: `override_settings`' checkpoint and VAE, else the selected ones.
+fn request_model(
+    state: &AppState,
+    settings: Option<&Map<String, Value>>,
+) -> Result<(ModelSpec, Option<VaeChoice>), A1111Error> {
+    const CKPT: &str = "override_settings.sd_model_checkpoint";
+    const VAE: &str = "override_settings.sd_vae";
+    let checkpoint = settings.and_then(|s| s.get("sd_model_checkpoint")).filter(|v| !v.is_null());
+    let checkpoint = checkpoint.map(|v| string_option(CKPT, v)).transpose()?;
+    let vae = settings.and_then(|s| s.get("sd_vae")).filter(|v| !v.is_null());
+    let vae = vae.map(|v| string_option(VAE, v).map(VaeChoice::parse)).transpose()?;
+    if let Some(choice) = &vae {
+        state.library.check_vae(choice).map_err(|e| model_error(VAE, e))?;
     }
+    let spec = state.library.resolve(checkpoint, vae.as_ref()).map_err(|e| model_error(CKPT, e))?;
+    Ok((spec, vae))
 }
 
 fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<Prepared, A1111Error> {
@@ -283,9 +323,12 @@ fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<
     if let Some(script) = body.script_name.as_deref().filter(|s| !s.trim().is_empty()) {
         return Err(invalid("script_name", format!("scripts are not supported, got `{script}`")));
     }
-    if let Some(name) = body.override_settings.as_ref().and_then(|s| s.get("sd_model_checkpoint")) {
-        check_checkpoint(state, "override_settings.sd_model_checkpoint", name)?;
-    }
+    let (model, vae_override) = request_model(state, body.override_settings.as_ref())?;
+    let overrides_model = body.override_settings.as_ref().is_some_and(|s| {
+        s.get("sd_model_checkpoint").is_some_and(|v| !v.is_null()) || s.contains_key("sd_vae")
+    });
+    let keep_override = (overrides_model && body.override_settings_restore_afterwards == Some(false))
+        .then(|| (model.clone(), vae_override));
 
     let sampler_name = body.sampler_name.as_deref().filter(|s| !s.trim().is_empty());
     let spelling = Spelling {
@@ -382,6 +425,8 @@ fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<
     let echo = echo_parameters(&raw, &req, state, mode, body.include_init_images == Some(true));
     Ok(Prepared {
         req,
+        model,
+        keep_override,
         spelling,
         batch_size,
         n_iter,
@@ -400,7 +445,7 @@ fn echo_parameters(
     mode: Mode,
     include_images: bool,
 ) -> Value {
-    let (width, height) = req.output_size((state.info.native_width, state.info.native_height));
+    let (width, height) = req.output_size((state.info().native_width, state.info().native_height));
     let mut echo = json!({
         "prompt": "",
         "negative_prompt": "",
@@ -576,7 +621,7 @@ fn info_json(state: &AppState, p: &Prepared, view: &JobView, images: &[FinishedI
         extra.insert("Mask blur".into(), json!(blur));
         extra.insert("Masked content".into(), json!("original"));
     }
-    let inpainting_model = state.info.family.to_ascii_lowercase().contains("inpaint");
+    let inpainting_model = state.info().family.to_ascii_lowercase().contains("inpaint");
     json!({
         "prompt": req.prompt,
         "all_prompts": vec![&req.prompt; n],
@@ -597,7 +642,7 @@ fn info_json(state: &AppState, p: &Prepared, view: &JobView, images: &[FinishedI
         "n_iter": p.n_iter,
         "restore_faces": false,
         "face_restoration_model": null,
-        "sd_model_name": state.info.model,
+        "sd_model_name": state.info().model,
         "sd_model_hash": null,
         "sd_vae_name": null,
         "sd_vae_hash": null,
@@ -630,8 +675,15 @@ async fn generate(
     })
     .await
     .map_err(|e| A1111Error(ApiError::internal(format!("request preparation failed: {e}"))))??;
-    let view = state.jobs.run_to_completion(prepared.req.clone()).await.map_err(ApiError::from)?;
+    let view =
+        state.jobs.run_for(prepared.req.clone(), prepared.model.clone()).await.map_err(ApiError::from)?;
     let (view, images) = job_outcome(view).map_err(|f| failure(f, prepared.spelling))?;
+    if let Some((spec, vae)) = &prepared.keep_override {
+        state.library.select_checkpoint(spec);
+        if let Some(vae) = vae {
+            state.library.select_vae(vae.clone());
+        }
+    }
     let info = info_json(&state, &prepared, &view, &images);
     let encoded: Vec<String> = if prepared.send_images {
         images.iter().map(|i| base64::engine::general_purpose::STANDARD.encode(&i.png)).collect()
@@ -703,13 +755,13 @@ async fn progress(State(state): State<AppState>, Extension(local): Extension<Loc
             use base64::Engine as _;
             base64::engine::general_purpose::STANDARD.encode(png)
         }),
-        "textinfo": format!(
+        "textinfo": view.activity.clone().unwrap_or_else(|| format!(
             "image {}/{}, step {}/{}",
             view.image_index + 1,
             view.images_total,
             view.step,
             view.total_steps
-        ),
+        )),
     }))
 }
 
@@ -736,43 +788,89 @@ async fn skip() -> A1111Error {
 // Models, samplers, schedulers, options
 // ---------------------------------------------------------------------------------------------------------
 
+/// The title of the checkpoint requests without a model run with.
 fn checkpoint_title(state: &AppState) -> String {
-    state.info.model.clone()
-}
-
-/// The last path component without a checkpoint extension: what A1111 calls `model_name`.
-fn stem(name: &str) -> &str {
-    let base = name.trim().rsplit(['/', '\\']).next().unwrap_or(name);
-    [".safetensors", ".ckpt", ".pt", ".bin"].iter().find_map(|ext| base.strip_suffix(ext)).unwrap_or(base)
-}
-
-/// Whether `name` (a title like `model.safetensors [abcd1234]`, a file name, or a bare name) is our model.
-fn model_matches(state: &AppState, name: &str) -> bool {
-    let wanted = name.trim();
-    let wanted = match wanted.rsplit_once(" [") {
-        Some((base, hash)) if hash.ends_with(']') => base.trim(),
-        _ => wanted,
-    };
-    [state.info.model.as_str(), state.config.model_name.as_str()]
-        .iter()
-        .filter(|c| !c.trim().is_empty())
-        .any(|c| c.trim().eq_ignore_ascii_case(wanted) || stem(c).eq_ignore_ascii_case(stem(wanted)))
+    match state.library.resolve(None, None) {
+        Ok(spec) => state.library.title_of(&spec),
+        Err(_) => state.library.current().map(|(spec, _)| state.library.title_of(&spec)).unwrap_or_default(),
+    }
 }
 
 async fn sd_models(State(state): State<AppState>) -> Json<Value> {
-    let filename = if state.config.model_name.is_empty() {
-        state.info.model.clone()
-    } else {
-        state.config.model_name.clone()
-    };
-    Json(json!([{
-        "title": checkpoint_title(&state),
-        "model_name": stem(&state.info.model),
-        "hash": null,
-        "sha256": null,
-        "filename": filename,
-        "config": null,
-    }]))
+    Json(Value::Array(
+        state
+            .library
+            .list()
+            .into_iter()
+            .map(|m| {
+                json!({
+                    "title": m.title,
+                    "model_name": m.model_name,
+                    "hash": m.hash,
+                    "sha256": m.sha256,
+                    "filename": m.filename,
+                    "config": null,
+                })
+            })
+            .collect(),
+    ))
+}
+
+async fn sd_vae(State(state): State<AppState>) -> Json<Value> {
+    Json(Value::Array(
+        state
+            .library
+            .list_vaes()
+            .into_iter()
+            .map(|v| json!({"model_name": v.model_name, "filename": v.filename}))
+            .collect(),
+    ))
+}
+
+/// `refresh-checkpoints` and `refresh-vae`: one scan covers both.
+async fn refresh(State(state): State<AppState>) -> Result<Json<Value>, A1111Error> {
+    let library = state.library.clone();
+    tokio::task::spawn_blocking(move || library.refresh())
+        .await
+        .map_err(|e| A1111Error(ApiError::internal(format!("the rescan failed: {e}"))))?
+        .map_err(|e| A1111Error(ApiError::internal(e.to_string())))?;
+    Ok(Json(Value::Null))
+}
+
+/// A model job (load or unload) that failed, as A1111's error about `field`.
+fn switch_failed(view: JobView, field: &str) -> A1111Error {
+    match job_outcome(view) {
+        Ok(_) => A1111Error(ApiError::internal("the switch succeeded".to_string())),
+        Err(f) => failure(f, Spelling { sampler: "sampler_name" }).relabel(field),
+    }
+}
+
+impl A1111Error {
+    /// The same error about `field` (a model switch reports failures against our `model`).
+    fn relabel(mut self, field: &str) -> Self {
+        if self.0.body.error.param.is_some() {
+            self.0.body.error.param = Some(field.to_string());
+        }
+        self
+    }
+}
+
+async fn unload_checkpoint(State(state): State<AppState>) -> Result<Json<Value>, A1111Error> {
+    let view = state.jobs.unload_model().await.map_err(ApiError::from)?;
+    if view.state != sdhive_protocol::JobState::Succeeded {
+        return Err(switch_failed(view, "sd_model_checkpoint"));
+    }
+    Ok(Json(Value::Null))
+}
+
+/// Loads the selected checkpoint again (after `unload-checkpoint`).
+async fn reload_checkpoint(State(state): State<AppState>) -> Result<Json<Value>, A1111Error> {
+    let spec = state.library.resolve(None, None).map_err(|e| model_error("sd_model_checkpoint", e))?;
+    let view = state.jobs.load_model(spec).await.map_err(ApiError::from)?;
+    if view.state != sdhive_protocol::JobState::Succeeded {
+        return Err(switch_failed(view, "sd_model_checkpoint"));
+    }
+    Ok(Json(Value::Null))
 }
 
 /// The samplers the loaded engine runs (the stable-diffusion.cpp engine lacks PNDM).
@@ -780,7 +878,7 @@ async fn samplers(State(state): State<AppState>) -> Json<Value> {
     Json(Value::Array(
         Sampler::ALL
             .iter()
-            .filter(|s| state.info.samplers.iter().any(|name| name == s.name()))
+            .filter(|s| state.info().samplers.iter().any(|name| name == s.name()))
             .map(|s| json!({"name": s.name(), "aliases": s.aliases(), "options": {}}))
             .collect(),
     ))
@@ -797,6 +895,7 @@ async fn schedulers() -> Json<Value> {
 const OWN_OPTIONS: &[&str] = &[
     "sd_model_checkpoint",
     "sd_checkpoint_hash",
+    "sd_vae",
     "CLIP_stop_at_last_layers",
     "samples_format",
     "eta_noise_seed_delta",
@@ -806,15 +905,21 @@ async fn get_options(State(state): State<AppState>, Extension(local): Extension<
     let settings = local.lock();
     let mut out = settings.other.clone();
     out.insert("sd_model_checkpoint".into(), json!(checkpoint_title(&state)));
-    out.insert("sd_checkpoint_hash".into(), Value::Null);
+    let hash = state.library.resolve(None, None).ok().and_then(|spec| {
+        state.library.list().into_iter().find(|m| m.filename == spec.source).and_then(|m| m.sha256)
+    });
+    out.insert("sd_checkpoint_hash".into(), json!(hash));
+    out.insert("sd_vae".into(), json!(state.library.selected_vae().as_option()));
     out.insert("CLIP_stop_at_last_layers".into(), json!(settings.clip_skip.unwrap_or(1)));
     out.insert("samples_format".into(), json!("png"));
     out.insert("eta_noise_seed_delta".into(), json!(0));
     Json(Value::Object(out))
 }
 
-/// Stores `CLIP_stop_at_last_layers`, accepts `sd_model_checkpoint` only if it names our model, and keeps any
-/// other key to echo back. Like A1111, answers `null`.
+/// Stores `CLIP_stop_at_last_layers`, switches to `sd_model_checkpoint` and `sd_vae` (answering once the model is
+/// loaded, after the jobs queued before), and keeps any other key to echo back. Like A1111, answers `null`. A
+/// name that matches no model, or a model that fails to load, is a 400 naming the option; the previous model
+/// then stays selected and loaded.
 async fn set_options(
     State(state): State<AppState>,
     Extension(local): Extension<Local>,
@@ -832,8 +937,35 @@ async fn set_options(
         .get("CLIP_stop_at_last_layers")
         .map(|v| parse_clip_skip(v).map_err(|m| invalid("CLIP_stop_at_last_layers", m)))
         .transpose()?;
-    if let Some(name) = given.get("sd_model_checkpoint") {
-        check_checkpoint(&state, "sd_model_checkpoint", name)?;
+    let checkpoint = given.get("sd_model_checkpoint").filter(|v| !v.is_null());
+    let checkpoint = checkpoint.map(|v| string_option("sd_model_checkpoint", v)).transpose()?;
+    let vae = given.get("sd_vae").filter(|v| !v.is_null());
+    let vae = vae.map(|v| string_option("sd_vae", v).map(VaeChoice::parse)).transpose()?;
+    if let Some(choice) = &vae {
+        state.library.check_vae(choice).map_err(|e| model_error("sd_vae", e))?;
+    }
+    let switch = if checkpoint.is_some() || vae.as_ref().is_some_and(|v| *v != state.library.selected_vae()) {
+        let spec = state
+            .library
+            .resolve(checkpoint, vae.as_ref())
+            .map_err(|e| model_error("sd_model_checkpoint", e))?;
+        Some(spec)
+    } else {
+        None
+    };
+    if let Some(spec) = switch {
+        let loaded = state.library.current().map(|(current, _)| current);
+        if state.library.switchable() && loaded.as_ref() != Some(&spec) {
+            let view = state.jobs.load_model(spec.clone()).await.map_err(ApiError::from)?;
+            if view.state != sdhive_protocol::JobState::Succeeded {
+                let field = if checkpoint.is_some() { "sd_model_checkpoint" } else { "sd_vae" };
+                return Err(switch_failed(view, field));
+            }
+        }
+        state.library.select_checkpoint(&spec);
+        if let Some(vae) = vae {
+            state.library.select_vae(vae);
+        }
     }
     let mut settings = local.lock();
     if let Some(c) = clip_skip {
@@ -903,6 +1035,7 @@ mod tests {
 
     #[test]
     fn checkpoint_names_reduce_to_a_stem() {
+        use crate::models::stem;
         assert_eq!(stem("models/v1-5-pruned.safetensors"), "v1-5-pruned");
         assert_eq!(stem("stabilityai/sd-turbo"), "sd-turbo");
         assert_eq!(stem("C:\\m\\x.ckpt"), "x");

@@ -4,6 +4,7 @@
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::jobs::JobManager;
+use crate::models::VaeChoice;
 use crate::validation::build_request;
 use crate::AppState;
 use axum::extract::{Path, State};
@@ -31,7 +32,12 @@ async fn submit(
     ApiJson(body): ApiJson<JobRequest>,
 ) -> Result<Response, ApiError> {
     let req = build_request(&body, &state.config.limits, state.config.max_decode_pixels)?;
-    let id = state.jobs.submit(req)?;
+    let vae = body.vae.as_deref().map(VaeChoice::parse);
+    if let Some(choice) = &vae {
+        state.library.check_vae(choice)?;
+    }
+    let model = state.library.resolve(body.model.as_deref(), vae.as_ref())?;
+    let id = state.jobs.submit_for(req, model)?;
     let view = state.jobs.view(&id)?;
     let links = JobLinks::for_job(&id);
     let location = links.self_.clone();

@@ -8,6 +8,7 @@
 use crate::error::ApiError;
 use crate::extract::{parse_json, ApiJson};
 use crate::jobs::{FinishedImage, JobView};
+use crate::models::ListedModel;
 use crate::validation::parse_sampler;
 use crate::{unix_secs, AppState};
 use axum::extract::multipart::{Multipart, MultipartError, MultipartRejection};
@@ -18,7 +19,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine as _;
 use image::ImageReader;
-use sdhive_engine::{decode_image, GenerateRequest, GrayImage, RgbImage, ValidationError};
+use sdhive_engine::{decode_image, GenerateRequest, GrayImage, ModelSpec, RgbImage, ValidationError};
 use sdhive_protocol::{JobErrorKind, JobId, JobState, Seed};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
@@ -64,6 +65,13 @@ struct ImageParams {
     scheduler: Option<String>,
     clip_skip: Option<u32>,
     strength: Option<f32>,
+    /// A checkpoint of the library by any A1111 name; OpenAI's own names (`dall-e-3`, …) mean the selected one.
+    model: Option<String>,
+}
+
+/// The checkpoint a request names, with the selected VAE choice.
+fn model_of(p: &ImageParams, state: &AppState) -> Result<ModelSpec, ApiError> {
+    Ok(state.library.resolve(p.model.as_deref(), None)?)
 }
 
 /// Multipart fields that stay strings even when they look like numbers (a prompt of "42" is still a prompt).
@@ -398,8 +406,14 @@ fn file_url(base: &str, job: &JobId, index: usize, d: &Delivery) -> String {
 }
 
 /// Runs `req` to completion and answers in OpenAI's shape.
-async fn run_and_respond(state: &AppState, req: GenerateRequest, d: Delivery, base: String) -> Response {
-    let view = match state.jobs.run_to_completion(req).await {
+async fn run_and_respond(
+    state: &AppState,
+    req: GenerateRequest,
+    model: ModelSpec,
+    d: Delivery,
+    base: String,
+) -> Response {
+    let view = match state.jobs.run_for(req, model).await {
         Ok(view) => view,
         Err(e) => return ApiError::from(e).into_response(),
     };
@@ -447,9 +461,10 @@ async fn generations(
     uri: Uri,
     ApiJson(params): ApiJson<ImageParams>,
 ) -> Response {
-    let prepared = delivery(&params).and_then(|d| Ok((d, build_request(&params, &state, None, None)?)));
+    let prepared = delivery(&params)
+        .and_then(|d| Ok((d, model_of(&params, &state)?, build_request(&params, &state, None, None)?)));
     match prepared {
-        Ok((d, req)) => run_and_respond(&state, req, d, base_url(&headers, &uri)).await,
+        Ok((d, model, req)) => run_and_respond(&state, req, model, d, base_url(&headers, &uri)).await,
         Err(e) => e.into_response(),
     }
 }
@@ -546,7 +561,7 @@ async fn edits(
     multipart: Result<Multipart, MultipartRejection>,
 ) -> Response {
     match prepare_edit(&state, multipart).await {
-        Ok((d, req)) => run_and_respond(&state, req, d, base_url(&headers, &uri)).await,
+        Ok((d, model, req)) => run_and_respond(&state, req, model, d, base_url(&headers, &uri)).await,
         Err(e) => e.into_response(),
     }
 }
@@ -554,7 +569,7 @@ async fn edits(
 async fn prepare_edit(
     state: &AppState,
     multipart: Result<Multipart, MultipartRejection>,
-) -> Result<(Delivery, GenerateRequest), ApiError> {
+) -> Result<(Delivery, ModelSpec, GenerateRequest), ApiError> {
     let multipart = multipart.map_err(|e| {
         ApiError::bad_body(
             "invalid_multipart",
@@ -566,6 +581,7 @@ async fn prepare_edit(
         .map_err(|e| ApiError::internal(format!("cannot re-encode the form fields: {e}")))?;
     let params: ImageParams = parse_json(&body)?;
     let d = delivery(&params)?;
+    let model = model_of(&params, state)?;
     let image_bytes = form.image.ok_or_else(|| ApiError::invalid("image", "an `image` file is required"))?;
     let mask_bytes = form.mask;
     // Decoding uploads takes real CPU time: keep it off the async workers.
@@ -575,7 +591,7 @@ async fn prepare_edit(
     })
     .await
     .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))??;
-    Ok((d, req))
+    Ok((d, model, req))
 }
 
 /// The edit's engine request from its uploads: the image, and the mask checked against it.
@@ -607,31 +623,48 @@ fn decode_edit(
     build_request(params, state, Some(init), mask)
 }
 
-fn model_object(state: &AppState) -> Value {
+/// A library model in OpenAI's shape; `id` is its A1111 `name` (unique and stable, unlike the title, which gains
+/// the hash once the file is hashed), and `loaded` says whether it is the worker's loaded model.
+fn model_object(state: &AppState, model: &ListedModel, loaded: Option<&str>) -> Value {
     json!({
-        "id": state.info.model,
+        "id": model.name,
+        "model_name": model.model_name,
         "object": "model",
         "created": unix_secs(state.started_at) as u64,
         "owned_by": OWNER,
+        "title": model.title,
+        "filename": model.filename,
+        "format": model.format,
+        "sha256": model.sha256,
+        "loaded": loaded == Some(model.filename.as_str()),
     })
 }
 
+fn loaded_source(state: &AppState) -> Option<String> {
+    state.library.current().map(|(spec, _)| spec.source)
+}
+
 async fn list_models(State(state): State<AppState>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [model_object(&state)]}))
+    let loaded = loaded_source(&state);
+    let data: Vec<Value> =
+        state.library.list().iter().map(|m| model_object(&state, m, loaded.as_deref())).collect();
+    Json(json!({"object": "list", "data": data}))
 }
 
 async fn get_model(State(state): State<AppState>, Path(id): Path<String>) -> Response {
-    if id == state.info.model {
-        Json(model_object(&state)).into_response()
-    } else {
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            Some("model_not_found"),
-            Some("model".into()),
-            format!("the model `{id}` does not exist; this worker serves `{}`", state.info.model),
-        )
-        .into_response()
+    let found = state.library.find(&id).map(|spec| {
+        state
+            .library
+            .list()
+            .into_iter()
+            .find(|m| m.filename == spec.source || m.title == state.library.title_of(&spec))
+    });
+    match found {
+        Ok(Some(model)) => {
+            Json(model_object(&state, &model, loaded_source(&state).as_deref())).into_response()
+        }
+        Ok(None) => ApiError::not_found(format!("the model `{id}` is not listed")).into_response(),
+        Err(e) => ApiError::from(e).into_response(),
     }
 }
 

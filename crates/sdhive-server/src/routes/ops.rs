@@ -31,7 +31,7 @@ async fn ready(State(state): State<AppState>) -> Response {
     } else {
         (StatusCode::OK, "ready")
     };
-    (status, Json(json!({"status": reason, "model": state.info.model}))).into_response()
+    (status, Json(json!({"status": reason, "model": state.info().model}))).into_response()
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
@@ -42,24 +42,40 @@ async fn metrics(State(state): State<AppState>) -> Response {
 
 async fn info(State(state): State<AppState>) -> Json<serde_json::Value> {
     let device = state.device();
+    let info = state.info();
+    let loaded = state.library.current();
+    let refused: Vec<serde_json::Value> = state
+        .library
+        .refused()
+        .into_iter()
+        .map(|(file, reason)| json!({"file": file, "reason": reason}))
+        .collect();
     Json(json!({
         "worker_id": state.config.worker_id,
         "version": state.config.version,
-        "engine": state.info.engine,
-        "backend": state.info.backend,
+        "engine": info.engine,
+        "backend": info.backend,
         "device": device,
-        "dtype": state.info.dtype,
+        "dtype": info.dtype,
         "model": {
-            "name": state.info.model,
+            "name": loaded.as_ref().map(|(_, i)| i.model.clone()),
+            "title": loaded.as_ref().map(|(spec, _)| state.library.title_of(spec)),
+            "source": loaded.as_ref().map(|(spec, _)| spec.source.clone()),
+            "vae": loaded.as_ref().and_then(|(spec, _)| state.library.vae_name_of(spec)),
             "requested": state.config.model_name,
-            "family": state.info.family,
-            "native_width": state.info.native_width,
-            "native_height": state.info.native_height,
+            "family": info.family,
+            "native_width": info.native_width,
+            "native_height": info.native_height,
+        },
+        "models": {
+            "available": state.library.list().len(),
+            "vaes": state.library.list_vaes().len(),
+            "refused": refused,
         },
         "capabilities": state.capabilities(),
         "queue": {"depth": state.jobs.queue_depth(), "max": state.config.max_queue},
         "job_ttl_secs": state.config.job_ttl.as_secs_f64(),
         "auth_required": state.config.api_key.is_some(),
-        "memory": state.info.memory,
+        "memory": info.memory,
     }))
 }
