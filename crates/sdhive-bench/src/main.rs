@@ -12,6 +12,7 @@
 //! in alternation, so both see the same background load.
 
 mod e2e;
+mod switch;
 mod text;
 mod write_model;
 
@@ -76,6 +77,13 @@ struct Args {
     /// With --e2e: denoising steps.
     #[arg(long, default_value_t = 20)]
     steps: u32,
+    /// Time model switches instead, between these diffusers folders (repeat the flag): loads from disk and from
+    /// the RAM cache, with the device memory after each switch.
+    #[arg(long = "switch", value_name = "DIR")]
+    switch: Vec<PathBuf>,
+    /// With --switch: cached switches timed (alternating between the models).
+    #[arg(long, default_value_t = 20)]
+    switches: usize,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -101,7 +109,7 @@ enum Only {
 
 /// One timed call.
 #[derive(Serialize, Clone, Copy)]
-struct Call {
+pub(crate) struct Call {
     ms: f64,
     /// Process CPU time (all threads, user + system): less disturbed than wall time when other
     /// work shares the cores, and a check that both cores were busy.
@@ -110,7 +118,7 @@ struct Call {
 
 /// The timed calls of one piece of work.
 #[derive(Serialize)]
-struct Timing {
+pub(crate) struct Timing {
     ms: Vec<f64>,
     cpu_ms: Vec<f64>,
     median_ms: f64,
@@ -119,7 +127,7 @@ struct Timing {
 }
 
 impl Timing {
-    fn new(calls: &[Call]) -> Self {
+    pub(crate) fn new(calls: &[Call]) -> Self {
         let ms: Vec<f64> = calls.iter().map(|c| c.ms).collect();
         let mut sorted = ms.clone();
         sorted.sort_by(f64::total_cmp);
@@ -333,6 +341,13 @@ fn main() -> Result<()> {
     if args.iters == 0 {
         bail!("--iters must be at least 1");
     }
+    if !args.switch.is_empty() {
+        let mut report = switch::run(&args.switch, &dev, dtype, args.switches)?;
+        report["device"] = serde_json::json!(device_name);
+        report["dtype"] = serde_json::json!(args.dtype);
+        println!("{report}");
+        return Ok(());
+    }
     if let Some(dir) = &args.e2e {
         let mut run = e2e::EndToEnd::load(dir, &dev, dtype, args.size, args.steps)?;
         let timing = time_calls(&dev, "image", args.warmup, args.iters, || run.generate())?;
@@ -535,7 +550,7 @@ fn timed(dev: &Device, f: impl FnOnce() -> Result<()>) -> Result<Call> {
     Ok(Call { ms: ms_since(t), cpu_ms: cpu_time_ms()? - c })
 }
 
-fn sync(dev: &Device) -> Result<()> {
+pub(crate) fn sync(dev: &Device) -> Result<()> {
     dev.synchronize().context("waiting for the device")
 }
 

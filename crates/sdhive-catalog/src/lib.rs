@@ -165,6 +165,14 @@ impl Catalog {
         Ok(Some(sha))
     }
 
+    /// Records a hash computed elsewhere (on a copy of this catalogue, so that reading a large file held no
+    /// lock on this one) for every entry that is the file at `path`.
+    pub fn record_hash(&mut self, path: &Path, sha: &str) {
+        let size = self.checkpoints.iter().find(|c| c.path == path).map(|c| c.size);
+        let size = size.or_else(|| self.vaes.iter().find(|v| v.path == path).map(|v| v.size)).unwrap_or(0);
+        self.share_hash(path, sha, size);
+    }
+
     /// Every entry that is the same file (symlinks, a folder listed twice) gets the hash too.
     fn share_hash(&mut self, path: &Path, sha: &str, size: u64) {
         for c in

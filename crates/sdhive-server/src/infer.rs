@@ -111,7 +111,7 @@ fn switch(jobs: &JobManager, host: &mut ModelHost, id: &JobId, model: &ModelSpec
     match result {
         Ok(Ok(())) => {
             tracing::info!(model = %title, seconds = started.elapsed().as_secs_f64(), "model loaded");
-            library.hash_loaded(model);
+            library.hash_in_background(model);
             Ok(())
         }
         Ok(Err(e)) => Err(model_failure(e.to_string())),

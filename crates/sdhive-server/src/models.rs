@@ -4,10 +4,10 @@
 //! thread has loaded now. Handlers resolve names here at submission, so an unknown name is refused before it is
 //! queued; the engine thread records every load and unload here.
 
-use sdhive_catalog::{Catalog, CatalogConfig, Checkpoint};
+use sdhive_catalog::{Catalog, CatalogConfig, Checkpoint, CheckpointFormat, Refused};
 use sdhive_engine::{EngineInfo, ModelSpec};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use thiserror::Error;
 
 /// OpenAI's own model names: clients with a fixed model list send these, meaning "your model".
@@ -148,7 +148,7 @@ pub fn stem(name: &str) -> &str {
 impl ModelLibrary {
     /// A library over `config`'s folders, scanned now (headers only: nothing is hashed).
     pub fn scan(config: CatalogConfig) -> Result<ModelLibrary, ModelError> {
-        let catalog = Catalog::scan(&config).map_err(|e| ModelError::Catalog(e.to_string()))?;
+        let catalog = scan(&config)?;
         for refused in &catalog.refused {
             tracing::warn!(file = %refused.path.display(), "not listed: {}", refused.reason);
         }
@@ -398,13 +398,24 @@ impl ModelLibrary {
 
     /// Rescans the folders; what was loaded or selected stays as it is.
     pub fn refresh(&self) -> Result<(), ModelError> {
-        let fresh = Catalog::scan(&self.config).map_err(|e| ModelError::Catalog(e.to_string()))?;
+        let fresh = scan(&self.config)?;
         *write(&self.catalog) = fresh;
         Ok(())
     }
 
-    /// Computes the sha256 of `spec`'s checkpoint file if the catalogue lacks it (A1111 hashes on load), outside
-    /// the catalogue's lock so listings go on meanwhile.
+    /// Hashes `spec`'s checkpoint file in the background if the catalogue lacks its sha256 (A1111 hashes on
+    /// load): jobs and listings go on meanwhile.
+    pub fn hash_in_background(self: &Arc<Self>, spec: &ModelSpec) {
+        let (library, spec) = (Arc::clone(self), spec.clone());
+        let spawned =
+            std::thread::Builder::new().name("sdhive-hash".into()).spawn(move || library.hash_loaded(&spec));
+        if let Err(e) = spawned {
+            tracing::warn!("cannot start the hashing thread: {e}");
+        }
+    }
+
+    /// Computes the sha256 of `spec`'s checkpoint file if the catalogue lacks it, outside the catalogue's lock
+    /// so listings go on meanwhile.
     pub fn hash_loaded(&self, spec: &ModelSpec) {
         let path = Path::new(&spec.source);
         let needed = {
@@ -412,12 +423,12 @@ impl ModelLibrary {
             catalog.checkpoints.iter().position(|e| e.path == path && e.sha256.is_none() && e.path.is_file())
         };
         let Some(index) = needed else { return };
-        let mut catalog = write(&self.catalog);
-        // The catalogue may have been rescanned meanwhile; ensure_hash re-checks the entry it is given.
-        if catalog.checkpoints.get(index).is_some_and(|e| e.path == path) {
-            if let Err(e) = catalog.ensure_hash(index) {
-                tracing::warn!(file = %path.display(), "cannot hash: {e}");
-            }
+        // Hashed on a copy: reading gigabytes must not hold the lock that every listing takes.
+        let mut copy = read(&self.catalog).clone();
+        match copy.ensure_hash(index) {
+            Ok(Some(sha)) => write(&self.catalog).record_hash(path, &sha),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(file = %path.display(), "cannot hash: {e}"),
         }
     }
 
@@ -443,6 +454,26 @@ impl ModelLibrary {
         let loaded = read(&self.loaded);
         loaded.current.as_ref().map(|(_, i)| i.clone()).or_else(|| loaded.last_info.clone())
     }
+}
+
+/// The catalogue of `config`'s folders, less what no engine here loads: GGUF files are moved to the refused
+/// list (the model sources resolve safetensors and diffusers folders only), so nothing listed fails for its
+/// format.
+fn scan(config: &CatalogConfig) -> Result<Catalog, ModelError> {
+    let mut catalog = Catalog::scan(config).map_err(|e| ModelError::Catalog(e.to_string()))?;
+    let (gguf, kept): (Vec<Checkpoint>, Vec<Checkpoint>) =
+        catalog.checkpoints.drain(..).partition(|c| c.format == CheckpointFormat::Gguf);
+    catalog.checkpoints = kept;
+    catalog.refused.extend(gguf.into_iter().map(|c| {
+        Refused {
+            name: c.name,
+            path: c.path,
+            reason:
+                "GGUF checkpoints are not loaded by the workers yet: use the .safetensors or diffusers form"
+                    .into(),
+        }
+    }));
+    Ok(catalog)
 }
 
 fn spec_of(entry: &Checkpoint) -> ModelSpec {

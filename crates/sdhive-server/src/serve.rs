@@ -72,7 +72,7 @@ impl Startup {
                     match host.load_model(&spec) {
                         Ok(()) => {
                             library.select_checkpoint(&spec);
-                            library.hash_loaded(&spec);
+                            library.hash_in_background(&spec);
                         }
                         Err(e) if !initial_required => {
                             tracing::error!("{e}; starting without a model (requests must name one)")

@@ -162,9 +162,16 @@ async fn an_options_switch_waits_for_the_jobs_queued_before_it() {
     // Answered only once the earlier job ran (10 steps of 30 ms) and b loaded.
     assert!(started.elapsed() >= LOAD_TIME + Duration::from_millis(250), "{:?}", started.elapsed());
     assert_eq!(s.get(&format!("/v1/jobs/{running}")).await["state"], "succeeded");
-    let options = s.get("/sdapi/v1/options").await;
-    // Titled with its short hash once loaded, as A1111 does.
-    assert!(options["sd_model_checkpoint"].as_str().unwrap().starts_with("b.safetensors ["), "{options}");
+    // Titled with its short hash once loaded (hashed in the background), as A1111 does.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let options = loop {
+        let options = s.get("/sdapi/v1/options").await;
+        if options["sd_model_checkpoint"].as_str().unwrap().starts_with("b.safetensors [") {
+            break options;
+        }
+        assert!(Instant::now() < deadline, "{options}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert_eq!(s.get("/v1/info").await["model"]["name"], "b");
     // Posting the same choice back (Open WebUI sends the whole object) loads nothing.
     let r = s.client.post(format!("{}/sdapi/v1/options", s.base)).json(&options).send().await.unwrap();

@@ -194,6 +194,9 @@ pub fn run(backend: Backend, args: &ServeArgs) -> anyhow::Result<()> {
 
 /// Opens the device and scans the model library: everything `serve` does before it listens.
 pub fn prepare(backend: Backend, args: &ServeArgs) -> anyhow::Result<Prepared> {
+    if args.model.is_none() && args.models_dirs.is_empty() {
+        anyhow::bail!("nothing to serve: pass --model MODEL or --models-dir DIR (or both)");
+    }
     let placement = Placement::parse(&args.placement, &args.offload)?;
     let (device, info) = shared_worker::init(backend, args.device)
         .with_context(|| format!("cannot open --device {} on backend {backend}", args.device))?;
