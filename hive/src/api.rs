@@ -1,13 +1,16 @@
 //! The hive's HTTP surface: the workers' public API (native jobs + SSE + cancel, OpenAI images, A1111 sdapi)
-//! forwarded to a chosen worker; the registration endpoints workers call (token); the admin API (workers,
-//! devices); and health, readiness and Prometheus metrics. Error bodies have the workers' shapes
-//! (`docs/api.md`, "Errors").
+//! forwarded to a chosen worker — with the model resolved here and written into the request, and synchronous
+//! requests run again elsewhere when their worker is lost; the model routes answered from the hive's own
+//! catalogue (`/v1/models`, `sd-models`, `sd-vae`, refreshes, the selected model in `options`, `progress`
+//! across the node); the registration endpoints workers call (token); the admin API (workers, devices); and
+//! health, readiness and Prometheus metrics. Error bodies have the workers' shapes (`docs/api.md`, "Errors").
 
 use crate::plan::{binary_path, valid_worker_id, workers_dir, PlannedWorker};
 use crate::registry::{RegisterError, WorkerStatus};
-use crate::router::{self, SlotGuard, SseEvent, SubmitError, Ticket};
+use crate::router::{self, SlotGuard, SseEvent, SubmitError};
 use crate::supervisor::{self, Spec};
 use crate::Hive;
+use crate::{models, rewrite};
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
@@ -26,7 +29,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use subtle::ConstantTimeEq;
-use tokio::sync::{broadcast, oneshot};
+use tokio::sync::broadcast;
 
 type H = State<Arc<Hive>>;
 
@@ -50,10 +53,43 @@ pub fn error(status: StatusCode, kind: &str, code: &str, message: impl Into<Stri
     r
 }
 
-/// A1111-shaped error (`{"error", "detail", "code"}`), for `/sdapi` routes.
+/// [`error`] about one request field (`param`).
+fn error_about(
+    status: StatusCode,
+    kind: &str,
+    code: &str,
+    param: &str,
+    message: impl Into<String>,
+) -> Response {
+    let body = ErrorBody {
+        error: ErrorDetail {
+            message: message.into(),
+            kind: kind.into(),
+            param: Some(param.into()),
+            code: Some(code.into()),
+        },
+    };
+    let mut r = (status, Json(body)).into_response();
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+    }
+    r
+}
+
+/// A1111-shaped error (`{"error", "detail", "field", "code"}`), for `/sdapi` routes.
 fn a1111_error(status: StatusCode, kind: &str, code: &str, message: impl Into<String>) -> Response {
-    let mut r =
-        (status, Json(json!({"error": kind, "detail": message.into(), "code": code}))).into_response();
+    a1111_error_about(status, kind, code, None, message)
+}
+
+fn a1111_error_about(
+    status: StatusCode,
+    kind: &str,
+    code: &str,
+    field: Option<&str>,
+    message: impl Into<String>,
+) -> Response {
+    let body = json!({"error": kind, "detail": message.into(), "field": field, "code": code});
+    let mut r = (status, Json(body)).into_response();
     if matches!(status, StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE) {
         r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
     }
@@ -138,7 +174,14 @@ pub fn router(hive: Arc<Hive>) -> Router {
         .route("/sdapi/v1/txt2img", post(forward_a1111))
         .route("/sdapi/v1/img2img", post(forward_a1111))
         .route("/sdapi/v1/interrupt", post(forward_all))
-        .route("/sdapi/v1/options", get(forward_any).post(forward_all))
+        .route("/sdapi/v1/options", get(get_options).post(set_options))
+        .route("/sdapi/v1/progress", get(progress))
+        .route("/sdapi/v1/sd-models", get(sd_models))
+        .route("/sdapi/v1/sd-vae", get(sd_vae))
+        .route("/sdapi/v1/refresh-checkpoints", post(refresh))
+        .route("/sdapi/v1/refresh-vae", post(refresh))
+        .route("/sdapi/v1/unload-checkpoint", post(unload_checkpoint))
+        .route("/sdapi/v1/reload-checkpoint", post(reload_checkpoint))
         .route("/sdapi/v1/{*rest}", any(forward_any))
         .route_layer(middleware::from_fn_with_state(hive.clone(), public_auth));
     Router::new()
@@ -251,17 +294,34 @@ async fn deregister(State(hive): H, Path(id): Path<String>, body: Bytes) -> Resp
 
 // ---- admin ----
 
+/// A worker's admin view with its loaded model's title.
+fn worker_view(state: &crate::State, w: &crate::registry::WorkerEntry, now: Instant) -> Value {
+    let mut v = w.view(now);
+    v["loaded_model"] = json!(w.loaded.as_deref().map(|m| models::title_of(state, m)));
+    v
+}
+
 async fn list_workers(State(hive): H) -> Response {
     let now = Instant::now();
     let state = hive.lock();
-    let workers: Vec<Value> = state.workers.values().map(|w| w.view(now)).collect();
-    Json(json!({"workers": workers})).into_response()
+    let workers: Vec<Value> = state.workers.values().map(|w| worker_view(&state, w, now)).collect();
+    // Configured models no worker preloads: said here so that none is silently dropped.
+    let preloaded: Vec<&str> = state.workers.values().filter_map(|w| w.planned_model.as_deref()).collect();
+    let on_demand: Vec<&String> =
+        hive.config.models.iter().filter(|m| !preloaded.contains(&m.as_str())).collect();
+    Json(json!({
+        "workers": workers,
+        "selected_model": state.selected.as_deref().map(|m| models::title_of(&state, m)),
+        "on_demand_models": on_demand,
+        "on_demand": "a request for a model no worker has loaded waits for an idle worker, which switches to it",
+    }))
+    .into_response()
 }
 
 async fn get_worker(State(hive): H, Path(id): Path<String>) -> Response {
     let state = hive.lock();
     match state.workers.get(&id) {
-        Some(w) => Json(w.view(Instant::now())).into_response(),
+        Some(w) => Json(worker_view(&state, w, Instant::now())).into_response(),
         None => {
             error(StatusCode::NOT_FOUND, "not_found_error", "worker_not_found", format!("no worker `{id}`"))
         }
@@ -293,12 +353,17 @@ async fn spawn_worker(State(hive): H, body: Bytes) -> Response {
         Ok(b) => b,
         Err(e) => return bad(format!("{e}")),
     };
-    let Some(model) = req.model.or_else(|| hive.config.models.first().cloned()) else {
-        return bad("`model` is required (no default model is configured)".into());
-    };
-    // Without model roots the workers could be pointed anywhere on disk; only configured models then.
-    if hive.config.model_roots.is_empty() && !hive.config.models.contains(&model) {
-        return bad(format!("model `{model}` is not configured and no model_roots confine model paths"));
+    let has_library = !hive.config.models_dirs.is_empty();
+    let model = req.model.or_else(|| hive.config.models.first().cloned());
+    if model.is_none() && !has_library {
+        return bad("`model` is required (no default model and no models dir is configured)".into());
+    }
+    // Without model roots the workers could be pointed anywhere on disk; only configured models then (the
+    // models dirs confine like roots).
+    if let Some(m) = &model {
+        if hive.config.worker_roots().is_empty() && !hive.config.models.contains(m) {
+            return bad(format!("model `{m}` is not configured and no model_roots confine model paths"));
+        }
     }
     let worker_id = req.worker_id.unwrap_or_else(|| {
         format!("{}-{backend}{}-{}", crate::plan::host_prefix(), req.device, crate::random_hex(3))
@@ -353,7 +418,10 @@ async fn spawn_worker(State(hive): H, body: Bytes) -> Response {
         old.task.abort();
     }
     drop(supervisors);
-    let view = hive.lock().workers.get(&worker_id).map(|w| w.view(Instant::now()));
+    let view = {
+        let state = hive.lock();
+        state.workers.get(&worker_id).map(|w| worker_view(&state, w, Instant::now()))
+    };
     (StatusCode::CREATED, Json(view)).into_response()
 }
 
@@ -424,7 +492,8 @@ async fn info(State(hive): H) -> Response {
         "version": env!("CARGO_PKG_VERSION"),
         "workers": state.workers.len(),
         "queue": {"depth": state.queue.len(), "max": hive.config.queue_size},
-        "models": model_names(&state),
+        "models": models::list(&state).into_iter().map(|m| m.name).collect::<Vec<_>>(),
+        "selected_model": state.selected.as_deref().map(|m| models::title_of(&state, m)),
         "auth_required": hive.config.api_key.is_some(),
     }))
     .into_response()
@@ -447,6 +516,26 @@ async fn metrics(State(hive): H) -> Response {
     counter("sdhive_hive_jobs_cancelled_total", "Native jobs cancelled.", m.jobs_cancelled);
     counter("sdhive_hive_jobs_worker_lost_total", "Running jobs lost with their worker.", m.jobs_worker_lost);
     counter("sdhive_hive_jobs_redispatched_total", "Jobs sent back to the hive queue.", m.jobs_redispatched);
+    counter(
+        "sdhive_hive_jobs_rerun_total",
+        "Native jobs run again because their worker was lost while running them.",
+        m.jobs_rerun,
+    );
+    counter(
+        "sdhive_hive_sync_rerun_total",
+        "OpenAI/A1111 requests run again because their worker was lost.",
+        m.sync_rerun,
+    );
+    counter(
+        "sdhive_hive_sync_worker_lost_total",
+        "OpenAI/A1111 requests answered worker_lost (lost twice).",
+        m.sync_worker_lost,
+    );
+    counter(
+        "sdhive_hive_model_switches_total",
+        "Requests dispatched to a worker that had another model loaded.",
+        m.model_switches,
+    );
     counter(
         "sdhive_hive_sync_requests_total",
         "OpenAI/A1111 generation requests forwarded.",
@@ -481,34 +570,80 @@ async fn metrics(State(hive): H) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }
 
-fn model_names(state: &crate::State) -> Vec<String> {
-    let mut names: Vec<String> = state
-        .workers
-        .values()
-        .filter(|w| !matches!(w.status, WorkerStatus::Failed | WorkerStatus::Stopped))
-        .filter_map(|w| w.registration.as_ref().map(|r| r.model.clone()))
-        .collect();
-    names.sort();
-    names.dedup();
-    names
-}
-
-fn model_object(name: &str) -> Value {
-    json!({"id": name, "object": "model", "created": 0, "owned_by": "sdhive"})
-}
-
 async fn models(State(hive): H) -> Response {
-    let names = model_names(&hive.lock());
-    Json(json!({"object": "list", "data": names.iter().map(|n| model_object(n)).collect::<Vec<_>>()}))
+    let listed = models::list(&hive.lock());
+    Json(json!({"object": "list", "data": listed.iter().map(models::openai_object).collect::<Vec<_>>()}))
         .into_response()
 }
 
 async fn model(State(hive): H, Path(id): Path<String>) -> Response {
-    if model_names(&hive.lock()).contains(&id) {
-        Json(model_object(&id)).into_response()
-    } else {
-        error(StatusCode::NOT_FOUND, "not_found_error", "model_not_found", format!("no worker serves `{id}`"))
+    let found = {
+        let state = hive.lock();
+        match models::resolve(&state, Some(&id)) {
+            Ok(Some(source)) => Ok(models::list(&state).into_iter().find(|m| m.filename == source)),
+            Ok(None) => Ok(None),
+            Err(e) => Err(e),
+        }
+    };
+    match found {
+        Ok(Some(m)) => Json(models::openai_object(&m)).into_response(),
+        Ok(None) => error_about(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            "model",
+            format!("no model `{id}`"),
+        ),
+        Err(e) => error_about(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            "model",
+            models::not_found_message(&e),
+        ),
     }
+}
+
+async fn sd_models(State(hive): H) -> Response {
+    let listed = models::list(&hive.lock());
+    Json(listed.iter().map(models::a1111_object).collect::<Vec<_>>()).into_response()
+}
+
+async fn sd_vae(State(hive): H) -> Response {
+    let state = hive.lock();
+    let vaes: Vec<Value> = state
+        .catalog
+        .vaes
+        .iter()
+        .map(|v| json!({"model_name": v.name, "filename": v.path.display().to_string()}))
+        .collect();
+    Json(vaes).into_response()
+}
+
+/// `refresh-checkpoints` and `refresh-vae`: the hive scans again (one scan covers both), then every worker.
+async fn refresh(State(hive): H, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
+    let config = hive.config.clone();
+    let scanned = tokio::task::spawn_blocking(move || models::scan(&config)).await;
+    match scanned {
+        Ok(Ok(catalog)) => hive.lock().catalog = catalog,
+        Ok(Err(e)) => {
+            return a1111_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "model_library_unreadable",
+                e.to_string(),
+            )
+        }
+        Err(e) => {
+            return a1111_error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal", e.to_string())
+        }
+    }
+    let answer = forward_all(State(hive), method, uri, headers, body).await;
+    // No worker to tell is fine: the hive's own list is fresh.
+    if answer.status() == StatusCode::SERVICE_UNAVAILABLE {
+        return Json(Value::Null).into_response();
+    }
+    answer
 }
 
 // ---- native jobs ----
@@ -525,12 +660,14 @@ async fn submit_job(State(hive): H, Query(q): Query<ModelQuery>, body: Bytes) ->
         let code = if e.is_data() { "invalid_value" } else { "invalid_json" };
         return error(StatusCode::BAD_REQUEST, "invalid_request_error", code, e.to_string());
     }
-    let value: Value = match serde_json::from_slice(&body) {
+    let mut value: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(e) => {
             return error(StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_json", e.to_string())
         }
     };
+    // Pinned before the first dispatch, so that a re-run after a lost worker makes the same image.
+    rewrite::json_request(&mut value, None);
     match router::submit(&hive, value, q.model) {
         Ok((accepted, first)) => {
             // Dispatched at once: a worker's own validation error reaches the client as it would directly.
@@ -549,30 +686,55 @@ async fn submit_job(State(hive): H, Query(q): Query<ModelQuery>, body: Bytes) ->
             }
             r
         }
-        Err(SubmitError::QueueFull) => error(
+        Err(e) => submit_error(&hive, e, None),
+    }
+}
+
+/// A refused submission in the route's shape; `a1111_field`: the A1111 field that named the model (A1111
+/// answers an unknown model with 400 about it, OpenAI and the native API with 404).
+fn submit_error(hive: &Hive, e: SubmitError, a1111_field: Option<&str>) -> Response {
+    let plain = |status: StatusCode, kind: &str, code: &str, message: String| match a1111_field {
+        Some(_) => a1111_error(status, kind, code, message),
+        None => error(status, kind, code, message),
+    };
+    match e {
+        SubmitError::QueueFull => plain(
             StatusCode::TOO_MANY_REQUESTS,
             "rate_limit_error",
             "queue_full",
-            format!("every worker is busy and the hive queue holds {} jobs", hive.config.queue_size),
+            format!("every worker is busy and the hive queue holds {} requests", hive.config.queue_size),
         ),
-        Err(SubmitError::Draining) => error(
+        SubmitError::Draining => plain(
             StatusCode::SERVICE_UNAVAILABLE,
             "server_error",
             "shutting_down",
-            "the hive is shutting down",
+            "the hive is shutting down".into(),
         ),
-        Err(SubmitError::NoWorkers) => error(
+        SubmitError::NoWorkers => plain(
             StatusCode::SERVICE_UNAVAILABLE,
             "server_error",
             "no_workers",
-            "no worker is running or starting (see GET /v1/workers)",
+            "no worker is running or starting (see GET /v1/workers)".into(),
         ),
-        Err(SubmitError::UnknownModel(m)) => error(
-            StatusCode::NOT_FOUND,
-            "not_found_error",
-            "model_not_found",
-            format!("no worker serves `{m}`"),
-        ),
+        SubmitError::Unservable(why) => {
+            plain(StatusCode::SERVICE_UNAVAILABLE, "server_error", "model_unavailable", why)
+        }
+        SubmitError::UnknownModel(nf) => match a1111_field {
+            Some(field) => a1111_error_about(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "model_not_found",
+                Some(field),
+                format!("invalid `{field}`: {}", models::not_found_message(&nf)),
+            ),
+            None => error_about(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "model_not_found",
+                "model",
+                models::not_found_message(&nf),
+            ),
+        },
     }
 }
 
@@ -736,9 +898,14 @@ async fn send_to(
     Ok(response)
 }
 
-/// Waits for a slot on a worker serving `model`, then forwards the request and holds the slot until the
-/// worker answers (these routes block until the image is made).
-async fn forward_sync(
+/// Where an A1111 request names its model, for the error that names it.
+const A1111_MODEL_FIELD: &str = "override_settings.sd_model_checkpoint";
+
+/// Waits for a slot on a worker chosen for `model`, forwards the request and holds the slot until the worker
+/// answers (these routes block until the image is made). A worker lost meanwhile (the connection fails) gets
+/// the request run again once elsewhere — the body carries its model and seed, so the image is the same —
+/// before the client is told `worker_lost`.
+async fn run_sync(
     hive: Arc<Hive>,
     method: Method,
     uri: Uri,
@@ -747,72 +914,113 @@ async fn forward_sync(
     model: Option<String>,
     a1111: bool,
 ) -> Response {
-    let err = |status: StatusCode, kind: &str, code: &str, message: String| {
-        if a1111 {
-            a1111_error(status, kind, code, message)
-        } else {
-            error(status, kind, code, message)
+    let field = if a1111 { Some(A1111_MODEL_FIELD) } else { None };
+    let since = Instant::now();
+    let mut avoid: Option<router::Avoid> = None;
+    loop {
+        let rx = match router::enqueue_sync(&hive, model.clone(), since, avoid.clone()) {
+            Ok(rx) => rx,
+            Err(e) => return submit_error(&hive, e, field),
+        };
+        let Ok(slot) = rx.await else {
+            return submit_error(&hive, SubmitError::Draining, field);
+        };
+        let guard = SlotGuard { hive: hive.clone(), slot };
+        let slot = &guard.slot;
+        let sent = send_to(
+            &hive,
+            &slot.base_url,
+            slot.bearer.as_deref(),
+            method.clone(),
+            &uri,
+            &headers,
+            body.clone(),
+        )
+        .await;
+        let e = match sent {
+            Ok(r) => return r,
+            Err(e) => e,
+        };
+        let rerun = avoid.is_none();
+        {
+            let mut state = hive.lock();
+            // Most likely dead; its supervisor (or the health sweep) will say. Meanwhile nothing new goes there.
+            if let Some(w) = state.workers.get_mut(&slot.worker) {
+                if w.epoch == slot.epoch {
+                    w.cooldown_until = Some(Instant::now() + Duration::from_secs(2));
+                }
+            }
+            if rerun {
+                state.metrics.sync_rerun += 1;
+            } else {
+                state.metrics.sync_worker_lost += 1;
+            }
         }
-    };
-    let (rx, starts) = {
-        let mut state = hive.lock();
-        if state.draining {
-            return err(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "server_error",
-                "shutting_down",
-                "the hive is shutting down".into(),
+        if !rerun {
+            tracing::warn!(worker = %slot.worker, "forwarded request failed again: {e}");
+            let message = format!(
+                "worker {} was lost while serving this request, which had been run again: {e}",
+                slot.worker
             );
+            return if a1111 {
+                a1111_error(StatusCode::BAD_GATEWAY, "server_error", "worker_lost", message)
+            } else {
+                error(StatusCode::BAD_GATEWAY, "server_error", "worker_lost", message)
+            };
         }
-        // Clients send model names the hive has never heard of (OpenAI SDKs default to `dall-e-2`): only a
-        // name some worker serves narrows the choice.
-        let model = model.filter(|m| router::model_known(&state, m));
-        if !router::any_worker(&state) {
-            return err(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "server_error",
-                "no_workers",
-                "no worker is running or starting".into(),
-            );
-        }
-        if state.queue.len() >= hive.config.queue_size {
-            state.metrics.rejected_queue_full += 1;
-            return err(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
-                "queue_full",
-                "every worker is busy and the hive queue is full".into(),
-            );
-        }
-        state.metrics.sync_requests += 1;
-        let (reply, rx) = oneshot::channel();
-        state.queue.push_back(Ticket::Sync { model, reply });
-        let starts = router::pump(&hive, &mut state);
-        (rx, starts)
-    };
-    router::start_dispatches(&hive, starts);
-    let Ok(slot) = rx.await else {
-        return err(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server_error",
-            "shutting_down",
-            "the hive is shutting down".into(),
-        );
-    };
-    let guard = SlotGuard { hive: hive.clone(), slot };
-    let slot = &guard.slot;
-    match send_to(&hive, &slot.base_url, slot.bearer.as_deref(), method, &uri, &headers, body).await {
-        Ok(r) => r,
-        Err(e) => {
-            tracing::warn!(worker = %slot.worker, "forwarded request failed: {e}");
-            err(
-                StatusCode::BAD_GATEWAY,
-                "server_error",
-                "worker_lost",
-                format!("worker {} was lost while serving this request: {e}", slot.worker),
-            )
-        }
+        tracing::warn!(worker = %slot.worker, "forwarded request failed: {e}; running it again on another worker");
+        avoid = Some(router::Avoid::new(&hive, &slot.worker, slot.epoch));
+        drop(guard);
     }
+}
+
+/// An OpenAI or A1111 generation: resolves the model it names (refusing unknown ones before they queue),
+/// writes it and a pinned seed into the body, and runs it.
+async fn forward_generation(
+    hive: Arc<Hive>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+    a1111: bool,
+) -> Response {
+    let boundary =
+        headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).and_then(rewrite::multipart_boundary);
+    let mut json: Option<Value> = match boundary {
+        Some(_) => None,
+        None => serde_json::from_slice(&body).ok(),
+    };
+    let named: Option<String> = match (&boundary, &json) {
+        (Some(b), _) => rewrite::multipart_text_fields(&body, b)
+            .into_iter()
+            .rev()
+            .find(|(k, _)| k == "model")
+            .map(|(_, v)| v),
+        (None, Some(v)) if a1111 => v["override_settings"]["sd_model_checkpoint"].as_str().map(String::from),
+        (None, Some(v)) => v["model"].as_str().map(String::from),
+        (None, None) => None,
+    };
+    let resolved = router::resolve_model(&hive, &hive.lock(), named.as_deref());
+    let model = match resolved {
+        Ok(m) => m,
+        Err(e) => return submit_error(&hive, e, a1111.then_some(A1111_MODEL_FIELD)),
+    };
+    let body = match (&boundary, json.as_mut()) {
+        (Some(b), _) => {
+            rewrite::multipart_request(&body, b, model.as_deref()).map(Bytes::from).unwrap_or(body)
+        }
+        (None, Some(v)) => {
+            if a1111 {
+                rewrite::a1111_request(v, model.as_deref());
+            } else {
+                rewrite::json_request(v, model.as_deref());
+            }
+            serde_json::to_vec(v).map(Bytes::from).unwrap_or(body)
+        }
+        // Not JSON: forwarded as it is, for the worker to explain.
+        (None, None) => body,
+    };
+    run_sync(hive, method, uri, headers, body, model, a1111).await
 }
 
 async fn forward_openai(
@@ -822,9 +1030,7 @@ async fn forward_openai(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let model =
-        serde_json::from_slice::<Value>(&body).ok().and_then(|v| v["model"].as_str().map(String::from));
-    forward_sync(hive, method, uri, headers, body, model, false).await
+    forward_generation(hive, method, uri, headers, body, false).await
 }
 
 async fn forward_a1111(
@@ -834,10 +1040,194 @@ async fn forward_a1111(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let model = serde_json::from_slice::<Value>(&body)
-        .ok()
-        .and_then(|v| v["override_settings"]["sd_model_checkpoint"].as_str().map(String::from));
-    forward_sync(hive, method, uri, headers, body, model, true).await
+    forward_generation(hive, method, uri, headers, body, true).await
+}
+
+/// Makes sure some worker has `model` loaded, as A1111 does before answering an options change: when none
+/// has, the options POST (with `extra` options) goes to the worker the routing policy picks — the least
+/// recently used idle one, or the first to become idle — and its answer is returned.
+async fn ensure_loaded(
+    hive: &Arc<Hive>,
+    model: &str,
+    extra: &serde_json::Map<String, Value>,
+    headers: &HeaderMap,
+) -> Option<Response> {
+    let held = {
+        let now = Instant::now();
+        let state = hive.lock();
+        state.workers.values().any(|w| w.routable(now) && w.loaded.as_deref() == Some(model))
+    };
+    if held {
+        return None;
+    }
+    let mut body = extra.clone();
+    body.insert("sd_model_checkpoint".into(), json!(model));
+    let body = serde_json::to_vec(&body).map(Bytes::from).unwrap_or_default();
+    let uri = Uri::from_static("/sdapi/v1/options");
+    let mut headers = headers.clone();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    Some(run_sync(hive.clone(), Method::POST, uri, headers, body, Some(model.to_string()), true).await)
+}
+
+/// `sd_model_checkpoint` (resolved here; 400 naming it and the closest titles when unknown) becomes the hive's
+/// selected model, loaded on a worker before the answer; other options go to every worker.
+async fn set_options(State(hive): H, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
+    let Ok(Value::Object(mut given)) = serde_json::from_slice::<Value>(&body) else {
+        // Not an object: the workers explain.
+        return forward_all(State(hive), method, uri, headers, body).await;
+    };
+    let mut answer = None;
+    if let Some(v) = given.remove("sd_model_checkpoint").filter(|v| !v.is_null()) {
+        let Some(q) = v.as_str() else {
+            return a1111_error_about(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "invalid_value",
+                Some("sd_model_checkpoint"),
+                format!("invalid `sd_model_checkpoint`: must be a string, got {v}"),
+            );
+        };
+        let resolved = router::resolve_model(&hive, &hive.lock(), Some(q));
+        match resolved {
+            Ok(Some(model)) => {
+                tracing::info!(model, "selected model");
+                hive.lock().selected = Some(model.clone());
+                if let Some(r) = ensure_loaded(&hive, &model, &given, &headers).await {
+                    if !r.status().is_success() {
+                        return r;
+                    }
+                    answer = Some(r);
+                }
+            }
+            // OpenAI's names mean "the selected model": nothing changes.
+            Ok(None) => {}
+            Err(e) => return submit_error(&hive, e, Some("sd_model_checkpoint")),
+        }
+    }
+    if !given.is_empty() {
+        let rest = serde_json::to_vec(&Value::Object(given)).map(Bytes::from).unwrap_or_default();
+        let r = forward_all(State(hive), method, uri, headers, rest).await;
+        if answer.is_none() || !r.status().is_success() {
+            return r;
+        }
+    }
+    answer.unwrap_or_else(|| Json(Value::Null).into_response())
+}
+
+/// A worker's options, with the hive's selected model.
+async fn get_options(State(hive): H, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
+    let r = forward_any(State(hive.clone()), method, uri, headers, body).await;
+    if !r.status().is_success() {
+        return r;
+    }
+    let Ok(bytes) = axum::body::to_bytes(r.into_body(), 16 * 1024 * 1024).await else {
+        return a1111_error(
+            StatusCode::BAD_GATEWAY,
+            "server_error",
+            "worker_error",
+            "cannot read the worker's options",
+        );
+    };
+    let Ok(mut options) = serde_json::from_slice::<Value>(&bytes) else {
+        return (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], bytes).into_response();
+    };
+    let state = hive.lock();
+    if let (Some(m), Some(obj)) = (state.selected.as_deref(), options.as_object_mut()) {
+        obj.insert("sd_model_checkpoint".into(), json!(models::title_of(&state, m)));
+        let sha =
+            state.catalog.checkpoints.iter().find(|c| c.path.as_os_str() == m).and_then(|c| c.sha256.clone());
+        obj.insert("sd_checkpoint_hash".into(), json!(sha));
+    }
+    Json(options).into_response()
+}
+
+/// What the node is doing, for clients that poll until idle (SillyTavern after a model switch): `job_count` is
+/// at least the number of requests waiting in the hive or in flight on workers (a model switch included); the
+/// other fields come from a worker that is busy.
+async fn progress(State(hive): H, method: Method, uri: Uri, headers: HeaderMap) -> Response {
+    let (busy, target) = {
+        let now = Instant::now();
+        let state = hive.lock();
+        let busy = state.queue.len() + state.workers.values().map(|w| w.inflight).sum::<usize>();
+        let target = state
+            .workers
+            .values()
+            .filter(|w| w.routable(now) && w.inflight > 0)
+            .max_by_key(|w| w.heartbeat.as_ref().is_some_and(|h| h.running_job.is_some()))
+            .and_then(|w| {
+                let reg = w.registration.as_ref()?;
+                let bearer = if reg.api_key_required { hive.config.worker_api_key.clone() } else { None };
+                Some((reg.base_url.clone(), bearer))
+            });
+        (busy, target)
+    };
+    let mut view = json!({
+        "progress": 0.0,
+        "eta_relative": 0.0,
+        "state": {
+            "skipped": false, "interrupted": false, "job": "", "job_count": 0, "job_timestamp": "0",
+            "job_no": 0, "sampling_step": 0, "sampling_steps": 0,
+        },
+        "current_image": null,
+        "textinfo": null,
+    });
+    if busy == 0 {
+        return Json(view).into_response();
+    }
+    if let Some((base, bearer)) = target {
+        if let Ok(r) = send_to(&hive, &base, bearer.as_deref(), method, &uri, &headers, Bytes::new()).await {
+            if r.status().is_success() {
+                if let Ok(bytes) = axum::body::to_bytes(r.into_body(), 16 * 1024 * 1024).await {
+                    if let Ok(v) = serde_json::from_slice::<Value>(&bytes) {
+                        if v["state"].is_object() {
+                            view = v;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let reported = view["state"]["job_count"].as_u64().unwrap_or(0);
+    view["state"]["job_count"] = json!(reported.max(busy as u64));
+    Json(view).into_response()
+}
+
+/// Every worker unloads its model; the hive then knows none is loaded.
+async fn unload_checkpoint(
+    State(hive): H,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let r = forward_all(State(hive.clone()), method, uri, headers, body).await;
+    if r.status().is_success() {
+        let now = Instant::now();
+        for w in hive.lock().workers.values_mut().filter(|w| w.routable(now)) {
+            w.loaded = None;
+        }
+    }
+    r
+}
+
+/// Loads the selected model again (after `unload-checkpoint`), on one worker.
+async fn reload_checkpoint(State(hive): H, headers: HeaderMap) -> Response {
+    let selected = {
+        let state = hive.lock();
+        models::default_model(&state)
+    };
+    let Some(model) = selected else {
+        return a1111_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "no_model",
+            "no model is selected",
+        );
+    };
+    match ensure_loaded(&hive, &model, &serde_json::Map::new(), &headers).await {
+        Some(r) if !r.status().is_success() => r,
+        _ => Json(Value::Null).into_response(),
+    }
 }
 
 /// Routable workers as (id, base URL, bearer).

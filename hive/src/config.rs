@@ -48,10 +48,16 @@ impl std::str::FromStr for CpuPolicy {
 pub struct HiveConfig {
     /// Where the hive's HTTP API listens.
     pub bind: SocketAddr,
-    /// Models to serve; devices are given models round robin.
+    /// Models to preload: worker *i* starts with `models[i % len]`; the others of the models dirs load on
+    /// demand.
     pub models: Vec<String>,
     /// Passed to every worker as `--model-root`: local model paths must lie inside one of these.
     pub model_roots: Vec<PathBuf>,
+    /// The model library: scanned by the hive (for listing and for resolving requests' model names) and passed
+    /// to every worker as `--models-dir` (and `--model-root`), so any worker can load any of its checkpoints.
+    pub models_dirs: Vec<PathBuf>,
+    /// Standalone VAE folders, passed to every worker as `--vae-dir`.
+    pub vae_dirs: Vec<PathBuf>,
     /// Where `sd-worker-<backend>` binaries live; default: beside the hive executable.
     pub workers_dir: Option<PathBuf>,
     /// Registration/heartbeat bearer token; a random one is generated when unset.
@@ -68,6 +74,12 @@ pub struct HiveConfig {
     /// `backend:index` (that physical device) or `backend` (never use that backend).
     pub exclude: Vec<String>,
     pub cpu: CpuPolicy,
+    /// How many workers the CPU gets when it serves (each uses every core; more than one helps only to keep
+    /// several models loaded at once, and tests).
+    pub cpu_workers: usize,
+    /// A worker whose loaded model still has requests waiting is not switched to another model, unless a
+    /// request for that other model has waited this long (no thrashing, no starvation).
+    pub model_switch_wait_secs: f64,
     /// Sent to workers in the registration answer; a worker silent for 3 intervals is unhealthy.
     pub heartbeat_interval_secs: u64,
     /// Jobs the hive holds while every worker is full; beyond it submissions get 429.
@@ -99,6 +111,8 @@ impl Default for HiveConfig {
             bind: SocketAddr::from(([127, 0, 0, 1], 7833)),
             models: Vec::new(),
             model_roots: Vec::new(),
+            models_dirs: Vec::new(),
+            vae_dirs: Vec::new(),
             workers_dir: None,
             token: None,
             api_key: None,
@@ -107,6 +121,8 @@ impl Default for HiveConfig {
             pin: Vec::new(),
             exclude: Vec::new(),
             cpu: CpuPolicy::Auto,
+            cpu_workers: 1,
+            model_switch_wait_secs: 30.0,
             heartbeat_interval_secs: 5,
             queue_size: 64,
             worker_slots: 2,
@@ -129,6 +145,8 @@ pub struct CliOverrides {
     pub bind: Option<SocketAddr>,
     pub models: Vec<String>,
     pub model_roots: Vec<PathBuf>,
+    pub models_dirs: Vec<PathBuf>,
+    pub vae_dirs: Vec<PathBuf>,
     pub workers_dir: Option<PathBuf>,
     pub token: Option<String>,
     pub api_key: Option<String>,
@@ -136,6 +154,7 @@ pub struct CliOverrides {
     pub pin: Vec<String>,
     pub exclude: Vec<String>,
     pub cpu: Option<CpuPolicy>,
+    pub cpu_workers: Option<usize>,
     pub heartbeat_interval_secs: Option<u64>,
     pub queue_size: Option<usize>,
     pub worker_slots: Option<usize>,
@@ -185,6 +204,8 @@ impl HiveConfig {
                 "BIND" => self.bind = parse(&var, &value)?,
                 "MODELS" => self.models = list(&value),
                 "MODEL_ROOTS" => self.model_roots = list(&value).into_iter().map(PathBuf::from).collect(),
+                "MODELS_DIRS" => self.models_dirs = list(&value).into_iter().map(PathBuf::from).collect(),
+                "VAE_DIRS" => self.vae_dirs = list(&value).into_iter().map(PathBuf::from).collect(),
                 "WORKERS_DIR" => self.workers_dir = Some(PathBuf::from(value)),
                 "TOKEN" => self.token = Some(value),
                 "API_KEY" => self.api_key = Some(value),
@@ -193,6 +214,8 @@ impl HiveConfig {
                 "PIN" => self.pin = list(&value),
                 "EXCLUDE" => self.exclude = list(&value),
                 "CPU" => self.cpu = parse(&var, &value)?,
+                "CPU_WORKERS" => self.cpu_workers = parse(&var, &value)?,
+                "MODEL_SWITCH_WAIT_SECS" => self.model_switch_wait_secs = parse(&var, &value)?,
                 "HEARTBEAT_INTERVAL_SECS" => self.heartbeat_interval_secs = parse(&var, &value)?,
                 "QUEUE_SIZE" => self.queue_size = parse(&var, &value)?,
                 "WORKER_SLOTS" => self.worker_slots = parse(&var, &value)?,
@@ -226,6 +249,8 @@ impl HiveConfig {
         set(&mut self.bind, &cli.bind);
         set_list(&mut self.models, &cli.models);
         set_list(&mut self.model_roots, &cli.model_roots);
+        set_list(&mut self.models_dirs, &cli.models_dirs);
+        set_list(&mut self.vae_dirs, &cli.vae_dirs);
         if cli.workers_dir.is_some() {
             self.workers_dir = cli.workers_dir.clone();
         }
@@ -241,6 +266,7 @@ impl HiveConfig {
         set_list(&mut self.pin, &cli.pin);
         set_list(&mut self.exclude, &cli.exclude);
         set(&mut self.cpu, &cli.cpu);
+        set(&mut self.cpu_workers, &cli.cpu_workers);
         set(&mut self.heartbeat_interval_secs, &cli.heartbeat_interval_secs);
         set(&mut self.queue_size, &cli.queue_size);
         set(&mut self.worker_slots, &cli.worker_slots);
@@ -259,6 +285,11 @@ impl HiveConfig {
         if self.worker_slots == 0 {
             return Err(ConfigError::Invalid("worker_slots must be at least 1".into()));
         }
+        if self.cpu_workers == 0 {
+            return Err(ConfigError::Invalid(
+                "cpu_workers must be at least 1 (use cpu = \"never\" for none)".into(),
+            ));
+        }
         let secs = [
             ("restart_initial_secs", self.restart_initial_secs),
             ("restart_max_secs", self.restart_max_secs),
@@ -266,6 +297,7 @@ impl HiveConfig {
             ("crash_loop_window_secs", self.crash_loop_window_secs),
             ("drain_grace_secs", self.drain_grace_secs),
             ("stop_grace_secs", self.stop_grace_secs),
+            ("model_switch_wait_secs", self.model_switch_wait_secs),
         ];
         for (name, v) in secs {
             if !(0.0..1e9).contains(&v) {
@@ -279,6 +311,22 @@ impl HiveConfig {
             crate::plan::DeviceSpec::parse(spec).map_err(ConfigError::Invalid)?;
         }
         Ok(())
+    }
+
+    pub fn model_switch_wait(&self) -> Duration {
+        Duration::from_secs_f64(self.model_switch_wait_secs)
+    }
+
+    /// What every spawned worker may load without being told a path: its `--model-root`s (the configured
+    /// roots plus the models and VAE dirs, which confine like roots).
+    pub fn worker_roots(&self) -> Vec<PathBuf> {
+        let mut roots = self.model_roots.clone();
+        for dir in self.models_dirs.iter().chain(&self.vae_dirs) {
+            if !roots.contains(dir) {
+                roots.push(dir.clone());
+            }
+        }
+        roots
     }
 
     pub fn heartbeat_interval(&self) -> Duration {
@@ -334,6 +382,32 @@ mod tests {
         assert_eq!(c.worker_slots, 4, "cli beats file");
         assert_eq!(c.heartbeat_interval_secs, 2, "file value survives when nothing overrides it");
         assert_eq!(c.stop_grace_secs, HiveConfig::default().stop_grace_secs);
+    }
+
+    #[test]
+    fn library_keys_layer_like_the_others() {
+        let file = "models_dirs = [\"/file\"]\ncpu_workers = 3\n";
+        let mut c = HiveConfig::from_toml(file).unwrap();
+        c.apply_env(env(&[
+            ("SDHIVE_MODELS_DIRS", "/a, /b"),
+            ("SDHIVE_VAE_DIRS", "/v"),
+            ("SDHIVE_MODEL_SWITCH_WAIT_SECS", "2.5"),
+        ]))
+        .unwrap();
+        assert_eq!(c.models_dirs, [PathBuf::from("/a"), PathBuf::from("/b")]);
+        assert_eq!((c.cpu_workers, c.model_switch_wait()), (3, Duration::from_millis(2500)));
+        c.apply_cli(&CliOverrides {
+            models_dirs: vec!["/cli".into()],
+            cpu_workers: Some(2),
+            model_roots: vec!["/r".into()],
+            ..Default::default()
+        });
+        assert_eq!((c.models_dirs.clone(), c.cpu_workers), (vec![PathBuf::from("/cli")], 2));
+        // Models and VAE dirs confine the workers like roots.
+        let roots: Vec<PathBuf> = ["/r", "/cli", "/v"].iter().map(PathBuf::from).collect();
+        assert_eq!(c.worker_roots(), roots);
+        let cli = CliOverrides { cpu_workers: Some(0), ..Default::default() };
+        assert!(HiveConfig::load(None, Vec::new(), &cli).is_err(), "no CPU workers is cpu = \"never\"");
     }
 
     #[test]

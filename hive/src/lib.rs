@@ -9,8 +9,10 @@
 pub mod api;
 pub mod config;
 pub mod detect;
+pub mod models;
 pub mod plan;
 pub mod registry;
+pub mod rewrite;
 pub mod router;
 pub mod supervisor;
 
@@ -30,6 +32,10 @@ pub struct State {
     /// Set on SIGTERM: no new jobs are accepted.
     pub draining: bool,
     pub metrics: Metrics,
+    /// The hive's scan of the models dirs (what every worker it starts can load).
+    pub catalog: sdhive_catalog::Catalog,
+    /// The model requests that name none run with (A1111's `sd_model_checkpoint`), as a source string.
+    pub selected: Option<String>,
 }
 
 #[derive(Default, Debug, Clone)]
@@ -39,8 +45,12 @@ pub struct Metrics {
     pub jobs_failed: u64,
     pub jobs_cancelled: u64,
     pub jobs_redispatched: u64,
+    pub jobs_rerun: u64,
     pub jobs_worker_lost: u64,
     pub sync_requests: u64,
+    pub sync_rerun: u64,
+    pub sync_worker_lost: u64,
+    pub model_switches: u64,
     pub rejected_queue_full: u64,
     pub worker_restarts: u64,
 }
@@ -94,6 +104,8 @@ pub enum HiveError {
     Bind { addr: std::net::SocketAddr, source: std::io::Error },
     #[error("server error: {0}")]
     Serve(std::io::Error),
+    #[error("cannot read the model library: {0}")]
+    Catalog(String),
 }
 
 pub fn unix_now() -> f64 {
@@ -151,6 +163,17 @@ pub async fn serve(
     }
     let hive = Hive::new(config, token, callback_url)?;
 
+    let scan_config = hive.config.clone();
+    let catalog = tokio::task::spawn_blocking(move || models::scan(&scan_config))
+        .await
+        .map_err(|e| HiveError::Catalog(e.to_string()))?
+        .map_err(|e| HiveError::Catalog(e.to_string()))?;
+    {
+        let mut state = hive.lock();
+        state.selected = models::initial_selection(&hive.config, &catalog);
+        state.catalog = catalog;
+    }
+
     let devices = detect::detect().await;
     let planned = plan::plan(&devices, &hive.config, |p| p.is_file());
     for row in &planned.rows {
@@ -161,8 +184,15 @@ pub async fn serve(
             );
         }
     }
-    if hive.config.models.is_empty() {
-        tracing::warn!("no model configured: only externally started workers will serve");
+    if hive.config.models.is_empty() && hive.config.models_dirs.is_empty() {
+        tracing::warn!("no model or models dir configured: only externally started workers will serve");
+    }
+    for note in models::preload_notes(&planned, &hive.lock().catalog) {
+        if note.warn {
+            tracing::warn!("{}", note.text);
+        } else {
+            tracing::info!("{}", note.text);
+        }
     }
     *hive.devices.lock().unwrap_or_else(|p| p.into_inner()) = planned.rows.clone();
     {

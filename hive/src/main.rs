@@ -40,12 +40,19 @@ struct Flags {
     config: Option<PathBuf>,
     #[arg(long, value_name = "ADDR")]
     bind: Option<SocketAddr>,
-    /// Model to serve (repeatable).
+    /// Model to preload (repeatable): worker i starts with the i-th (round robin); the rest of the models dirs
+    /// load on demand.
     #[arg(long = "model", value_name = "MODEL")]
     models: Vec<String>,
     /// Confine local model paths to this folder (repeatable; passed to every worker).
     #[arg(long = "model-root", value_name = "DIR")]
     model_roots: Vec<PathBuf>,
+    /// A folder of checkpoints every worker can load on demand (repeatable; also a model root).
+    #[arg(long = "models-dir", value_name = "DIR")]
+    models_dirs: Vec<PathBuf>,
+    /// A folder of standalone VAEs (repeatable).
+    #[arg(long = "vae-dir", value_name = "DIR")]
+    vae_dirs: Vec<PathBuf>,
     /// Where the sd-worker-<backend> binaries are (default: beside this executable).
     #[arg(long, value_name = "DIR")]
     workers_dir: Option<PathBuf>,
@@ -67,6 +74,9 @@ struct Flags {
     /// Whether the CPU gets a worker: auto (only without GPU workers), always, never.
     #[arg(long)]
     cpu: Option<CpuPolicy>,
+    /// How many workers the CPU gets when it serves.
+    #[arg(long, value_name = "N")]
+    cpu_workers: Option<usize>,
     /// Heartbeat interval asked of workers, in seconds.
     #[arg(long, value_name = "SECS")]
     heartbeat_interval: Option<u64>,
@@ -84,6 +94,8 @@ impl Flags {
             bind: self.bind,
             models: self.models.clone(),
             model_roots: self.model_roots.clone(),
+            models_dirs: self.models_dirs.clone(),
+            vae_dirs: self.vae_dirs.clone(),
             workers_dir: self.workers_dir.clone(),
             token: self.token.clone(),
             api_key: self.api_key.clone(),
@@ -91,6 +103,7 @@ impl Flags {
             pin: self.pin.clone(),
             exclude: self.exclude.clone(),
             cpu: self.cpu,
+            cpu_workers: self.cpu_workers,
             heartbeat_interval_secs: self.heartbeat_interval,
             queue_size: self.queue_size,
             worker_slots: self.worker_slots,
@@ -140,8 +153,17 @@ fn main() -> anyhow::Result<()> {
             let plan = sdhive_hive::plan::plan(&devices, &config, |p| p.is_file());
             if json {
                 println!("{}", serde_json::to_string_pretty(&plan.rows)?);
-            } else {
-                print!("{}", sdhive_hive::plan::render_table(&plan));
+                return Ok(());
+            }
+            print!("{}", sdhive_hive::plan::render_table(&plan));
+            // Which worker preloads which model, and what becomes of the others: no model goes unmentioned.
+            match sdhive_hive::models::scan(&config) {
+                Ok(catalog) => {
+                    for note in sdhive_hive::models::preload_notes(&plan, &catalog) {
+                        println!("{}{}", if note.warn { "WARNING: " } else { "" }, note.text);
+                    }
+                }
+                Err(e) => println!("WARNING: cannot read the model library: {e}"),
             }
             Ok(())
         }

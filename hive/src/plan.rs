@@ -1,6 +1,7 @@
 //! Which worker runs where: pairs the views of one physical GPU across backends, picks a backend per device
 //! (CUDA → ROCm → Vulkan → Metal → CPU, unless the operator pins, excludes or forces one), checks that the
-//! worker binary exists (a missing one is reported, never silently skipped), and hands out the models.
+//! worker binary exists (a missing one is reported, never silently skipped), and hands out the models to
+//! preload (round robin; models beyond the device count load on demand and are listed as such).
 
 use crate::config::{CpuPolicy, HiveConfig};
 use crate::detect::{Device, Vendor};
@@ -49,8 +50,12 @@ pub fn priority(b: Backend) -> u8 {
 pub enum Status {
     /// A worker is planned here.
     Selected {
-        model: String,
+        /// What it preloads; `None`: the first checkpoint of the models dirs.
+        model: Option<String>,
         worker_id: String,
+        /// Further workers on the same device (`cpu_workers`).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        more: Vec<MoreWorker>,
     },
     /// Usable, but no model was configured.
     Idle,
@@ -71,6 +76,13 @@ pub enum Status {
     CpuNotNeeded,
 }
 
+/// A second (third, …) worker on one device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MoreWorker {
+    pub worker_id: String,
+    pub model: Option<String>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Row {
     /// Physical device number on this node (views of one GPU share it).
@@ -87,7 +99,8 @@ pub struct PlannedWorker {
     pub worker_id: String,
     pub backend: Backend,
     pub device_index: usize,
-    pub model: String,
+    /// `--model`: what it loads first; `None` lets it load the first checkpoint of its models dirs.
+    pub model: Option<String>,
     pub binary: PathBuf,
 }
 
@@ -95,6 +108,8 @@ pub struct PlannedWorker {
 pub struct Plan {
     pub rows: Vec<Row>,
     pub workers: Vec<PlannedWorker>,
+    /// Configured models no worker preloads (more models than workers): they load on demand.
+    pub on_demand: Vec<String>,
 }
 
 /// Where a backend's worker binary is expected.
@@ -242,22 +257,33 @@ pub fn plan(devices: &[Device], config: &HiveConfig, binary_exists: impl Fn(&Pat
     }
     chosen.sort();
     let mut workers = Vec::new();
-    if !config.models.is_empty() {
-        for (n, &r) in chosen.iter().enumerate() {
+    // With a model library, a worker needs no `--model`: it loads the library's first checkpoint.
+    if !config.models.is_empty() || !config.models_dirs.is_empty() {
+        let model_for =
+            |n: usize| (!config.models.is_empty()).then(|| config.models[n % config.models.len()].clone());
+        for &r in &chosen {
             let d = rows[r].device.clone();
-            let model = config.models[n % config.models.len()].clone();
-            let worker_id = format!("{host}-{}{}", d.backend, d.index);
-            rows[r].status = Status::Selected { model: model.clone(), worker_id: worker_id.clone() };
-            workers.push(PlannedWorker {
-                worker_id,
-                backend: d.backend,
-                device_index: d.index,
-                model,
-                binary: binary_path(&dir, d.backend),
-            });
+            let count = if d.backend == Backend::Cpu { config.cpu_workers.max(1) } else { 1 };
+            let mut ids = Vec::new();
+            for k in 0..count {
+                let suffix = if k == 0 { String::new() } else { format!(".{k}") };
+                let worker_id = format!("{host}-{}{}{suffix}", d.backend, d.index);
+                let model = model_for(workers.len());
+                ids.push(MoreWorker { worker_id: worker_id.clone(), model: model.clone() });
+                workers.push(PlannedWorker {
+                    worker_id,
+                    backend: d.backend,
+                    device_index: d.index,
+                    model,
+                    binary: binary_path(&dir, d.backend),
+                });
+            }
+            let first = ids.remove(0);
+            rows[r].status = Status::Selected { model: first.model, worker_id: first.worker_id, more: ids };
         }
     }
-    Plan { rows, workers }
+    let on_demand = config.models.iter().skip(workers.len()).cloned().collect();
+    Plan { rows, workers, on_demand }
 }
 
 /// The `hive devices` table.
@@ -272,8 +298,15 @@ pub fn render_table(plan: &Plan) -> String {
     for r in &plan.rows {
         let d = &r.device;
         let status = match &r.status {
-            Status::Selected { model, worker_id } => format!("worker {worker_id} ({model})"),
-            Status::Idle => "usable (no model configured)".into(),
+            Status::Selected { model, worker_id, more } => std::iter::once((worker_id, model))
+                .chain(more.iter().map(|m| (&m.worker_id, &m.model)))
+                .map(|(id, model)| match model {
+                    Some(m) => format!("worker {id} (preloads {m})"),
+                    None => format!("worker {id} (preloads the models dirs' first checkpoint)"),
+                })
+                .collect::<Vec<_>>()
+                .join("; "),
+            Status::Idle => "usable (no model or models dir configured)".into(),
             Status::MissingBinary { binary } => format!("MISSING worker binary {}", binary.display()),
             Status::Shadowed { by } => format!("served as {by}"),
             Status::Excluded => "excluded".into(),
@@ -405,12 +438,49 @@ mod tests {
     #[test]
     fn models_go_round_robin_and_ids_are_valid() {
         let p = plan(&node(), &config(|c| c.models = vec!["a".into(), "b".into()]), all_present);
-        let models: Vec<&str> = p.workers.iter().map(|w| w.model.as_str()).collect();
-        assert_eq!(models, ["a", "b"]);
+        let models: Vec<Option<&str>> = p.workers.iter().map(|w| w.model.as_deref()).collect();
+        assert_eq!(models, [Some("a"), Some("b")]);
+        assert!(p.on_demand.is_empty());
         assert!(p.workers.iter().all(|w| valid_worker_id(&w.worker_id)), "{:?}", p.workers);
         let p = plan(&node(), &config(|c| c.models.clear()), all_present);
         assert!(p.workers.is_empty());
         assert_eq!(status_of(&p, Backend::Cuda, 0), Status::Idle);
+        // More models than devices: each device preloads one, the rest are named as loaded on demand.
+        let three = |c: &mut HiveConfig| c.models = vec!["a".into(), "b".into(), "c".into()];
+        let p = plan(&node(), &config(three), all_present);
+        assert_eq!(p.on_demand, ["c"]);
+        assert!(render_table(&p).contains("worker"), "{}", render_table(&p));
+        assert!(render_table(&p).contains("(preloads b)"), "{}", render_table(&p));
+        // A models dir without models: every device gets a worker that loads the library's first checkpoint.
+        let p = plan(
+            &node(),
+            &config(|c| {
+                c.models.clear();
+                c.models_dirs = vec!["/m".into()];
+            }),
+            all_present,
+        );
+        assert_eq!(served(&p), ["cuda:0", "cuda:1"]);
+        assert!(p.workers.iter().all(|w| w.model.is_none()));
+    }
+
+    #[test]
+    fn several_cpu_workers_share_the_cpu() {
+        let cpu_only = |c: &mut HiveConfig| {
+            c.backend = Some("cpu".into());
+            c.cpu_workers = 2;
+            c.models = vec!["a".into(), "b".into(), "c".into()];
+        };
+        let p = plan(&node(), &config(cpu_only), all_present);
+        assert_eq!(served(&p), ["cpu:0", "cpu:0"]);
+        let ids: Vec<&str> = p.workers.iter().map(|w| w.worker_id.as_str()).collect();
+        assert!(ids[0].ends_with("-cpu0") && ids[1].ends_with("-cpu0.1"), "{ids:?}");
+        assert!(ids.iter().all(|id| valid_worker_id(id)));
+        let models: Vec<Option<&str>> = p.workers.iter().map(|w| w.model.as_deref()).collect();
+        assert_eq!(models, [Some("a"), Some("b")]);
+        assert_eq!(p.on_demand, ["c"]);
+        let table = render_table(&p);
+        assert!(table.contains("(preloads a)") && table.contains("(preloads b)"), "{table}");
     }
 
     #[test]

@@ -34,8 +34,16 @@ pub struct WorkerEntry {
     pub status: WorkerStatus,
     pub backend: String,
     pub device_index: Option<usize>,
-    /// The model argument a managed worker was started with.
+    /// The model argument a managed worker was started with (`None`: it loads its library's first checkpoint).
     pub planned_model: Option<String>,
+    /// `planned_model` as the worker will report it once loaded (`model_source`): a library checkpoint's
+    /// canonical path, or the argument itself.
+    pub planned_source: Option<String>,
+    /// The model this worker has loaded once everything the hive sent it has run (the source of the last
+    /// request dispatched to it; between requests, what its heartbeats report). `None`: nothing loaded.
+    pub loaded: Option<String>,
+    /// When a request for `loaded` was last dispatched here: the least recently used model is switched first.
+    pub last_used: Option<Instant>,
     pub registration: Option<RegisterRequest>,
     /// Bumped whenever the worker's previous life ends (death, restart, re-registration by a new process):
     /// jobs and slots remember the epoch they were given in, so stale ones are recognised.
@@ -55,14 +63,17 @@ pub struct WorkerEntry {
 }
 
 impl WorkerEntry {
-    pub fn managed(id: &str, backend: &str, device_index: usize, model: &str) -> WorkerEntry {
+    pub fn managed(id: &str, backend: &str, device_index: usize, model: Option<&str>) -> WorkerEntry {
         WorkerEntry {
             id: id.into(),
             managed: true,
             status: WorkerStatus::Starting,
             backend: backend.into(),
             device_index: Some(device_index),
-            planned_model: Some(model.into()),
+            planned_model: model.map(String::from),
+            planned_source: None,
+            loaded: None,
+            last_used: None,
             registration: None,
             epoch: 0,
             last_seen: None,
@@ -85,7 +96,7 @@ impl WorkerEntry {
             device_index: Some(req.device.index),
             planned_model: None,
             pid: Some(req.pid),
-            ..WorkerEntry::managed(&req.worker_id, &req.backend, req.device.index, "")
+            ..WorkerEntry::managed(&req.worker_id, &req.backend, req.device.index, None)
         }
     }
 
@@ -106,14 +117,28 @@ impl WorkerEntry {
             && self.cooldown_until.is_none_or(|t| now >= t)
     }
 
-    /// Whether it serves `model`: the loaded model's name, or the argument it was started with.
-    pub fn serves(&self, model: &str) -> bool {
-        self.registration.as_ref().is_some_and(|r| r.model == model)
-            || self.planned_model.as_deref() == Some(model)
+    /// The model this worker can load without a library: the one it registered with (or, before registering,
+    /// the one it was started with).
+    pub fn own_source(&self) -> Option<&str> {
+        self.registration.as_ref().and_then(|r| r.model_source.as_deref()).or(self.planned_source.as_deref())
     }
 
+    /// Whether it can run requests for `source`: its own model, or — for a worker this hive started, which got
+    /// the hive's models dirs — any checkpoint of the hive's catalogue. An external worker's library is not
+    /// known here, so it only gets requests for the model it has loaded.
+    pub fn can_load(&self, source: &str, in_catalog: bool) -> bool {
+        self.loaded.as_deref() == Some(source)
+            || self.own_source() == Some(source)
+            || (self.managed && in_catalog)
+    }
+
+    /// The engine's name for what it registered with, or the argument it was started with.
     pub fn model_name(&self) -> Option<&str> {
-        self.registration.as_ref().map(|r| r.model.as_str()).or(self.planned_model.as_deref())
+        self.registration
+            .as_ref()
+            .map(|r| r.model.as_str())
+            .filter(|m| !m.is_empty())
+            .or(self.planned_model.as_deref())
     }
 
     /// Load for "least queued first": what the hive sent plus what the worker says it is doing for others.
@@ -139,6 +164,9 @@ impl WorkerEntry {
             "backend": self.backend,
             "device_index": self.device_index,
             "model": self.model_name(),
+            "preloads": self.planned_model,
+            "loaded_source": self.loaded,
+            "switchable": reg.map(|r| r.switchable),
             "base_url": reg.map(|r| &r.base_url),
             "device": reg.map(|r| &r.device),
             "capabilities": reg.map(|r| &r.capabilities),
@@ -225,6 +253,15 @@ impl State {
             entry.backend = req.backend.clone();
             entry.device_index = Some(req.device.index);
         }
+        entry.loaded = match &req.model_source {
+            Some(source) => Some(source.clone()),
+            // A library worker that has nothing loaded yet.
+            None if req.switchable => None,
+            // A worker that predates model switching: its one model, by its start argument or its name.
+            None => {
+                entry.planned_source.clone().or_else(|| (!req.model.is_empty()).then(|| req.model.clone()))
+            }
+        };
         entry.registration = Some(req);
         entry.status = if entry.stop_requested { WorkerStatus::Draining } else { WorkerStatus::Ready };
         entry.last_seen = Some(now);
@@ -251,6 +288,18 @@ impl State {
                 WorkerState::Idle if entry.inflight > 0 => WorkerStatus::Busy,
                 WorkerState::Idle => WorkerStatus::Ready,
             };
+        }
+        // What the worker has loaded counts only while the hive has nothing on it: with requests in flight, the
+        // last one dispatched decides what it will have loaded, and a heartbeat may predate it.
+        let reports_models =
+            hb.model_source.is_some() || entry.registration.as_ref().is_some_and(|r| r.switchable);
+        if reports_models
+            && entry.inflight == 0
+            && hb.state == WorkerState::Idle
+            && entry.loaded != hb.model_source
+        {
+            tracing::info!(worker = %entry.id, model = ?hb.model_source, "worker reports another loaded model");
+            entry.loaded = hb.model_source.clone();
         }
         entry.heartbeat = Some(hb);
         true
@@ -317,6 +366,8 @@ pub(crate) mod tests {
                 driver: None,
             },
             model: "sd1".into(),
+            model_source: None,
+            switchable: false,
             model_family: "sd1".into(),
             capabilities: Capabilities {
                 engine: "candle".into(),
@@ -376,7 +427,7 @@ pub(crate) mod tests {
     #[test]
     fn managed_ids_cannot_be_claimed_by_other_processes() {
         let mut s = State::default();
-        let mut e = WorkerEntry::managed("m1", "cpu", 0, "sd1");
+        let mut e = WorkerEntry::managed("m1", "cpu", 0, Some("sd1"));
         e.pid = Some(100);
         s.workers.insert("m1".into(), e);
         assert!(matches!(
@@ -403,6 +454,8 @@ pub(crate) mod tests {
             jobs_failed: 0,
             jobs_cancelled: 0,
             uptime_secs: 1.0,
+            model: None,
+            model_source: None,
         };
         assert!(!s.heartbeat("nobody", hb.clone(), t0), "unknown ids are told to register");
         assert!(s.heartbeat("w1", hb.clone(), t0));

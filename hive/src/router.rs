@@ -1,13 +1,17 @@
 //! Choosing a worker and keeping track of what was sent where: the hive's bounded queue of waiting
-//! requests, hive job ids mapped to worker job ids, dispatch of native jobs, the monitor that follows each
-//! dispatched job's event stream (re-publishing it under the hive id), and what happens to jobs whose worker
-//! dies — queued ones go back to the hive queue, running ones fail with `worker_lost`.
+//! requests, the routing policy (a worker that has the request's model loaded, else an idle one to switch,
+//! without switching a worker away from a model that still has requests waiting), hive job ids mapped to
+//! worker job ids, dispatch of native jobs, the monitor that follows each dispatched job's event stream
+//! (re-publishing it under the hive id), and what happens to jobs whose worker dies — queued ones go back to
+//! the hive queue, and so do running ones, once: a generation is reproducible from its seed, so it is run
+//! again elsewhere before it fails with `worker_lost`.
 
-use crate::registry::WorkerStatus;
-use crate::{random_hex, unix_now, Hive, State};
+use crate::registry::{WorkerEntry, WorkerStatus};
+use crate::{models, random_hex, unix_now, Hive, State};
 use futures::StreamExt;
 use sdhive_protocol::{JobAccepted, JobErrorKind, JobLinks};
 use serde_json::{json, Value};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{broadcast, oneshot};
@@ -46,11 +50,17 @@ pub enum Phase {
 
 pub struct HiveJob {
     pub id: String,
+    /// What every attempt submits: the client's request with the model made explicit and the seed pinned.
     pub body: Value,
+    /// The resolved model (`None`: whatever the worker has).
     pub model: Option<String>,
     pub phase: Phase,
     /// Dispatch attempts so far; a monitor of an older attempt stands down.
     pub attempt: u32,
+    /// Times it was run again after its worker was lost mid-run.
+    pub reruns: u32,
+    /// When it first waited for a worker: its age decides when it may switch a busy model's worker.
+    pub queued_since: Instant,
     pub created_at: f64,
     pub finished: Option<Instant>,
     /// The latest full snapshot from the worker (id rewritten), and the final one once done.
@@ -103,14 +113,47 @@ fn links(id: &str) -> Value {
     serde_json::to_value(JobLinks::for_job(&id.into())).unwrap_or(Value::Null)
 }
 
-/// A request waiting for a worker slot.
-pub enum Ticket {
+/// How often a request whose worker was lost while running it is run again before it fails `worker_lost`.
+pub const MAX_RERUNS: u32 = 1;
+
+/// What waits in the hive queue.
+pub enum Waiting {
+    /// A native job, by hive id.
     Job(String),
-    /// A synchronous (OpenAI/A1111) request; the handler waits on the receiver.
-    Sync {
-        model: Option<String>,
-        reply: oneshot::Sender<Slot>,
-    },
+    /// A synchronous (OpenAI/A1111) request; its handler waits on the receiver.
+    Sync(oneshot::Sender<Slot>),
+}
+
+/// A request waiting for a worker slot.
+pub struct Ticket {
+    pub waiting: Waiting,
+    /// The resolved model (`None`: any worker, as it is).
+    pub model: Option<String>,
+    pub since: Instant,
+    /// A worker life this request must not go to again (it was lost running it).
+    pub avoid: Option<Avoid>,
+}
+
+/// Keeps a re-run off the worker life that lost it, for a while: long enough for the hive to see a death (its
+/// supervisor, or three missed heartbeats), short enough that a worker that only dropped a connection is not
+/// shunned for good (it may be the only one).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Avoid {
+    pub worker: String,
+    pub epoch: u64,
+    pub until: Instant,
+}
+
+impl Avoid {
+    pub fn new(hive: &Hive, worker: &str, epoch: u64) -> Avoid {
+        Avoid { worker: worker.into(), epoch, until: Instant::now() + hive.config.heartbeat_interval() * 3 }
+    }
+}
+
+impl Ticket {
+    pub fn job(id: &str, model: Option<String>, since: Instant) -> Ticket {
+        Ticket { waiting: Waiting::Job(id.to_string()), model, since, avoid: None }
+    }
 }
 
 /// One unit of a worker's capacity, held while a job or request is on it.
@@ -153,40 +196,137 @@ pub fn release(state: &mut State, worker: &str, epoch: u64) {
     }
 }
 
-/// The least loaded routable worker with a free slot that serves `model` (any model when `None`).
-fn choose(hive: &Hive, state: &State, model: Option<&str>, now: Instant) -> Option<String> {
+/// Whether worker `w` is the life `avoid` excludes, now.
+fn avoided(w: &WorkerEntry, avoid: Option<&Avoid>, now: Instant) -> bool {
+    avoid.is_some_and(|a| w.id == a.worker && w.epoch == a.epoch && now < a.until)
+}
+
+/// What a pass of [`pump`] knows about the whole queue.
+struct Pass {
+    /// Waiting requests per model: a worker whose model still has some is not switched away from it.
+    demand: HashMap<String, usize>,
+    /// Worker → the model a request that waited too long needs it for: it gets no more requests of its own
+    /// model, so that it drains and switches (without this, a steady stream for one model would starve the
+    /// others on a single-device node).
+    reserved: HashMap<String, String>,
+}
+
+impl Pass {
+    fn new(hive: &Hive, state: &State, now: Instant) -> Pass {
+        let mut demand: HashMap<String, usize> = HashMap::new();
+        for m in state.queue.iter().filter_map(|t| t.model.clone()) {
+            *demand.entry(m).or_default() += 1;
+        }
+        let wait = hive.config.model_switch_wait();
+        let mut reserved: HashMap<String, String> = HashMap::new();
+        for t in state.queue.iter().filter(|t| now.saturating_duration_since(t.since) >= wait) {
+            let Some(m) = &t.model else { continue };
+            let held = state.workers.values().any(|w| w.routable(now) && w.loaded.as_deref() == Some(m));
+            if held || reserved.values().any(|r| r == m) {
+                continue;
+            }
+            let in_catalog = models::in_catalog(&state.catalog, m);
+            let candidate = state
+                .workers
+                .values()
+                .filter(|w| {
+                    w.routable(now) && !reserved.contains_key(&w.id) && !avoided(w, t.avoid.as_ref(), now)
+                })
+                .filter(|w| w.can_load(m, in_catalog))
+                .min_by_key(|w| (w.inflight, w.last_used, w.id.clone()));
+            if let Some(w) = candidate {
+                reserved.insert(w.id.clone(), m.clone());
+            }
+        }
+        Pass { demand, reserved }
+    }
+}
+
+/// The worker for a request for `model`, by the routing policy (`docs/operations.md`, "Routing"):
+/// 1. the least loaded worker with a free slot whose model (after what it already has) is `model` — any worker
+///    with a free slot when `model` is `None`;
+/// 2. else an idle worker (nothing of the hive's on it) that can load `model`: one with nothing loaded, then the
+///    one whose model was used least recently; a worker whose model still has requests waiting is left to
+///    them, unless this request has waited `model_switch_wait_secs` (`urgent`);
+/// 3. else none: the request waits.
+///
+/// A worker reserved for an urgent request of another model takes nothing else.
+fn choose(
+    hive: &Hive,
+    state: &State,
+    model: Option<&str>,
+    avoid: Option<&Avoid>,
+    urgent: bool,
+    pass: &Pass,
+    now: Instant,
+) -> Option<String> {
+    let usable = |w: &&WorkerEntry| {
+        w.routable(now)
+            && !avoided(w, avoid, now)
+            && pass.reserved.get(&w.id).is_none_or(|r| Some(r.as_str()) == model)
+    };
+    let hot = state
+        .workers
+        .values()
+        .filter(usable)
+        .filter(|w| w.inflight < hive.config.worker_slots)
+        .filter(|w| model.is_none_or(|m| w.loaded.as_deref() == Some(m)))
+        .min_by_key(|w| (w.load(), w.inflight, w.id.clone()));
+    if let Some(w) = hot {
+        return Some(w.id.clone());
+    }
+    let m = model?;
+    let in_catalog = models::in_catalog(&state.catalog, m);
+    let wanted =
+        |w: &WorkerEntry| w.loaded.as_ref().is_some_and(|l| pass.demand.get(l).is_some_and(|&n| n > 0));
     state
         .workers
         .values()
-        .filter(|w| w.routable(now) && w.inflight < hive.config.worker_slots)
-        .filter(|w| model.is_none_or(|m| w.serves(m)))
-        .min_by_key(|w| (w.load(), w.inflight, w.id.clone()))
+        .filter(usable)
+        .filter(|w| w.inflight == 0 && w.can_load(m, in_catalog))
+        .filter(|w| urgent || !wanted(w))
+        .min_by_key(|w| (wanted(w), w.loaded.is_some(), w.last_used, w.id.clone()))
         .map(|w| w.id.clone())
 }
 
-fn take_slot(hive: &Hive, state: &mut State, worker: &str) -> Option<Slot> {
+/// Takes a slot on `worker` for a request for `model`; the worker will have `model` loaded once it gets there.
+fn take_slot(
+    hive: &Hive,
+    state: &mut State,
+    worker: &str,
+    model: Option<&str>,
+    now: Instant,
+) -> Option<Slot> {
     let w = state.workers.get_mut(worker)?;
     let base_url = w.base_url()?.to_string();
     w.inflight += 1;
     if w.status == WorkerStatus::Ready {
         w.status = WorkerStatus::Busy;
     }
+    let mut switched = false;
+    if let Some(m) = model {
+        if w.loaded.as_deref() != Some(m) {
+            tracing::info!(worker, from = ?w.loaded, to = m, "switching the worker's model");
+            switched = w.loaded.is_some();
+            w.loaded = Some(m.to_string());
+        }
+        w.last_used = Some(now);
+    }
     let api_key_required = w.registration.as_ref().is_some_and(|r| r.api_key_required);
-    Some(Slot {
+    let slot = Slot {
         worker: worker.to_string(),
         epoch: w.epoch,
         base_url,
         bearer: if api_key_required { hive.config.worker_api_key.clone() } else { None },
-    })
-}
-
-/// Whether anything could ever serve `model`: a worker that is up or coming up.
-pub fn model_known(state: &State, model: &str) -> bool {
-    state.workers.values().any(|w| w.serves(model) && may_serve(w))
+    };
+    if switched {
+        state.metrics.model_switches += 1;
+    }
+    Some(slot)
 }
 
 /// Up, or on its way up (starting, restarting, silent for now): worth waiting for.
-fn may_serve(w: &crate::registry::WorkerEntry) -> bool {
+pub fn may_serve(w: &WorkerEntry) -> bool {
     !matches!(w.status, WorkerStatus::Failed | WorkerStatus::Stopped) && !w.stop_requested
 }
 
@@ -195,51 +335,52 @@ pub fn any_worker(state: &State) -> bool {
     state.workers.values().any(may_serve)
 }
 
-/// Hands free slots to waiting tickets, oldest first (a ticket for a model whose workers are all busy does
-/// not hold back the others). Returns the native jobs to dispatch, to be started outside the lock.
+/// Whether the ticket still waits for someone (not cancelled, not abandoned by its client).
+fn still_wanted(state: &State, t: &Ticket) -> bool {
+    match &t.waiting {
+        Waiting::Job(id) => state.jobs.get(id).is_some_and(|j| j.phase == Phase::Queued),
+        Waiting::Sync(reply) => !reply.is_closed(),
+    }
+}
+
+/// Hands free slots to waiting tickets, oldest first, by [`choose`]'s policy (a ticket no worker can take now
+/// does not hold back the others). After each hand-out the queue is looked at again from its oldest ticket,
+/// since what waits (and so which workers may switch) has changed. Returns the native jobs to dispatch, to be
+/// started outside the lock.
 pub fn pump(hive: &Hive, state: &mut State) -> Vec<(String, Slot, u32)> {
     let now = Instant::now();
+    let queue = std::mem::take(&mut state.queue);
+    state.queue = queue.into_iter().filter(|t| still_wanted(state, t)).collect();
+    let wait = hive.config.model_switch_wait();
     let mut starts = Vec::new();
-    let mut i = 0;
-    while i < state.queue.len() {
-        let model = match &state.queue[i] {
-            Ticket::Job(id) => match state.jobs.get(id) {
-                Some(job) if job.phase == Phase::Queued => job.model.clone(),
-                // Cancelled or gone while waiting.
-                _ => {
-                    state.queue.remove(i);
-                    continue;
-                }
-            },
-            Ticket::Sync { reply, .. } if reply.is_closed() => {
-                state.queue.remove(i);
+    'pass: loop {
+        let pass = Pass::new(hive, state, now);
+        for i in 0..state.queue.len() {
+            let t = &state.queue[i];
+            let (model, avoid) = (t.model.clone(), t.avoid.clone());
+            let urgent = now.saturating_duration_since(t.since) >= wait;
+            let chosen = choose(hive, state, model.as_deref(), avoid.as_ref(), urgent, &pass, now);
+            let Some(slot) = chosen.and_then(|w| take_slot(hive, state, &w, model.as_deref(), now)) else {
                 continue;
-            }
-            Ticket::Sync { model, .. } => model.clone(),
-        };
-        let Some(worker) = choose(hive, state, model.as_deref(), now) else {
-            i += 1;
-            continue;
-        };
-        let Some(slot) = take_slot(hive, state, &worker) else {
-            i += 1;
-            continue;
-        };
-        match state.queue.remove(i) {
-            Some(Ticket::Job(id)) => {
-                if let Some(job) = state.jobs.get_mut(&id) {
-                    job.phase = Phase::Dispatching { worker: slot.worker.clone(), epoch: slot.epoch };
-                    job.attempt += 1;
-                    starts.push((id, slot, job.attempt));
+            };
+            let Some(ticket) = state.queue.remove(i) else { break 'pass };
+            match ticket.waiting {
+                Waiting::Job(id) => {
+                    if let Some(job) = state.jobs.get_mut(&id) {
+                        job.phase = Phase::Dispatching { worker: slot.worker.clone(), epoch: slot.epoch };
+                        job.attempt += 1;
+                        starts.push((id, slot, job.attempt));
+                    }
+                }
+                Waiting::Sync(reply) => {
+                    if let Err(slot) = reply.send(slot) {
+                        release(state, &slot.worker, slot.epoch);
+                    }
                 }
             }
-            Some(Ticket::Sync { reply, .. }) => {
-                if let Err(slot) = reply.send(slot) {
-                    release(state, &slot.worker, slot.epoch);
-                }
-            }
-            None => {}
+            continue 'pass;
         }
+        break;
     }
     publish_queue_positions(state);
     starts
@@ -250,9 +391,9 @@ fn publish_queue_positions(state: &mut State) {
     let ids: Vec<String> = state
         .queue
         .iter()
-        .filter_map(|t| match t {
-            Ticket::Job(id) => Some(id.clone()),
-            Ticket::Sync { .. } => None,
+        .filter_map(|t| match &t.waiting {
+            Waiting::Job(id) => Some(id.clone()),
+            Waiting::Sync(_) => None,
         })
         .collect();
     for (position, id) in ids.iter().enumerate() {
@@ -270,8 +411,8 @@ pub fn queue_position(state: &State, job_id: &str) -> Option<usize> {
     state
         .queue
         .iter()
-        .filter(|t| matches!(t, Ticket::Job(_)))
-        .position(|t| matches!(t, Ticket::Job(id) if id == job_id))
+        .filter(|t| matches!(t.waiting, Waiting::Job(_)))
+        .position(|t| matches!(&t.waiting, Waiting::Job(id) if id == job_id))
 }
 
 pub fn start_dispatches(hive: &Arc<Hive>, starts: Vec<(String, Slot, u32)>) {
@@ -284,19 +425,72 @@ pub fn start_dispatches(hive: &Arc<Hive>, starts: Vec<(String, Slot, u32)>) {
 pub enum SubmitError {
     QueueFull,
     Draining,
-    UnknownModel(String),
+    /// The name matches no model; with the closest titles.
+    UnknownModel(sdhive_catalog::NotFound),
+    /// A known model that no worker can load (its only worker failed, or only external workers run and
+    /// none has it loaded), with why.
+    Unservable(String),
     NoWorkers,
 }
 
 /// What a worker's refusal of a submission looks like: its status and error body.
 pub type Refusal = Option<(u16, Value)>;
 
-/// Creates a hive job and queues it; dispatch happens when a slot frees (possibly at once). When it was
-/// dispatched at once, the receiver tells whether the worker refused the request itself.
+/// Resolves a request's model (`query`: what it names, if anything) to the model to route by, refusing names
+/// no worker could run. A configured model that no worker preloads and the library lacks is named as such,
+/// rather than as unknown.
+pub fn resolve_model(
+    hive: &Hive,
+    state: &State,
+    query: Option<&str>,
+) -> Result<models::Resolved, SubmitError> {
+    let resolved = match models::resolve(state, query) {
+        Ok(r) => r,
+        Err(nf) => {
+            let configured = hive.config.models.iter().find(|m| models::same_model_name(m, &nf.query));
+            return Err(match configured {
+                Some(m) => SubmitError::Unservable(format!(
+                    "`{m}` is configured, but no worker preloads it and it lies outside every models dir \
+                     (add its folder with --models-dir)"
+                )),
+                None => SubmitError::UnknownModel(nf),
+            });
+        }
+    };
+    if let Some(m) = &resolved {
+        if !models::servable(state, m) {
+            let title = models::title_of(state, m);
+            return Err(SubmitError::Unservable(format!(
+                "no running or starting worker can load `{title}` (see GET /v1/workers)"
+            )));
+        }
+    }
+    Ok(resolved)
+}
+
+/// Whether a new request may queue at all.
+fn admit(hive: &Hive, state: &mut State) -> Result<(), SubmitError> {
+    if state.draining {
+        return Err(SubmitError::Draining);
+    }
+    if !any_worker(state) {
+        return Err(SubmitError::NoWorkers);
+    }
+    if state.queue.len() >= hive.config.queue_size {
+        state.metrics.rejected_queue_full += 1;
+        return Err(SubmitError::QueueFull);
+    }
+    Ok(())
+}
+
+/// Creates a hive job for `body` (its seed already pinned) and queues it; dispatch happens when a slot frees
+/// (possibly at once). The model is `body.model`, else `query` (`?model=`), else the selected one; it is
+/// written into the body so every worker runs the same model. When the job was dispatched at once, the
+/// receiver tells whether the worker refused the request itself.
 pub fn submit(
     hive: &Arc<Hive>,
-    body: Value,
-    model: Option<String>,
+    mut body: Value,
+    query: Option<String>,
 ) -> Result<(JobAccepted, Option<oneshot::Receiver<Refusal>>), SubmitError> {
     let id = format!("job_{}", random_hex(12));
     let starts;
@@ -305,30 +499,24 @@ pub fn submit(
     let dispatched_now;
     {
         let mut state = hive.lock();
-        if state.draining {
-            return Err(SubmitError::Draining);
-        }
-        if let Some(m) = &model {
-            if !model_known(&state, m) {
-                return Err(SubmitError::UnknownModel(m.clone()));
-            }
-        }
-        if !any_worker(&state) {
-            return Err(SubmitError::NoWorkers);
-        }
-        if state.queue.len() >= hive.config.queue_size {
-            state.metrics.rejected_queue_full += 1;
-            return Err(SubmitError::QueueFull);
+        let named = body["model"].as_str().map(String::from).or(query);
+        let model = resolve_model(hive, &state, named.as_deref())?;
+        admit(hive, &mut state)?;
+        if let (Some(m), Some(obj)) = (&model, body.as_object_mut()) {
+            obj.insert("model".into(), json!(m));
         }
         state.metrics.jobs_submitted += 1;
+        let now = Instant::now();
         state.jobs.insert(
             id.clone(),
             HiveJob {
                 id: id.clone(),
                 body,
-                model,
+                model: model.clone(),
                 phase: Phase::Queued,
                 attempt: 0,
+                reruns: 0,
+                queued_since: now,
                 created_at: unix_now(),
                 finished: None,
                 snapshot: None,
@@ -338,7 +526,7 @@ pub fn submit(
                 first_dispatch: Some(first_tx),
             },
         );
-        state.queue.push_back(Ticket::Job(id.clone()));
+        state.queue.push_back(Ticket::job(&id, model, now));
         starts = pump(hive, &mut state);
         position = queue_position(&state, &id).unwrap_or(0);
         dispatched_now = state.jobs.get(&id).is_some_and(|j| matches!(j.phase, Phase::Dispatching { .. }));
@@ -353,8 +541,38 @@ pub fn submit(
     Ok((accepted, dispatched_now.then_some(first_rx)))
 }
 
-/// Puts a job back at the front of the hive queue (its worker refused it or died before running it).
-fn requeue(state: &mut State, id: &str) {
+/// Queues a synchronous request for `model` and returns where its slot will arrive. A first try is refused
+/// when the hive is full; a re-run (`avoid`: the worker life that was lost running it) goes to the front,
+/// since it was accepted long ago.
+pub fn enqueue_sync(
+    hive: &Arc<Hive>,
+    model: Option<String>,
+    since: Instant,
+    avoid: Option<Avoid>,
+) -> Result<oneshot::Receiver<Slot>, SubmitError> {
+    let (reply, rx) = oneshot::channel();
+    let starts = {
+        let mut state = hive.lock();
+        let ticket = Ticket { waiting: Waiting::Sync(reply), model, since, avoid };
+        if ticket.avoid.is_some() {
+            if state.draining {
+                return Err(SubmitError::Draining);
+            }
+            state.queue.push_front(ticket);
+        } else {
+            admit(hive, &mut state)?;
+            state.metrics.sync_requests += 1;
+            state.queue.push_back(ticket);
+        }
+        pump(hive, &mut state)
+    };
+    start_dispatches(hive, starts);
+    Ok(rx)
+}
+
+/// Puts a job back at the front of the hive queue (its worker refused it, died before running it, or died
+/// running it and it runs again); `avoid` keeps it off the worker life that lost it.
+fn requeue(state: &mut State, id: &str, avoid: Option<Avoid>) {
     if let Some(job) = state.jobs.get_mut(id) {
         if job.cancel_requested {
             finish_cancelled(job);
@@ -363,7 +581,8 @@ fn requeue(state: &mut State, id: &str) {
         }
         job.phase = Phase::Queued;
         state.metrics.jobs_redispatched += 1;
-        state.queue.push_front(Ticket::Job(id.to_string()));
+        let ticket = Ticket { avoid, ..Ticket::job(id, job.model.clone(), job.queued_since) };
+        state.queue.push_front(ticket);
     }
 }
 
@@ -406,7 +625,7 @@ pub fn cancel_local(state: &mut State, id: &str) -> Option<Value> {
             finish_cancelled(job);
             let view = job.local_view(None);
             state.metrics.jobs_cancelled += 1;
-            state.queue.retain(|t| !matches!(t, Ticket::Job(j) if j == id));
+            state.queue.retain(|t| !matches!(&t.waiting, Waiting::Job(j) if j == id));
             publish_queue_positions(state);
             Some(view)
         }
@@ -516,7 +735,7 @@ async fn dispatch(hive: Arc<Hive>, job_id: String, slot: Slot, attempt: u32) {
                     w.cooldown_until = Some(Instant::now() + d);
                 }
                 if current {
-                    requeue(&mut state, &job_id);
+                    requeue(&mut state, &job_id, None);
                 }
             }
             Next::Refused(status, err) => {
@@ -597,7 +816,7 @@ async fn monitor(hive: Arc<Hive>, job_id: String, slot: Slot, attempt: u32, work
                 // The worker no longer has the job (it restarted, or the result expired): treat as lost.
                 let starts = {
                     let mut state = hive.lock();
-                    lose_job(&mut state, &job_id, attempt, "the worker no longer knows this job");
+                    lose_job(&hive, &mut state, &job_id, attempt, "the worker no longer knows this job");
                     release(&mut state, &slot.worker, slot.epoch);
                     pump(&hive, &mut state)
                 };
@@ -685,7 +904,7 @@ async fn on_event(
         if shutting_down && never_started {
             // The worker is stopping and dropped its queue; the job never ran, so it can run elsewhere.
             release(&mut state, &slot.worker, slot.epoch);
-            requeue(&mut state, job_id);
+            requeue(&mut state, job_id, None);
             let starts = pump(hive, &mut state);
             drop(state);
             start_dispatches(hive, starts);
@@ -724,24 +943,36 @@ async fn fetch_snapshot(hive: &Hive, slot: &Slot, worker_job: &str, hive_id: &st
     r.json::<Value>().await.ok().map(|v| rewrite_snapshot(v, hive_id))
 }
 
-/// A job's worker is gone: queued there → back to the hive queue; running → `worker_lost`.
-fn lose_job(state: &mut State, job_id: &str, attempt: u32, why: &str) {
+/// A job's worker is gone: queued there → back to the hive queue; running → back to the hive queue too, to
+/// run again from the start with the same seed (the same image), once; lost again → `worker_lost`.
+fn lose_job(hive: &Hive, state: &mut State, job_id: &str, attempt: u32, why: &str) {
     let Some(job) = state.jobs.get_mut(job_id) else { return };
     if job.attempt != attempt {
         return;
     }
     match job.phase.clone() {
+        Phase::OnWorker { started: true, worker, epoch, .. } if job.reruns < MAX_RERUNS => {
+            job.reruns += 1;
+            tracing::warn!(job = %job_id, worker, "worker lost while running the job ({why}); running it again");
+            // The first run's progress and snapshot would read as this run's; the re-run reports afresh.
+            job.replay.clear();
+            job.snapshot = None;
+            state.metrics.jobs_rerun += 1;
+            requeue(state, job_id, Some(Avoid::new(hive, &worker, epoch)));
+        }
         Phase::OnWorker { started: true, worker, .. } => {
             fail(
                 job,
                 JobErrorKind::WorkerLost,
-                format!("worker {worker} was lost while running this job: {why}"),
+                format!(
+                    "worker {worker} was lost while running this job, after it had been run again: {why}"
+                ),
                 None,
             );
             state.metrics.jobs_failed += 1;
             state.metrics.jobs_worker_lost += 1;
         }
-        Phase::OnWorker { started: false, .. } | Phase::Dispatching { .. } => requeue(state, job_id),
+        Phase::OnWorker { started: false, .. } | Phase::Dispatching { .. } => requeue(state, job_id, None),
         Phase::Queued | Phase::Done => {}
     }
 }
@@ -755,7 +986,7 @@ pub fn worker_lost(
     epoch: u64,
     why: &str,
 ) -> Vec<(String, Slot, u32)> {
-    let affected: Vec<(String, u32)> = state
+    let mut affected: Vec<(String, u32, f64)> = state
         .jobs
         .values()
         .filter(|j| match &j.phase {
@@ -764,23 +995,15 @@ pub fn worker_lost(
             }
             _ => false,
         })
-        .map(|j| (j.id.clone(), j.attempt))
+        .map(|j| (j.id.clone(), j.attempt, j.created_at))
         .collect();
     if !affected.is_empty() {
         tracing::warn!(worker, jobs = affected.len(), "worker lost: {why}");
     }
-    // Running jobs fail before queued ones go back, so the re-queued keep their order at the front.
-    let mut ordered = affected;
-    ordered.sort_by_key(|(id, _)| {
-        state.jobs.get(id).map(|j| {
-            (
-                !matches!(j.phase, Phase::OnWorker { started: true, .. }),
-                std::cmp::Reverse(j.created_at.to_bits()),
-            )
-        })
-    });
-    for (id, attempt) in ordered {
-        lose_job(state, &id, attempt, why);
+    // Each goes to the front of the queue: newest first, so that the oldest ends up first.
+    affected.sort_by(|a, b| b.2.total_cmp(&a.2));
+    for (id, attempt, _) in affected {
+        lose_job(hive, state, &id, attempt, why);
     }
     if let Some(w) = state.workers.get_mut(worker) {
         if w.epoch <= epoch {
@@ -825,6 +1048,8 @@ mod tests {
             model: None,
             phase,
             attempt: 1,
+            reruns: 0,
+            queued_since: Instant::now(),
             created_at,
             finished: None,
             snapshot: None,
@@ -835,8 +1060,19 @@ mod tests {
         }
     }
 
+    fn queued_ids(state: &State) -> Vec<String> {
+        state
+            .queue
+            .iter()
+            .filter_map(|t| match &t.waiting {
+                Waiting::Job(id) => Some(id.clone()),
+                Waiting::Sync(_) => None,
+            })
+            .collect()
+    }
+
     #[test]
-    fn a_lost_worker_fails_its_running_job_and_redispatches_the_queued_ones() {
+    fn a_lost_worker_reruns_its_running_job_once_and_redispatches_the_queued_ones() {
         let hive = Hive::new(HiveConfig::default(), "t".into(), "http://hive".into()).unwrap();
         let mut state = hive.lock();
         let now = Instant::now();
@@ -844,10 +1080,16 @@ mod tests {
         state.register(request("w2", "http://h:2", 2), now).unwrap();
         let on_w1 =
             |started| Phase::OnWorker { worker: "w1".into(), epoch: 0, worker_job: "j".into(), started };
-        state.jobs.insert("running".into(), job("running", on_w1(true), 1.0));
+        let mut running = job("running", on_w1(true), 1.0);
+        running.replay.push(SseEvent { name: "progress".into(), data: "{\"step\":3}".into() });
+        running.snapshot = Some(json!({"state": "running", "step": 3}));
+        state.jobs.insert("running".into(), running);
         state.jobs.insert("waiting".into(), job("waiting", on_w1(false), 2.0));
         state.jobs.insert("in_hive".into(), job("in_hive", Phase::Queued, 3.0));
-        state.queue.push_back(Ticket::Job("in_hive".into()));
+        let mut twice = job("twice", on_w1(true), 0.5);
+        twice.reruns = MAX_RERUNS;
+        state.jobs.insert("twice".into(), twice);
+        state.queue.push_back(Ticket::job("in_hive", None, now));
         state.workers.get_mut("w1").unwrap().inflight = 2;
         // w2 is full: the jobs w1 leaves behind must wait.
         state.workers.get_mut("w2").unwrap().inflight = 2;
@@ -856,20 +1098,25 @@ mod tests {
         state.workers.get_mut("w1").unwrap().registration = None;
         let starts = worker_lost(&hive, &mut state, "w1", 0, "killed");
         assert!(starts.is_empty(), "no free slot anywhere yet");
-        let running = &state.jobs["running"];
-        assert_eq!(running.phase, Phase::Done);
-        assert_eq!(running.snapshot.as_ref().unwrap()["error"]["kind"], "worker_lost");
-        assert!(running.replay.iter().any(|e| e.name == "failed"));
+        let rerun = &state.jobs["running"];
+        assert_eq!((&rerun.phase, rerun.reruns), (&Phase::Queued, 1), "the running job runs again");
+        assert!(
+            rerun.replay.is_empty() || rerun.replay.iter().all(|e| e.name == "queued"),
+            "{:?}",
+            rerun.replay
+        );
+        assert!(rerun.snapshot.is_none(), "the first run's snapshot is not the re-run's");
+        let lost = &state.jobs["twice"];
+        assert_eq!(lost.phase, Phase::Done, "a job already run again fails");
+        assert_eq!(lost.snapshot.as_ref().unwrap()["error"]["kind"], "worker_lost");
+        assert!(lost.replay.iter().any(|e| e.name == "failed"));
         assert_eq!(state.jobs["waiting"].phase, Phase::Queued);
-        let order: Vec<String> = state
-            .queue
-            .iter()
-            .filter_map(|t| match t {
-                Ticket::Job(id) => Some(id.clone()),
-                Ticket::Sync { .. } => None,
-            })
-            .collect();
-        assert_eq!(order, ["waiting", "in_hive"], "the re-queued job goes first");
+        assert_eq!(
+            queued_ids(&state),
+            ["running", "waiting", "in_hive"],
+            "the re-queued jobs go first, oldest first"
+        );
+        assert_eq!((state.metrics.jobs_rerun, state.metrics.jobs_worker_lost), (1, 1));
         let w1 = &state.workers["w1"];
         assert_eq!((w1.epoch, w1.inflight), (1, 0));
 
@@ -881,15 +1128,166 @@ mod tests {
         release(&mut state, "w2", 0);
         let starts = pump(&hive, &mut state);
         assert_eq!(starts.len(), 1);
-        assert_eq!((starts[0].0.as_str(), starts[0].1.worker.as_str()), ("waiting", "w2"));
-        assert_eq!(state.queue.len(), 1, "in_hive still waits");
-        // The restarted w1 registers again and takes it.
+        assert_eq!((starts[0].0.as_str(), starts[0].1.worker.as_str()), ("running", "w2"));
+        assert_eq!(state.queue.len(), 2, "the others still wait");
+        // The restarted w1 registers again (a new life: the re-run may go there too) and takes them.
         state.register(request("w1", "http://h:1", 3), now).unwrap();
         let starts = pump(&hive, &mut state);
-        assert_eq!(
-            (starts[0].0.as_str(), starts[0].1.worker.as_str(), starts[0].1.epoch),
-            ("in_hive", "w1", 1)
-        );
+        let taken: Vec<(&str, &str, u64)> =
+            starts.iter().map(|(id, slot, _)| (id.as_str(), slot.worker.as_str(), slot.epoch)).collect();
+        assert_eq!(taken, [("waiting", "w1", 1), ("in_hive", "w1", 1)]);
+    }
+
+    /// A hive over a library of three fixture checkpoints, with two managed workers registered: `w1` holding
+    /// the first model, `w2` the second. Returns the hive, the models' sources, and the temp dir.
+    fn two_workers(slots: usize) -> (Arc<Hive>, Vec<String>, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models");
+        for (i, f) in ["sd1.safetensors", "sdxl.safetensors", "sd2v.safetensors"].iter().enumerate() {
+            std::fs::copy(fixtures.join(f), dir.path().join(format!("m{i}.safetensors"))).unwrap();
+        }
+        let config =
+            HiveConfig { worker_slots: slots, models_dirs: vec![dir.path().into()], ..Default::default() };
+        let catalog = sdhive_catalog::Catalog::scan(&sdhive_catalog::CatalogConfig {
+            hash_cache: None,
+            ..models::catalog_config(&config)
+        })
+        .unwrap();
+        let sources: Vec<String> =
+            catalog.checkpoints.iter().map(|c| c.path.to_string_lossy().into_owned()).collect();
+        let hive = Hive::new(config, "t".into(), "http://hive".into()).unwrap();
+        {
+            let mut state = hive.lock();
+            state.catalog = catalog;
+            for (i, id) in ["w1", "w2"].into_iter().enumerate() {
+                state.workers.insert(id.into(), WorkerEntry::managed(id, "cpu", 0, None));
+                let mut req = request(id, &format!("http://h:{i}"), i as u32 + 1);
+                req.model_source = Some(sources[i].clone());
+                req.switchable = true;
+                state.register(req, Instant::now()).unwrap();
+            }
+        }
+        (hive, sources, dir)
+    }
+
+    fn queue_job(state: &mut State, id: &str, model: &str, since: Instant) {
+        let mut j = job(id, Phase::Queued, unix_now());
+        j.model = Some(model.into());
+        j.attempt = 0;
+        state.jobs.insert(id.into(), j);
+        state.queue.push_back(Ticket::job(id, Some(model.into()), since));
+    }
+
+    fn dispatched(starts: &[(String, Slot, u32)]) -> Vec<(String, String)> {
+        starts.iter().map(|(id, slot, _)| (id.clone(), slot.worker.clone())).collect()
+    }
+
+    fn pair(id: &str, worker: &str) -> (String, String) {
+        (id.into(), worker.into())
+    }
+
+    #[test]
+    fn requests_go_where_their_model_is_loaded_then_to_idle_workers() {
+        let (hive, m, _dir) = two_workers(2);
+        let mut state = hive.lock();
+        let now = Instant::now();
+        queue_job(&mut state, "b1", &m[1], now);
+        queue_job(&mut state, "a1", &m[0], now);
+        queue_job(&mut state, "a2", &m[0], now);
+        let starts = pump(&hive, &mut state);
+        assert_eq!(dispatched(&starts), [pair("b1", "w2"), pair("a1", "w1"), pair("a2", "w1")]);
+        assert_eq!(state.metrics.model_switches, 0);
+        // w1 is full with m0, w2 has m1 in flight: a third m0 request waits rather than switch a busy worker.
+        queue_job(&mut state, "a3", &m[0], now);
+        assert!(pump(&hive, &mut state).is_empty());
+        // Once w2 is idle and its model has no more demand, it switches to m0.
+        release(&mut state, "w2", 0);
+        let starts = pump(&hive, &mut state);
+        assert_eq!(dispatched(&starts), [pair("a3", "w2")]);
+        assert_eq!(state.workers["w2"].loaded.as_deref(), Some(m[0].as_str()));
+        assert_eq!(state.metrics.model_switches, 1);
+        // A model nobody has goes to the idle worker whose model was used least recently.
+        release(&mut state, "w1", 0);
+        release(&mut state, "w1", 0);
+        release(&mut state, "w2", 0);
+        state.workers.get_mut("w1").unwrap().last_used = Some(now + Duration::from_secs(5));
+        queue_job(&mut state, "c1", &m[2], now);
+        let starts = pump(&hive, &mut state);
+        assert_eq!(dispatched(&starts), [pair("c1", "w2")]);
+    }
+
+    #[test]
+    fn a_worker_is_not_switched_away_from_a_model_with_requests_waiting_until_one_waited_too_long() {
+        let (hive, m, _dir) = two_workers(1);
+        let mut state = hive.lock();
+        let now = Instant::now();
+        // w2 is busy; w1 is idle with m0 loaded. An older m1 request must not take w1 while m0 requests wait.
+        state.workers.get_mut("w2").unwrap().inflight = 1;
+        queue_job(&mut state, "b1", &m[1], now);
+        queue_job(&mut state, "a1", &m[0], now);
+        queue_job(&mut state, "a2", &m[0], now);
+        assert_eq!(dispatched(&pump(&hive, &mut state)), [pair("a1", "w1")]);
+        release(&mut state, "w1", 0);
+        assert_eq!(dispatched(&pump(&hive, &mut state)), [pair("a2", "w1")], "m0 first: no thrashing");
+        release(&mut state, "w1", 0);
+        assert_eq!(dispatched(&pump(&hive, &mut state)), [pair("b1", "w1")], "then the switch");
+        assert_eq!(state.metrics.model_switches, 1);
+
+        // A request that waited `model_switch_wait_secs` may switch a worker whose model still has demand.
+        release(&mut state, "w1", 0);
+        let old = now.checked_sub(hive.config.model_switch_wait() + Duration::from_secs(1)).unwrap_or(now);
+        queue_job(&mut state, "a3", &m[0], old);
+        queue_job(&mut state, "b2", &m[1], now);
+        // w1 has m1 now: b2 is its model's demand, yet a3 has waited too long.
+        assert_eq!(dispatched(&pump(&hive, &mut state)), [pair("a3", "w1")]);
+    }
+
+    #[test]
+    fn a_steady_stream_for_one_model_does_not_starve_another() {
+        let (hive, m, _dir) = two_workers(2);
+        let mut state = hive.lock();
+        let now = Instant::now();
+        // One worker only (w2 is gone), busy with m0 and more m0 requests arriving all the time.
+        state.workers.get_mut("w2").unwrap().stop_requested = true;
+        state.workers.get_mut("w1").unwrap().inflight = 2;
+        let old = now.checked_sub(hive.config.model_switch_wait() + Duration::from_secs(1)).unwrap_or(now);
+        queue_job(&mut state, "b1", &m[1], old);
+        queue_job(&mut state, "a1", &m[0], now);
+        release(&mut state, "w1", 0);
+        assert!(pump(&hive, &mut state).is_empty(), "w1 drains for the m1 request that waited too long");
+        release(&mut state, "w1", 0);
+        assert_eq!(dispatched(&pump(&hive, &mut state)), [pair("b1", "w1")]);
+        // Then the m0 request, which now waits for w1 to have a free slot (it switches back once idle).
+        release(&mut state, "w1", 0);
+        assert_eq!(dispatched(&pump(&hive, &mut state)), [pair("a1", "w1")]);
+    }
+
+    #[test]
+    fn external_workers_only_get_their_own_model_and_reruns_avoid_the_lost_worker() {
+        let (hive, m, _dir) = two_workers(1);
+        let mut state = hive.lock();
+        let now = Instant::now();
+        let mut req = request("ext", "http://h:9", 9);
+        req.model_source = Some("/elsewhere/x.safetensors".into());
+        req.switchable = true;
+        state.register(req, now).unwrap();
+        state.workers.get_mut("w1").unwrap().inflight = 1;
+        state.workers.get_mut("w2").unwrap().inflight = 1;
+        queue_job(&mut state, "c1", &m[2], now);
+        assert!(pump(&hive, &mut state).is_empty(), "the idle external worker cannot load a library model");
+        queue_job(&mut state, "x1", "/elsewhere/x.safetensors", now);
+        assert_eq!(dispatched(&pump(&hive, &mut state)), [pair("x1", "ext")]);
+        release(&mut state, "ext", 0);
+        // A re-run stays off the life that lost it, for a while.
+        let mut t = Ticket::job("x1", Some("/elsewhere/x.safetensors".into()), now);
+        t.avoid = Some(Avoid::new(&hive, "ext", 0));
+        if let Some(j) = state.jobs.get_mut("x1") {
+            j.phase = Phase::Queued;
+        }
+        state.queue.push_front(t);
+        assert!(pump(&hive, &mut state).is_empty());
+        state.queue[0].avoid.as_mut().unwrap().until = now;
+        assert_eq!(dispatched(&pump(&hive, &mut state)), [pair("x1", "ext")]);
     }
 
     #[test]

@@ -115,10 +115,12 @@ pub struct Spec {
 fn command(hive: &Hive, spec: &Spec) -> Command {
     let w = &spec.worker;
     let mut cmd = Command::new(&w.binary);
-    cmd.arg("serve")
-        .arg("--model")
-        .arg(&w.model)
-        .arg("--device")
+    cmd.arg("serve");
+    // Without `--model` a worker loads the first checkpoint of its models dirs.
+    if let Some(model) = &w.model {
+        cmd.arg("--model").arg(model);
+    }
+    cmd.arg("--device")
         .arg(w.device_index.to_string())
         .arg("--host")
         .arg("127.0.0.1")
@@ -128,8 +130,15 @@ fn command(hive: &Hive, spec: &Spec) -> Command {
         .arg(&w.worker_id)
         .arg("--callback-url")
         .arg(&hive.callback_url);
-    for root in &hive.config.model_roots {
+    for root in hive.config.worker_roots() {
         cmd.arg("--model-root").arg(root);
+    }
+    // Every worker gets the whole library, so any of them can switch to any of its checkpoints.
+    for dir in &hive.config.models_dirs {
+        cmd.arg("--models-dir").arg(dir);
+    }
+    for dir in &hive.config.vae_dirs {
+        cmd.arg("--vae-dir").arg(dir);
     }
     // Secrets go through the environment: argv is readable by every user in /proc/<pid>/cmdline.
     cmd.env("WORKER_TOKEN", &hive.token);
@@ -186,10 +195,17 @@ fn pipe_lines(hive: Arc<Hive>, id: String, reader: impl std::io::Read + Send + '
 /// Adds the managed worker to the table and starts supervising it.
 pub fn start(hive: &Arc<Hive>, spec: Spec) -> Handle {
     let w = &spec.worker;
-    hive.lock().workers.insert(
-        w.worker_id.clone(),
-        WorkerEntry::managed(&w.worker_id, w.backend.name(), w.device_index, &w.model),
-    );
+    let mut entry = WorkerEntry::managed(&w.worker_id, w.backend.name(), w.device_index, w.model.as_deref());
+    {
+        let mut state = hive.lock();
+        // What it will report once loaded: routing can count on it before it registers.
+        entry.planned_source = match &w.model {
+            Some(m) => Some(crate::models::planned_source(&state.catalog, m)),
+            None => state.catalog.checkpoints.first().map(|c| c.path.to_string_lossy().into_owned()),
+        };
+        entry.loaded = entry.planned_source.clone();
+        state.workers.insert(w.worker_id.clone(), entry);
+    }
     let (stop, stop_rx) = watch::channel(false);
     let kill = Arc::new(Notify::new());
     let task = tokio::spawn(supervise(hive.clone(), spec, stop_rx, kill.clone()));

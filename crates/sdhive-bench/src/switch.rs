@@ -67,10 +67,15 @@ pub fn run(dirs: &[PathBuf], dev: &Device, dtype: DType, switches: usize) -> Res
 
     let mut cache = HostCache::new(models.len());
     let mut engine = None;
-    // Filling the cache reads each model once more (the first load of a worker).
-    for m in &models {
+    // Filling the cache reads each model once more: a worker's first load of a model, through the cache.
+    let mut fill = Vec::with_capacity(models.len());
+    for (i, m) in models.iter().enumerate() {
         drop(engine.take());
-        engine = Some(load(m, dev, dtype, Some(&mut cache))?.0);
+        sync(dev)?;
+        let (e, ms) = load(m, dev, dtype, Some(&mut cache))?;
+        engine = Some(e);
+        fill.push(ms);
+        eprintln!("disk into the cache {}: {ms:.0} ms", name(i));
     }
     let mut ram: Vec<Vec<f64>> = vec![Vec::new(); models.len()];
     let mut used = Vec::with_capacity(switches);
@@ -99,6 +104,7 @@ pub fn run(dirs: &[PathBuf], dev: &Device, dtype: DType, switches: usize) -> Res
             json!({
                 "model": name(i),
                 "disk": timing(&disk[i]),
+                "disk_into_cache_ms": fill[i],
                 "ram": timing(&ram[i]),
             })
         })

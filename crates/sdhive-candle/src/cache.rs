@@ -81,10 +81,12 @@ impl HostCache {
             }
             None => Arc::new(SdModel::load_host(model, targets)?),
         };
-        let placed = host.place(&model.name, targets);
+        // Placing builds the networks, which checks the host copy (kept unchecked): only a copy that placed
+        // is cached.
+        let placed = host.place(&model.name, targets)?;
         self.entries.push_back((key, host));
         self.trim();
-        placed
+        Ok(placed)
     }
 
     fn trim(&mut self) {

@@ -323,9 +323,9 @@ fn placed_and_offloaded_networks_generate_the_diffusers_images() {
     let (dev, dtype) = (&test_device().device, test_device().dtype);
     let tol = test_device().tolerance;
     let targets = Targets {
-        unet: ModuleTarget { device: dev.clone(), dtype, offload: false },
-        text: ModuleTarget { device: Device::Cpu, dtype: DType::F32, offload: true },
-        vae: ModuleTarget { device: dev.clone(), dtype, offload: true },
+        unet: ModuleTarget { device: dev.clone(), dtype, offload: false, host_copy: false },
+        text: ModuleTarget { device: Device::Cpu, dtype: DType::F32, offload: true, host_copy: false },
+        vae: ModuleTarget { device: dev.clone(), dtype, offload: true, host_copy: false },
     };
     let load = |name: &str| {
         let model = SdModel::from_diffusers_dir_on(name, &fixtures().join("models").join(name), &targets)
@@ -404,7 +404,7 @@ fn a_file_that_is_no_vae_is_refused() {
     let (dev, dtype) = (&test_device().device, test_device().dtype);
     let mut model =
         SdModel::from_diffusers_dir("sd1", &fixtures().join("models/sd1"), dev, dtype).expect("sd1");
-    let target = ModuleTarget { device: dev.clone(), dtype, offload: false };
+    let target = ModuleTarget { device: dev.clone(), dtype, offload: false, host_copy: false };
     let junk = fixtures().join("models/sd1/text_encoder/model.safetensors");
     let err = model.replace_vae(&junk, &target).expect_err("a text encoder is no VAE").to_string();
     assert!(err.contains("model.safetensors"), "{err}");

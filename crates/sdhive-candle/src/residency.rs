@@ -14,6 +14,9 @@ pub struct ModuleTarget {
     pub dtype: DType,
     /// Keep the weights in host memory until the network is used.
     pub offload: bool,
+    /// With `offload`: a host copy for the RAM cache, kept without the check build that `offload` otherwise
+    /// makes at load (placing the copy on its device, right after, builds the network and checks the same).
+    pub host_copy: bool,
 }
 
 /// Targets for the three networks of a pipeline.
@@ -27,7 +30,7 @@ pub struct Targets {
 impl Targets {
     /// Everything on one device in one dtype, resident.
     pub fn all(device: &Device, dtype: DType) -> Self {
-        let t = ModuleTarget { device: device.clone(), dtype, offload: false };
+        let t = ModuleTarget { device: device.clone(), dtype, offload: false, host_copy: false };
         Targets { unet: t.clone(), text: t.clone(), vae: t }
     }
 
@@ -66,9 +69,9 @@ impl<T> Resident<T> {
         build: impl Fn(VarBuilder<'static>) -> sdhive_models::Result<T> + Send + Sync + 'static,
     ) -> sdhive_models::Result<Self> {
         let mut weights = weights;
-        if target.offload && target.device.is_cpu() {
-            // A host copy kept on the CPU holds what the network will be built from: converted once here (half
-            // the memory of an f32 checkpoint used in f16), not at every build.
+        if target.offload {
+            // A host copy holds what the network will be built from: converted once here (half the memory of
+            // an f32 checkpoint used in f16, half the upload), not at every build.
             for tensor in weights.values_mut() {
                 if tensor.dtype() != target.dtype && tensor.dtype().is_float() {
                     *tensor = tensor
@@ -82,7 +85,9 @@ impl<T> Resident<T> {
         let build: Build<T> = Arc::new(build);
         let state = if target.offload {
             // Built once now so a bad checkpoint fails at load, not at the first request.
-            build(builder(&weights, &target))?;
+            if !target.host_copy {
+                build(builder(&weights, &target))?;
+            }
             State::Host { weights, build }
         } else {
             State::Loaded(build(builder(&weights, &target))?)
@@ -104,7 +109,8 @@ impl<T> Resident<T> {
     /// `target.offload`. The host tensors are shared, not copied; `None` when this network is not a host copy.
     pub fn place(&self, device: &Device, offload: bool) -> Option<sdhive_models::Result<Resident<T>>> {
         let State::Host { weights, build } = &self.state else { return None };
-        let target = ModuleTarget { device: device.clone(), dtype: self.target.dtype, offload };
+        let target =
+            ModuleTarget { device: device.clone(), dtype: self.target.dtype, offload, host_copy: false };
         let state = if offload {
             Ok(State::Host { weights: weights.clone(), build: Arc::clone(build) })
         } else {
@@ -183,7 +189,7 @@ mod tests {
     #[test]
     fn offloaded_networks_are_built_per_use_in_the_target_dtype() {
         let builds = Arc::new(AtomicUsize::new(0));
-        let target = ModuleTarget { device: Device::Cpu, dtype: DType::F16, offload: true };
+        let target = ModuleTarget { device: Device::Cpu, dtype: DType::F16, offload: true, host_copy: false };
         let r = Resident::from_host(weights(), target, counting_build(&builds)).expect("load");
         assert!(r.offloaded() && r.get().is_none());
         assert_eq!(r.resident_bytes(), 0);
@@ -197,7 +203,8 @@ mod tests {
     #[test]
     fn resident_networks_are_built_once() {
         let builds = Arc::new(AtomicUsize::new(0));
-        let target = ModuleTarget { device: Device::Cpu, dtype: DType::F32, offload: false };
+        let target =
+            ModuleTarget { device: Device::Cpu, dtype: DType::F32, offload: false, host_copy: false };
         let r = Resident::from_host(weights(), target, counting_build(&builds)).expect("load");
         assert_eq!(r.resident_bytes(), 24);
         let sum = r.with(|t| t.sum_all().and_then(|s| s.to_scalar::<f32>())).expect("use").expect("sum");

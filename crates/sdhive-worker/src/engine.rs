@@ -112,7 +112,12 @@ fn load_with(
                 };
                 // Modules moved to the CPU run in f32: candle's CPU kernels have no fast half-precision path.
                 let dtype = if placed.is_cpu() && !device.is_cpu() { DType::F32 } else { dtype };
-                Ok(ModuleTarget { device: placed, dtype, offload: opts.placement.offloaded(module) })
+                Ok(ModuleTarget {
+                    device: placed,
+                    dtype,
+                    offload: opts.placement.offloaded(module),
+                    host_copy: false,
+                })
             };
             let targets = Targets {
                 unet: target(Module::Diffusion)?,
