@@ -20,7 +20,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use axum::{Json, Router};
 use futures::StreamExt;
-use sdhive_protocol::{Deregister, ErrorBody, ErrorDetail, Heartbeat, RegisterRequest, RegisterResponse};
+use sdhive_protocol::{
+    Deregister, ErrorBody, ErrorDetail, Heartbeat, ListedModel, RegisterRequest, RegisterResponse,
+};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use shared_worker::Backend;
@@ -572,7 +574,7 @@ async fn metrics(State(hive): H) -> Response {
 
 async fn models(State(hive): H) -> Response {
     let listed = models::list(&hive.lock());
-    Json(json!({"object": "list", "data": listed.iter().map(models::openai_object).collect::<Vec<_>>()}))
+    Json(json!({"object": "list", "data": listed.iter().map(|m| m.openai(0)).collect::<Vec<_>>()}))
         .into_response()
 }
 
@@ -586,7 +588,7 @@ async fn model(State(hive): H, Path(id): Path<String>) -> Response {
         }
     };
     match found {
-        Ok(Some(m)) => Json(models::openai_object(&m)).into_response(),
+        Ok(Some(m)) => Json(m.openai(0)).into_response(),
         Ok(None) => error_about(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
@@ -606,7 +608,7 @@ async fn model(State(hive): H, Path(id): Path<String>) -> Response {
 
 async fn sd_models(State(hive): H) -> Response {
     let listed = models::list(&hive.lock());
-    Json(listed.iter().map(models::a1111_object).collect::<Vec<_>>()).into_response()
+    Json(listed.iter().map(ListedModel::a1111).collect::<Vec<_>>()).into_response()
 }
 
 async fn sd_vae(State(hive): H) -> Response {

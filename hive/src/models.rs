@@ -9,12 +9,8 @@ use crate::config::HiveConfig;
 use crate::registry::WorkerStatus;
 use crate::State;
 use sdhive_catalog::{Catalog, CatalogConfig, CatalogError, Checkpoint, NotFound};
-use serde_json::{json, Value};
+use sdhive_protocol::{file_stem, is_openai_model_name, ListedModel};
 use std::path::Path;
-
-/// OpenAI's own model names: clients with a fixed model list send these, meaning "your model" (the workers
-/// read them the same way).
-const OPENAI_NAMES: &[&str] = &["dall-e-2", "dall-e-3", "gpt-image-1", "gpt-image-1-mini", "gpt-image-1.5"];
 
 /// What the hive scans: the workers' models and VAE dirs, with the hash cache they share.
 pub fn catalog_config(config: &HiveConfig) -> CatalogConfig {
@@ -55,20 +51,11 @@ pub fn planned_source(catalog: &Catalog, arg: &str) -> String {
     catalog.find(arg).map(path_string).unwrap_or_else(|_| arg.to_string())
 }
 
-/// The file stem of a name or path, as the workers match `--model` arguments (`models/x.safetensors` → `x`).
-fn stem(name: &str) -> &str {
-    let base = name.trim().trim_end_matches(['/', '\\']).rsplit(['/', '\\']).next().unwrap_or(name);
-    [".safetensors", ".ckpt", ".pt", ".bin", ".gguf"]
-        .iter()
-        .find_map(|ext| base.strip_suffix(ext))
-        .unwrap_or(base)
-}
-
 /// Whether `query` names the model known as `alias` outside the catalogue, as the workers match their
 /// `--model` argument: the same string (any case), or the same file stem.
 pub fn same_model_name(alias: &str, query: &str) -> bool {
     let (a, q) = (alias.trim(), query.trim());
-    !a.is_empty() && (a == q || a.eq_ignore_ascii_case(q) || stem(a) == stem(q))
+    !a.is_empty() && (a == q || a.eq_ignore_ascii_case(q) || file_stem(a) == file_stem(q))
 }
 
 /// A model that no catalogue entry stands for: a worker's `--model` outside the library (or an external
@@ -96,7 +83,7 @@ pub fn extras(state: &State) -> Vec<Extra> {
                 .filter(|r| r.model_source.as_deref().is_none_or(|s| s == source))
                 .map(|r| r.model.clone())
                 .filter(|n| !n.is_empty());
-            let mut aliases = vec![source.to_string(), stem(source).to_string()];
+            let mut aliases = vec![source.to_string(), file_stem(source).to_string()];
             aliases.extend(name.clone());
             if w.planned_source.as_deref() == Some(source) {
                 aliases.extend(w.planned_model.clone());
@@ -114,7 +101,7 @@ pub fn extras(state: &State) -> Vec<Extra> {
                 }
                 None => out.push(Extra {
                     source: source.to_string(),
-                    title: name.unwrap_or_else(|| stem(source).to_string()),
+                    title: name.unwrap_or_else(|| file_stem(source).to_string()),
                     aliases,
                 }),
             }
@@ -136,7 +123,7 @@ pub type Resolved = Option<String>;
 /// it by source, name or stem. Unknown: `NotFound` with the closest titles.
 pub fn resolve(state: &State, query: Option<&str>) -> Result<Resolved, NotFound> {
     let query = query.map(str::trim).filter(|q| !q.is_empty());
-    let Some(q) = query.filter(|q| !OPENAI_NAMES.iter().any(|n| n.eq_ignore_ascii_case(q))) else {
+    let Some(q) = query.filter(|q| !is_openai_model_name(q)) else {
         return Ok(default_model(state));
     };
     if let Ok(c) = state.catalog.find(q) {
@@ -185,7 +172,7 @@ pub fn title_of(state: &State, source: &str) -> String {
         .into_iter()
         .find(|e| e.source == source)
         .map(|e| e.title)
-        .unwrap_or_else(|| stem(source).into())
+        .unwrap_or_else(|| file_stem(source).into())
 }
 
 /// Workers that hold `source` loaded (or will have, once what the hive sent them ran), by id.
@@ -201,27 +188,12 @@ fn loaded_on(state: &State, source: &str) -> Vec<String> {
         .collect()
 }
 
-/// One listed model, with the keys both listings draw from.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Listed {
-    /// A1111's `name` (unique; the OpenAI id).
-    pub name: String,
-    pub title: String,
-    pub model_name: String,
-    pub hash: Option<String>,
-    pub sha256: Option<String>,
-    pub filename: String,
-    pub format: String,
-    pub loaded_on: Vec<String>,
-}
-
-/// Every model a request may name: the catalogue, then the models outside it that workers hold.
-pub fn list(state: &State) -> Vec<Listed> {
-    let mut out: Vec<Listed> = state
+pub fn list(state: &State) -> Vec<ListedModel> {
+    let mut out: Vec<ListedModel> = state
         .catalog
         .checkpoints
         .iter()
-        .map(|c| Listed {
+        .map(|c| ListedModel {
             name: c.name.clone(),
             title: c.title(),
             model_name: c.model_name.clone(),
@@ -233,9 +205,9 @@ pub fn list(state: &State) -> Vec<Listed> {
         })
         .collect();
     for e in extras(state) {
-        out.push(Listed {
+        out.push(ListedModel {
             name: e.title.clone(),
-            model_name: stem(&e.title).to_string(),
+            model_name: file_stem(&e.title).to_string(),
             title: e.title,
             hash: None,
             sha256: None,
@@ -245,35 +217,6 @@ pub fn list(state: &State) -> Vec<Listed> {
         });
     }
     out
-}
-
-/// `GET /v1/models` entry (OpenAI's shape plus A1111's names and where it is loaded).
-pub fn openai_object(m: &Listed) -> Value {
-    json!({
-        "id": m.name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "sdhive",
-        "model_name": m.model_name,
-        "title": m.title,
-        "filename": m.filename,
-        "format": m.format,
-        "sha256": m.sha256,
-        "loaded_on": m.loaded_on,
-    })
-}
-
-/// `GET /sdapi/v1/sd-models` entry.
-pub fn a1111_object(m: &Listed) -> Value {
-    json!({
-        "title": m.title,
-        "model_name": m.model_name,
-        "hash": m.hash,
-        "sha256": m.sha256,
-        "filename": m.filename,
-        "config": null,
-        "loaded_on": m.loaded_on,
-    })
 }
 
 /// One line about the models for `hive devices` and the start-up log; `warn` for a model that cannot be

@@ -86,10 +86,21 @@ pub fn load_component(dir: &Path, dtype: DType, device: &Device) -> Result<VarBu
 /// Reads every tensor of the component folder `dir` into host memory, in the file's dtype (for networks kept
 /// off the device between uses).
 pub fn read_component(dir: &Path) -> Result<HashMap<String, Tensor>> {
+    use rayon::prelude::*;
     let mut out = HashMap::new();
     for f in find_weight_files(dir)? {
-        let tensors = candle_core::safetensors::load(&f, &Device::Cpu)
-            .map_err(|source| ModelError::WeightsOpen { path: f.clone(), source: strip_backtrace(source) })?;
+        let open_err = |source| ModelError::WeightsOpen { path: f.clone(), source: strip_backtrace(source) };
+        // Mapped and copied out tensor by tensor on every core: one copy of each byte (reading the file into a
+        // buffer first would make two) and the fresh host pages are touched in parallel, which for gigabytes
+        // of weights is most of the time.
+        // SAFETY: as in `open_safetensors`.
+        let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(&f) }.map_err(open_err)?;
+        let names: Vec<String> = st.tensors().into_iter().map(|(name, _)| name).collect();
+        let tensors: Vec<(String, Tensor)> = names
+            .into_par_iter()
+            .map(|name| st.load(&name, &Device::Cpu).map(|t| (name, t)))
+            .collect::<candle_core::Result<_>>()
+            .map_err(open_err)?;
         out.extend(tensors);
     }
     Ok(out)

@@ -1,10 +1,12 @@
 //! The JSON that crosses process boundaries: the native job API (`/v1/jobs`), its server-sent events, the
-//! error body every route family shares, and the worker ⇄ hive registration and heartbeat messages. Only
+//! error body every route family shares, the model lists' entries, and the worker ⇄ hive registration and
+//! heartbeat messages. Only
 //! serde types live here so that the worker and the hive (and external clients) agree on one definition;
 //! behaviour stays in `sdhive-server`. See `docs/api.md` and `docs/protocol.md`.
 
 pub mod error;
 pub mod job;
+pub mod models;
 pub mod registration;
 
 pub use error::{ErrorBody, ErrorDetail};
@@ -12,6 +14,7 @@ pub use job::{
     JobAccepted, JobError, JobErrorKind, JobEvent, JobId, JobImage, JobLinks, JobRequest, JobSnapshot,
     JobState, RequestSummary, Seed,
 };
+pub use models::{file_stem, is_openai_model_name, ListedModel, OPENAI_MODEL_NAMES};
 pub use registration::{
     Capabilities, Deregister, DeviceDescription, Heartbeat, HeartbeatResponse, RegisterRequest,
     RegisterResponse, RunningJob, WorkerState, DEFAULT_HEARTBEAT_INTERVAL_SECS, PROTOCOL_VERSION,

@@ -6,12 +6,10 @@
 
 use sdhive_catalog::{Catalog, CatalogConfig, Checkpoint, CheckpointFormat, Refused};
 use sdhive_engine::{EngineInfo, ModelSpec};
+use sdhive_protocol::{file_stem, is_openai_model_name, ListedModel};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use thiserror::Error;
-
-/// OpenAI's own model names: clients with a fixed model list send these, meaning "your model".
-const OPENAI_NAMES: &[&str] = &["dall-e-2", "dall-e-3", "gpt-image-1", "gpt-image-1-mini", "gpt-image-1.5"];
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum ModelError {
@@ -70,19 +68,6 @@ impl VaeChoice {
     }
 }
 
-/// One checkpoint as the A1111 and OpenAI model lists show it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ListedModel {
-    /// A1111's `name`: the path under its models dir; unique, and unlike the title stable across hashing.
-    pub name: String,
-    pub title: String,
-    pub model_name: String,
-    pub hash: Option<String>,
-    pub sha256: Option<String>,
-    pub filename: String,
-    pub format: String,
-}
-
 /// A VAE as `GET /sdapi/v1/sd-vae` lists it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ListedVae {
@@ -136,15 +121,6 @@ fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     m.write().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The stem of a file name or path: what A1111 calls `model_name` for a top-level file.
-pub fn stem(name: &str) -> &str {
-    let base = name.trim().trim_end_matches(['/', '\\']).rsplit(['/', '\\']).next().unwrap_or(name);
-    [".safetensors", ".ckpt", ".pt", ".bin", ".gguf"]
-        .iter()
-        .find_map(|ext| base.strip_suffix(ext))
-        .unwrap_or(base)
-}
-
 impl ModelLibrary {
     /// A library over `config`'s folders, scanned now (headers only: nothing is hashed).
     pub fn scan(config: CatalogConfig) -> Result<ModelLibrary, ModelError> {
@@ -196,7 +172,7 @@ impl ModelLibrary {
         drop(catalog);
         // The engine reports the resolved name; an empty name here lets it.
         let spec = ModelSpec::new("", arg);
-        let aliases = vec![arg.to_string(), stem(arg).to_string()];
+        let aliases = vec![arg.to_string(), file_stem(arg).to_string()];
         *lock(&self.extra) = Some(Extra { spec: spec.clone(), aliases });
         spec
     }
@@ -251,7 +227,7 @@ impl ModelLibrary {
         vae: Option<&VaeChoice>,
     ) -> Result<ModelSpec, ModelError> {
         let base = match checkpoint.map(str::trim).filter(|q| !q.is_empty()) {
-            Some(q) if OPENAI_NAMES.iter().any(|n| n.eq_ignore_ascii_case(q)) => self.default_checkpoint()?,
+            Some(q) if is_openai_model_name(q) => self.default_checkpoint()?,
             Some(q) => self.find(q)?,
             None => self.default_checkpoint()?,
         };
@@ -283,7 +259,8 @@ impl ModelLibrary {
             let loaded_name = self.loaded_name_of(&extra.spec);
             let hit = extra.aliases.iter().chain(loaded_name.iter()).any(|a| {
                 let a = a.trim();
-                !a.is_empty() && (a == query || a.eq_ignore_ascii_case(query) || stem(a) == stem(query))
+                !a.is_empty()
+                    && (a == query || a.eq_ignore_ascii_case(query) || file_stem(a) == file_stem(query))
             });
             if hit {
                 return Ok(extra.spec.clone());
@@ -315,7 +292,7 @@ impl ModelLibrary {
         if !extra.spec.name.is_empty() {
             return extra.spec.name.clone();
         }
-        self.loaded_name_of(&extra.spec).unwrap_or_else(|| stem(&extra.spec.source).to_string())
+        self.loaded_name_of(&extra.spec).unwrap_or_else(|| file_stem(&extra.spec.source).to_string())
     }
 
     fn vae_beside(&self, spec: &ModelSpec) -> Option<PathBuf> {
@@ -351,8 +328,17 @@ impl ModelLibrary {
         )
     }
 
-    /// Every checkpoint: the catalogue's, then the `--model` entry if it is none of them.
-    pub fn list(&self) -> Vec<ListedModel> {
+    /// Every checkpoint: the catalogue's, then the `--model` entry if it is none of them; `worker` is named in
+    /// `loaded_on` of the loaded one.
+    pub fn list(&self, worker: &str) -> Vec<ListedModel> {
+        let loaded = self.current().map(|(spec, _)| spec.source);
+        let on = |filename: &str| -> Vec<String> {
+            if loaded.as_deref() == Some(filename) {
+                vec![worker.to_string()]
+            } else {
+                vec![]
+            }
+        };
         let catalog = read(&self.catalog);
         let mut out: Vec<ListedModel> = catalog
             .checkpoints
@@ -365,6 +351,7 @@ impl ModelLibrary {
                 sha256: e.sha256.clone(),
                 filename: e.path.display().to_string(),
                 format: e.format.name().to_string(),
+                loaded_on: on(&e.path.to_string_lossy()),
             })
             .collect();
         drop(catalog);
@@ -372,12 +359,13 @@ impl ModelLibrary {
             let title = self.extra_title(extra);
             out.push(ListedModel {
                 name: title.clone(),
-                model_name: stem(&title).to_string(),
+                model_name: file_stem(&title).to_string(),
                 title,
                 hash: None,
                 sha256: None,
                 filename: extra.spec.source.clone(),
                 format: "path".into(),
+                loaded_on: on(&extra.spec.source),
             });
         }
         out
@@ -483,14 +471,6 @@ fn spec_of(entry: &Checkpoint) -> ModelSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn stems_drop_folders_and_checkpoint_extensions() {
-        assert_eq!(stem("models/v1-5.safetensors"), "v1-5");
-        assert_eq!(stem("sd15/"), "sd15");
-        assert_eq!(stem("a.gguf"), "a");
-        assert_eq!(stem("plain"), "plain");
-    }
 
     #[test]
     fn vae_choices_round_trip() {

@@ -797,23 +797,7 @@ fn checkpoint_title(state: &AppState) -> String {
 }
 
 async fn sd_models(State(state): State<AppState>) -> Json<Value> {
-    Json(Value::Array(
-        state
-            .library
-            .list()
-            .into_iter()
-            .map(|m| {
-                json!({
-                    "title": m.title,
-                    "model_name": m.model_name,
-                    "hash": m.hash,
-                    "sha256": m.sha256,
-                    "filename": m.filename,
-                    "config": null,
-                })
-            })
-            .collect(),
-    ))
+    Json(Value::Array(state.library.list(&state.config.worker_id).iter().map(|m| m.a1111()).collect()))
 }
 
 async fn sd_vae(State(state): State<AppState>) -> Json<Value> {
@@ -906,7 +890,12 @@ async fn get_options(State(state): State<AppState>, Extension(local): Extension<
     let mut out = settings.other.clone();
     out.insert("sd_model_checkpoint".into(), json!(checkpoint_title(&state)));
     let hash = state.library.resolve(None, None).ok().and_then(|spec| {
-        state.library.list().into_iter().find(|m| m.filename == spec.source).and_then(|m| m.sha256)
+        state
+            .library
+            .list(&state.config.worker_id)
+            .into_iter()
+            .find(|m| m.filename == spec.source)
+            .and_then(|m| m.sha256)
     });
     out.insert("sd_checkpoint_hash".into(), json!(hash));
     out.insert("sd_vae".into(), json!(state.library.selected_vae().as_option()));
@@ -1035,7 +1024,7 @@ mod tests {
 
     #[test]
     fn checkpoint_names_reduce_to_a_stem() {
-        use crate::models::stem;
+        use sdhive_protocol::file_stem as stem;
         assert_eq!(stem("models/v1-5-pruned.safetensors"), "v1-5-pruned");
         assert_eq!(stem("stabilityai/sd-turbo"), "sd-turbo");
         assert_eq!(stem("C:\\m\\x.ckpt"), "x");

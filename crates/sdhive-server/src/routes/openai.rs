@@ -8,7 +8,6 @@
 use crate::error::ApiError;
 use crate::extract::{parse_json, ApiJson};
 use crate::jobs::{FinishedImage, JobView};
-use crate::models::ListedModel;
 use crate::validation::parse_sampler;
 use crate::{unix_secs, AppState};
 use axum::extract::multipart::{Multipart, MultipartError, MultipartRejection};
@@ -34,9 +33,6 @@ pub fn router() -> Router<AppState> {
         .route("/v1/models/{id}", get(get_model))
         .route("/v1/files/{job}/{file}", get(get_file))
 }
-
-/// Who owns the served models in `/v1/models`.
-const OWNER: &str = "sdhive";
 
 /// JPEG quality when `output_compression` is not given (OpenAI's default is 100 too).
 const DEFAULT_COMPRESSION: u8 = 100;
@@ -623,46 +619,19 @@ fn decode_edit(
     build_request(params, state, Some(init), mask)
 }
 
-/// A library model in OpenAI's shape; `id` is its A1111 `name` (unique and stable, unlike the title, which gains
-/// the hash once the file is hashed), and `loaded` says whether it is the worker's loaded model.
-fn model_object(state: &AppState, model: &ListedModel, loaded: Option<&str>) -> Value {
-    json!({
-        "id": model.name,
-        "model_name": model.model_name,
-        "object": "model",
-        "created": unix_secs(state.started_at) as u64,
-        "owned_by": OWNER,
-        "title": model.title,
-        "filename": model.filename,
-        "format": model.format,
-        "sha256": model.sha256,
-        "loaded": loaded == Some(model.filename.as_str()),
-    })
-}
-
-fn loaded_source(state: &AppState) -> Option<String> {
-    state.library.current().map(|(spec, _)| spec.source)
-}
-
 async fn list_models(State(state): State<AppState>) -> Json<Value> {
-    let loaded = loaded_source(&state);
+    let created = unix_secs(state.started_at) as u64;
     let data: Vec<Value> =
-        state.library.list().iter().map(|m| model_object(&state, m, loaded.as_deref())).collect();
+        state.library.list(&state.config.worker_id).iter().map(|m| m.openai(created)).collect();
     Json(json!({"object": "list", "data": data}))
 }
 
 async fn get_model(State(state): State<AppState>, Path(id): Path<String>) -> Response {
     let found = state.library.find(&id).map(|spec| {
-        state
-            .library
-            .list()
-            .into_iter()
-            .find(|m| m.filename == spec.source || m.title == state.library.title_of(&spec))
+        state.library.list(&state.config.worker_id).into_iter().find(|m| m.filename == spec.source)
     });
     match found {
-        Ok(Some(model)) => {
-            Json(model_object(&state, &model, loaded_source(&state).as_deref())).into_response()
-        }
+        Ok(Some(model)) => Json(model.openai(unix_secs(state.started_at) as u64)).into_response(),
         Ok(None) => ApiError::not_found(format!("the model `{id}` is not listed")).into_response(),
         Err(e) => ApiError::from(e).into_response(),
     }

@@ -68,7 +68,7 @@ async fn info(State(state): State<AppState>) -> Json<serde_json::Value> {
             "native_height": info.native_height,
         },
         "models": {
-            "available": state.library.list().len(),
+            "available": state.library.list(&state.config.worker_id).len(),
             "vaes": state.library.list_vaes().len(),
             "refused": refused,
         },
