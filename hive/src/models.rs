@@ -10,7 +10,6 @@ use crate::registry::WorkerStatus;
 use crate::State;
 use sdhive_catalog::{Catalog, CatalogConfig, CatalogError, Checkpoint, NotFound};
 use sdhive_protocol::{file_stem, is_openai_model_name, ListedModel};
-use std::path::Path;
 
 /// What the hive scans: the workers' models and VAE dirs, with the hash cache they share.
 pub fn catalog_config(config: &HiveConfig) -> CatalogConfig {
@@ -40,15 +39,7 @@ fn path_string(c: &Checkpoint) -> String {
 /// path that is a library checkpoint is that checkpoint; a library name that is no path is its checkpoint;
 /// anything else stays the argument (a path outside the library, a hub repo id).
 pub fn planned_source(catalog: &Catalog, arg: &str) -> String {
-    let path = Path::new(arg);
-    if path.exists() {
-        let canonical = std::fs::canonicalize(path).ok();
-        return canonical
-            .and_then(|c| catalog.checkpoints.iter().find(|e| e.path == c))
-            .map(path_string)
-            .unwrap_or_else(|| arg.to_string());
-    }
-    catalog.find(arg).map(path_string).unwrap_or_else(|_| arg.to_string())
+    catalog.entry_for_arg(arg).map(path_string).unwrap_or_else(|| arg.to_string())
 }
 
 /// Whether `query` names the model known as `alias` outside the catalogue, as the workers match their

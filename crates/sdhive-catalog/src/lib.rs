@@ -152,6 +152,17 @@ impl Catalog {
         Ok(Some(sha))
     }
 
+    /// The checkpoint a `--model` argument names: an existing path is the entry of that file or folder (none
+    /// when it lies outside the library), anything else a name looked up as [`Catalog::find`] does. Workers
+    /// and the hive both read their `--model` through this, so they agree on what it is.
+    pub fn entry_for_arg(&self, arg: &str) -> Option<&Checkpoint> {
+        if Path::new(arg).exists() {
+            let canonical = std::fs::canonicalize(arg).ok()?;
+            return self.checkpoints.iter().find(|e| e.path == canonical);
+        }
+        self.find(arg).ok()
+    }
+
     /// The sha256 of VAE `index`, as `ensure_hash`.
     pub fn ensure_vae_hash(&mut self, index: usize) -> Result<Option<String>, CatalogError> {
         let len = self.vaes.len();

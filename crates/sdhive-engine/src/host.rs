@@ -175,20 +175,7 @@ mod tests {
 
     impl Engine for Fake {
         fn info(&self) -> EngineInfo {
-            EngineInfo {
-                engine: "fake".into(),
-                backend: "cpu".into(),
-                device: "cpu".into(),
-                dtype: "f32".into(),
-                model: self.0.clone(),
-                family: "sd".into(),
-                native_width: 64,
-                native_height: 64,
-                samplers: vec![],
-                supports_img2img: true,
-                supports_inpaint: true,
-                memory: None,
-            }
+            EngineInfo { engine: "fake".into(), model: self.0.clone(), ..EngineInfo::default() }
         }
 
         fn generate(

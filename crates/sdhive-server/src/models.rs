@@ -162,14 +162,9 @@ impl ModelLibrary {
     /// Adds the `--model` argument: the catalogue entry it names when it is one, else an entry of its own.
     /// Returns its spec (without a VAE: the selection adds that).
     pub fn add_model_arg(&self, arg: &str) -> ModelSpec {
-        let canonical = std::fs::canonicalize(arg).ok();
-        let catalog = read(&self.catalog);
-        if let Some(entry) =
-            canonical.as_ref().and_then(|c| catalog.checkpoints.iter().find(|e| &e.path == c))
-        {
+        if let Some(entry) = read(&self.catalog).entry_for_arg(arg) {
             return spec_of(entry);
         }
-        drop(catalog);
         // The engine reports the resolved name; an empty name here lets it.
         let spec = ModelSpec::new("", arg);
         let aliases = vec![arg.to_string(), file_stem(arg).to_string()];
@@ -231,16 +226,25 @@ impl ModelLibrary {
             Some(q) => self.find(q)?,
             None => self.default_checkpoint()?,
         };
-        let choice = match vae {
-            Some(choice) => choice.clone(),
-            None => self.selected_vae(),
-        };
-        let vae = match choice {
+        self.with_vae_choice(base, vae)
+    }
+
+    /// `base` with the VAE file `choice` (the selected one when `None`) stands for.
+    fn with_vae_choice(&self, base: ModelSpec, choice: Option<&VaeChoice>) -> Result<ModelSpec, ModelError> {
+        let vae = match choice.cloned().unwrap_or_else(|| self.selected_vae()) {
             VaeChoice::None => None,
             VaeChoice::File(name) => Some(self.vae_path(&name)?),
             VaeChoice::Automatic => self.vae_beside(&base),
         };
         Ok(base.with_vae(vae))
+    }
+
+    /// `base` with the selected VAE (`Automatic` at start); its own VAE when the selected file is gone.
+    pub fn with_selected_vae(&self, base: ModelSpec) -> ModelSpec {
+        self.with_vae_choice(base.clone(), None).unwrap_or_else(|e| {
+            tracing::warn!("{e}; using the checkpoint's own VAE");
+            base
+        })
     }
 
     fn default_checkpoint(&self) -> Result<ModelSpec, ModelError> {
@@ -297,14 +301,14 @@ impl ModelLibrary {
 
     fn vae_beside(&self, spec: &ModelSpec) -> Option<PathBuf> {
         let catalog = read(&self.catalog);
-        let entry = catalog.checkpoints.iter().find(|e| e.path.to_string_lossy() == spec.source)?;
+        let entry = entry_of(&catalog, spec)?;
         catalog.vae_beside(entry).map(|v| v.path.clone())
     }
 
     /// The A1111 title of `spec`'s checkpoint.
     pub fn title_of(&self, spec: &ModelSpec) -> String {
         let catalog = read(&self.catalog);
-        if let Some(entry) = catalog.checkpoints.iter().find(|e| e.path.to_string_lossy() == spec.source) {
+        if let Some(entry) = entry_of(&catalog, spec) {
             return entry.title();
         }
         drop(catalog);
@@ -312,6 +316,12 @@ impl ModelLibrary {
             Some(extra) if extra.spec.source == spec.source => self.extra_title(extra),
             _ => spec.name.clone(),
         }
+    }
+
+    /// The sha256 of `spec`'s checkpoint, once hashed.
+    pub fn sha256_of(&self, spec: &ModelSpec) -> Option<String> {
+        let catalog = read(&self.catalog);
+        entry_of(&catalog, spec)?.sha256.clone()
     }
 
     /// The VAE option value a loaded spec stands for.
@@ -462,6 +472,11 @@ fn scan(config: &CatalogConfig) -> Result<Catalog, ModelError> {
         }
     }));
     Ok(catalog)
+}
+
+/// The catalogue entry a spec was made from (specs carry the canonical path as their source).
+fn entry_of<'c>(catalog: &'c Catalog, spec: &ModelSpec) -> Option<&'c Checkpoint> {
+    catalog.checkpoints.iter().find(|e| e.path.to_string_lossy() == spec.source)
 }
 
 fn spec_of(entry: &Checkpoint) -> ModelSpec {

@@ -251,19 +251,15 @@ pub fn prepare(backend: Backend, args: &ServeArgs) -> anyhow::Result<Prepared> {
         hash_cache: args.hash_cache.clone().or_else(sdhive_catalog::default_hash_cache),
     };
     let library = Arc::new(ModelLibrary::scan(catalog).context("cannot read the model library")?);
-    let initial = match &args.model {
-        // A name from the library (`--model v1-5`) is as good as its path.
-        Some(arg) => Some(match library.find(arg) {
-            Ok(spec) if !std::path::Path::new(arg).exists() => spec,
-            _ => library.add_model_arg(arg),
-        }),
+    // A name from the library (`--model v1-5`) is as good as its path.
+    let first = match &args.model {
+        Some(arg) => Some(library.add_model_arg(arg)),
         None => library.first_checkpoint(),
     };
-    let initial =
-        initial.map(|spec| library.resolve(Some(&spec.source), None).unwrap_or(spec)).or_else(|| {
-            tracing::warn!("no --model and no checkpoint in the models dirs: starting without a model");
-            None
-        });
+    if first.is_none() {
+        tracing::warn!("no --model and no checkpoint in the models dirs: starting without a model");
+    }
+    let initial = first.map(|spec| library.with_selected_vae(spec));
     tracing::info!(device = %info.name, %placement, first = ?initial.as_ref().map(|s| &s.source), "serving");
     let opts = EngineOptions { dtype, placement, limits, memory_budget };
     let factory =

@@ -292,22 +292,45 @@ fn string_option<'a>(field: &str, value: &'a Value) -> Result<&'a str, A1111Erro
     value.as_str().ok_or_else(|| invalid(field, format!("must be a string, got {value}")))
 }
 
-/// The model a txt2img/img2img runs with: `override_settings`' checkpoint and VAE, else the selected ones.
-fn request_model(
-    state: &AppState,
-    settings: Option<&Map<String, Value>>,
-) -> Result<(ModelSpec, Option<VaeChoice>), A1111Error> {
-    const CKPT: &str = "override_settings.sd_model_checkpoint";
-    const VAE: &str = "override_settings.sd_vae";
-    let checkpoint = settings.and_then(|s| s.get("sd_model_checkpoint")).filter(|v| !v.is_null());
-    let checkpoint = checkpoint.map(|v| string_option(CKPT, v)).transpose()?;
-    let vae = settings.and_then(|s| s.get("sd_vae")).filter(|v| !v.is_null());
-    let vae = vae.map(|v| string_option(VAE, v).map(VaeChoice::parse)).transpose()?;
-    if let Some(choice) = &vae {
-        state.library.check_vae(choice).map_err(|e| model_error(VAE, e))?;
+/// A checkpoint and a VAE choice as A1111's options name them (`sd_model_checkpoint`, `sd_vae`), read from
+/// `options` or `override_settings`, whose field names start with `prefix`. The VAE is checked against the
+/// library.
+struct ModelOptions<'a> {
+    checkpoint: Option<&'a str>,
+    vae: Option<VaeChoice>,
+    prefix: &'static str,
+}
+
+impl<'a> ModelOptions<'a> {
+    fn read(
+        state: &AppState,
+        map: Option<&'a Map<String, Value>>,
+        prefix: &'static str,
+    ) -> Result<Self, A1111Error> {
+        let get = |key: &str| map.and_then(|m| m.get(key)).filter(|v| !v.is_null());
+        let field = |key: &str| format!("{prefix}{key}");
+        let checkpoint = get("sd_model_checkpoint")
+            .map(|v| string_option(&field("sd_model_checkpoint"), v))
+            .transpose()?;
+        let vae =
+            get("sd_vae").map(|v| string_option(&field("sd_vae"), v).map(VaeChoice::parse)).transpose()?;
+        if let Some(choice) = &vae {
+            state.library.check_vae(choice).map_err(|e| model_error(&field("sd_vae"), e))?;
+        }
+        Ok(ModelOptions { checkpoint, vae, prefix })
     }
-    let spec = state.library.resolve(checkpoint, vae.as_ref()).map_err(|e| model_error(CKPT, e))?;
-    Ok((spec, vae))
+
+    /// The spec they stand for, the selected checkpoint and VAE filling in what they leave out.
+    fn resolve(&self, state: &AppState) -> Result<ModelSpec, A1111Error> {
+        state
+            .library
+            .resolve(self.checkpoint, self.vae.as_ref())
+            .map_err(|e| model_error(&format!("{}sd_model_checkpoint", self.prefix), e))
+    }
+
+    fn any(&self) -> bool {
+        self.checkpoint.is_some() || self.vae.is_some()
+    }
 }
 
 fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<Prepared, A1111Error> {
@@ -323,12 +346,10 @@ fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<
     if let Some(script) = body.script_name.as_deref().filter(|s| !s.trim().is_empty()) {
         return Err(invalid("script_name", format!("scripts are not supported, got `{script}`")));
     }
-    let (model, vae_override) = request_model(state, body.override_settings.as_ref())?;
-    let overrides_model = body.override_settings.as_ref().is_some_and(|s| {
-        s.get("sd_model_checkpoint").is_some_and(|v| !v.is_null()) || s.contains_key("sd_vae")
-    });
-    let keep_override = (overrides_model && body.override_settings_restore_afterwards == Some(false))
-        .then(|| (model.clone(), vae_override));
+    let overrides = ModelOptions::read(state, body.override_settings.as_ref(), "override_settings.")?;
+    let model = overrides.resolve(state)?;
+    let keep_override = (overrides.any() && body.override_settings_restore_afterwards == Some(false))
+        .then(|| (model.clone(), overrides.vae.clone()));
 
     let sampler_name = body.sampler_name.as_deref().filter(|s| !s.trim().is_empty());
     let spelling = Spelling {
@@ -889,14 +910,7 @@ async fn get_options(State(state): State<AppState>, Extension(local): Extension<
     let settings = local.lock();
     let mut out = settings.other.clone();
     out.insert("sd_model_checkpoint".into(), json!(checkpoint_title(&state)));
-    let hash = state.library.resolve(None, None).ok().and_then(|spec| {
-        state
-            .library
-            .list(&state.config.worker_id)
-            .into_iter()
-            .find(|m| m.filename == spec.source)
-            .and_then(|m| m.sha256)
-    });
+    let hash = state.library.resolve(None, None).ok().and_then(|spec| state.library.sha256_of(&spec));
     out.insert("sd_checkpoint_hash".into(), json!(hash));
     out.insert("sd_vae".into(), json!(state.library.selected_vae().as_option()));
     out.insert("CLIP_stop_at_last_layers".into(), json!(settings.clip_skip.unwrap_or(1)));
@@ -926,19 +940,10 @@ async fn set_options(
         .get("CLIP_stop_at_last_layers")
         .map(|v| parse_clip_skip(v).map_err(|m| invalid("CLIP_stop_at_last_layers", m)))
         .transpose()?;
-    let checkpoint = given.get("sd_model_checkpoint").filter(|v| !v.is_null());
-    let checkpoint = checkpoint.map(|v| string_option("sd_model_checkpoint", v)).transpose()?;
-    let vae = given.get("sd_vae").filter(|v| !v.is_null());
-    let vae = vae.map(|v| string_option("sd_vae", v).map(VaeChoice::parse)).transpose()?;
-    if let Some(choice) = &vae {
-        state.library.check_vae(choice).map_err(|e| model_error("sd_vae", e))?;
-    }
+    let options = ModelOptions::read(&state, Some(&given), "")?;
+    let (checkpoint, vae) = (options.checkpoint, options.vae.clone());
     let switch = if checkpoint.is_some() || vae.as_ref().is_some_and(|v| *v != state.library.selected_vae()) {
-        let spec = state
-            .library
-            .resolve(checkpoint, vae.as_ref())
-            .map_err(|e| model_error("sd_model_checkpoint", e))?;
-        Some(spec)
+        Some(options.resolve(&state)?)
     } else {
         None
     };
