@@ -17,5 +17,5 @@ pub use image_io::{decode_image, decode_mask, encode_png, GrayImage, ImageError,
 pub use infotext::{infotext, InfotextContext};
 pub use memory::{budgeted_free, InsufficientMemory, JobPlan, MemoryReport, ModelShape};
 pub use placement::{DeviceRef, Module, Placement, PlacementError};
-pub use request::{random_seed, GenerateRequest, Limits, ValidationError};
+pub use request::{random_seed, EmbeddingUse, GenerateRequest, Limits, LoraUse, ValidationError};
 pub use sampler::{Sampler, Schedule};

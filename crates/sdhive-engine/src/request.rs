@@ -31,6 +31,35 @@ pub struct GenerateRequest {
     pub mask: Option<GrayImage>,
     /// Attach a cheap low-resolution preview to every k-th progress report; 0 = never.
     pub preview_every: u32,
+    /// LoRA / LyCORIS networks to apply, resolved to their files (from the prompt's `<lora:…>` tags, which stay
+    /// in `prompt` for the infotext and are removed before tokenising, and from structured `loras` fields).
+    pub loras: Vec<LoraUse>,
+    /// Textual-inversion embeddings named in the prompt or negative prompt, resolved to their files.
+    pub embeddings: Vec<EmbeddingUse>,
+}
+
+/// One LoRA (or LyCORIS) network a request applies.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraUse {
+    /// The name the request used (A1111's: the file's stem), shown in errors and the infotext.
+    pub name: String,
+    pub path: std::path::PathBuf,
+    /// Multiplier of its text-encoder part (A1111's `te`).
+    pub te: f32,
+    /// Multiplier of its UNet part (A1111's `unet`).
+    pub unet: f32,
+    /// A1111's short hash (first 12 hex digits of the sha256 of the tensor data after the safetensors header),
+    /// for the infotext's `Lora hashes`; `None` when not known.
+    pub hash: Option<String>,
+}
+
+/// One textual-inversion embedding a request uses: the prompt's word `name` stands for its vectors.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EmbeddingUse {
+    pub name: String,
+    pub path: std::path::PathBuf,
+    /// A1111's short hash (first 12 hex digits of the file's sha256), for the infotext's `TI hashes`.
+    pub hash: Option<String>,
 }
 
 impl Default for GenerateRequest {
@@ -51,6 +80,8 @@ impl Default for GenerateRequest {
             strength: 0.75,
             mask: None,
             preview_every: 0,
+            loras: Vec::new(),
+            embeddings: Vec::new(),
         }
     }
 }

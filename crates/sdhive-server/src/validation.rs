@@ -127,6 +127,9 @@ pub fn build_request(
         strength: req.strength.unwrap_or(defaults.strength),
         mask: None,
         preview_every: req.preview_every.unwrap_or(0),
+
+        loras: Vec::new(),
+        embeddings: Vec::new(),
     };
     out.validate(limits)?;
     if req.mask.is_some() && req.init_image.is_none() {

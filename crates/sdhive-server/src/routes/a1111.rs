@@ -403,6 +403,9 @@ fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<
         mask: None,
         // A1111's default "show_progress_every_n_steps" is 10: its clients poll /progress for current_image.
         preview_every: 10,
+
+        loras: Vec::new(),
+        embeddings: Vec::new(),
     };
     // Cheap checks before any image is decoded.
     req.validate(&state.config.limits).map_err(|e| spelling.invalid(e))?;

@@ -235,6 +235,9 @@ fn build_request(
         mask,
         // Synchronous calls return only the final images: nobody would see a preview.
         preview_every: 0,
+
+        loras: Vec::new(),
+        embeddings: Vec::new(),
     };
     req.validate(&state.config.limits).map_err(openai_invalid)?;
     Ok(req)
