@@ -182,6 +182,10 @@ pub fn router(hive: Arc<Hive>) -> Router {
         .route("/sdapi/v1/sd-vae", get(sd_vae))
         .route("/sdapi/v1/refresh-checkpoints", post(refresh))
         .route("/sdapi/v1/refresh-vae", post(refresh))
+        .route("/sdapi/v1/loras", get(loras))
+        .route("/sdapi/v1/embeddings", get(embeddings))
+        .route("/sdapi/v1/refresh-loras", post(refresh_networks))
+        .route("/sdapi/v1/refresh-embeddings", post(refresh_networks))
         .route("/sdapi/v1/unload-checkpoint", post(unload_checkpoint))
         .route("/sdapi/v1/reload-checkpoint", post(reload_checkpoint))
         .route("/sdapi/v1/{*rest}", any(forward_any))
@@ -646,6 +650,67 @@ async fn refresh(State(hive): H, method: Method, uri: Uri, headers: HeaderMap, b
         return Json(Value::Null).into_response();
     }
     answer
+}
+
+/// `GET /sdapi/v1/loras`: every worker's LoRAs as one list, one entry per name. Workers resolve the names, so
+/// the hive keeps no LoRA catalogue of its own.
+async fn loras(State(hive): H, method: Method, uri: Uri, headers: HeaderMap) -> Response {
+    let lists: Vec<Vec<sdhive_protocol::ListedLora>> = collect_json(&hive, method, &uri, &headers).await;
+    Json(sdhive_protocol::union_loras(lists)).into_response()
+}
+
+/// `GET /sdapi/v1/embeddings`: the workers' lists merged; an embedding loaded on any worker counts as loaded
+/// (workers may hold models of different families).
+async fn embeddings(State(hive): H, method: Method, uri: Uri, headers: HeaderMap) -> Response {
+    let lists: Vec<sdhive_protocol::EmbeddingList> = collect_json(&hive, method, &uri, &headers).await;
+    let mut merged = sdhive_protocol::EmbeddingList::default();
+    for list in lists {
+        merged.merge(list);
+    }
+    Json(merged).into_response()
+}
+
+/// `refresh-loras` and `refresh-embeddings`: every worker rescans.
+async fn refresh_networks(
+    State(hive): H,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let answer = forward_all(State(hive), method, uri, headers, body).await;
+    if answer.status() == StatusCode::SERVICE_UNAVAILABLE {
+        return Json(Value::Null).into_response();
+    }
+    answer
+}
+
+/// Every ready worker's answer to the same request, parsed as `T`; workers that fail or answer otherwise are
+/// left out (logged), so one sick worker does not empty a listing.
+async fn collect_json<T: serde::de::DeserializeOwned>(
+    hive: &Hive,
+    method: Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+) -> Vec<T> {
+    let mut out = Vec::new();
+    for (id, base, bearer) in targets(hive) {
+        let answer =
+            send_to(hive, &base, bearer.as_deref(), method.clone(), uri, headers, Bytes::new()).await;
+        let parsed = match answer {
+            Ok(r) if r.status().is_success() => axum::body::to_bytes(r.into_body(), 64 * 1024 * 1024)
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|bytes| serde_json::from_slice::<T>(&bytes).map_err(|e| e.to_string())),
+            Ok(r) => Err(format!("answered {}", r.status())),
+            Err(e) => Err(e.to_string()),
+        };
+        match parsed {
+            Ok(v) => out.push(v),
+            Err(e) => tracing::warn!(worker = %id, "left out of the listing {}: {e}", uri.path()),
+        }
+    }
+    out
 }
 
 // ---- native jobs ----

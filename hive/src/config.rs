@@ -58,6 +58,10 @@ pub struct HiveConfig {
     pub models_dirs: Vec<PathBuf>,
     /// Standalone VAE folders, passed to every worker as `--vae-dir`.
     pub vae_dirs: Vec<PathBuf>,
+    /// LoRA folders, passed to every worker as `--lora-dir`.
+    pub lora_dirs: Vec<PathBuf>,
+    /// Textual-inversion folders, passed to every worker as `--embeddings-dir`.
+    pub embeddings_dirs: Vec<PathBuf>,
     /// Where `sd-worker-<backend>` binaries live; default: beside the hive executable.
     pub workers_dir: Option<PathBuf>,
     /// Registration/heartbeat bearer token; a random one is generated when unset.
@@ -113,6 +117,8 @@ impl Default for HiveConfig {
             model_roots: Vec::new(),
             models_dirs: Vec::new(),
             vae_dirs: Vec::new(),
+            lora_dirs: Vec::new(),
+            embeddings_dirs: Vec::new(),
             workers_dir: None,
             token: None,
             api_key: None,
@@ -147,6 +153,8 @@ pub struct CliOverrides {
     pub model_roots: Vec<PathBuf>,
     pub models_dirs: Vec<PathBuf>,
     pub vae_dirs: Vec<PathBuf>,
+    pub lora_dirs: Vec<PathBuf>,
+    pub embeddings_dirs: Vec<PathBuf>,
     pub workers_dir: Option<PathBuf>,
     pub token: Option<String>,
     pub api_key: Option<String>,
@@ -206,6 +214,10 @@ impl HiveConfig {
                 "MODEL_ROOTS" => self.model_roots = list(&value).into_iter().map(PathBuf::from).collect(),
                 "MODELS_DIRS" => self.models_dirs = list(&value).into_iter().map(PathBuf::from).collect(),
                 "VAE_DIRS" => self.vae_dirs = list(&value).into_iter().map(PathBuf::from).collect(),
+                "LORA_DIRS" => self.lora_dirs = list(&value).into_iter().map(PathBuf::from).collect(),
+                "EMBEDDINGS_DIRS" => {
+                    self.embeddings_dirs = list(&value).into_iter().map(PathBuf::from).collect()
+                }
                 "WORKERS_DIR" => self.workers_dir = Some(PathBuf::from(value)),
                 "TOKEN" => self.token = Some(value),
                 "API_KEY" => self.api_key = Some(value),
@@ -251,6 +263,8 @@ impl HiveConfig {
         set_list(&mut self.model_roots, &cli.model_roots);
         set_list(&mut self.models_dirs, &cli.models_dirs);
         set_list(&mut self.vae_dirs, &cli.vae_dirs);
+        set_list(&mut self.lora_dirs, &cli.lora_dirs);
+        set_list(&mut self.embeddings_dirs, &cli.embeddings_dirs);
         if cli.workers_dir.is_some() {
             self.workers_dir = cli.workers_dir.clone();
         }

@@ -53,6 +53,12 @@ struct Flags {
     /// A folder of standalone VAEs (repeatable).
     #[arg(long = "vae-dir", value_name = "DIR")]
     vae_dirs: Vec<PathBuf>,
+    /// A folder of LoRA / LyCORIS files every worker serves (repeatable).
+    #[arg(long = "lora-dir", value_name = "DIR")]
+    lora_dirs: Vec<PathBuf>,
+    /// A folder of textual-inversion embeddings every worker serves (repeatable).
+    #[arg(long = "embeddings-dir", value_name = "DIR")]
+    embeddings_dirs: Vec<PathBuf>,
     /// Where the sd-worker-<backend> binaries are (default: beside this executable).
     #[arg(long, value_name = "DIR")]
     workers_dir: Option<PathBuf>,
@@ -96,6 +102,8 @@ impl Flags {
             model_roots: self.model_roots.clone(),
             models_dirs: self.models_dirs.clone(),
             vae_dirs: self.vae_dirs.clone(),
+            lora_dirs: self.lora_dirs.clone(),
+            embeddings_dirs: self.embeddings_dirs.clone(),
             workers_dir: self.workers_dir.clone(),
             token: self.token.clone(),
             api_key: self.api_key.clone(),

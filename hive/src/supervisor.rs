@@ -140,6 +140,12 @@ fn command(hive: &Hive, spec: &Spec) -> Command {
     for dir in &hive.config.vae_dirs {
         cmd.arg("--vae-dir").arg(dir);
     }
+    for dir in &hive.config.lora_dirs {
+        cmd.arg("--lora-dir").arg(dir);
+    }
+    for dir in &hive.config.embeddings_dirs {
+        cmd.arg("--embeddings-dir").arg(dir);
+    }
     // Secrets go through the environment: argv is readable by every user in /proc/<pid>/cmdline.
     cmd.env("WORKER_TOKEN", &hive.token);
     match &hive.config.worker_api_key {

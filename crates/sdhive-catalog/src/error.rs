@@ -41,6 +41,9 @@ pub enum CatalogError {
 
     #[error("no VAE at index {index}: the catalog lists {len}")]
     NoSuchVae { index: usize, len: usize },
+
+    #[error("no {kind} at index {index}: the catalog lists {len}")]
+    NoSuchNetwork { kind: &'static str, index: usize, len: usize },
 }
 
 impl CatalogError {

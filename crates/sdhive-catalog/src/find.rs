@@ -106,7 +106,7 @@ pub(crate) fn closest_titles(checkpoints: &[Checkpoint], query: &str, n: usize) 
 }
 
 /// 1 − Levenshtein distance / longer length, over chars.
-fn similarity(a: &[char], b: &str) -> f64 {
+pub(crate) fn similarity(a: &[char], b: &str) -> f64 {
     let b: Vec<char> = b.chars().collect();
     let longest = a.len().max(b.len());
     if longest == 0 {

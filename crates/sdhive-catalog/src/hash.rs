@@ -68,46 +68,59 @@ impl HashCache {
 
     /// The cached sha256 of `path`, if its entry still matches `stamp`.
     pub(crate) fn lookup(&self, path: &Path, stamp: Stamp) -> Option<String> {
-        valid(self.entries.get(cache_key(path)?)?, stamp)
+        self.lookup_kind(path, stamp, HashKind::File)
+    }
+
+    pub(crate) fn lookup_kind(&self, path: &Path, stamp: Stamp, kind: HashKind) -> Option<String> {
+        valid(self.entries.get(&cache_key(path, kind)?)?, stamp)
     }
 
     /// The sha256 of `path`: from the cache when still valid (re-reading the cache file, which another worker may
     /// have filled since this catalog was scanned), else computed and recorded. Returns the stamp it belongs to.
     pub(crate) fn hash(&mut self, path: &Path) -> Result<(String, Stamp), CatalogError> {
+        self.hash_kind(path, HashKind::File)
+    }
+
+    /// `hash` for either kind of hash; each kind has its own cache entries.
+    pub(crate) fn hash_kind(&mut self, path: &Path, kind: HashKind) -> Result<(String, Stamp), CatalogError> {
         let before = Stamp::of_path(path)?;
-        if let Some(sha) = self.lookup(path, before) {
+        if let Some(sha) = self.lookup_kind(path, before, kind) {
             return Ok((sha, before));
         }
-        if let (Some(file), Some(key)) = (&self.file, cache_key(path)) {
-            if let Some(entry) = read_entries(file).ok().and_then(|mut disk| disk.remove(key)) {
+        if let (Some(file), Some(key)) = (&self.file, cache_key(path, kind)) {
+            if let Some(entry) = read_entries(file).ok().and_then(|mut disk| disk.remove(&key)) {
                 if let Some(sha) = valid(&entry, before) {
-                    self.entries.insert(key.to_string(), entry);
+                    self.entries.insert(key, entry);
                     return Ok((sha, before));
                 }
             }
         }
         let started = Instant::now();
         tracing::info!("hashing {} ({:.2} GB)", path.display(), before.size as f64 / 1e9);
-        let sha = sha256_file(path).map_err(|e| CatalogError::io(path, e))?;
+        let sha = match kind {
+            HashKind::File => sha256_file(path),
+            HashKind::AfterHeader => sha256_after_header(path),
+        }
+        .map_err(|e| CatalogError::io(path, e))?;
         if Stamp::of_path(path)? != before {
             return Err(CatalogError::ChangedWhileHashing { path: path.to_path_buf() });
         }
         tracing::info!("sha256 of {} is {sha} ({:.1?})", path.display(), started.elapsed());
-        self.record(path, before, &sha);
+        self.record(path, before, &sha, kind);
         Ok((sha, before))
     }
 
     /// Remembers a hash in memory and in the cache file. A failed write only costs a re-hash later, so it is a
     /// warning, not an error that would withhold a hash already computed.
-    fn record(&mut self, path: &Path, stamp: Stamp, sha: &str) {
-        let (Some(key), Some(mtime)) = (cache_key(path), stamp.mtime_ns) else { return };
+    fn record(&mut self, path: &Path, stamp: Stamp, sha: &str, kind: HashKind) {
+        let (Some(key), Some(mtime)) = (cache_key(path, kind), stamp.mtime_ns) else { return };
         let entry = CacheEntry { size: stamp.size, mtime, sha256: sha.to_string() };
-        self.entries.insert(key.to_string(), entry.clone());
+        self.entries.insert(key.clone(), entry.clone());
         let Some(file) = &self.file else { return };
         // Merge into what is on disk now, not our snapshot from scan time, so entries other workers wrote since
         // are kept.
         let mut disk = read_entries(file).unwrap_or_default();
-        disk.insert(key.to_string(), entry);
+        disk.insert(key, entry);
         let written = serde_json::to_vec_pretty(&disk)
             .map_err(io::Error::other)
             .and_then(|bytes| write_atomic(file, &bytes));
@@ -121,9 +134,22 @@ impl HashCache {
     }
 }
 
-/// Non-UTF-8 paths are not cached: a lossy key could let two files share an entry.
-fn cache_key(path: &Path) -> Option<&str> {
-    path.to_str()
+/// Which digest of a file: the whole file (checkpoints, VAEs, embeddings), or A1111's "addnet hash" of a
+/// safetensors file (LoRAs), which skips the header so that editing the metadata keeps the identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HashKind {
+    File,
+    AfterHeader,
+}
+
+/// Non-UTF-8 paths are not cached: a lossy key could let two files share an entry. The whole-file hash is keyed
+/// by the bare path (the format every earlier version wrote); the addnet hash by a prefix no absolute path has.
+fn cache_key(path: &Path, kind: HashKind) -> Option<String> {
+    let path = path.to_str()?;
+    Some(match kind {
+        HashKind::File => path.to_string(),
+        HashKind::AfterHeader => format!("addnet:{path}"),
+    })
 }
 
 fn valid(entry: &CacheEntry, stamp: Stamp) -> Option<String> {
@@ -180,7 +206,28 @@ fn write_atomic(file: &Path, bytes: &[u8]) -> io::Result<()> {
 
 /// Streams the file through sha256 in 1 MiB reads (checkpoints are several GB).
 pub(crate) fn sha256_file(path: &Path) -> io::Result<String> {
+    sha256_from(File::open(path)?)
+}
+
+/// A1111's `addnet_hash_safetensors`: the sha256 of everything after the 8-byte header length and the header.
+pub(crate) fn sha256_after_header(path: &Path) -> io::Result<String> {
+    use std::io::{Seek, SeekFrom};
     let mut file = File::open(path)?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)?;
+    let header_len = u64::from_le_bytes(len);
+    let file_len = file.metadata()?.len();
+    if header_len > file_len - 8 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("header length {header_len} does not fit a {file_len}-byte file"),
+        ));
+    }
+    file.seek(SeekFrom::Start(8 + header_len))?;
+    sha256_from(file)
+}
+
+fn sha256_from(mut file: File) -> io::Result<String> {
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {

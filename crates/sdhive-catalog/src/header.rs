@@ -18,9 +18,21 @@ pub(crate) enum Kind {
     Other,
 }
 
+/// A safetensors header: every tensor's name and shape, in the file's order, and the `__metadata__` strings.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Header {
+    pub tensors: Vec<(String, Vec<u64>)>,
+    pub metadata: serde_json::Map<String, serde_json::Value>,
+}
+
 /// The tensor names of a safetensors file, or why its header is unusable. Also checks that every tensor lies
 /// inside the file, so a truncated download is reported at scan time instead of at load time.
 pub(crate) fn tensor_names(path: &Path) -> Result<Vec<String>, String> {
+    Ok(read_header(path)?.tensors.into_iter().map(|(name, _)| name).collect())
+}
+
+/// The whole header of a safetensors file, checked as `tensor_names` says.
+pub(crate) fn read_header(path: &Path) -> Result<Header, String> {
     let mut file = File::open(path).map_err(|e| format!("cannot open it: {e}"))?;
     let file_len = file.metadata().map_err(|e| format!("cannot stat it: {e}"))?.len();
     if file_len < 8 {
@@ -41,9 +53,12 @@ pub(crate) fn tensor_names(path: &Path) -> Result<Vec<String>, String> {
     let header: serde_json::Map<String, serde_json::Value> =
         serde_json::from_slice(&header).map_err(|e| format!("the header is not a JSON object: {e}"))?;
     let data_len = file_len - 8 - header_len;
-    let mut names = Vec::with_capacity(header.len());
+    let mut out = Header { tensors: Vec::with_capacity(header.len()), metadata: serde_json::Map::new() };
     for (name, info) in header {
         if name == "__metadata__" {
+            if let serde_json::Value::Object(m) = info {
+                out.metadata = m;
+            }
             continue;
         }
         let (start, end) = info
@@ -56,9 +71,14 @@ pub(crate) fn tensor_names(path: &Path) -> Result<Vec<String>, String> {
                 "tensor `{name}` spans bytes {start}..{end} but the data section is {data_len} bytes (truncated?)"
             ));
         }
-        names.push(name);
+        let shape = info
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .map(|dims| dims.iter().filter_map(|d| d.as_u64()).collect())
+            .unwrap_or_default();
+        out.tensors.push((name, shape));
     }
-    Ok(names)
+    Ok(out)
 }
 
 /// Classifies by tensor names; `file_name` (lower-cased) breaks the tie for VAEs whose keys are unusual.

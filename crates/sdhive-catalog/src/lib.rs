@@ -9,10 +9,15 @@ mod error;
 mod find;
 mod hash;
 mod header;
+mod networks;
 mod scan;
 
 pub use entry::{Checkpoint, CheckpointFormat, Refused, Vae};
 pub use error::{CatalogError, NotFound};
+pub use networks::{
+    checkpoint_text_widths, Embedding, EmbeddingWidth, Lora, LoraFormat, LoraNotFound, NetworkCatalog,
+    NetworkHasher, NetworksConfig, RefusedNetwork,
+};
 
 use hash::HashCache;
 use std::ffi::OsString;

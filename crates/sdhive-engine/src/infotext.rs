@@ -56,6 +56,21 @@ pub fn infotext(req: &GenerateRequest, ctx: &InfotextContext<'_>) -> String {
     if req.clip_skip > 1 {
         fields.push(("Clip skip", req.clip_skip.to_string()));
     }
+    // A1111's Lora extension and its text-encoder hijack add these (in this order) with the name as the prompt
+    // wrote it, stripped of the separators, and the 12-digit short hash; unhashed entries are left out.
+    let hashes = |entries: Vec<(&str, Option<&str>)>| -> Option<String> {
+        let listed: Vec<String> = entries
+            .into_iter()
+            .filter_map(|(name, hash)| Some(format!("{}: {}", name.replace([':', ','], ""), hash?)))
+            .collect();
+        (!listed.is_empty()).then(|| quote_if_needed(&listed.join(", ")))
+    };
+    if let Some(v) = hashes(req.loras.iter().map(|l| (l.name.as_str(), l.hash.as_deref())).collect()) {
+        fields.push(("Lora hashes", v));
+    }
+    if let Some(v) = hashes(req.embeddings.iter().map(|e| (e.name.as_str(), e.hash.as_deref())).collect()) {
+        fields.push(("TI hashes", v));
+    }
     fields.push(("Version", quote_if_needed(ctx.version)));
     out.push('\n');
     out.push_str(&fields.iter().map(|(k, v)| format!("{k}: {v}")).collect::<Vec<_>>().join(", "));
@@ -86,6 +101,40 @@ mod tests {
             "a cat\nNegative prompt: blurry\nSteps: 20, Sampler: DPM++ 2M, Schedule type: Karras, CFG scale: 7, \
              Seed: 42, Size: 512x768, Model: sd15, Clip skip: 2, Version: sdhive 0.1.0"
         );
+    }
+
+    #[test]
+    fn lora_and_ti_hashes_as_a1111() {
+        use crate::request::{EmbeddingUse, LoraUse};
+        let lora = |name: &str, hash: Option<&str>| LoraUse {
+            name: name.into(),
+            path: "/l".into(),
+            te: 1.0,
+            unet: 1.0,
+            hash: hash.map(String::from),
+        };
+        let req = GenerateRequest {
+            prompt: "a <lora:a:1> <lora:b,c:0.5> <lora:d:1>".into(),
+            loras: vec![lora("a", Some("0123456789ab")), lora("b,c", Some("ba9876543210")), lora("d", None)],
+            embeddings: vec![EmbeddingUse {
+                name: "EasyNegative".into(),
+                path: "/e".into(),
+                hash: Some("c74b4e810b03".into()),
+            }],
+            ..Default::default()
+        };
+        let ctx = InfotextContext { seed: 1, width: 64, height: 64, model: "m", version: "v" };
+        let text = infotext(&req, &ctx);
+        assert!(text.starts_with("a <lora:a:1> <lora:b,c:0.5> <lora:d:1>\n"), "{text}");
+        assert!(
+            text.ends_with(
+                "Model: m, Lora hashes: \"a: 0123456789ab, bc: ba9876543210\", TI hashes: \"EasyNegative: \
+                 c74b4e810b03\", Version: v"
+            ),
+            "{text}"
+        );
+        let plain = GenerateRequest { loras: vec![lora("d", None)], ..Default::default() };
+        assert!(!infotext(&plain, &ctx).contains("hashes"));
     }
 
     #[test]

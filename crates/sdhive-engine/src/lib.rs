@@ -3,6 +3,7 @@
 //! (candle, stable-diffusion.cpp) implement [`Engine`]; the CLI and HTTP layers only ever see this crate.
 
 pub mod engine;
+pub mod extra_networks;
 pub mod host;
 pub mod image_io;
 pub mod infotext;
@@ -12,6 +13,7 @@ pub mod request;
 pub mod sampler;
 
 pub use engine::{Control, Engine, EngineError, EngineInfo, GenerateOutput, GeneratedImage, Progress};
+pub use extra_networks::{parse_networks, strip_networks, NetworkKind, NetworkTag, TagError};
 pub use host::{error_chain, BoxError, EngineFactory, ModelHost, ModelSpec, SwitchError};
 pub use image_io::{decode_image, decode_mask, encode_png, GrayImage, ImageError, RgbImage};
 pub use infotext::{infotext, InfotextContext};

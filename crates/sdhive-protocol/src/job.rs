@@ -174,6 +174,9 @@ pub struct JobRequest {
     /// A1111's `sd_vae` values: `Automatic`, `None` or a VAE file name; default: the selected choice.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vae: Option<String>,
+    /// LoRAs to apply besides the prompt's `<lora:…>` tags.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loras: Option<Vec<crate::networks::LoraRequest>>,
 }
 
 /// `202 Accepted` answer to a submission.

@@ -7,6 +7,7 @@
 pub mod error;
 pub mod job;
 pub mod models;
+pub mod networks;
 pub mod registration;
 
 pub use error::{ErrorBody, ErrorDetail};
@@ -15,6 +16,7 @@ pub use job::{
     JobState, RequestSummary, Seed,
 };
 pub use models::{file_stem, is_openai_model_name, ListedModel, OPENAI_MODEL_NAMES};
+pub use networks::{union_loras, EmbeddingList, ListedEmbedding, ListedLora, LoraRequest};
 pub use registration::{
     Capabilities, Deregister, DeviceDescription, Heartbeat, HeartbeatResponse, RegisterRequest,
     RegisterResponse, RunningJob, WorkerState, DEFAULT_HEARTBEAT_INTERVAL_SECS, PROTOCOL_VERSION,

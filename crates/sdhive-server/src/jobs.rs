@@ -43,7 +43,8 @@ pub enum SubmitError {
 /// jobs submitted before them and `/progress` shows the worker busy while one runs.
 #[derive(Debug)]
 pub(crate) enum Work {
-    Generate { request: GenerateRequest, model: ModelSpec },
+    // Boxed: a request (prompts, LoRAs, images) is several times the size of the other variants.
+    Generate { request: Box<GenerateRequest>, model: ModelSpec },
     Load(ModelSpec),
     Unload,
 }
@@ -507,7 +508,7 @@ impl JobManager {
         };
         let mut summary = summarize(&req, native);
         summary.model = Some(self.shared.library.title_of(&model));
-        self.enqueue(Work::Generate { request: req, model }, summary, false)
+        self.enqueue(Work::Generate { request: Box::new(req), model }, summary, false)
     }
 
     /// Queues a switch to `model`; it runs after the jobs queued before it.

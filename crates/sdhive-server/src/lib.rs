@@ -10,6 +10,7 @@ mod infer;
 pub mod jobs;
 pub mod metrics;
 pub mod models;
+pub mod networks;
 pub mod registration;
 pub mod routes;
 pub mod serve;
@@ -22,6 +23,7 @@ pub use jobs::{
 };
 pub use metrics::Metrics;
 pub use models::{ModelError, ModelLibrary, VaeChoice};
+pub use networks::Networks;
 pub use registration::RegistrationConfig;
 pub use serve::{run, serve, shutdown_signal, EngineLoader, LibraryStartup, ServeError, Startup};
 
@@ -65,6 +67,8 @@ pub struct ServerConfig {
     /// Expired job ids remembered (to answer 410 rather than 404); the oldest are forgotten first.
     pub max_tombstones: usize,
     pub version: String,
+    /// LoRA and embeddings folders (`--lora-dir`, `--embeddings-dir`).
+    pub networks: sdhive_catalog::NetworksConfig,
 }
 
 impl Default for ServerConfig {
@@ -90,6 +94,7 @@ impl Default for ServerConfig {
             memory_probe: None,
             max_tombstones: 10_000,
             version: env!("CARGO_PKG_VERSION").into(),
+            networks: sdhive_catalog::NetworksConfig::default(),
         }
     }
 }
@@ -100,6 +105,7 @@ pub struct AppState {
     pub jobs: JobManager,
     pub config: Arc<ServerConfig>,
     pub library: Arc<ModelLibrary>,
+    pub networks: Arc<Networks>,
     pub metrics: Arc<Metrics>,
     pub started_at: SystemTime,
 }
@@ -129,10 +135,45 @@ impl AppState {
         if let (Some(spec), Some(info)) = (host.current_model().cloned(), host.info()) {
             library.record_loaded(&spec, &info);
         }
+        let networks = Arc::new(Networks::scan_or_empty(config.networks.clone()));
         let config = Arc::new(config);
         let metrics = Arc::new(Metrics::new());
         let jobs = JobManager::start(Arc::clone(&config), Arc::clone(&metrics), Arc::clone(&library), host);
-        AppState { jobs, config, library, metrics, started_at: SystemTime::now() }
+        AppState { jobs, config, library, networks, metrics, started_at: SystemTime::now() }
+    }
+
+    /// The text-encoder widths of the model a job will run on, for choosing the embeddings that fit it.
+    pub fn text_widths(&self, model: &ModelSpec) -> Option<Vec<u64>> {
+        let current = self.library.current();
+        let family =
+            current.as_ref().filter(|(spec, _)| spec.source == model.source).map(|(_, i)| i.family.as_str());
+        self.networks.text_widths(model, family)
+    }
+
+    /// Fills the request's LoRAs and embeddings (`Networks::resolve`) for a job on `model`. Blocks while a
+    /// file is hashed for the first time.
+    pub fn resolve_networks(
+        &self,
+        req: &mut sdhive_engine::GenerateRequest,
+        loras: &[sdhive_protocol::LoraRequest],
+        model: &ModelSpec,
+    ) -> Result<(), sdhive_engine::ValidationError> {
+        let widths = self.text_widths(model);
+        self.networks.resolve(req, loras, widths.as_deref())
+    }
+
+    /// `resolve_networks` on a blocking thread, for async handlers.
+    pub async fn resolve_networks_async(
+        &self,
+        mut req: sdhive_engine::GenerateRequest,
+        loras: Vec<sdhive_protocol::LoraRequest>,
+        model: ModelSpec,
+    ) -> Result<sdhive_engine::GenerateRequest, ApiError> {
+        let state = self.clone();
+        tokio::task::spawn_blocking(move || state.resolve_networks(&mut req, &loras, &model).map(|()| req))
+            .await
+            .map_err(|e| ApiError::internal(format!("resolving the LoRAs failed: {e}")))?
+            .map_err(ApiError::from)
     }
 
     /// The loaded engine's description (the last one's while none is loaded).

@@ -90,6 +90,14 @@ pub struct GenerateArgs {
     #[arg(long = "model-root", value_name = "DIR")]
     pub model_roots: Vec<PathBuf>,
 
+    /// A folder of LoRA .safetensors files that `<lora:name:weight>` tags in --prompt name (repeatable).
+    #[arg(long = "lora-dir", value_name = "DIR")]
+    pub lora_dirs: Vec<PathBuf>,
+
+    /// A folder of textual-inversion embeddings, used by name in --prompt / --negative-prompt (repeatable).
+    #[arg(long = "embeddings-dir", value_name = "DIR")]
+    pub embeddings_dirs: Vec<PathBuf>,
+
     /// Never download from the Hugging Face hub (also: HF_HUB_OFFLINE=1).
     #[arg(long)]
     pub offline: bool,

@@ -36,6 +36,7 @@ pub fn run(backend: Backend, args: &GenerateArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("cannot use --vae {}", vae.display()))
         })
         .transpose()?;
+    resolve_networks(args, &mut req, model.location.path())?;
     let (device, info) = shared_worker::init(backend, args.device)
         .with_context(|| format!("cannot open --device {} on backend {backend}", args.device))?;
     tracing::info!(model = %model.name, path = %model.location.path().display(), device = %info.name, %placement, "loading");
@@ -77,6 +78,33 @@ pub fn run(backend: Backend, args: &GenerateArgs) -> anyhow::Result<()> {
         println!("{} (seed {})", path.display(), image.seed);
     }
     Ok(())
+}
+
+/// The prompt's `<lora:…>` tags and embedding names, resolved in `--lora-dir` / `--embeddings-dir` as the server
+/// resolves them (same names, errors and hashes). Without those flags a tag is an error naming the flag, not text.
+fn resolve_networks(
+    args: &GenerateArgs,
+    req: &mut sdhive_engine::GenerateRequest,
+    model: &std::path::Path,
+) -> anyhow::Result<()> {
+    let config = sdhive_catalog::NetworksConfig {
+        lora_dirs: args.lora_dirs.clone(),
+        embeddings_dirs: args.embeddings_dirs.clone(),
+        models_dirs: Vec::new(),
+        hash_cache: sdhive_catalog::default_hash_cache(),
+    };
+    let networks =
+        sdhive_server::Networks::scan(config).context("cannot read --lora-dir / --embeddings-dir")?;
+    let spec = sdhive_engine::ModelSpec::new("", model.to_string_lossy());
+    let widths = networks.text_widths(&spec, None);
+    networks.resolve(req, &[], widths.as_deref()).map_err(|e| {
+        let hint = if args.lora_dirs.is_empty() && e.message.contains("no LoRA") {
+            " (pass --lora-dir DIR)"
+        } else {
+            ""
+        };
+        anyhow!("invalid {}: {}{hint}", flag_for_field(e.field), e.message)
+    })
 }
 
 /// A seed from OS entropy, below 2^32 so it can be typed into A1111 and ComfyUI unchanged.

@@ -32,6 +32,16 @@ pub struct ServeArgs {
     #[arg(long = "vae-dir", env = "VAE_DIRS", value_name = "DIR", value_delimiter = ',')]
     pub vae_dirs: Vec<PathBuf>,
 
+    /// A folder of LoRA / LyCORIS .safetensors files (`<lora:name:weight>` in prompts); a `Lora` or `LyCORIS`
+    /// folder inside a models dir counts too. Repeatable; the variable takes a comma-separated list.
+    #[arg(long = "lora-dir", env = "LORA_DIRS", value_name = "DIR", value_delimiter = ',')]
+    pub lora_dirs: Vec<PathBuf>,
+
+    /// A folder of textual-inversion embeddings (.safetensors), used by name in prompts; an `embeddings` folder
+    /// inside a models dir counts too. Repeatable; the variable takes a comma-separated list.
+    #[arg(long = "embeddings-dir", env = "EMBEDDINGS_DIRS", value_name = "DIR", value_delimiter = ',')]
+    pub embeddings_dirs: Vec<PathBuf>,
+
     /// Recently used checkpoints kept in host memory, so switching back only uploads (0: none). Entries are
     /// dropped early while the machine is short of memory.
     #[arg(long, env = "CHECKPOINT_CACHE", default_value_t = 2)]
@@ -232,6 +242,16 @@ pub fn prepare(backend: Backend, args: &ServeArgs) -> anyhow::Result<Prepared> {
         memory_probe,
         ..ServerConfig::default()
     };
+    let hash_cache = args.hash_cache.clone().or_else(sdhive_catalog::default_hash_cache);
+    let networks = sdhive_catalog::NetworksConfig {
+        lora_dirs: args.lora_dirs.clone(),
+        embeddings_dirs: args.embeddings_dirs.clone(),
+        models_dirs: args.models_dirs.clone(),
+        hash_cache: hash_cache.clone(),
+    };
+    // Scanned here too so that a wrong folder stops the worker before it listens; the server scans again.
+    sdhive_catalog::NetworkCatalog::scan(&networks).context("cannot read the LoRA / embeddings folders")?;
+    let config = ServerConfig { networks, ..config };
     let registration = args.callback_url.as_ref().map(|url| {
         let mut reg = RegistrationConfig::new(url.clone(), args.token.clone());
         reg.base_url = args.public_url.as_ref().map(|u| u.trim_end_matches('/').to_string());
@@ -248,7 +268,7 @@ pub fn prepare(backend: Backend, args: &ServeArgs) -> anyhow::Result<Prepared> {
     let catalog = sdhive_catalog::CatalogConfig {
         models_dirs: args.models_dirs.clone(),
         vae_dirs: args.vae_dirs.clone(),
-        hash_cache: args.hash_cache.clone().or_else(sdhive_catalog::default_hash_cache),
+        hash_cache,
     };
     let library = Arc::new(ModelLibrary::scan(catalog).context("cannot read the model library")?);
     // A name from the library (`--model v1-5`) is as good as its path.

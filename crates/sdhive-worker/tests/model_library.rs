@@ -149,6 +149,8 @@ fn request(seed: u64) -> GenerateRequest {
         strength: 0.75,
         mask: None,
         preview_every: 0,
+        loras: Vec::new(),
+        embeddings: Vec::new(),
     }
 }
 

@@ -21,7 +21,7 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use base64::Engine as _;
 use sdhive_engine::{GenerateRequest, GrayImage, ModelSpec, Sampler, Schedule, ValidationError};
-use sdhive_protocol::{JobId, Seed};
+use sdhive_protocol::{JobId, LoraRequest, Seed};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -38,6 +38,10 @@ pub fn router() -> Router<AppState> {
         .route("/sdapi/v1/sd-vae", get(sd_vae))
         .route("/sdapi/v1/refresh-checkpoints", post(refresh))
         .route("/sdapi/v1/refresh-vae", post(refresh))
+        .route("/sdapi/v1/loras", get(loras))
+        .route("/sdapi/v1/refresh-loras", post(refresh_networks))
+        .route("/sdapi/v1/embeddings", get(embeddings))
+        .route("/sdapi/v1/refresh-embeddings", post(refresh_networks))
         .route("/sdapi/v1/unload-checkpoint", post(unload_checkpoint))
         .route("/sdapi/v1/reload-checkpoint", post(reload_checkpoint))
         .route("/sdapi/v1/samplers", get(samplers))
@@ -204,6 +208,8 @@ struct SdapiRequest {
     inpainting_mask_invert: Option<Value>,
     resize_mode: Option<u32>,
     include_init_images: Option<bool>,
+    /// Our extension: LoRAs besides the prompt's `<lora:…>` tags.
+    loras: Option<Vec<LoraRequest>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -409,6 +415,9 @@ fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<
     };
     // Cheap checks before any image is decoded.
     req.validate(&state.config.limits).map_err(|e| spelling.invalid(e))?;
+    state
+        .resolve_networks(&mut req, body.loras.as_deref().unwrap_or_default(), &model)
+        .map_err(|e| spelling.invalid(e))?;
 
     let mut mask_blur = None;
     if mode == Mode::Img2Img {
@@ -839,6 +848,27 @@ async fn sd_vae(State(state): State<AppState>) -> Json<Value> {
 async fn refresh(State(state): State<AppState>) -> Result<Json<Value>, A1111Error> {
     let library = state.library.clone();
     tokio::task::spawn_blocking(move || library.refresh())
+        .await
+        .map_err(|e| A1111Error(ApiError::internal(format!("the rescan failed: {e}"))))?
+        .map_err(|e| A1111Error(ApiError::internal(e.to_string())))?;
+    Ok(Json(Value::Null))
+}
+
+/// A1111's `create_lora_json` list.
+async fn loras(State(state): State<AppState>) -> Json<Value> {
+    Json(json!(state.networks.list_loras()))
+}
+
+/// `loaded`: the embeddings whose width fits the model requests without a model run on; the rest `skipped`.
+async fn embeddings(State(state): State<AppState>) -> Json<Value> {
+    let widths = state.library.resolve(None, None).ok().and_then(|spec| state.text_widths(&spec));
+    Json(json!(state.networks.list_embeddings(widths.as_deref())))
+}
+
+/// `refresh-loras` and `refresh-embeddings`: one scan covers both.
+async fn refresh_networks(State(state): State<AppState>) -> Result<Json<Value>, A1111Error> {
+    let networks = state.networks.clone();
+    tokio::task::spawn_blocking(move || networks.refresh())
         .await
         .map_err(|e| A1111Error(ApiError::internal(format!("the rescan failed: {e}"))))?
         .map_err(|e| A1111Error(ApiError::internal(e.to_string())))?;

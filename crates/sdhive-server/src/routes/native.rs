@@ -37,6 +37,8 @@ async fn submit(
         state.library.check_vae(choice)?;
     }
     let model = state.library.resolve(body.model.as_deref(), vae.as_ref())?;
+    let req =
+        state.resolve_networks_async(req, body.loras.clone().unwrap_or_default(), model.clone()).await?;
     let id = state.jobs.submit_for(req, model)?;
     let view = state.jobs.view(&id)?;
     let links = JobLinks::for_job(&id);

@@ -19,7 +19,7 @@ use axum::{Json, Router};
 use base64::Engine as _;
 use image::ImageReader;
 use sdhive_engine::{decode_image, GenerateRequest, GrayImage, ModelSpec, RgbImage, ValidationError};
-use sdhive_protocol::{JobErrorKind, JobId, JobState, Seed};
+use sdhive_protocol::{JobErrorKind, JobId, JobState, LoraRequest, Seed};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use std::io::Cursor;
@@ -44,7 +44,7 @@ const DEFAULT_COMPRESSION: u8 = 100;
 /// The parameters both image routes take (JSON for generations, multipart text fields for edits). OpenAI-only
 /// knobs we cannot honour (`quality`, `style`, `user`, `background`, `moderation`, …) are accepted and ignored,
 /// so OpenAI clients work unchanged; the Stable Diffusion extras are our own additions.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 struct ImageParams {
     prompt: String,
     n: Option<u32>,
@@ -63,6 +63,8 @@ struct ImageParams {
     strength: Option<f32>,
     /// A checkpoint of the library by any A1111 name; OpenAI's own names (`dall-e-3`, …) mean the selected one.
     model: Option<String>,
+    /// LoRAs besides the prompt's `<lora:…>` tags.
+    loras: Option<Vec<LoraRequest>>,
 }
 
 /// The checkpoint a request names, with the selected VAE choice.
@@ -462,6 +464,13 @@ async fn generations(
 ) -> Response {
     let prepared = delivery(&params)
         .and_then(|d| Ok((d, model_of(&params, &state)?, build_request(&params, &state, None, None)?)));
+    let prepared = match prepared {
+        Ok((d, model, req)) => {
+            let loras = params.loras.clone().unwrap_or_default();
+            state.resolve_networks_async(req, loras, model.clone()).await.map(|req| (d, model, req))
+        }
+        Err(e) => Err(e),
+    };
     match prepared {
         Ok((d, model, req)) => run_and_respond(&state, req, model, d, base_url(&headers, &uri)).await,
         Err(e) => e.into_response(),
@@ -585,8 +594,12 @@ async fn prepare_edit(
     let mask_bytes = form.mask;
     // Decoding uploads takes real CPU time: keep it off the async workers.
     let state = state.clone();
+    let job_model = model.clone();
     let req = tokio::task::spawn_blocking(move || {
-        decode_edit(&params, &state, &image_bytes, mask_bytes.as_deref())
+        let mut req = decode_edit(&params, &state, &image_bytes, mask_bytes.as_deref())?;
+        let loras = params.loras.clone().unwrap_or_default();
+        state.resolve_networks(&mut req, &loras, &job_model).map_err(openai_invalid)?;
+        Ok::<_, ApiError>(req)
     })
     .await
     .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))??;

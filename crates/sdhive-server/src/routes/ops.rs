@@ -44,12 +44,10 @@ async fn info(State(state): State<AppState>) -> Json<serde_json::Value> {
     let device = state.device();
     let info = state.info();
     let loaded = state.library.current();
-    let refused: Vec<serde_json::Value> = state
-        .library
-        .refused()
-        .into_iter()
-        .map(|(file, reason)| json!({"file": file, "reason": reason}))
-        .collect();
+    let listed = |files: Vec<(String, String)>| -> Vec<serde_json::Value> {
+        files.into_iter().map(|(file, reason)| json!({"file": file, "reason": reason})).collect()
+    };
+    let refused = listed(state.library.refused());
     Json(json!({
         "worker_id": state.config.worker_id,
         "version": state.config.version,
@@ -71,6 +69,9 @@ async fn info(State(state): State<AppState>) -> Json<serde_json::Value> {
             "available": state.library.list(&state.config.worker_id).len(),
             "vaes": state.library.list_vaes().len(),
             "refused": refused,
+            "loras": state.networks.list_loras().len(),
+            "embeddings": state.networks.list_embeddings(None).loaded.len(),
+            "networks_refused": listed(state.networks.refused()),
         },
         "capabilities": state.capabilities(),
         "queue": {"depth": state.jobs.queue_depth(), "max": state.config.max_queue},
