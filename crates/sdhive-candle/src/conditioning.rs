@@ -5,7 +5,7 @@
 use crate::model::{Family, SdModel, TextEncoder};
 use candle_core::{DType, Device, Result, Tensor, D};
 use sdhive_models::ClipTextModel;
-use sdhive_tokenizer::prompt::{weighted_chunks, Chunk};
+use sdhive_tokenizer::prompt::{weighted_chunks, weighted_chunks_with, Chunk, ChunkOptions};
 
 /// The text conditioning for one prompt.
 pub struct Conditioning {
@@ -24,7 +24,8 @@ pub struct PromptPair {
 /// Tokenises `text` for every encoder; all encoders share one vocabulary, so they chunk identically and only
 /// their padding differs.
 fn chunks_per_encoder(model: &SdModel, text: &str) -> Vec<Vec<Chunk>> {
-    model.encoders.iter().map(|e| weighted_chunks(&e.tokenizer, text)).collect()
+    let opts = ChunkOptions { embeddings: model.embeddings.words.clone(), ..ChunkOptions::default() };
+    model.encoders.iter().map(|e| weighted_chunks_with(&e.tokenizer, text, &opts)).collect()
 }
 
 /// A1111 pads the shorter prompt with empty chunks so both sides have the same sequence length.
@@ -41,10 +42,10 @@ fn pad_chunks(model: &SdModel, chunks: &mut [Vec<Chunk>], target: usize) {
 fn pick_hidden(
     family: Family,
     model: &ClipTextModel,
-    ids: &Tensor,
+    (ids, extra): (&Tensor, Option<&Tensor>),
     skip: usize,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let out = model.forward(ids).map_err(candle_core::Error::wrap)?;
+    let out = model.forward_with(ids, extra).map_err(candle_core::Error::wrap)?;
     let n = out.hidden_states.len();
     let hidden = match family {
         // diffusers' SD pipelines: last_hidden_state, or hidden_states[-(k+1)] through the final layer norm.
@@ -62,7 +63,7 @@ fn pick_hidden(
 /// Every chunk through one encoder (built once, on its own device, when it is offloaded).
 fn encode_with(
     family: Family,
-    encoder: &TextEncoder,
+    (encoder, extra): (&TextEncoder, Option<&Tensor>),
     chunks: &[Chunk],
     skip: usize,
 ) -> Result<Vec<(Tensor, Option<Tensor>)>> {
@@ -72,7 +73,7 @@ fn encode_with(
         .with(|m| {
             chunks
                 .iter()
-                .map(|c| pick_hidden(family, m, &ids_tensor(&c.ids, &device)?, skip))
+                .map(|c| pick_hidden(family, m, (&ids_tensor(&c.ids, &device)?, extra), skip))
                 .collect::<Result<Vec<_>>>()
         })
         .map_err(candle_core::Error::wrap)?
@@ -99,8 +100,12 @@ fn encode_chunks(model: &SdModel, chunks: &[Vec<Chunk>], skip: usize) -> Result<
     let mut per_encoder = model
         .encoders
         .iter()
+        .enumerate()
         .zip(chunks)
-        .map(|(encoder, list)| encode_with(model.family, encoder, list, skip))
+        .map(|((i, encoder), list)| {
+            let extra = model.embeddings.tables.get(i).and_then(Option::as_ref);
+            encode_with(model.family, (encoder, extra), list, skip)
+        })
         .collect::<Result<Vec<_>>>()?;
     // SDXL's pooled embedding: the projected output of the last encoder that has one, first chunk.
     let pooled = per_encoder.iter_mut().rev().find_map(|outs| outs.first_mut().and_then(|o| o.1.take()));

@@ -4,12 +4,14 @@
 //! (seed, seed+1, …).
 
 use crate::conditioning::{encode_pair, encode_positive};
+use crate::lora::LoraApplyError;
 use crate::model::{LoadError, SdModel};
 use crate::pipeline::{
     generate_image, latent_preview, ImageJob, PipelineError, StepReport, UnetConditioning,
 };
 use crate::residency::Targets;
 use candle_core::DType;
+use sdhive_engine::extra_networks::strip_networks;
 use sdhive_engine::memory::ATTENTION_SLICES;
 use sdhive_engine::{
     budgeted_free, infotext, random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput,
@@ -156,10 +158,11 @@ impl CandleEngine {
 
     /// The memory plan for a job at `width`×`height` (CFG batch), against the device's free memory now.
     fn plan(&self, width: u32, height: u32) -> Result<JobPlan, EngineError> {
+        // The originals of LoRA-merged weights are held on the device beside the weights.
         let free = budgeted_free(
             self.memory.as_ref().and_then(|m| m().1),
             self.memory_budget,
-            self.shape.weights_bytes,
+            self.shape.weights_bytes + self.model.loras.kept_bytes(),
         );
         Ok(self.shape.plan(width, height, CFG_BATCH, free, true, true)?)
     }
@@ -219,6 +222,15 @@ impl Engine for CandleEngine {
         req.validate(&self.limits)?;
         let (width, height) = req.output_size(self.model.native_size);
         self.check_model_fit(req, width, height)?;
+        self.model.set_loras(&req.loras).map_err(|e| match e {
+            LoraApplyError::Invalid { .. } => {
+                EngineError::Invalid(ValidationError { field: "loras", message: e.to_string() })
+            }
+            LoraApplyError::Failed { .. } => failed(e.to_string()),
+        })?;
+        self.model.set_embeddings(&req.embeddings).map_err(|e| {
+            EngineError::Invalid(ValidationError { field: "embeddings", message: e.to_string() })
+        })?;
         let plan = self.plan(width, height)?;
         if plan.attention_slicing || plan.vae_tiling {
             tracing::info!(
@@ -237,12 +249,14 @@ impl Engine for CandleEngine {
         let size = (width as usize, height as usize);
         let text_failed = |e: candle_core::Error| failed(format!("text encoder: {e}"));
         let guided = f64::from(req.cfg_scale) > 1.0;
+        // The `<lora:…>` tags are the job's LoRAs (in `req.loras` now), not words of the prompt.
+        let prompt = strip_networks(&req.prompt);
         let cond = if guided {
-            let pair = encode_pair(&self.model, &req.prompt, &req.negative_prompt, req.clip_skip)
+            let pair = encode_pair(&self.model, &prompt, &req.negative_prompt, req.clip_skip)
                 .map_err(text_failed)?;
             UnetConditioning::new(&self.model, &pair.positive, Some(&pair.negative), size)
         } else {
-            let positive = encode_positive(&self.model, &req.prompt, req.clip_skip).map_err(text_failed)?;
+            let positive = encode_positive(&self.model, &prompt, req.clip_skip).map_err(text_failed)?;
             UnetConditioning::new(&self.model, &positive, None, size)
         }
         .map_err(text_failed)?;

@@ -8,17 +8,23 @@
 
 mod cache;
 mod conditioning;
+mod embeddings;
 mod engine;
+mod lora;
 mod model;
 mod pipeline;
 mod residency;
 mod tensor_image;
 
 pub use cache::HostCache;
+pub use embeddings::{ActiveEmbeddings, EmbeddingError};
 pub use engine::{CandleEngine, LoadOptions, MemoryQuery};
+pub use lora::{AppliedLoras, LoraApplyError};
 pub use model::{Family, LoadError, SdModel};
 pub use residency::{ModuleTarget, Resident, Targets};
 
+#[cfg(test)]
+mod lora_tests;
 #[cfg(test)]
 mod parity_tests;
 #[cfg(test)]

@@ -7,9 +7,10 @@ use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use sdhive_checkpoint::{ConfigDir, Converted};
 use sdhive_models::loading::{count_component_values, describe_weights, read_component};
+use sdhive_models::params;
 use sdhive_models::{
-    load_component, AutoencoderKL, AutoencoderKLConfig, ClipTextConfig, ClipTextModel, UNet2DConditionConfig,
-    UNet2DConditionModel,
+    find_weight_files, open_safetensors, AutoencoderKL, AutoencoderKLConfig, ClipTextConfig, ClipTextModel,
+    UNet2DConditionConfig, UNet2DConditionModel,
 };
 use sdhive_modelsource::{ModelLocation, ResolvedModel};
 use sdhive_schedulers::SchedulerConfig;
@@ -90,6 +91,25 @@ pub struct SdModel {
     /// 2^(number of VAE blocks − 1): 8 for every released model.
     pub vae_scale_factor: usize,
     pub native_size: (u32, u32),
+    /// The LoRAs merged into the weights now.
+    pub loras: crate::lora::AppliedLoras,
+    /// The textual-inversion embeddings prompts are encoded with now.
+    pub embeddings: crate::embeddings::ActiveEmbeddings,
+}
+
+impl Drop for SdModel {
+    /// Weights on the CPU share memory with the RAM cache's host copy: a LoRA merged into them is taken out
+    /// before the model goes, or the cache would keep it.
+    fn drop(&mut self) {
+        if !self.loras.is_empty() {
+            if let Err(e) = self.restore_loras() {
+                tracing::error!(
+                    "putting LoRA-merged weights back as the model `{}` is dropped: {e}",
+                    self.name
+                );
+            }
+        }
+    }
 }
 
 fn read_json(path: &Path) -> Result<Value, LoadError> {
@@ -184,6 +204,8 @@ impl SdModel {
             force_zeros_for_empty_prompt: self.force_zeros_for_empty_prompt,
             vae_scale_factor: self.vae_scale_factor,
             native_size: self.native_size,
+            loras: Default::default(),
+            embeddings: Default::default(),
         })
     }
 
@@ -351,6 +373,8 @@ impl SdModel {
             force_zeros_for_empty_prompt,
             vae_scale_factor,
             native_size: (side, side),
+            loras: Default::default(),
+            embeddings: Default::default(),
         }
     }
 
@@ -399,8 +423,15 @@ fn component<T>(
         return Ok(Resident::from_host(weights, target, build).map_err(origin)?);
     }
     let bytes = count_component_values(dir)? * target.dtype.size_in_bytes() as u64;
-    let model = build(load_component(dir, target.dtype, &target.device)?).map_err(origin)?;
-    Ok(Resident::loaded(model, target, bytes))
+    let files = find_weight_files(dir)?;
+    // Opened first on its own so that a broken file's error names it.
+    open_safetensors(&files, target.dtype, &target.device)?;
+    // SAFETY: weights are read-only inputs mapped for the build, as in `open_safetensors`.
+    let mapped = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
+        .map_err(|source| LoadError::Layout { path: dir.to_path_buf(), message: source.to_string() })?;
+    let vb = params::recording_builder(mapped, target.dtype, &target.device);
+    let (model, params) = params::record(|| build(vb));
+    Ok(Resident::loaded(model.map_err(origin)?, params, target, bytes))
 }
 
 /// The loaded networks before the model-wide facts are derived from them.

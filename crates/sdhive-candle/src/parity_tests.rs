@@ -19,20 +19,46 @@ use std::path::{Path, PathBuf};
 
 /// `SDHIVE_FIXTURES`, else the workspace's `tests/fixtures` (the override lets a test binary carried to another
 /// machine find the fixtures there).
-fn fixtures() -> PathBuf {
+pub(crate) fn fixtures() -> PathBuf {
     match std::env::var_os("SDHIVE_FIXTURES") {
         Some(p) => PathBuf::from(p),
         None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"),
     }
 }
 
-struct CaseResult {
-    latent_rel: f32,
-    pixels_off: usize,
-    max_level_diff: u8,
+/// A case's LoRAs (`"loras": [{"file", "name", "te", "unet"}]`, files under `tests/fixtures/models`).
+fn lora_uses(case: &Value) -> Vec<sdhive_engine::LoraUse> {
+    let list = case["loras"].as_array().cloned().unwrap_or_default();
+    list.iter()
+        .map(|l| sdhive_engine::LoraUse {
+            name: l["name"].as_str().expect("lora name").to_string(),
+            path: fixtures().join("models").join(l["file"].as_str().expect("lora file")),
+            te: l["te"].as_f64().expect("te multiplier") as f32,
+            unet: l["unet"].as_f64().expect("unet multiplier") as f32,
+            hash: None,
+        })
+        .collect()
 }
 
-fn cases() -> Vec<Value> {
+/// A case's embeddings (`"embeddings": [{"file", "name"}]`).
+fn embedding_uses(case: &Value) -> Vec<sdhive_engine::EmbeddingUse> {
+    let list = case["embeddings"].as_array().cloned().unwrap_or_default();
+    list.iter()
+        .map(|e| sdhive_engine::EmbeddingUse {
+            name: e["name"].as_str().expect("embedding name").to_string(),
+            path: fixtures().join("models").join(e["file"].as_str().expect("embedding file")),
+            hash: None,
+        })
+        .collect()
+}
+
+pub(crate) struct CaseResult {
+    pub latent_rel: f32,
+    pub pixels_off: usize,
+    pub max_level_diff: u8,
+}
+
+pub(crate) fn cases() -> Vec<Value> {
     let index: Value = serde_json::from_slice(
         &std::fs::read(fixtures().join("golden/pipelines.json"))
             .expect("tests/fixtures/golden/pipelines.json"),
@@ -41,7 +67,7 @@ fn cases() -> Vec<Value> {
     index.as_array().expect("a list of cases").clone()
 }
 
-fn run_case(models: &mut HashMap<String, SdModel>, case: &Value) -> CaseResult {
+pub(crate) fn run_case(models: &mut HashMap<String, SdModel>, case: &Value) -> CaseResult {
     let (dev, dtype) = (&test_device().device, test_device().dtype);
     let s = |k: &str| case[k].as_str().unwrap_or_default().to_string();
     let name = s("model");
@@ -59,11 +85,15 @@ fn run_case(models: &mut HashMap<String, SdModel>, case: &Value) -> CaseResult {
         |key: &str| case[key].as_str().map(|p| std::fs::read(fixtures().join(p)).expect("fixture image"));
     let init = read("init_image").map(|b| decode_image(&b, 1 << 24).unwrap());
     let mask = read("mask").map(|b| decode_mask(&b, 1 << 24).unwrap());
+    // Every case sets the model's LoRAs and embeddings: a plain case after a LoRA case runs on restored weights.
+    model.set_loras(&lora_uses(case)).unwrap_or_else(|e| panic!("{}: {e}", s("case")));
+    model.set_embeddings(&embedding_uses(case)).unwrap_or_else(|e| panic!("{}: {e}", s("case")));
+    let prompt = sdhive_engine::extra_networks::strip_networks(&s("prompt"));
     let cond = if cfg > 1.0 {
-        let pair = encode_pair(model, &s("prompt"), &s("negative_prompt"), clip_skip).unwrap();
+        let pair = encode_pair(model, &prompt, &s("negative_prompt"), clip_skip).unwrap();
         UnetConditioning::new(model, &pair.positive, Some(&pair.negative), (width, height)).unwrap()
     } else {
-        let pos = encode_positive(model, &s("prompt"), clip_skip).unwrap();
+        let pos = encode_positive(model, &prompt, clip_skip).unwrap();
         UnetConditioning::new(model, &pos, None, (width, height)).unwrap()
     };
     let job = ImageJob {
@@ -296,7 +326,7 @@ fn single_file_checkpoint_generates_the_diffusers_images() {
 }
 
 /// Runs the named pipeline cases on `models` and holds each to the device's tolerances; every name must exist.
-fn check_cases(models: &mut HashMap<String, SdModel>, picked: &[&str], label: &str) {
+pub(crate) fn check_cases(models: &mut HashMap<String, SdModel>, picked: &[&str], label: &str) {
     let tol = test_device().tolerance;
     let mut ran = 0;
     for case in cases().iter().filter(|c| picked.contains(&c["case"].as_str().unwrap_or(""))) {

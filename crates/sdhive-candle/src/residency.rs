@@ -4,6 +4,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use sdhive_models::params::{self, ParamMap};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -51,14 +52,33 @@ enum State<T> {
 pub struct Resident<T> {
     target: ModuleTarget,
     state: State<T>,
+    /// Where the built network keeps each weight (empty for a host copy: its weights are the map itself).
+    params: ParamMap,
     /// Bytes of its weights in the target dtype (what it occupies on the device while built).
     weight_bytes: u64,
 }
 
+/// The weights a merge changed, as they were before: what [`Resident::restore`] puts back.
+#[derive(Default)]
+pub struct Originals {
+    weights: HashMap<String, Tensor>,
+}
+
+impl Originals {
+    /// Bytes held (on the network's device for a built network, in host memory for a host copy).
+    pub fn bytes(&self) -> u64 {
+        self.weights.values().map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.weights.is_empty()
+    }
+}
+
 impl<T> Resident<T> {
     /// A network already built on `target.device`.
-    pub fn loaded(model: T, target: ModuleTarget, weight_bytes: u64) -> Self {
-        Resident { target, state: State::Loaded(model), weight_bytes }
+    pub fn loaded(model: T, params: ParamMap, target: ModuleTarget, weight_bytes: u64) -> Self {
+        Resident { target, state: State::Loaded(model), params, weight_bytes }
     }
 
     /// Host tensors (any dtype, on the CPU) from which `build` makes the network on `target.device` when used;
@@ -83,16 +103,17 @@ impl<T> Resident<T> {
         let weight_bytes =
             weights.values().map(|t| (t.elem_count() * target.dtype.size_in_bytes()) as u64).sum();
         let build: Build<T> = Arc::new(build);
-        let state = if target.offload {
+        let (state, params) = if target.offload {
             // Built once now so a bad checkpoint fails at load, not at the first request.
             if !target.host_copy {
                 build(builder(&weights, &target))?;
             }
-            State::Host { weights, build }
+            (State::Host { weights, build }, ParamMap::default())
         } else {
-            State::Loaded(build(builder(&weights, &target))?)
+            let (model, params) = params::record(|| build(builder(&weights, &target)));
+            (State::Loaded(model?), params)
         };
-        Ok(Resident { target, state, weight_bytes })
+        Ok(Resident { target, state, params, weight_bytes })
     }
 
     /// Bytes of the host copy's tensors (0 for a network built on its device).
@@ -111,12 +132,13 @@ impl<T> Resident<T> {
         let State::Host { weights, build } = &self.state else { return None };
         let target =
             ModuleTarget { device: device.clone(), dtype: self.target.dtype, offload, host_copy: false };
-        let state = if offload {
-            Ok(State::Host { weights: weights.clone(), build: Arc::clone(build) })
+        let built = if offload {
+            Ok((State::Host { weights: weights.clone(), build: Arc::clone(build) }, ParamMap::default()))
         } else {
-            build(builder(weights, &target)).map(State::Loaded)
+            let (model, params) = params::record(|| build(builder(weights, &target)));
+            model.map(|m| (State::Loaded(m), params))
         };
-        Some(state.map(|state| Resident { target, state, weight_bytes: self.weight_bytes }))
+        Some(built.map(|(state, params)| Resident { target, state, params, weight_bytes: self.weight_bytes }))
     }
 
     /// Runs `f` on the network, building it on its device first when offloaded.
@@ -151,6 +173,87 @@ impl<T> Resident<T> {
         }
     }
 
+    /// The weights a LoRA can change (linear and convolution weights), by name, in the file's shapes.
+    pub fn param_shapes(&self) -> HashMap<String, Vec<usize>> {
+        match &self.state {
+            State::Loaded(_) => self.params.shapes(),
+            State::Host { weights, .. } => weights
+                .iter()
+                .filter(|(name, t)| name.ends_with(".weight") && matches!(t.rank(), 2 | 4))
+                .map(|(name, t)| (name.clone(), t.dims().to_vec()))
+                .collect(),
+        }
+    }
+
+    /// A copy of the weight `name` as the network holds it (stored layout for a built network).
+    pub fn read_param(&self, name: &str) -> Option<candle_core::Result<Tensor>> {
+        match &self.state {
+            State::Loaded(_) => self.params.get(name).map(|slot| slot.read()),
+            State::Host { weights, .. } => weights.get(name).map(|t| Ok(t.clone())),
+        }
+    }
+
+    /// Where a weight's deltas are best made: the device of a built network, host memory for a host copy.
+    pub fn delta_device(&self) -> Device {
+        match &self.state {
+            State::Loaded(_) => self.target.device.clone(),
+            State::Host { .. } => Device::Cpu,
+        }
+    }
+
+    /// Adds `delta` (the file's shape) to the weight `name`, keeping the weight as it was in `originals` the
+    /// first time it changes. A built network changes in place (its buffers, and so a recorded CUDA graph, stay
+    /// valid); a host copy gets a new tensor, so the RAM cache's copy it shares tensors with is untouched.
+    pub fn add_delta(
+        &mut self,
+        name: &str,
+        delta: &Tensor,
+        originals: &mut Originals,
+    ) -> candle_core::Result<()> {
+        match &mut self.state {
+            State::Loaded(_) => {
+                let slot = self
+                    .params
+                    .get(name)
+                    .ok_or_else(|| candle_core::Error::Msg(format!("no weight `{name}` to change")))?;
+                if !originals.weights.contains_key(name) {
+                    originals.weights.insert(name.to_string(), slot.read()?);
+                }
+                slot.add(delta)
+            }
+            State::Host { weights, .. } => {
+                let current = weights
+                    .get(name)
+                    .ok_or_else(|| candle_core::Error::Msg(format!("no weight `{name}` to change")))?;
+                let sum = (current.to_dtype(DType::F32)?
+                    + delta.to_device(current.device())?.to_dtype(DType::F32)?.reshape(current.shape())?)?
+                .to_dtype(current.dtype())?;
+                let before = weights.insert(name.to_string(), sum);
+                if let Some(before) = before {
+                    originals.weights.entry(name.to_string()).or_insert(before);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Puts back every weight `originals` holds, bit for bit, and empties it.
+    pub fn restore(&mut self, originals: &mut Originals) -> candle_core::Result<()> {
+        for (name, original) in originals.weights.drain() {
+            match &mut self.state {
+                State::Loaded(_) => {
+                    if let Some(slot) = self.params.get(&name) {
+                        slot.write(&original)?;
+                    }
+                }
+                State::Host { weights, .. } => {
+                    weights.insert(name, original);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The built network, when it is resident (benchmarks and tests that drive it directly).
     pub fn get(&self) -> Option<&T> {
         match &self.state {
@@ -160,9 +263,10 @@ impl<T> Resident<T> {
     }
 }
 
-/// A `VarBuilder` that copies each host tensor to the target device and dtype as the network asks for it.
+/// A `VarBuilder` that copies each host tensor to the target device and dtype as the network asks for it (and
+/// reports each to a surrounding [`params::record`]).
 fn builder(weights: &HashMap<String, Tensor>, target: &ModuleTarget) -> VarBuilder<'static> {
-    VarBuilder::from_tensors(weights.clone(), target.dtype, &target.device)
+    params::recording_builder(weights.clone(), target.dtype, &target.device)
 }
 
 #[cfg(test)]

@@ -290,6 +290,12 @@ impl ClipTextModel {
 
     /// Runs the encoder on token ids `(B, S)` (u32 or i64), `S ≤ max_position_embeddings`.
     pub fn forward(&self, input_ids: &Tensor) -> Result<ClipTextOutput> {
+        self.forward_with(input_ids, None)
+    }
+
+    /// [`Self::forward`] with textual-inversion vectors `extra` `(N, hidden)`: ids `vocab_size + i` stand for
+    /// row `i` (as tokens a tokenizer added for them do in transformers).
+    pub fn forward_with(&self, input_ids: &Tensor, extra: Option<&Tensor>) -> Result<ClipTextOutput> {
         let (b, s) = input_ids
             .dims2()
             .map_err(|e| input_err(MODEL, format!("input_ids must be (batch, seq): {e}")))?;
@@ -301,11 +307,29 @@ impl ClipTextModel {
         }
         let ids = input_ids.to_device(&self.device).and_then(|t| t.to_dtype(DType::U32)).ctx(MODEL)?;
         let host_ids: Vec<Vec<u32>> = ids.to_vec2().ctx(MODEL)?;
-        if let Some(bad) = host_ids.iter().flatten().find(|&&t| t as usize >= self.config.vocab_size) {
-            return Err(input_err(MODEL, format!("token id {bad} >= vocab_size {}", self.config.vocab_size)));
+        let extra_rows = match extra {
+            Some(e) => {
+                let (rows, width) =
+                    e.dims2().map_err(|e| input_err(MODEL, format!("embedding vectors: {e}")))?;
+                if width != self.config.hidden_size {
+                    return Err(input_err(
+                        MODEL,
+                        format!(
+                            "embedding vectors of width {width}, the encoder's is {}",
+                            self.config.hidden_size
+                        ),
+                    ));
+                }
+                rows
+            }
+            None => 0,
+        };
+        let known = self.config.vocab_size + extra_rows;
+        if let Some(bad) = host_ids.iter().flatten().find(|&&t| t as usize >= known) {
+            return Err(input_err(MODEL, format!("token id {bad} >= vocab_size {known}")));
         }
         let eos_positions = self.eos_positions(&host_ids);
-        self.run(&ids, b, s, &eos_positions).ctx(MODEL)
+        self.run(&ids, extra, (b, s), &eos_positions).ctx(MODEL)
     }
 
     /// transformers' pooling rule: configs still carrying the pre-#24773 `eos_token_id == 2`
@@ -331,15 +355,21 @@ impl ClipTextModel {
     fn run(
         &self,
         ids: &Tensor,
-        b: usize,
-        s: usize,
+        extra: Option<&Tensor>,
+        (b, s): (usize, usize),
         eos_positions: &[usize],
     ) -> candle_core::Result<ClipTextOutput> {
         let positions = Tensor::arange(0u32, s as u32, &self.device)?;
-        let mut x = self
-            .token_embedding
-            .forward(ids)?
-            .broadcast_add(&self.position_embedding.forward(&positions)?)?;
+        let tokens = match extra {
+            Some(extra) => {
+                let extra =
+                    extra.to_device(&self.device)?.to_dtype(self.token_embedding.embeddings().dtype())?;
+                let table = Tensor::cat(&[self.token_embedding.embeddings(), &extra], 0)?;
+                table.embedding(&ids.flatten_all()?)?.reshape((b, s, ()))?
+            }
+            None => self.token_embedding.forward(ids)?,
+        };
+        let mut x = tokens.broadcast_add(&self.position_embedding.forward(&positions)?)?;
         let mask = causal_mask(s, self.dtype, &self.device)?;
         let mut hidden_states = Vec::with_capacity(self.layers.len() + 1);
         hidden_states.push(x.clone());

@@ -101,7 +101,9 @@ pub fn stack_linears_opt(parts: &[Linear]) -> Result<Option<Linear>> {
         n if n == parts.len() => Some(Tensor::cat(&biases, 0)?),
         _ => candle_core::bail!("stacking linears: {} of {} have a bias", biases.len(), parts.len()),
     };
-    Ok(Some(Linear::new(Tensor::cat(&weights, 0)?, bias)))
+    let stacked = Tensor::cat(&weights, 0)?;
+    crate::params::stacked(&weights, &stacked);
+    Ok(Some(Linear::new(stacked, bias)))
 }
 
 /// [`stack_linears_opt`] of at least one linear.
@@ -163,7 +165,13 @@ impl Conv2d {
     ) -> Result<Self> {
         let weight = match layout {
             MapLayout::ChannelsFirst => filter,
-            MapLayout::ChannelsLast => filter.permute((0, 2, 3, 1))?.contiguous()?,
+            MapLayout::ChannelsLast => {
+                let to_channels_last: crate::params::Transform =
+                    std::sync::Arc::new(|f: &Tensor| f.permute((0, 2, 3, 1))?.contiguous());
+                let weight = to_channels_last(&filter)?;
+                crate::params::mapped(&filter, &weight, to_channels_last);
+                weight
+            }
         };
         Ok(Self { weight, bias, stride, padding, layout })
     }
@@ -275,12 +283,14 @@ impl EdgeConv {
             return Ok(Self { conv, edge, outside });
         }
         let pad = outside.next_multiple_of(8) - outside;
-        let (filter, bias) = match edge {
-            Edge::First => (conv.weight().pad_with_zeros(1, 0, pad)?, conv.bias().cloned()),
-            Edge::Last => (
-                conv.weight().pad_with_zeros(0, 0, pad)?,
-                conv.bias().map(|b| b.pad_with_zeros(0, 0, pad)).transpose()?,
-            ),
+        let padded_dim = if edge == Edge::First { 1 } else { 0 };
+        let pad_filter: crate::params::Transform =
+            std::sync::Arc::new(move |f: &Tensor| f.pad_with_zeros(padded_dim, 0, pad));
+        let filter = pad_filter(conv.weight())?;
+        crate::params::mapped(conv.weight(), &filter, pad_filter);
+        let bias = match edge {
+            Edge::First => conv.bias().cloned(),
+            Edge::Last => conv.bias().map(|b| b.pad_with_zeros(0, 0, pad)).transpose()?,
         };
         let conv = Conv2d::new(filter, bias, 1, padding, layout)?;
         Ok(Self { conv, edge, outside })

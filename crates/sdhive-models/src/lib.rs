@@ -10,6 +10,7 @@ pub mod error;
 mod layers;
 pub mod loading;
 pub mod ops;
+pub mod params;
 pub mod unet;
 pub mod vae;
 

@@ -18,5 +18,5 @@ pub use error::TokenizerError;
 pub use normalize::TextNormalization;
 pub use prompt::{
     all_unweighted, empty_chunk, pad_chunk_counts, parse_prompt_attention, weighted_chunks,
-    weighted_chunks_with, Chunk, ChunkOptions,
+    weighted_chunks_with, Chunk, ChunkOptions, EmbeddingWord,
 };

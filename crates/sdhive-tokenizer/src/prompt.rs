@@ -136,12 +136,83 @@ pub struct ChunkOptions {
     /// When a chunk fills up and a comma sits within this many tokens of its
     /// end, the text after the comma moves to the next chunk; 0 disables.
     pub comma_backtrack: usize,
+    /// Textual-inversion embeddings: each whole-word occurrence of a name
+    /// (ignoring case, as CLIP's lower-casing tokenizer does) becomes its ids.
+    pub embeddings: Vec<EmbeddingWord>,
 }
 
 impl Default for ChunkOptions {
     fn default() -> Self {
-        Self { emphasis: true, comma_backtrack: DEFAULT_COMMA_BACKTRACK }
+        Self { emphasis: true, comma_backtrack: DEFAULT_COMMA_BACKTRACK, embeddings: Vec::new() }
     }
+}
+
+/// A textual-inversion embedding as the tokenizer sees it: its word in the
+/// prompt and the ids (past the vocabulary, one per vector) that stand for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EmbeddingWord {
+    pub name: String,
+    pub ids: Vec<u32>,
+}
+
+/// A fragment's text split around the embedding words it contains.
+enum Piece<'a> {
+    Text(&'a str),
+    Embedding(&'a [u32]),
+}
+
+fn is_word_char(c: char) -> bool {
+    c.is_alphanumeric() || c == '_'
+}
+
+/// The earliest whole-word occurrence of an embedding name in `text` (the
+/// longest name where two start at the same place): (start, end, ids).
+fn find_embedding<'a>(text: &str, embeddings: &'a [EmbeddingWord]) -> Option<(usize, usize, &'a [u32])> {
+    let lower = text.to_lowercase();
+    // Lower-casing may change byte lengths outside ASCII; matching is then skipped rather than misplaced.
+    if lower.len() != text.len() {
+        return None;
+    }
+    let mut best: Option<(usize, usize, &[u32])> = None;
+    for e in embeddings {
+        let name = e.name.to_lowercase();
+        if name.is_empty() {
+            continue;
+        }
+        let mut from = 0;
+        while let Some(at) = lower[from..].find(&name).map(|i| i + from) {
+            let end = at + name.len();
+            let before = lower[..at].chars().next_back().is_none_or(|c| !is_word_char(c));
+            let after = lower[end..].chars().next().is_none_or(|c| !is_word_char(c));
+            if before && after {
+                let better = match best {
+                    None => true,
+                    Some((s, e2, _)) => at < s || (at == s && end > e2),
+                };
+                if better {
+                    best = Some((at, end, e.ids.as_slice()));
+                }
+                break;
+            }
+            from = at + name.chars().next().map_or(1, char::len_utf8);
+        }
+    }
+    best
+}
+
+fn split_embeddings<'a>(mut text: &'a str, embeddings: &'a [EmbeddingWord]) -> Vec<Piece<'a>> {
+    let mut pieces = Vec::new();
+    while let Some((start, end, ids)) = find_embedding(text, embeddings) {
+        if start > 0 {
+            pieces.push(Piece::Text(&text[..start]));
+        }
+        pieces.push(Piece::Embedding(ids));
+        text = &text[end..];
+    }
+    if !text.is_empty() {
+        pieces.push(Piece::Text(text));
+    }
+    pieces
 }
 
 /// [`weighted_chunks_with`] using the web UI's defaults.
@@ -170,29 +241,46 @@ pub fn weighted_chunks_with(tok: &ClipTokenizer, text: &str, opts: &ChunkOptions
             last_comma = None;
             continue;
         }
-        for token in tok.encode(fragment) {
-            if Some(token) == comma {
-                last_comma = Some(ids.len());
-            } else if let Some(at) = last_comma.filter(|&c| {
-                opts.comma_backtrack != 0 && ids.len() == body && ids.len() - c <= opts.comma_backtrack
-            }) {
-                // Cut right after the comma and carry the tail over, so a
-                // comma-separated phrase is not split across chunks.
-                let moved_ids = ids.split_off(at + 1);
-                let moved_weights = weights.split_off(at + 1);
-                chunks.push(finish_chunk(tok, &ids, &weights));
-                ids = moved_ids;
-                weights = moved_weights;
-                last_comma = None;
+        for piece in split_embeddings(fragment, &opts.embeddings) {
+            let tokens = match piece {
+                Piece::Text(text) => tok.encode(text),
+                Piece::Embedding(vectors) => {
+                    // An embedding is never split across chunks (the web UI moves it whole to the next one).
+                    if !ids.is_empty() && ids.len() + vectors.len() > body {
+                        chunks.push(finish_chunk(tok, &ids, &weights));
+                        ids.clear();
+                        weights.clear();
+                        last_comma = None;
+                    }
+                    ids.extend_from_slice(vectors);
+                    weights.extend(std::iter::repeat_n(*weight, vectors.len()));
+                    continue;
+                }
+            };
+            for token in tokens {
+                if Some(token) == comma {
+                    last_comma = Some(ids.len());
+                } else if let Some(at) = last_comma.filter(|&c| {
+                    opts.comma_backtrack != 0 && ids.len() == body && ids.len() - c <= opts.comma_backtrack
+                }) {
+                    // Cut right after the comma and carry the tail over, so a
+                    // comma-separated phrase is not split across chunks.
+                    let moved_ids = ids.split_off(at + 1);
+                    let moved_weights = weights.split_off(at + 1);
+                    chunks.push(finish_chunk(tok, &ids, &weights));
+                    ids = moved_ids;
+                    weights = moved_weights;
+                    last_comma = None;
+                }
+                if ids.len() == body {
+                    chunks.push(finish_chunk(tok, &ids, &weights));
+                    ids.clear();
+                    weights.clear();
+                    last_comma = None;
+                }
+                ids.push(token);
+                weights.push(*weight);
             }
-            if ids.len() == body {
-                chunks.push(finish_chunk(tok, &ids, &weights));
-                ids.clear();
-                weights.clear();
-                last_comma = None;
-            }
-            ids.push(token);
-            weights.push(*weight);
         }
     }
     if !ids.is_empty() || chunks.is_empty() {

@@ -167,3 +167,35 @@ fn chunk_counts_are_padded_with_empty_chunks() {
     assert_eq!(neg[1].ids, tok.encode_padded(""));
     assert_eq!(neg[2], empty_chunk(&tok));
 }
+
+fn emb(name: &str, n: u32) -> sdhive_tokenizer::EmbeddingWord {
+    sdhive_tokenizer::EmbeddingWord { name: name.into(), ids: (49408..49408 + n).collect() }
+}
+
+/// A textual-inversion word becomes its ids wherever it stands as a whole word, whatever its case, inside
+/// emphasis too (with that weight); inside another word it stays text.
+#[test]
+fn embedding_words_become_their_ids() {
+    let tok = sd1();
+    let opts = ChunkOptions { embeddings: vec![emb("easyneg", 2)], ..ChunkOptions::default() };
+    let chunks = weighted_chunks_with(&tok, "a, EasyNeg b", &opts);
+    assert_eq!(chunks[0].ids, row(&[A, COMMA, 49408, 49409, B], EOS));
+    let chunks = weighted_chunks_with(&tok, "a (easyneg:1.5)", &opts);
+    assert_eq!(&chunks[0].ids[1..4], &[A, 49408, 49409]);
+    assert_eq!(&chunks[0].weights[1..4], &[1.0, 1.5, 1.5]);
+    let plain = weighted_chunks(&tok, "a xeasyneg_b");
+    assert_eq!(weighted_chunks_with(&tok, "a xeasyneg_b", &opts), plain, "not a whole word");
+}
+
+/// An embedding that does not fit in what is left of a chunk starts the next one (as the web UI moves it).
+#[test]
+fn an_embedding_is_never_split_across_chunks() {
+    let tok = sd1();
+    let opts =
+        ChunkOptions { embeddings: vec![emb("big", 4)], comma_backtrack: 0, ..ChunkOptions::default() };
+    let text = format!("{} big", words("a", 73));
+    let chunks = weighted_chunks_with(&tok, &text, &opts);
+    assert_eq!(chunks.len(), 2);
+    assert_eq!(chunks[0].ids, row(&vec![A; 73], EOS));
+    assert_eq!(chunks[1].ids, row(&[49408, 49409, 49410, 49411], EOS));
+}

@@ -147,6 +147,14 @@ impl UNet2DConditionModel {
         Self::new(vb, &cfg).map_err(|e| e.with_weight_origin(&crate::loading::describe_weights(dir)))
     }
 
+    /// Drops what was computed from the weights and kept across calls (the text context's k/v table, the
+    /// schedule's time table): to be called after the weights are changed in place. The step's CUDA graph stays:
+    /// it reads the weights' buffers, which keep their addresses.
+    pub fn weights_changed(&self) {
+        self.context_table.clear();
+        self.schedule.clear();
+    }
+
     pub fn config(&self) -> &UNet2DConditionConfig {
         &self.config
     }

@@ -93,6 +93,11 @@ impl std::fmt::Debug for ContextTable {
 }
 
 impl ContextTable {
+    /// Forgets the table (the weights it was made with changed).
+    pub fn clear(&self) {
+        *self.last.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+    }
+
     /// `make(context)`, made again only when `context` is not the tensor of the last call. Tensors are immutable
     /// and their ids never reused, so the id stands for the values.
     pub fn get(&self, context: &Tensor, make: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
@@ -142,6 +147,11 @@ struct Schedule {
 }
 
 impl ScheduleTable {
+    /// Forgets the table (the weights it was made with changed).
+    pub fn clear(&self) {
+        *self.last.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+    }
+
     /// The distinct timesteps of `timesteps` (in order; second-order samplers evaluate some twice) when the table
     /// held is not already theirs for `key`, dropping the old table so two are never held at once; `None` when
     /// nothing needs making.

@@ -140,6 +140,12 @@ impl FeedForward {
         let proj_in = match proj_in.bias() {
             Some(bias) if sdhive_cuda_kernels::geglu_product_on(vb.device(), vb.dtype(), dim, inner) => {
                 let (weight, bias) = sdhive_cuda_kernels::interleave_geglu(proj_in.weight(), bias)?;
+                let rows = proj_in.weight().dim(0)?;
+                let interleave: crate::params::Transform = std::sync::Arc::new(move |w: &Tensor| {
+                    let zeros = Tensor::zeros(rows, w.dtype(), w.device())?;
+                    Ok(sdhive_cuda_kernels::interleave_geglu(w, &zeros)?.0)
+                });
+                crate::params::mapped(proj_in.weight(), &weight, interleave);
                 FeedForwardIn::Interleaved { weight, bias }
             }
             _ => FeedForwardIn::Linear(proj_in),

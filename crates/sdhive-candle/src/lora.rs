@@ -1,0 +1,227 @@
+//! LoRA networks merged into a loaded model's weights for the jobs that ask for them: when a job's set of LoRAs
+//! (files and multipliers) differs from the set merged now, the changed weights are first put back as they were,
+//! then each LoRA's deltas, times its text-encoder or UNet multiplier, are added to the weights on the device
+//! they live on. Nothing runs per step: the denoising loop computes with ordinary weights.
+//!
+//! Putting back copies the kept originals (not subtracting the deltas), so a model after a LoRA job computes bit
+//! for bit as one that never had it. A model's weights may share memory with the RAM cache's host copy (on the
+//! CPU), so a model is put back before it is dropped.
+
+use crate::model::SdModel;
+use crate::residency::{Originals, Resident};
+use candle_core::Tensor;
+use sdhive_engine::LoraUse;
+use sdhive_lora::{LoraFile, ModelParams, Network};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum LoraApplyError {
+    /// The request's LoRA cannot be used with this model (unreadable, unknown format, does not fit): the
+    /// request's fault.
+    #[error("LoRA `{name}`: {message}")]
+    Invalid { name: String, message: String },
+    /// Merging failed on the device.
+    #[error("merging LoRA `{name}`: {message}")]
+    Failed { name: String, message: String },
+}
+
+/// One merged LoRA as a job asked for it.
+#[derive(Debug, Clone, PartialEq)]
+struct Merged {
+    path: PathBuf,
+    modified: Option<std::time::SystemTime>,
+    te: f32,
+    unet: f32,
+}
+
+/// The LoRAs merged into a model now and what they changed.
+#[derive(Default)]
+pub struct AppliedLoras {
+    merged: Vec<Merged>,
+    unet: Originals,
+    /// One per text encoder.
+    text: Vec<Originals>,
+}
+
+impl AppliedLoras {
+    /// Bytes kept to put the changed weights back (device memory for built networks).
+    pub fn kept_bytes(&self) -> u64 {
+        self.unet.bytes() + self.text.iter().map(Originals::bytes).sum::<u64>()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.merged.is_empty()
+    }
+}
+
+fn merged_key(l: &LoraUse) -> Merged {
+    let modified = std::fs::metadata(&l.path).and_then(|m| m.modified()).ok();
+    Merged { path: l.path.clone(), modified, te: l.te, unet: l.unet }
+}
+
+/// Text-encoder weights may be named without the `text_model.` prefix (bare CLIP files); LoRA files always name
+/// them with it.
+fn canonical_text_name(name: &str) -> String {
+    if name.starts_with("text_model.") || name.starts_with("text_projection") {
+        name.to_string()
+    } else {
+        format!("text_model.{name}")
+    }
+}
+
+impl SdModel {
+    /// Makes the merged LoRAs exactly `loras` (nothing for an empty list). On an error the model is left with no
+    /// LoRA merged.
+    pub fn set_loras(&mut self, loras: &[LoraUse]) -> Result<(), LoraApplyError> {
+        let wanted: Vec<Merged> = loras.iter().map(merged_key).collect();
+        if wanted == self.loras.merged {
+            return Ok(());
+        }
+        self.restore_loras().map_err(|e| LoraApplyError::Failed {
+            name: "(restoring weights)".into(),
+            message: e.to_string(),
+        })?;
+        if loras.is_empty() {
+            return Ok(());
+        }
+        match self.merge_all(loras) {
+            Ok(()) => {
+                self.loras.merged = wanted;
+                Ok(())
+            }
+            Err(e) => {
+                if let Err(restore) = self.restore_loras() {
+                    tracing::error!("putting weights back after a failed LoRA merge: {restore}");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Puts every weight a LoRA changed back as it was.
+    pub fn restore_loras(&mut self) -> candle_core::Result<()> {
+        let unet_changed = !self.loras.unet.is_empty();
+        self.unet.restore(&mut self.loras.unet)?;
+        for (encoder, originals) in self.encoders.iter_mut().zip(self.loras.text.iter_mut()) {
+            encoder.model.restore(originals)?;
+        }
+        self.loras.merged.clear();
+        if unet_changed {
+            if let Some(unet) = self.unet.get() {
+                unet.weights_changed();
+            }
+        }
+        Ok(())
+    }
+
+    fn model_params(&self) -> (ModelParams, Vec<HashMap<String, String>>) {
+        let mut text_names = Vec::new();
+        let text = self
+            .encoders
+            .iter()
+            .map(|e| {
+                let mut back = HashMap::new();
+                let shapes = e
+                    .model
+                    .param_shapes()
+                    .into_iter()
+                    .map(|(name, shape)| {
+                        let canonical = canonical_text_name(&name);
+                        back.insert(canonical.clone(), name);
+                        (canonical, shape)
+                    })
+                    .collect();
+                text_names.push(back);
+                shapes
+            })
+            .collect();
+        let params = ModelParams {
+            unet: self.unet.param_shapes(),
+            text,
+            // The LDM names of kohya's SDXL files count blocks by a uniform depth; every released UNet has one.
+            unet_layers_per_block: match &self.unet_config.layers_per_block {
+                sdhive_models::IntOrList::Int(n) => *n,
+                sdhive_models::IntOrList::List(v) => v.first().copied().unwrap_or(2),
+            },
+            unet_down_blocks: self.unet_config.block_out_channels.len(),
+        };
+        (params, text_names)
+    }
+
+    fn merge_all(&mut self, loras: &[LoraUse]) -> Result<(), LoraApplyError> {
+        let (params, text_names) = self.model_params();
+        self.loras.text.resize_with(self.encoders.len(), Originals::default);
+        let mut unet_changed = false;
+        for lora in loras {
+            let invalid = |e: &dyn std::fmt::Display| LoraApplyError::Invalid {
+                name: lora.name.clone(),
+                message: e.to_string(),
+            };
+            let failed = |e: &dyn std::fmt::Display| LoraApplyError::Failed {
+                name: lora.name.clone(),
+                message: e.to_string(),
+            };
+            let file = LoraFile::read(&lora.path).map_err(|e| invalid(&e))?;
+            let patches = file.resolve(&params).map_err(|e| invalid(&e))?;
+            for patch in &patches {
+                let (multiplier, shape) = match patch.network {
+                    Network::Unet => (lora.unet, params.unet.get(&patch.target)),
+                    Network::TextEncoder(i) => {
+                        (lora.te, params.text.get(i).and_then(|m| m.get(&patch.target)))
+                    }
+                };
+                if multiplier == 0.0 {
+                    continue;
+                }
+                let shape =
+                    shape.ok_or_else(|| invalid(&format!("the model has no weight `{}`", patch.target)))?;
+                let (resident_device, name): (_, &str) = match patch.network {
+                    Network::Unet => (self.unet.delta_device(), &patch.target),
+                    Network::TextEncoder(i) => {
+                        let name = text_names.get(i).and_then(|m| m.get(&patch.target)).ok_or_else(|| {
+                            invalid(&format!("the model has no text-encoder weight `{}`", patch.target))
+                        })?;
+                        (self.encoders[i].model.delta_device(), name)
+                    }
+                };
+                let delta = file.delta(patch, shape, &resident_device).map_err(|e| invalid(&e))?;
+                let delta = scaled(&delta, multiplier).map_err(|e| failed(&e))?;
+                match patch.network {
+                    Network::Unet => {
+                        unet_changed = true;
+                        add(&mut self.unet, name, &delta, &mut self.loras.unet)
+                    }
+                    Network::TextEncoder(i) => {
+                        add(&mut self.encoders[i].model, name, &delta, &mut self.loras.text[i])
+                    }
+                }
+                .map_err(|e| failed(&e))?;
+            }
+        }
+        if unet_changed {
+            if let Some(unet) = self.unet.get() {
+                unet.weights_changed();
+            }
+        }
+        Ok(())
+    }
+}
+
+fn scaled(delta: &Tensor, multiplier: f32) -> candle_core::Result<Tensor> {
+    if multiplier == 1.0 {
+        Ok(delta.clone())
+    } else {
+        delta.affine(f64::from(multiplier), 0.0)
+    }
+}
+
+fn add<T>(
+    resident: &mut Resident<T>,
+    name: &str,
+    delta: &Tensor,
+    originals: &mut Originals,
+) -> candle_core::Result<()> {
+    resident.add_delta(name, delta, originals)
+}
