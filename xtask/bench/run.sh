@@ -2,6 +2,7 @@
 # The CUDA benchmark on a GPU machine (no Rust needed), from the repository root:
 #   bash BUNDLE/run.sh OUT_DIR [--skip-compiled] [--skip-sdxl]
 #   bash BUNDLE/run.sh OUT_DIR --switch          (the model-switch benchmark instead: switch_table.py)
+#   bash BUNDLE/run.sh OUT_DIR --lora            (the LoRA merge benchmark instead: lora_table.py)
 # BUNDLE is what `cargo xtask bench cuda` wrote. The machine provides the NVIDIA driver, Python with PyTorch
 # (CUDA 13), and through PyTorch's wheels or a CUDA 13 install the cuBLAS, cuRAND, NVRTC and cuDNN 9 libraries.
 set -euo pipefail
@@ -17,6 +18,8 @@ export LD_LIBRARY_PATH="$libs:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
 if [ "${1:-}" = --switch ]; then
     PYTHONPATH="$B/site:${PYTHONPATH:-}" python3 "$B/switch_table.py" "$B" "$OUT"
+elif [ "${1:-}" = --lora ]; then
+    PYTHONPATH="$B/site:${PYTHONPATH:-}" python3 "$B/lora_table.py" "$B" "$OUT"
 else
     python3 "$B/cuda_table.py" "$B" "$OUT" "$@"
 fi

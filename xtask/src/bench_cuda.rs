@@ -49,9 +49,16 @@ pub fn run(out: Option<PathBuf>, python: &str) -> Result<()> {
             .args(WHEELS),
         "pip download of the reference wheels",
     )?;
-    for f in
-        ["bench_cuda_diffusers.py", "cuda_table.py", "run.sh", "bench_switch_diffusers.py", "switch_table.py"]
-    {
+    for f in [
+        "bench_cuda_diffusers.py",
+        "cuda_table.py",
+        "run.sh",
+        "bench_switch_diffusers.py",
+        "switch_table.py",
+        "make_lora.py",
+        "bench_lora_diffusers.py",
+        "lora_table.py",
+    ] {
         copy(&root.join("xtask/bench").join(f), &out.join(f))?;
     }
     let size: u64 = walk_size(&out)?;

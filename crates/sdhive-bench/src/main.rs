@@ -12,6 +12,7 @@
 //! in alternation, so both see the same background load.
 
 mod e2e;
+mod lora;
 mod switch;
 mod text;
 mod write_model;
@@ -81,6 +82,13 @@ struct Args {
     /// the RAM cache, with the device memory after each switch.
     #[arg(long = "switch", value_name = "DIR")]
     switch: Vec<PathBuf>,
+    /// Time LoRA merges instead, on this diffusers folder, with the two `--lora` files: the first merged from no
+    /// LoRA, switches between the two, and the UNet step plain and with a LoRA merged.
+    #[arg(long, value_name = "DIR")]
+    lora_model: Option<PathBuf>,
+    /// With --lora-model: a LoRA file (give two).
+    #[arg(long = "lora", value_name = "FILE")]
+    lora: Vec<PathBuf>,
     /// With --switch: cached switches timed (alternating between the models).
     #[arg(long, default_value_t = 20)]
     switches: usize,
@@ -348,6 +356,13 @@ fn main() -> Result<()> {
         println!("{report}");
         return Ok(());
     }
+    if let Some(dir) = &args.lora_model {
+        let mut report = lora::run(dir, &args.lora, &dev, dtype, args.iters)?;
+        report["device"] = serde_json::json!(device_name);
+        report["dtype"] = serde_json::json!(args.dtype);
+        println!("{report}");
+        return Ok(());
+    }
     if let Some(dir) = &args.e2e {
         let mut run = e2e::EndToEnd::load(dir, &dev, dtype, args.size, args.steps)?;
         let timing = time_calls(&dev, "image", args.warmup, args.iters, || run.generate())?;
@@ -542,7 +557,7 @@ fn time_calls(
 
 /// Times `f` to completion: on a GPU the work is queued asynchronously, so the clock stops only after the device
 /// has drained its queue.
-fn timed(dev: &Device, f: impl FnOnce() -> Result<()>) -> Result<Call> {
+pub(crate) fn timed(dev: &Device, f: impl FnOnce() -> Result<()>) -> Result<Call> {
     sync(dev)?;
     let (t, c) = (Instant::now(), cpu_time_ms()?);
     f()?;
@@ -583,7 +598,7 @@ const CLOCK_TICKS_PER_SEC: f64 = 100.0;
 const SCHEDULE_STEPS: usize = 20;
 
 /// A 20-step schedule from 999 down in steps of 50, `shift` lower.
-fn schedule(shift: f64) -> Vec<f64> {
+pub(crate) fn schedule(shift: f64) -> Vec<f64> {
     (0..SCHEDULE_STEPS).map(|i| 999.0 - shift - 50.0 * i as f64).collect()
 }
 
