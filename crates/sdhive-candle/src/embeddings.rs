@@ -54,6 +54,11 @@ fn modified(path: &std::path::Path) -> Option<std::time::SystemTime> {
 }
 
 impl SdModel {
+    /// The widths of the text encoders' token embeddings (what an embedding's vectors must have).
+    pub fn text_widths(&self) -> Vec<u32> {
+        (0..self.encoders.len()).filter_map(|i| encoder_shape(self, i)).map(|(_, w)| w as u32).collect()
+    }
+
     /// Makes `uses` the embeddings the next prompts are encoded with (none for an empty list).
     pub fn set_embeddings(&mut self, uses: &[EmbeddingUse]) -> Result<(), EmbeddingError> {
         let err = |name: &str, message: String| EmbeddingError { name: name.to_string(), message };

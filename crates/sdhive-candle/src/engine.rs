@@ -211,6 +211,7 @@ impl Engine for CandleEngine {
             supports_img2img: true,
             supports_inpaint: true,
             memory: Some(self.report.clone()),
+            text_widths: self.model.text_widths(),
         }
     }
 

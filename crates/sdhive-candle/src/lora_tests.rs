@@ -163,3 +163,27 @@ fn plain_cases_after_a_lora_was_set_and_unset() {
     assert!(cases().iter().any(|c| c["case"] == "sd1_euler"));
     check_cases(&mut models, &picked, "after a LoRA was taken out");
 }
+
+/// Offloaded networks keep host copies that are built at each use: a LoRA is merged into the copy (new tensors,
+/// the cache's untouched) and the images still match; taking it out gives the plain image again.
+#[test]
+fn loras_on_offloaded_networks_match_their_reference() {
+    use crate::residency::ModuleTarget;
+    let (dev, dtype) = (&test_device().device, test_device().dtype);
+    let targets = Targets {
+        unet: ModuleTarget { device: dev.clone(), dtype, offload: false, host_copy: false },
+        text: ModuleTarget { device: candle_core::Device::Cpu, dtype: DType::F32, offload: true, host_copy: false },
+        vae: ModuleTarget { device: dev.clone(), dtype, offload: true, host_copy: false },
+    };
+    let model = SdModel::from_diffusers_dir_on("sd1", &fixtures().join("models/sd1"), &targets).expect("sd1");
+    assert!(model.encoders[0].model.offloaded());
+    let mut models = HashMap::from([("sd1".to_string(), model)]);
+    let tol = test_device().tolerance;
+    for name in ["sd1_lora_te_unet", "sd1_lora_two"] {
+        let case = lora_cases().into_iter().find(|c| c["case"] == name).expect("case");
+        let r = run_case(&mut models, &case);
+        eprintln!("offloaded {name}: latent rel diff {:.2e}, pixels off {}", r.latent_rel, r.pixels_off);
+        assert!(r.latent_rel <= tol.latent_rel, "offloaded {name} off its reference");
+    }
+    check_cases(&mut models, &["sd1_euler"], "offloaded, after the LoRA cases");
+}

@@ -58,6 +58,10 @@ pub struct EngineInfo {
     pub supports_inpaint: bool,
     /// The memory plan (`/v1/info`), where the engine plans memory.
     pub memory: Option<MemoryReport>,
+    /// Widths of the loaded model's text encoders (768 for SD1's, 768 and 1280 for SDXL's): which textual-inversion
+    /// embeddings fit it. Empty where the engine cannot tell.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub text_widths: Vec<u32>,
 }
 
 #[derive(Debug, Error)]

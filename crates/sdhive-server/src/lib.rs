@@ -145,9 +145,12 @@ impl AppState {
     /// The text-encoder widths of the model a job will run on, for choosing the embeddings that fit it.
     pub fn text_widths(&self, model: &ModelSpec) -> Option<Vec<u64>> {
         let current = self.library.current();
-        let family =
-            current.as_ref().filter(|(spec, _)| spec.source == model.source).map(|(_, i)| i.family.as_str());
-        self.networks.text_widths(model, family)
+        let loaded = current.as_ref().filter(|(spec, _)| spec.source == model.source).map(|(_, i)| i);
+        // The loaded engine knows its encoders; a model not loaded yet is read from its files.
+        if let Some(info) = loaded.filter(|i| !i.text_widths.is_empty()) {
+            return Some(info.text_widths.iter().map(|&w| u64::from(w)).collect());
+        }
+        self.networks.text_widths(model, loaded.map(|i| i.family.as_str()))
     }
 
     /// Fills the request's LoRAs and embeddings (`Networks::resolve`) for a job on `model`. Blocks while a

@@ -147,6 +147,7 @@ impl Engine for NullEngine {
             supports_img2img: true,
             supports_inpaint: true,
             memory: None,
+            text_widths: Vec::new(),
         }
     }
 

@@ -360,6 +360,7 @@ impl Engine for FlakyEngine {
             supports_img2img: false,
             supports_inpaint: false,
             memory: None,
+            text_widths: Vec::new(),
         }
     }
 

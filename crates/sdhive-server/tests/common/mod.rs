@@ -54,6 +54,7 @@ impl Engine for SlowEngine {
             supports_img2img: false,
             supports_inpaint: false,
             memory: None,
+            text_widths: Vec::new(),
         }
     }
 
