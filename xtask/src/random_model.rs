@@ -1,7 +1,8 @@
 //! `cargo xtask random-model`: writes the full-size SD1.5 with deterministic random weights that
 //! `xtask/fixtures/gen_sd15_random.py` fed to diffusers for the committed golden image. Only the tensor list
 //! (`tests/fixtures/sd15-random/manifest.json`) is committed; the 2 GB of f16 weights are regenerated from it,
-//! bit for bit, with the generator described in that script.
+//! bit for bit, with the generator described in that script. Beside it goes the script's random kohya LoRA for
+//! that model ([`LORA_FILE`] in the model folder), made from the manifest by the same generator.
 
 use anyhow::{bail, ensure, Context, Result};
 use half::f16;
@@ -17,22 +18,31 @@ const FILES: [(&str, &str); 3] = [
     ("text_encoder", "text_encoder/model.safetensors"),
 ];
 
+/// The random LoRA, inside the model folder (a `--lora-dir` of its own: `<lora:sd15_random_lora:…>`).
+pub const LORA_FILE: &str = "Lora/sd15_random_lora.safetensors";
+const LORA_RANK: usize = 4;
+const LORA_ALPHA: f32 = 2.0;
+/// Generator keys of the LoRA's tensors start here, far past the model's.
+const LORA_BASE: u64 = 1 << 20;
+
 struct Entry {
     component: String,
     name: String,
     shape: Vec<usize>,
 }
 
-/// Writes the model into `out` (unless it already holds a complete copy made from the same manifest).
+/// Writes the model into `out` (unless it already holds a complete copy made from the same manifest), and the
+/// LoRA (2 MB: always, so a folder written before the LoRA existed gains it).
 pub fn write(manifest: &Path, out: &Path) -> Result<()> {
     let text =
         std::fs::read_to_string(manifest).with_context(|| format!("cannot read {}", manifest.display()))?;
+    let entries = parse(&text).with_context(|| format!("bad manifest {}", manifest.display()))?;
+    write_lora(&entries, &out.join(LORA_FILE))?;
     let stamp = out.join("manifest.json");
     if std::fs::read_to_string(&stamp).ok().as_deref() == Some(text.as_str()) {
         eprintln!("xtask: {} is up to date", out.display());
         return Ok(());
     }
-    let entries = parse(&text).with_context(|| format!("bad manifest {}", manifest.display()))?;
     for (component, file) in FILES {
         let path = out.join(file);
         let parent = path.parent().context("component file has a folder")?;
@@ -54,6 +64,73 @@ pub fn write(manifest: &Path, out: &Path) -> Result<()> {
     }
     copy_small_files(manifest.parent().context("manifest has a folder")?, out)?;
     std::fs::write(&stamp, text).with_context(|| format!("cannot write {}", stamp.display()))?;
+    Ok(())
+}
+
+/// The LoRA's modules: `(kohya module name, out, in)` per chosen manifest weight, in manifest order (the
+/// script's `lora_tensors`).
+fn lora_modules(entries: &[Entry]) -> Vec<(String, usize, usize)> {
+    const UNET: [&str; 8] = [
+        "attn1.to_q.weight",
+        "attn1.to_k.weight",
+        "attn1.to_v.weight",
+        "attn1.to_out.0.weight",
+        "attn2.to_q.weight",
+        "attn2.to_k.weight",
+        "attn2.to_v.weight",
+        "attn2.to_out.0.weight",
+    ];
+    const TE: [&str; 6] = [
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.out_proj.weight",
+        "mlp.fc1.weight",
+        "mlp.fc2.weight",
+    ];
+    const TE_LAYERS: [&str; 3] =
+        ["text_model.encoder.layers.0.", "text_model.encoder.layers.1.", "text_model.encoder.layers.2."];
+    entries
+        .iter()
+        .filter_map(|e| {
+            let prefix = if e.component == "unet" && UNET.iter().any(|s| e.name.ends_with(s)) {
+                "lora_unet_"
+            } else if e.component == "text_encoder"
+                && TE_LAYERS.iter().any(|p| e.name.starts_with(p))
+                && TE.iter().any(|s| e.name.ends_with(s))
+            {
+                "lora_te_"
+            } else {
+                return None;
+            };
+            let [out, inp] = e.shape[..] else { return None };
+            let path = e.name.strip_suffix(".weight")?;
+            Some((format!("{prefix}{}", path.replace('.', "_")), out, inp))
+        })
+        .collect()
+}
+
+fn write_lora(entries: &[Entry], path: &Path) -> Result<()> {
+    let modules = lora_modules(entries);
+    ensure!(!modules.is_empty(), "the manifest has none of the LoRA's layers");
+    let alpha = f16::from_f32(LORA_ALPHA).to_le_bytes().to_vec();
+    let mut data: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
+    for (j, (module, out, inp)) in modules.iter().enumerate() {
+        let (down, up) = (vec![LORA_RANK, *inp], vec![*out, LORA_RANK]);
+        let k = LORA_BASE + 2 * j as u64;
+        data.insert(format!("{module}.lora_down.weight"), (down.clone(), fill(k, "lora_down.weight", &down)));
+        data.insert(format!("{module}.lora_up.weight"), (up.clone(), fill(k + 1, "lora_up.weight", &up)));
+        data.insert(format!("{module}.alpha"), (Vec::new(), alpha.clone()));
+    }
+    let views = data
+        .iter()
+        .map(|(name, (shape, bytes))| Ok((name.clone(), TensorView::new(Dtype::F16, shape.clone(), bytes)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let parent = path.parent().context("the LoRA has a folder")?;
+    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    safetensors::serialize_to_file(views, None, path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    eprintln!("xtask: wrote {} ({} modules)", path.display(), modules.len());
     Ok(())
 }
 
@@ -142,6 +219,40 @@ mod tests {
         // First outputs of splitmix64 seeded with 0 (the reference sequence of Vigna's splitmix64.c).
         assert_eq!(splitmix64(0), 0xE220_A839_7B1D_CDAF);
         assert_eq!(splitmix64(0x9E37_79B9_7F4A_7C15), 0x6E78_9E6A_A1B9_65F4);
+    }
+
+    #[test]
+    fn lora_modules_are_the_attention_projections_and_the_first_text_layers() {
+        let e = |component: &str, name: &str, shape: &[usize]| Entry {
+            component: component.into(),
+            name: name.into(),
+            shape: shape.to_vec(),
+        };
+        let entries = [
+            e("unet", "down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k.weight", &[320, 768]),
+            e("unet", "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_out.0.weight", &[320, 320]),
+            e("unet", "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_out.0.bias", &[320]),
+            e("unet", "down_blocks.0.attentions.0.proj_in.weight", &[320, 320, 1, 1]),
+            e("text_encoder", "text_model.encoder.layers.2.mlp.fc2.weight", &[768, 3072]),
+            e("text_encoder", "text_model.encoder.layers.3.mlp.fc2.weight", &[768, 3072]),
+            e("vae", "decoder.mid_block.attentions.0.to_q.weight", &[512, 512]),
+        ];
+        assert_eq!(
+            lora_modules(&entries),
+            [
+                (
+                    "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn2_to_k".to_string(),
+                    320,
+                    768
+                ),
+                (
+                    "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_out_0".to_string(),
+                    320,
+                    320
+                ),
+                ("lora_te_text_model_encoder_layers_2_mlp_fc2".to_string(), 768, 3072),
+            ]
+        );
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //! tests it with its feature on (including the engine's stop-inside-an-image test on the random SD1.5), checks
 //! that it refuses to start without a Vulkan device, and checks the engine against diffusers: the full-size SD1.5
 //! with deterministic random weights (`cargo xtask random-model`) generates at 64² and the image is compared with
-//! diffusers' committed one for the same weights, prompt, seed.
+//! diffusers' committed one for the same weights, prompt, seed, with the random LoRA `cargo xtask random-model`
+//! writes beside the model (`<lora:sd15_random_lora:0.8>` in the prompt, the file in `--lora-dir`) against
+//! diffusers' image with that LoRA fused.
 //!
 //! The image is computed on Mesa's lavapipe (a CPU Vulkan driver, so any machine can run this): every module on
 //! the Vulkan device, through ggml's Vulkan kernels. Debian 12's own lavapipe (Mesa 22.3) corrupts the heap
@@ -71,19 +73,45 @@ pub fn run() -> Result<()> {
     eprintln!("xtask: without a Vulkan device sd-worker-vulkan refuses: {}", error_line(&stderr));
 
     let lavapipe = lavapipe_icd(&root)?;
+    // One image, with the LoRA: a lavapipe process spends most of its time loading the model, and the LoRA image
+    // checks the whole pipeline as the plain one would (the LoRA only adds to weights), plus the LoRA itself. The
+    // plain image after a LoRA job is checked byte for byte on the CPU backend (crates/sdhive-sdcpp/tests).
+    let lora_dir = model.join(random_model::LORA_FILE);
+    let lora_dir = lora_dir.parent().context("the LoRA has a folder")?;
+    check_image(
+        &root,
+        &exe,
+        &model,
+        &lavapipe,
+        "sd15_random_lora",
+        &["--lora-dir".as_ref(), lora_dir.as_os_str()],
+    )
+}
+
+/// Generates golden case `name` (`tests/fixtures/golden/<name>.json`) with sd-worker-vulkan on lavapipe and
+/// compares it with diffusers' image of the case.
+fn check_image(
+    root: &Path,
+    exe: &Path,
+    model: &Path,
+    lavapipe: &Lavapipe,
+    name: &str,
+    extra_args: &[&std::ffi::OsStr],
+) -> Result<()> {
     let golden_dir = root.join("tests/fixtures/golden");
     let case: Value =
-        serde_json::from_str(&std::fs::read_to_string(golden_dir.join("sd15_random_euler.json"))?)?;
-    let out = std::env::temp_dir().join("sdhive-vulkan-sd15-random.png");
+        serde_json::from_str(&std::fs::read_to_string(golden_dir.join(format!("{name}.json")))?)?;
+    let out = std::env::temp_dir().join(format!("sdhive-vulkan-{name}.png"));
     let text =
         |k: &str| case[k].as_str().map(str::to_string).with_context(|| format!("golden case lacks {k}"));
     let num =
         |k: &str| case[k].as_f64().map(|v| v.to_string()).with_context(|| format!("golden case lacks {k}"));
     let started = std::time::Instant::now();
-    let run = Command::new(&exe)
+    let run = Command::new(exe)
         .arg("generate")
         .arg("--model")
-        .arg(&model)
+        .arg(model)
+        .args(extra_args)
         .args(["--prompt", &text("prompt")?, "--negative-prompt", &text("negative_prompt")?])
         .args(["--steps", &num("steps")?, "--cfg-scale", &num("cfg_scale")?])
         .args(["--width", &num("width")?, "--height", &num("height")?, "--seed", &num("seed")?])
@@ -96,17 +124,18 @@ pub fn run() -> Result<()> {
         // (mean 2.4 levels against 0.08). The kernels with f32 arithmetic are those ggml runs on GPUs without
         // shaderFloat16; the f16 ones are checked on NVIDIA's driver (docs/gpu.md).
         .env("GGML_VK_DISABLE_F16", "1")
-        .current_dir(&root)
+        .current_dir(root)
         .status()
         .context("cannot run sd-worker-vulkan")?;
     ensure!(run.success(), "sd-worker-vulkan generate on lavapipe failed ({run})");
     let seconds = started.elapsed().as_secs_f64();
 
-    let (ours, theirs) = (read_rgb(&out)?, read_rgb(&golden_dir.join("sd15_random_euler.png"))?);
+    let (ours, theirs) = (read_rgb(&out)?, read_rgb(&golden_dir.join(format!("{name}.png")))?);
     let cmp = compare(&ours, &theirs)?;
     eprintln!(
-        "xtask: sd-worker-vulkan on lavapipe ({}) vs diffusers, SD1.5 random weights 64², {} steps Euler, seed {}: \
-         mean |diff| {:.3} levels, max {} levels, {:.2}% of values off by > 8, PSNR {:.2} dB ({seconds:.1} s)",
+        "xtask: sd-worker-vulkan on lavapipe ({}) vs diffusers, {name} (SD1.5 random weights 64², {} steps Euler, \
+         seed {}): mean |diff| {:.3} levels, max {} levels, {:.2}% of values off by > 8, PSNR {:.2} dB \
+         ({seconds:.1} s)",
         lavapipe.version,
         num("steps")?,
         num("seed")?,

@@ -251,10 +251,31 @@ impl LoraFile {
         // as every mmap-based model loader. Every tensor is copied out before the map is dropped.
         let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }
             .map_err(|e| LoraError::Header { path: path.to_path_buf(), reason: e.to_string() })?;
-        let load = |key: &str| -> Result<Tensor, LoraError> {
-            st.load(key, &Device::Cpu).and_then(|t| t.to_dtype(DType::F32)).map_err(|source| {
-                LoraError::Tensor { path: path.to_path_buf(), key: key.to_string(), source: Box::new(source) }
-            })
+        // Every tensor copied out and widened to f32 on all cores: an SDXL LoRA holds a few hundred MB.
+        let loaded: HashMap<&String, Tensor> = {
+            use rayon::prelude::*;
+            header
+                .tensors
+                .keys()
+                .filter(|key| !key.starts_with("bundle_emb."))
+                .collect::<Vec<_>>()
+                .into_par_iter()
+                .map(|key| {
+                    st.load(key, &Device::Cpu).and_then(|t| t.to_dtype(DType::F32)).map(|t| (key, t)).map_err(
+                        |source| LoraError::Tensor {
+                            path: path.to_path_buf(),
+                            key: key.to_string(),
+                            source: Box::new(source),
+                        },
+                    )
+                })
+                .collect::<Result<_, _>>()?
+        };
+        let load = |key: &String| -> Result<Tensor, LoraError> {
+            loaded
+                .get(key)
+                .cloned()
+                .ok_or_else(|| LoraError::UnknownKey { path: path.to_path_buf(), key: key.clone() })
         };
 
         let mut groups: Vec<Group> = Vec::new();
@@ -313,7 +334,11 @@ impl LoraFile {
         })
     }
 
-    pub(crate) fn natural_shape(&self, module: &LoraModule) -> Result<Vec<usize>, LoraError> {
+    /// The shape of `module`'s update as A1111 builds it, from the file's tensor shapes alone: `[out, in]` for a
+    /// linear layer, `[out, in, kh, kw]` for a convolution. Lets a caller that has no model weights to
+    /// [`resolve`](LoraFile::resolve) against (stable-diffusion.cpp's engine) still tell the model family a LoRA
+    /// was made for, e.g. from the text width its cross-attention `to_k` takes.
+    pub fn natural_shape(&self, module: &LoraModule) -> Result<Vec<usize>, LoraError> {
         module.weights.natural_shape().map_err(|reason| LoraError::Malformed {
             path: self.path.clone(),
             key: module.key.clone(),
@@ -548,6 +573,22 @@ mod tests {
         assert_eq!(a.name, ModuleName::Kohya { network: Network::Unet, name: "a".into() });
         assert_eq!(module(&f, "lora_unet_b").scale(), 1.0);
         assert_eq!(module(&f, "lora_unet_e").rank(), Some(1));
+    }
+
+    #[test]
+    fn natural_shapes_come_from_the_file_alone() {
+        let (_d, path) = write(
+            &[
+                t("lora_unet_a.lora_up.weight", &[5, 2]),
+                t("lora_unet_a.lora_down.weight", &[2, 3]),
+                t("lora_unet_b.lora_up.weight", &[4, 2, 1, 1]),
+                t("lora_unet_b.lora_down.weight", &[2, 6, 3, 3]),
+            ],
+            &[],
+        );
+        let f = LoraFile::read(&path).unwrap();
+        assert_eq!(f.natural_shape(module(&f, "lora_unet_a")).unwrap(), [5, 3]);
+        assert_eq!(f.natural_shape(module(&f, "lora_unet_b")).unwrap(), [4, 6, 3, 3]);
     }
 
     #[test]

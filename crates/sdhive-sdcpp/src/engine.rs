@@ -2,13 +2,15 @@
 //! named ggml device (never ggml's "best available", which may quietly be the CPU); each request is validated,
 //! mapped onto `sd_img_gen_params_t` and run one image at a time (seed, seed+1, …), each stoppable after any
 //! denoising step (`callbacks::generate`), and seeds use sd.cpp's torch-compatible CPU generator so they match
-//! diffusers'.
+//! diffusers'. A request's LoRAs are checked (`networks`) and handed to sd.cpp with the image's parameters.
 
 use crate::callbacks::{self, Generated};
 use crate::device;
 use crate::model_info::ModelInfo;
+use crate::networks::{self, LoraChecks};
 use crate::params::{self, SAMPLERS};
 use diffusion_rs_sys as sys;
+use sdhive_engine::extra_networks::strip_networks;
 use sdhive_engine::{
     budgeted_free, infotext, random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput,
     GenerateRequest, GeneratedImage, GrayImage, InfotextContext, Limits, MemoryReport, ModelShape, Placement,
@@ -77,6 +79,7 @@ pub struct SdCppEngine {
     plan_device: String,
     memory_budget: Option<u64>,
     limits: Limits,
+    loras: LoraChecks,
 }
 
 /// sd.cpp runs the conditional and unconditional passes as separate batch-1 calls.
@@ -130,6 +133,12 @@ impl SdCppEngine {
             // torch.Generator("cpu")-compatible noise, for the initial latents and the ancestral samplers.
             p.rng_type = sys::rng_type_t::CPU_RNG;
             p.sampler_rng_type = sys::rng_type_t::CPU_RNG;
+            // A job's LoRAs are added in each patched layer's forward (rank-r products, only on the layers a LoRA
+            // names) and the adapters are replaced by the next call's set, empty included, so the weights are never
+            // changed and a job without LoRAs computes on the file's own. sd.cpp's other mode merges into the
+            // weights and on a changed set drops them all to re-read them from the file: on this sd.cpp the job
+            // after a LoRA job then crashed in the VAE decode (SIGSEGV, CPU backend; tests/lora_switch.rs).
+            p.lora_apply_mode = sys::lora_apply_mode_t::LORA_APPLY_AT_RUNTIME;
             p.backend = c_runtime.as_ptr();
             p.params_backend =
                 if c_params.as_bytes().is_empty() { std::ptr::null() } else { c_params.as_ptr() };
@@ -185,6 +194,8 @@ impl SdCppEngine {
             supports_img2img: true,
             supports_inpaint: true,
             memory: Some(memory),
+            // sd.cpp takes no textual-inversion embeddings per request.
+            text_widths: Vec::new(),
         };
         Ok(SdCppEngine {
             ctx,
@@ -194,6 +205,7 @@ impl SdCppEngine {
             plan_device,
             memory_budget: opts.memory_budget,
             limits: Limits::default(),
+            loras: LoraChecks::default(),
         })
     }
 
@@ -262,6 +274,8 @@ impl Engine for SdCppEngine {
         req.validate(&self.limits)?;
         let (width, height) = req.output_size((self.model.native_width, self.model.native_height));
         let method = self.check(req, width, height)?;
+        networks::check_embeddings(&req.embeddings)?;
+        let loras = self.loras.check(&req.loras, &self.model.family)?;
         let base_seed = req.seed.unwrap_or_else(random_seed);
         let last_seed = base_seed.checked_add(u64::from(req.n.saturating_sub(1)));
         // sd.cpp takes a signed seed and treats negative values as "pick one at random".
@@ -283,11 +297,15 @@ impl Engine for SdCppEngine {
             false,
             true,
         )?;
-        let prompt = c_text("prompt", &req.prompt)?;
+        // The `<lora:…>` tags are the job's LoRAs (in `req.loras` now), not words of the prompt; the infotext keeps
+        // them, as A1111's does.
+        let prompt = c_text("prompt", &strip_networks(&req.prompt))?;
         let negative = c_text("negative_prompt", &req.negative_prompt)?;
         // sd.cpp reads init image and mask at the output size; A1111's "just resize" makes them fit.
         let init: Option<RgbImage> = req.init_image.as_ref().map(|i| fit_rgb(i, width, height));
         let mask: Option<GrayImage> = req.mask.as_ref().map(|m| fit_gray(m, width, height));
+        // Borrows `loras`' paths, alive until the end of this call.
+        let sd_loras = networks::sd_loras(&loras);
 
         let mut images = Vec::with_capacity(req.n as usize);
         for index in 0..req.n {
@@ -307,8 +325,11 @@ impl Engine for SdCppEngine {
             p.mask_image = mask.as_ref().map_or(EMPTY_IMAGE, |m| sd_image(m.width, m.height, 1, &m.data));
             p.sample_params.guidance.txt_cfg = req.cfg_scale;
             p.vae_tiling_params.enabled = plan.vae_tiling;
-            // SAFETY: every pointer in `p` (prompts, images) borrows data alive for this whole call; `ctx` is
-            // ours, used through `&mut self`.
+            // Every image passes the set, empty included: sd.cpp applies what each call names and nothing else.
+            p.loras = if sd_loras.is_empty() { std::ptr::null() } else { sd_loras.as_ptr() };
+            p.lora_count = sd_loras.len() as u32;
+            // SAFETY: every pointer in `p` (prompts, images, LoRA paths) borrows data alive for this whole call;
+            // `ctx` is ours, used through `&mut self`.
             let image = unsafe { generate_one(ctx, &p, &mut report) }?;
             let image = image.ok_or_else(|| {
                 EngineError::Failed(

@@ -7,6 +7,7 @@ mod callbacks;
 pub mod device;
 mod engine;
 mod model_info;
+mod networks;
 mod params;
 
 pub use device::{GgmlDevice, GgmlDeviceError};
