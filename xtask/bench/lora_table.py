@@ -49,6 +49,13 @@ def main() -> None:
     print(f"| take the LoRA out | {m('remove'):.0f} ms | – | – |")
     print(f"| UNet step, plain | {m('plain_step'):.2f} ms | {ref['plain_step_ms']:.2f} ms | {m('plain_step') / ref['plain_step_ms']:.2f}× |")
     print(f"| UNet step, LoRA merged | {m('merged_step'):.2f} ms | {ref['fused_step_ms']:.2f} ms | {m('merged_step') / ref['fused_step_ms']:.2f}× |")
+    for what in ("apply", "switch"):
+        p = ours[f"{what}_phases"]
+        print(f"{what}: host time restoring {p['restore_ms']:.0f} ms, reading files {p['read_ms']:.0f} ms, "
+              f"resolving and merging {p['merge_ms']:.0f} ms (medians; the rest is the device finishing)")
+    check = ours["merge_check"]
+    print(f"\nmerged in place vs built from host weights with the deltas added (UNet output, max |diff| / max |out|): "
+          f"{check['merged_vs_host_merged']:.2e}; the plain network vs that: {check['plain_vs_host_merged']:.2e}")
     used = ours["device_used_bytes"]
     print(f"\nkept to take the LoRA out: {ours['kept_bytes'] / 2**20:.0f} MiB of device memory; device used plain "
           f"{(used['plain'] or 0) >> 20} MiB, merged {(used['merged'] or 0) >> 20} MiB, after removal "

@@ -19,7 +19,7 @@ mod tensor_image;
 pub use cache::HostCache;
 pub use embeddings::{ActiveEmbeddings, EmbeddingError};
 pub use engine::{CandleEngine, LoadOptions, MemoryQuery};
-pub use lora::{AppliedLoras, LoraApplyError};
+pub use lora::{AppliedLoras, ChangeTimes, LoraApplyError};
 pub use model::{Family, LoadError, SdModel};
 pub use residency::{ModuleTarget, Resident, Targets};
 

@@ -14,6 +14,8 @@ use sdhive_engine::LoraUse;
 use sdhive_lora::{LoraFile, ModelParams, Network};
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -43,6 +45,57 @@ pub struct AppliedLoras {
     unet: Originals,
     /// One per text encoder.
     text: Vec<Originals>,
+    /// Files read recently, so that switching between a few LoRAs reads none of them again.
+    files: FileCache,
+    /// Where the last change of the set spent its time.
+    pub last: ChangeTimes,
+}
+
+/// Host time of the last change of the merged set (device work is queued: it ends at the next synchronisation).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ChangeTimes {
+    /// Putting back what the previous set changed.
+    pub restore_ms: f64,
+    /// Reading files that were not cached.
+    pub read_ms: f64,
+    /// Resolving the modules and adding the deltas.
+    pub merge_ms: f64,
+}
+
+/// Parsed LoRA files, most recently used last; a file changed on disk (mtime) is read again.
+#[derive(Default)]
+struct FileCache {
+    entries: Vec<(Merged, Arc<LoraFile>, u64)>,
+}
+
+/// Files kept, and the host memory they may hold together (f32 tensors: about twice an f16 file).
+const CACHED_FILES: usize = 4;
+const CACHED_BYTES: u64 = 2 << 30;
+
+impl FileCache {
+    fn get(
+        &mut self,
+        key: &Merged,
+        read: impl FnOnce() -> Result<LoraFile, sdhive_lora::LoraError>,
+    ) -> Result<Arc<LoraFile>, sdhive_lora::LoraError> {
+        let same = |m: &Merged| m.path == key.path && m.modified == key.modified;
+        if let Some(at) = self.entries.iter().position(|(m, _, _)| same(m)) {
+            let entry = self.entries.remove(at);
+            let file = Arc::clone(&entry.1);
+            self.entries.push(entry);
+            return Ok(file);
+        }
+        let file = Arc::new(read()?);
+        let bytes = std::fs::metadata(&key.path).map(|m| m.len() * 2).unwrap_or(0);
+        self.entries.retain(|(m, _, _)| m.path != key.path);
+        self.entries.push((key.clone(), Arc::clone(&file), bytes));
+        while self.entries.len() > CACHED_FILES
+            || (self.entries.len() > 1 && self.entries.iter().map(|e| e.2).sum::<u64>() > CACHED_BYTES)
+        {
+            self.entries.remove(0);
+        }
+        Ok(file)
+    }
 }
 
 impl AppliedLoras {
@@ -79,14 +132,16 @@ impl SdModel {
         if wanted == self.loras.merged {
             return Ok(());
         }
+        let started = Instant::now();
         self.restore_loras().map_err(|e| LoraApplyError::Failed {
             name: "(restoring weights)".into(),
             message: e.to_string(),
         })?;
+        self.loras.last = ChangeTimes { restore_ms: ms_since(started), ..ChangeTimes::default() };
         if loras.is_empty() {
             return Ok(());
         }
-        match self.merge_all(loras) {
+        match self.merge_all(loras, &wanted) {
             Ok(()) => {
                 self.loras.merged = wanted;
                 Ok(())
@@ -150,11 +205,13 @@ impl SdModel {
         (params, text_names)
     }
 
-    fn merge_all(&mut self, loras: &[LoraUse]) -> Result<(), LoraApplyError> {
+    fn merge_all(&mut self, loras: &[LoraUse], keys: &[Merged]) -> Result<(), LoraApplyError> {
+        let started = Instant::now();
+        let mut read_ms = 0.0;
         let (params, text_names) = self.model_params();
         self.loras.text.resize_with(self.encoders.len(), Originals::default);
         let mut unet_changed = false;
-        for lora in loras {
+        for (lora, key) in loras.iter().zip(keys) {
             let invalid = |e: &dyn std::fmt::Display| LoraApplyError::Invalid {
                 name: lora.name.clone(),
                 message: e.to_string(),
@@ -163,7 +220,9 @@ impl SdModel {
                 name: lora.name.clone(),
                 message: e.to_string(),
             };
-            let file = LoraFile::read(&lora.path).map_err(|e| invalid(&e))?;
+            let reading = Instant::now();
+            let file = self.loras.files.get(key, || LoraFile::read(&lora.path)).map_err(|e| invalid(&e))?;
+            read_ms += ms_since(reading);
             let patches = file.resolve(&params).map_err(|e| invalid(&e))?;
             for patch in &patches {
                 let (multiplier, shape) = match patch.network {
@@ -205,8 +264,14 @@ impl SdModel {
                 unet.weights_changed();
             }
         }
+        self.loras.last.read_ms = read_ms;
+        self.loras.last.merge_ms = ms_since(started) - read_ms;
         Ok(())
     }
+}
+
+fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
 }
 
 fn scaled(delta: &Tensor, multiplier: f32) -> candle_core::Result<Tensor> {

@@ -172,7 +172,12 @@ fn loras_on_offloaded_networks_match_their_reference() {
     let (dev, dtype) = (&test_device().device, test_device().dtype);
     let targets = Targets {
         unet: ModuleTarget { device: dev.clone(), dtype, offload: false, host_copy: false },
-        text: ModuleTarget { device: candle_core::Device::Cpu, dtype: DType::F32, offload: true, host_copy: false },
+        text: ModuleTarget {
+            device: candle_core::Device::Cpu,
+            dtype: DType::F32,
+            offload: true,
+            host_copy: false,
+        },
         vae: ModuleTarget { device: dev.clone(), dtype, offload: true, host_copy: false },
     };
     let model = SdModel::from_diffusers_dir_on("sd1", &fixtures().join("models/sd1"), &targets).expect("sd1");

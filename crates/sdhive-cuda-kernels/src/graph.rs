@@ -168,3 +168,37 @@ pub fn trim(device: &Device) -> Result<()> {
     }
     Ok(())
 }
+
+/// `(reserved, used, most used)` bytes of the device's default memory pool, which every allocation of the
+/// device's stream comes from; then the reserve beyond what is allocated goes back to the driver.
+pub fn pool_usage_then_trim(device: &Device) -> Result<(u64, u64, u64)> {
+    let stream = stream_of(device)?;
+    stream.synchronize().map_err(|e| driver(e, "synchronise"))?;
+    let ordinal = stream.context().cu_device();
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: plain driver calls on a device handle cudarc opened; the attributes read are u64 (cuuint64_t).
+    unsafe {
+        let r = sys::cuDeviceGetDefaultMemPool(&mut pool, ordinal);
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(driver(r, "default memory pool"));
+        }
+        let read = |attr: sys::CUmemPool_attribute| -> Result<u64> {
+            let mut v: u64 = 0;
+            let r = sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut std::ffi::c_void);
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return Err(driver(r, "memory pool attribute"));
+            }
+            Ok(v)
+        };
+        let usage = (
+            read(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+            read(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            read(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+        );
+        let r = sys::cuMemPoolTrimTo(pool, 0);
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(driver(r, "memory pool trim"));
+        }
+        Ok(usage)
+    }
+}

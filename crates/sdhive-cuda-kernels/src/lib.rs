@@ -253,6 +253,11 @@ pub fn trim_graph_memory(device: &candle_core::Device) -> Result<()> {
     on_cuda!(graph::trim(device); device)
 }
 
+/// `(reserved, used, most used)` bytes of `device`'s memory pool, then its unused reserve returned to the driver.
+pub fn pool_usage_then_trim(device: &candle_core::Device) -> Result<(u64, u64, u64)> {
+    on_cuda!(graph::pool_usage_then_trim(device); device)
+}
+
 #[cfg(not(feature = "cuda"))]
 fn unavailable() -> candle_core::Error {
     candle_core::Error::Msg("sdhive-cuda-kernels was built without its cuda feature".into())

@@ -70,9 +70,10 @@ impl ParamSlot {
         self.holder.narrow(0, self.offset, self.rows)
     }
 
-    /// A copy of the weight as stored, for [`ParamSlot::write`] to put back bit for bit.
+    /// A copy of the weight as stored, for [`ParamSlot::write`] to put back bit for bit. Only the weight's rows:
+    /// `Tensor::copy` of a view would copy the whole holder (a stacked table of every block's k and v).
     pub fn read(&self) -> Result<Tensor> {
-        self.block()?.copy()
+        self.block()?.force_contiguous()
     }
 
     /// Puts back what [`ParamSlot::read`] returned.
@@ -294,6 +295,7 @@ mod tests {
 
         let before = values(&stack);
         let saved = map.get("b.weight").expect("b").read().expect("read");
+        assert_eq!(saved.dims(), &[1, 3], "only the weight's rows are kept");
         map.get("b.weight")
             .expect("b")
             .add(&Tensor::ones((1, 3), DType::F32, &Device::Cpu).unwrap())
