@@ -68,7 +68,7 @@ struct FileCache {
     entries: Vec<(Merged, Arc<LoraFile>, u64)>,
 }
 
-/// Files kept, and the host memory they may hold together (f32 tensors: about twice an f16 file).
+/// Files kept, and the host memory they may hold together (tensors in the file's dtype: about the file's size).
 const CACHED_FILES: usize = 4;
 const CACHED_BYTES: u64 = 2 << 30;
 
@@ -86,7 +86,7 @@ impl FileCache {
             return Ok(file);
         }
         let file = Arc::new(read()?);
-        let bytes = std::fs::metadata(&key.path).map(|m| m.len() * 2).unwrap_or(0);
+        let bytes = std::fs::metadata(&key.path).map(|m| m.len()).unwrap_or(0);
         self.entries.retain(|(m, _, _)| m.path != key.path);
         self.entries.push((key.clone(), Arc::clone(&file), bytes));
         while self.entries.len() > CACHED_FILES

@@ -195,7 +195,7 @@ impl Weights {
 
     /// ΔW before scaling, in A1111's `output_shape` (see `natural_shape`), computed on `device`.
     pub(crate) fn update(&self, device: &Device) -> candle_core::Result<Tensor> {
-        let on = |t: &Tensor| t.to_device(device);
+        let on = |t: &Tensor| t.to_device(device)?.to_dtype(candle_core::DType::F32);
         match self {
             Weights::Lora { up, down, mid } => {
                 let (up, down) = (as_matrix(&on(up)?)?, as_matrix(&on(down)?)?);

@@ -64,7 +64,7 @@ impl LoraModule {
     }
 }
 
-/// A LoRA or LyCORIS file, read into CPU f32 tensors.
+/// A LoRA or LyCORIS file, read into CPU tensors of the file's float dtype.
 #[derive(Debug, Clone)]
 pub struct LoraFile {
     pub path: PathBuf,
@@ -251,7 +251,8 @@ impl LoraFile {
         // as every mmap-based model loader. Every tensor is copied out before the map is dropped.
         let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }
             .map_err(|e| LoraError::Header { path: path.to_path_buf(), reason: e.to_string() })?;
-        // Every tensor copied out and widened to f32 on all cores: an SDXL LoRA holds a few hundred MB.
+        // Every tensor copied out on all cores (an SDXL LoRA holds a few hundred MB), in the file's float dtype:
+        // half the bytes of f32 to keep and to upload; the deltas are computed in f32 on the device.
         let loaded: HashMap<&String, Tensor> = {
             use rayon::prelude::*;
             header
@@ -261,13 +262,14 @@ impl LoraFile {
                 .collect::<Vec<_>>()
                 .into_par_iter()
                 .map(|key| {
-                    st.load(key, &Device::Cpu).and_then(|t| t.to_dtype(DType::F32)).map(|t| (key, t)).map_err(
-                        |source| LoraError::Tensor {
+                    st.load(key, &Device::Cpu)
+                        .and_then(|t| if t.dtype().is_float() { Ok(t) } else { t.to_dtype(DType::F32) })
+                        .map(|t| (key, t))
+                        .map_err(|source| LoraError::Tensor {
                             path: path.to_path_buf(),
                             key: key.to_string(),
                             source: Box::new(source),
-                        },
-                    )
+                        })
                 })
                 .collect::<Result<_, _>>()?
         };
@@ -353,7 +355,10 @@ fn scalar(path: &Path, key: &str, t: &Tensor) -> Result<f32, LoraError> {
     if t.elem_count() != 1 {
         return Err(bad(format!("a scalar is needed, found shape {:?}", t.dims())));
     }
-    let v = t.flatten_all().and_then(|t| t.to_vec1::<f32>()).map_err(|e| bad(e.to_string()))?;
+    let v = t
+        .flatten_all()
+        .and_then(|t| t.to_dtype(DType::F32)?.to_vec1::<f32>())
+        .map_err(|e| bad(e.to_string()))?;
     v.first().copied().filter(|v| v.is_finite()).ok_or_else(|| bad("not a finite number".into()))
 }
 
