@@ -38,6 +38,9 @@ pub struct LoraModule {
     pub alpha: Option<f32>,
     /// LyCORIS' `.scale` tensor (or PEFT's rsLoRA scale); when present it replaces alpha/rank.
     pub scale: Option<f32>,
+    /// Whether alpha or scale came from the adapter metadata rather than from tensors (loaders that read only
+    /// tensors, as stable-diffusion.cpp does, would apply such a module at another strength).
+    pub scale_from_metadata: bool,
     pub(crate) weights: Weights,
 }
 
@@ -428,13 +431,14 @@ fn build_module(
         key: module_key.clone(),
         reason,
     })?;
-    let (alpha, scale) = match (&name, alpha, scale, adapter) {
+    let (alpha, scale, from_metadata) = match (&name, alpha, scale, adapter) {
         (ModuleName::Diffusers { network, path: module_path }, None, None, Some(adapter)) => {
-            adapter.alpha_scale(*network, module_path, weights.rank())
+            let (alpha, scale) = adapter.alpha_scale(*network, module_path, weights.rank());
+            (alpha, scale, alpha.is_some() || scale.is_some())
         }
-        _ => (alpha, scale),
+        _ => (alpha, scale, false),
     };
-    Ok(LoraModule { key: module_key, name, alpha, scale, weights })
+    Ok(LoraModule { key: module_key, name, alpha, scale, scale_from_metadata: from_metadata, weights })
 }
 
 /// diffusers/PEFT adapter configs from the `lora_adapter_metadata` metadata field: PEFT `LoraConfig` dicts, either

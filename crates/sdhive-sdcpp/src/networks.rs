@@ -72,6 +72,19 @@ fn invalid(lora: &LoraUse, message: impl std::fmt::Display) -> ValidationError {
 fn check_one(lora: &LoraUse, family: &str) -> Result<Option<CheckedLora>, ValidationError> {
     let file = LoraFile::read(&lora.path).map_err(|e| invalid(lora, e))?;
     fits_family(&file, family).map_err(|m| invalid(lora, m))?;
+    // sd.cpp reads a module's alpha from `.alpha` tensors only: a diffusers/PEFT file whose alpha is in its adapter
+    // metadata would be applied at another strength, silently.
+    if let Some(m) = file.modules.iter().find(|m| m.scale_from_metadata && m.scale() != 1.0) {
+        return Err(invalid(
+            lora,
+            format!(
+                "module {} takes its alpha from the file's adapter metadata (scale {}), which the \
+                 stable-diffusion.cpp engine does not read: it would apply the LoRA at another strength",
+                m.key,
+                m.scale()
+            ),
+        ));
+    }
     let has = |unet: bool| file.modules.iter().any(|m| (m.name.network() == Network::Unet) == unet);
     // sd.cpp scales every module of a LoRA by its one multiplier. A1111's separate te/unet weights can be
     // honoured only where the file has modules of one part, or both weights agree.
@@ -227,6 +240,17 @@ mod tests {
 
     const SD1_K: &str = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn2_to_k";
     const SDXL_K: &str = "lora_unet_input_blocks_4_1_transformer_blocks_0_attn2_to_v";
+
+    /// The PEFT fixture keeps alpha 8 for rank 4 in its adapter metadata, which sd.cpp would not apply.
+    #[test]
+    fn an_alpha_only_in_metadata_is_refused() {
+        let mut checks = LoraChecks::default();
+        let err = checks.check(&[lora("models/Lora/sd1_peft.safetensors", 1.0, 1.0)], "other").unwrap_err();
+        assert_eq!(err.field, "loras");
+        assert!(err.message.contains("adapter metadata") && err.message.contains("`my_lora`"), "{err:?}");
+        // kohya files carry alpha as tensors, which sd.cpp reads.
+        assert!(checks.check(&[lora("models/Lora/sd1_kohya.safetensors", 1.0, 1.0)], "other").is_ok());
+    }
 
     #[test]
     fn a_lora_fits_its_own_family_only() {
