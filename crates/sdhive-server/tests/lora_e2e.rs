@@ -214,6 +214,66 @@ fn infotext(info: &Value) -> String {
 // Images against the goldens, through the A1111 route and the clients' own request shapes
 // ---------------------------------------------------------------------------------------------------------
 
+/// `/v1/images/edits` is multipart: its `loras` field is the structured list as JSON text, and gives the image the
+/// prompt's tag gives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edit_takes_structured_loras_as_a_form_field() {
+    let c = Client::new(shared());
+    let init = std::fs::read(fixtures().join("images/init.png")).expect("init.png");
+    let edit = |prompt: &str, loras: Option<&str>| {
+        let boundary = "lora-e2e-boundary";
+        let mut body = Vec::new();
+        let mut text = |name: &str, value: &str| {
+            body.extend_from_slice(
+                format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n")
+                    .as_bytes(),
+            );
+        };
+        for (name, value) in [("prompt", prompt), ("steps", "4"), ("seed", "7"), ("strength", "0.6")] {
+            text(name, value);
+        }
+        if let Some(loras) = loras {
+            text("loras", loras);
+        }
+        body.extend_from_slice(
+            format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; filename=\"init.png\"\r\n\
+                 Content-Type: image/png\r\n\r\n"
+            )
+            .as_bytes(),
+        );
+        body.extend_from_slice(&init);
+        body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+        let request = c
+            .http
+            .post(format!("{}/v1/images/edits", c.base))
+            .header("content-type", format!("multipart/form-data; boundary={boundary}"))
+            .body(body);
+        async move {
+            let response = request.send().await.expect("POST edits");
+            let status = response.status().as_u16();
+            (status, response.json::<Value>().await.expect("a JSON body"))
+        }
+    };
+    // Pixels: the PNGs' infotexts differ (the tag is in one prompt).
+    let image = |v: &Value| {
+        let b64 = v["data"][0]["b64_json"].as_str().expect("b64_json");
+        let png = base64::engine::general_purpose::STANDARD.decode(b64).expect("base64");
+        decode_image(&png, 1 << 24).expect("a PNG").data
+    };
+    let (status, plain) = edit("a blue bird", None).await;
+    assert_eq!(status, 200, "{plain}");
+    let (status, tagged) = edit("a blue bird <lora:sd1_kohya:0.8>", None).await;
+    assert_eq!(status, 200, "{tagged}");
+    let (status, structured) = edit("a blue bird", Some(r#"[{"name": "sd1_kohya", "weight": 0.8}]"#)).await;
+    assert_eq!(status, 200, "{structured}");
+    assert_ne!(image(&plain), image(&structured), "the LoRA changed nothing");
+    assert_eq!(image(&tagged), image(&structured));
+    let (status, err) = edit("a blue bird", Some("not json")).await;
+    assert_eq!(status, 400, "{err}");
+    assert!(err.to_string().contains("loras"), "{err}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a1111_lora_and_te_unet_tags_match_the_goldens_with_hashes() {
     let c = Client::new(shared());

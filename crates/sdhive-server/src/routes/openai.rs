@@ -520,6 +520,13 @@ async fn read_form(mut multipart: Multipart) -> Result<EditForm, ApiError> {
                 let text = field.text().await.map_err(multipart_error)?;
                 let value = if STRING_FIELDS.contains(&name.as_str()) {
                     Value::String(text)
+                } else if name == "loras" {
+                    // A form carries the structured list as JSON text; left a string when it is none, so the
+                    // typed parse names the field.
+                    serde_json::from_str::<Value>(text.trim())
+                        .ok()
+                        .filter(Value::is_array)
+                        .unwrap_or(Value::String(text))
                 } else {
                     // Form values are text; numbers and booleans are recovered so the typed parse can check them.
                     serde_json::from_str::<Value>(text.trim())
