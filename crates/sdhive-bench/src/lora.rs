@@ -49,9 +49,13 @@ fn used_bytes(dev: &Device) -> Option<u64> {
     }
 }
 
-/// 20-step schedules of CFG steps at the model's native size, queued back to back; the time per step.
-fn steps(model: &SdModel, dev: &Device, dtype: DType, iters: usize) -> Result<Timing> {
-    let unet = model.unet.get().context("the UNet is offloaded")?;
+/// Random inputs of a CFG step at the family's native size: the latent sample (shared by both halves), the
+/// `(2, 77, ·)` text context and SDXL's added conditioning.
+fn step_inputs(
+    model: &SdModel,
+    dev: &Device,
+    dtype: DType,
+) -> Result<(Tensor, Tensor, Option<SdxlConditioning>)> {
     let side = latent_side(model);
     let randn = |shape: &[usize]| -> Result<Tensor> {
         Ok(Tensor::randn(0f32, 1., shape, &Device::Cpu)?.to_dtype(dtype)?.to_device(dev)?)
@@ -60,9 +64,14 @@ fn steps(model: &SdModel, dev: &Device, dtype: DType, iters: usize) -> Result<Ti
         sdhive_models::IntOrList::Int(n) => *n,
         sdhive_models::IntOrList::List(v) => v.first().copied().context("empty cross_attention_dim")?,
     };
-    let sample = randn(&[1, 4, side, side])?;
-    let context = randn(&[2, 77, ctx_dim])?;
-    let added = added_conditioning(model, &randn)?;
+    let (sample, context) = (randn(&[1, 4, side, side])?, randn(&[2, 77, ctx_dim])?);
+    Ok((sample, context, added_conditioning(model, &randn)?))
+}
+
+/// 20-step schedules of CFG steps at the model's native size, queued back to back; the time per step.
+fn steps(model: &SdModel, dev: &Device, dtype: DType, iters: usize) -> Result<Timing> {
+    let unet = model.unet.get().context("the UNet is offloaded")?;
+    let (sample, context, added) = step_inputs(model, dev, dtype)?;
     let schedule = schedule(0.0);
     let run = || -> Result<Call> {
         let call = timed(dev, || {
@@ -97,16 +106,7 @@ fn merge_check(
     let mut reference =
         SdModel::from_diffusers_dir_on("reference", dir, &targets).context("the host-merged model")?;
     let unet = model.unet.get().context("the UNet is offloaded")?;
-    let side = latent_side(model);
-    let randn = |shape: &[usize]| -> Result<Tensor> {
-        Ok(Tensor::randn(0f32, 1., shape, &Device::Cpu)?.to_dtype(dtype)?.to_device(dev)?)
-    };
-    let ctx_dim = match &model.unet_config.cross_attention_dim {
-        sdhive_models::IntOrList::Int(n) => *n,
-        sdhive_models::IntOrList::List(v) => v.first().copied().context("empty cross_attention_dim")?,
-    };
-    let (sample, context) = (randn(&[1, 4, side, side])?, randn(&[2, 77, ctx_dim])?);
-    let added = added_conditioning(model, &randn)?;
+    let (sample, context, added) = step_inputs(model, dev, dtype)?;
     let run = |u: &sdhive_models::UNet2DConditionModel| -> Result<Vec<f32>> {
         let y = u.forward(&sample, 500.0, &context, added.as_ref())?;
         Ok(y.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)

@@ -8,6 +8,8 @@
 //! One worker (model loaded once) serves every test of this file but the removal test, which needs workers that
 //! nothing else ran on: CI time is scarce, and the tiny model's steps are what these tests cost.
 
+mod pyclients;
+
 use base64::Engine as _;
 use candle_core::{DType, Device};
 use sdhive_candle::{CandleEngine, LoadOptions};
@@ -434,49 +436,8 @@ async fn bad_loras_are_400s_naming_the_field_and_the_lora() {
 // The clients themselves: webuiapi and the openai SDK, from Python
 // ---------------------------------------------------------------------------------------------------------
 
-fn python_has_clients(python: &Path) -> bool {
-    Command::new(python).args(["-c", "import webuiapi, openai"]).output().is_ok_and(|o| o.status.success())
-}
-
-/// A Python that can `import webuiapi, openai`: `SDHIVE_TEST_PYTHON`, else `python3` if it has both, else a
-/// venv under the target directory with both installed from PyPI (once; later runs reuse it).
 fn python_with_clients() -> Result<PathBuf, String> {
-    if let Some(python) = std::env::var_os("SDHIVE_TEST_PYTHON") {
-        let python = PathBuf::from(python);
-        return if python_has_clients(&python) {
-            Ok(python)
-        } else {
-            Err(format!("SDHIVE_TEST_PYTHON={} cannot `import webuiapi, openai`", python.display()))
-        };
-    }
-    let system = PathBuf::from("python3");
-    if python_has_clients(&system) {
-        return Ok(system);
-    }
-    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("lora-clients-venv");
-    let python = venv.join("bin/python");
-    if python_has_clients(&python) {
-        return Ok(python);
-    }
-    let run = |cmd: &mut Command| -> Result<(), String> {
-        let out = cmd.output().map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!(
-                "{cmd:?} failed:\n{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            ))
-        }
-    };
-    run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
-    run(Command::new(&python).args(["-m", "pip", "install", "--quiet", "webuiapi", "openai"]))?;
-    if python_has_clients(&python) {
-        Ok(python)
-    } else {
-        Err(format!("installed webuiapi and openai into {} but they cannot be imported", venv.display()))
-    }
+    pyclients::python_with(&["webuiapi", "openai"], "lora-clients-venv")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

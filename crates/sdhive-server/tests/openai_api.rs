@@ -3,6 +3,8 @@
 //! naming the parameter; the API key, the `url` response format and output formats must work; a client that
 //! disconnects must cancel its job. The last test drives the server with the official `openai` Python SDK.
 
+mod pyclients;
+
 use base64::Engine as _;
 use candle_core::{DType, Device};
 use sdhive_candle::{CandleEngine, LoadOptions};
@@ -479,49 +481,8 @@ async fn an_interrupted_request_gets_a_non_retryable_409() {
 // The official Python SDK as the client
 // ---------------------------------------------------------------------------------------------------------
 
-fn python_has_openai(python: &Path) -> bool {
-    Command::new(python).args(["-c", "import openai"]).output().is_ok_and(|o| o.status.success())
-}
-
-/// A Python that can `import openai`: `SDHIVE_TEST_PYTHON`, else `python3` if it has the SDK, else a venv
-/// under the target directory with the SDK installed from PyPI (once; later runs reuse it).
 fn python_with_openai() -> Result<PathBuf, String> {
-    if let Some(python) = std::env::var_os("SDHIVE_TEST_PYTHON") {
-        let python = PathBuf::from(python);
-        return if python_has_openai(&python) {
-            Ok(python)
-        } else {
-            Err(format!("SDHIVE_TEST_PYTHON={} cannot `import openai`", python.display()))
-        };
-    }
-    let system = PathBuf::from("python3");
-    if python_has_openai(&system) {
-        return Ok(system);
-    }
-    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-sdk-venv");
-    let python = venv.join("bin/python");
-    if python_has_openai(&python) {
-        return Ok(python);
-    }
-    let run = |cmd: &mut Command| -> Result<(), String> {
-        let out = cmd.output().map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!(
-                "{cmd:?} failed:\n{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            ))
-        }
-    };
-    run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
-    run(Command::new(&python).args(["-m", "pip", "install", "--quiet", "openai"]))?;
-    if python_has_openai(&python) {
-        Ok(python)
-    } else {
-        Err(format!("installed openai into {} but it still cannot be imported", venv.display()))
-    }
+    pyclients::python_with(&["openai"], "openai-sdk-venv")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
