@@ -46,6 +46,8 @@ def main() -> None:
     print("|---|---|---|---|")
     print(f"| merge one LoRA (from none) | {m('apply'):.0f} ms | {ref['apply_ms']:.0f} ms | {m('apply') / ref['apply_ms']:.2f}× |")
     print(f"| switch to the other LoRA | {m('switch'):.0f} ms | {ref['switch_ms']:.0f} ms | {m('switch') / ref['switch_ms']:.2f}× |")
+    first = ours["first_merge_phases"]
+    print(f"| first use of a LoRA (file read and parsed) | {ours['first_merge_ms']:.0f} ms (reading {first['read_ms']:.0f} ms) | – | – |")
     print(f"| take the LoRA out | {m('remove'):.0f} ms | – | – |")
     print(f"| UNet step, plain | {m('plain_step'):.2f} ms | {ref['plain_step_ms']:.2f} ms | {m('plain_step') / ref['plain_step_ms']:.2f}× |")
     print(f"| UNet step, LoRA merged | {m('merged_step'):.2f} ms | {ref['fused_step_ms']:.2f} ms | {m('merged_step') / ref['fused_step_ms']:.2f}× |")

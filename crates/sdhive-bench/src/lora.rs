@@ -151,8 +151,8 @@ pub fn run(
     let plain_step = steps(&model, dev, dtype, iters)?;
     eprintln!("plain step {:.2} ms", plain_step.median_ms);
 
-    // Untimed first merge: reads the file into the page cache. The device's memory pool around it: what a merge
-    // holds at most, and what stays reserved.
+    // The first merge also reads and parses the file (in the page cache: the script wrote it just before). The
+    // device's memory pool around it: what a merge holds at most, and what stays reserved.
     let pool = |what: &str| {
         if let Ok((reserved, used, high)) = sdhive_cuda_kernels::pool_usage_then_trim(dev) {
             eprintln!(
@@ -164,7 +164,9 @@ pub fn run(
         }
     };
     pool("before the first merge");
-    model.set_loras(std::slice::from_ref(&a)).context("merging the first LoRA")?;
+    let first = timed(dev, || model.set_loras(std::slice::from_ref(&a)).context("merging the first LoRA"))?;
+    let first_phases = model.loras.last;
+    eprintln!("first merge, file read: {:.1} ms ({first_phases:?})", first.ms);
     pool("after the first merge");
     model.set_loras(&[]).context("taking the LoRA out")?;
     pool("after taking it out");
@@ -204,6 +206,7 @@ pub fn run(
         "model": model_dir, "loras": [a.path, b.path],
         "plain_step": plain_step, "merged_step": merged_step,
         "apply": Timing::new(&apply), "switch": Timing::new(&switch), "remove": Timing::new(&remove),
+        "first_merge_ms": first.ms, "first_merge_phases": phases(&[first_phases]),
         "apply_phases": phases(&apply_phases), "switch_phases": phases(&switch_phases),
         "kept_bytes": kept, "merge_check": check,
         "device_used_bytes": {"plain": used_plain, "merged": used_merged, "after_removal": used_after},
