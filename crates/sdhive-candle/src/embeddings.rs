@@ -61,6 +61,10 @@ impl SdModel {
 
     /// Makes `uses` the embeddings the next prompts are encoded with (none for an empty list).
     pub fn set_embeddings(&mut self, uses: &[EmbeddingUse]) -> Result<(), EmbeddingError> {
+        // Most jobs name none: nothing to read or look up then.
+        if uses.is_empty() && self.embeddings.loaded.is_empty() {
+            return Ok(());
+        }
         let err = |name: &str, message: String| EmbeddingError { name: name.to_string(), message };
         let shapes: Vec<(usize, usize)> = (0..self.encoders.len())
             .map(|i| {

@@ -8,7 +8,7 @@
 //! CPU), so a model is put back before it is dropped.
 
 use crate::model::SdModel;
-use crate::residency::{Originals, Resident};
+use crate::residency::Originals;
 use candle_core::Tensor;
 use sdhive_engine::LoraUse;
 use sdhive_lora::{LoraFile, ModelParams, Network};
@@ -250,10 +250,10 @@ impl SdModel {
                 match patch.network {
                     Network::Unet => {
                         unet_changed = true;
-                        add(&mut self.unet, name, &delta, &mut self.loras.unet)
+                        self.unet.add_delta(name, &delta, &mut self.loras.unet)
                     }
                     Network::TextEncoder(i) => {
-                        add(&mut self.encoders[i].model, name, &delta, &mut self.loras.text[i])
+                        self.encoders[i].model.add_delta(name, &delta, &mut self.loras.text[i])
                     }
                 }
                 .map_err(|e| failed(&e))?;
@@ -280,13 +280,4 @@ fn scaled(delta: &Tensor, multiplier: f32) -> candle_core::Result<Tensor> {
     } else {
         delta.affine(f64::from(multiplier), 0.0)
     }
-}
-
-fn add<T>(
-    resident: &mut Resident<T>,
-    name: &str,
-    delta: &Tensor,
-    originals: &mut Originals,
-) -> candle_core::Result<()> {
-    resident.add_delta(name, delta, originals)
 }

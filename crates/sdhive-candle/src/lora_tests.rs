@@ -5,7 +5,7 @@
 
 use crate::cache::HostCache;
 use crate::model::SdModel;
-use crate::parity_tests::{cases, check_cases, fixtures, run_case};
+use crate::parity_tests::{cases, check_cases, failing_cases, fixtures, run_case};
 use crate::residency::Targets;
 use crate::test_device::test_device;
 use candle_core::{DType, Tensor};
@@ -64,29 +64,10 @@ fn weights(model: &SdModel) -> Vec<(String, Vec<f32>)> {
 /// cases after them must still match their own goldens.
 #[test]
 fn every_lora_case_matches_its_reference() {
-    let tol = test_device().tolerance;
     let cases = lora_cases();
     assert!(cases.len() >= 9, "expected the LoRA and embedding cases, found {}", cases.len());
     let mut models = HashMap::new();
-    let mut failures = Vec::new();
-    for case in &cases {
-        let name = case["case"].as_str().unwrap_or("?");
-        let r = run_case(&mut models, case);
-        let total = 64 * 64 * 3;
-        eprintln!(
-            "{name:24} ({}) latent rel diff {:.2e}  pixels off by >1: {}/{total}  max level diff {}",
-            case["reference"].as_str().unwrap_or("?"),
-            r.latent_rel,
-            r.pixels_off,
-            r.max_level_diff
-        );
-        if r.latent_rel.is_nan()
-            || r.latent_rel > tol.latent_rel
-            || r.pixels_off as f32 > tol.pixels_off * total as f32
-        {
-            failures.push(name.to_string());
-        }
-    }
+    let failures = failing_cases(&mut models, &cases);
     assert!(failures.is_empty(), "cases off their reference on {}: {failures:?}", test_device().label);
     check_cases(&mut models, &["sd1_euler", "sdxl_euler"], "after the LoRA cases");
 }

@@ -145,17 +145,24 @@ pub(crate) fn run_case(models: &mut HashMap<String, SdModel>, case: &Value) -> C
 /// within one level on at least 99% of the channel values (f32; half precision: `test_device`'s tolerances).
 #[test]
 fn every_pipeline_case_matches_diffusers() {
-    let tol = test_device().tolerance;
     let cases = cases();
     assert!(cases.len() >= 20, "expected the full case list, found {}", cases.len());
-    let mut models = HashMap::new();
+    let failures = failing_cases(&mut HashMap::new(), &cases);
+    assert!(failures.is_empty(), "cases off diffusers on {}: {failures:?}", test_device().label);
+}
+
+/// Runs `cases` on `models` (loaded as they are first needed), printing each one's distance to its golden; the
+/// names of those off the device's tolerances.
+pub(crate) fn failing_cases(models: &mut HashMap<String, SdModel>, cases: &[Value]) -> Vec<String> {
+    let tol = test_device().tolerance;
     let mut failures = Vec::new();
-    for case in &cases {
+    for case in cases {
         let name = case["case"].as_str().unwrap_or("?");
-        let r = run_case(&mut models, case);
+        let r = run_case(models, case);
         let total = 64 * 64 * 3;
+        let reference = case["reference"].as_str().map(|r| format!(" ({r})")).unwrap_or_default();
         eprintln!(
-            "{name:28} latent rel diff {:.2e}  pixels off by >1: {}/{total}  max level diff {}",
+            "{name:28}{reference} latent rel diff {:.2e}  pixels off by >1: {}/{total}  max level diff {}",
             r.latent_rel, r.pixels_off, r.max_level_diff
         );
         let latents_off = r.latent_rel.is_nan() || r.latent_rel > tol.latent_rel;
@@ -163,7 +170,7 @@ fn every_pipeline_case_matches_diffusers() {
             failures.push(name.to_string());
         }
     }
-    assert!(failures.is_empty(), "cases off diffusers on {}: {failures:?}", test_device().label);
+    failures
 }
 
 /// On CUDA the UNet's third and later calls with one shape replay a recorded graph: a replay must compute from

@@ -179,7 +179,7 @@ impl<T> Resident<T> {
             State::Loaded(_) => self.params.shapes(),
             State::Host { weights, .. } => weights
                 .iter()
-                .filter(|(name, t)| name.ends_with(".weight") && matches!(t.rank(), 2 | 4))
+                .filter(|(name, t)| params::is_lora_weight(name, t))
                 .map(|(name, t)| (name.clone(), t.dims().to_vec()))
                 .collect(),
         }
@@ -225,9 +225,7 @@ impl<T> Resident<T> {
                 let current = weights
                     .get(name)
                     .ok_or_else(|| candle_core::Error::Msg(format!("no weight `{name}` to change")))?;
-                let sum = (current.to_dtype(DType::F32)?
-                    + delta.to_device(current.device())?.to_dtype(DType::F32)?.reshape(current.shape())?)?
-                .to_dtype(current.dtype())?;
+                let sum = params::merged(current, delta)?;
                 let before = weights.insert(name.to_string(), sum);
                 if let Some(before) = before {
                     originals.weights.entry(name.to_string()).or_insert(before);

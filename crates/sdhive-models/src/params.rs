@@ -89,7 +89,7 @@ impl ParamSlot {
         for t in &self.transforms {
             d = t(&d)?;
         }
-        let sum = (self.block()?.to_dtype(DType::F32)? + d)?.to_dtype(self.holder.dtype())?.contiguous()?;
+        let sum = merged(&self.block()?, &d)?.contiguous()?;
         self.holder.slice_set(&sum, 0, self.offset)
     }
 }
@@ -130,9 +130,21 @@ thread_local! {
     static RECORDER: RefCell<Option<Recorder>> = const { RefCell::new(None) };
 }
 
-/// Only the weights LoRA can change are recorded: linear and convolution weights (rank 2 or 4).
+/// Whether LoRA can change the weight `name`: linear and convolution weights (rank 2 or 4).
+pub fn is_lora_weight(name: &str, t: &Tensor) -> bool {
+    name.ends_with(".weight") && matches!(t.rank(), 2 | 4)
+}
+
+/// `current + delta` (the delta reshaped to the weight's shape, on its device), summed in f32 and rounded once
+/// to the weight's dtype.
+pub fn merged(current: &Tensor, delta: &Tensor) -> Result<Tensor> {
+    let delta = delta.to_device(current.device())?.to_dtype(DType::F32)?.reshape(current.shape())?;
+    (current.to_dtype(DType::F32)? + delta)?.to_dtype(current.dtype())
+}
+
+/// Only the weights LoRA can change are recorded, and only contiguous ones (they are written in place).
 fn recorded(name: &str, t: &Tensor) -> bool {
-    name.ends_with(".weight") && matches!(t.rank(), 2 | 4) && t.is_contiguous()
+    is_lora_weight(name, t) && t.is_contiguous()
 }
 
 /// Runs `build` (which builds a network from a builder over a [`RecordingBackend`]) and returns what it built

@@ -6,7 +6,7 @@
 
 mod common;
 
-use sdhive_engine::{Control, Engine, GenerateRequest, LoraUse, Sampler};
+use sdhive_engine::{Control, Engine, GenerateRequest, LoraUse};
 
 fn request(lora: Option<f32>) -> GenerateRequest {
     let loras: Vec<LoraUse> = lora
@@ -20,17 +20,7 @@ fn request(lora: Option<f32>) -> GenerateRequest {
         .into_iter()
         .collect();
     let tag = lora.map(|w| format!(" <lora:sd15_random_lora:{w}>")).unwrap_or_default();
-    GenerateRequest {
-        prompt: format!("a red cube on a wooden table{tag}"),
-        steps: 4,
-        cfg_scale: 7.0,
-        width: Some(64),
-        height: Some(64),
-        seed: Some(42),
-        sampler: Sampler::Euler,
-        loras,
-        ..GenerateRequest::default()
-    }
+    GenerateRequest { loras, ..common::golden_request(format!("a red cube on a wooden table{tag}")) }
 }
 
 fn image(engine: &mut impl Engine, req: &GenerateRequest) -> Vec<u8> {

@@ -7,21 +7,11 @@
 mod common;
 
 use common::engine;
-use sdhive_engine::{Control, Engine, EngineError, GenerateRequest, Sampler};
+use sdhive_engine::{Control, Engine, EngineError, GenerateRequest};
 use sdhive_sdcpp::SdCppEngine;
 
 fn request(n: u32) -> GenerateRequest {
-    GenerateRequest {
-        prompt: "a red cube on a wooden table".into(),
-        steps: 4,
-        cfg_scale: 7.0,
-        width: Some(64),
-        height: Some(64),
-        seed: Some(42),
-        n,
-        sampler: Sampler::Euler,
-        ..GenerateRequest::default()
-    }
+    GenerateRequest { n, ..common::golden_request("a red cube on a wooden table".into()) }
 }
 
 /// The images' RGB bytes, and every (image, step) reported on the way.

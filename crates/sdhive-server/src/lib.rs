@@ -8,6 +8,7 @@ pub mod error;
 pub mod extract;
 mod infer;
 pub mod jobs;
+mod locks;
 pub mod metrics;
 pub mod models;
 pub mod networks;

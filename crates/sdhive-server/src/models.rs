@@ -4,11 +4,12 @@
 //! thread has loaded now. Handlers resolve names here at submission, so an unknown name is refused before it is
 //! queued; the engine thread records every load and unload here.
 
+use crate::locks::{lock, read, write};
 use sdhive_catalog::{Catalog, CatalogConfig, Checkpoint, CheckpointFormat, Refused};
 use sdhive_engine::{EngineInfo, ModelSpec};
 use sdhive_protocol::{file_stem, is_openai_model_name, ListedModel};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, RwLock};
 use thiserror::Error;
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -106,19 +107,6 @@ pub struct ModelLibrary {
     loaded: RwLock<Loaded>,
     /// Whether the worker can load other models at all (false for a fixed engine handed to `AppState::new`).
     switchable: bool,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every update is a few field writes; a poisoned lock still holds consistent data.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
-    m.read().unwrap_or_else(|p| p.into_inner())
-}
-
-fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
-    m.write().unwrap_or_else(|p| p.into_inner())
 }
 
 impl ModelLibrary {

@@ -6,28 +6,16 @@
 //! about 0.3 s) on the caller's blocking thread, and kept in the shared hash cache, so a file is hashed once
 //! per node, and every image records the hashes A1111 would.
 
+use crate::locks::{lock, read, write};
 use sdhive_catalog::{checkpoint_text_widths, CatalogError, NetworkCatalog, NetworkHasher, NetworksConfig};
 use sdhive_engine::{parse_networks, EmbeddingUse, GenerateRequest, LoraUse, ModelSpec, ValidationError};
 use sdhive_protocol::{EmbeddingList, ListedEmbedding, ListedLora, LoraRequest};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Mutex, RwLock};
 
 fn invalid(field: &'static str, message: impl Into<String>) -> ValidationError {
     ValidationError { field, message: message.into() }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every update is a single insert; a poisoned lock still holds consistent data.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
-    m.read().unwrap_or_else(|p| p.into_inner())
-}
-
-fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
-    m.write().unwrap_or_else(|p| p.into_inner())
 }
 
 pub struct Networks {

@@ -3,7 +3,7 @@
 //! run it, or on the ggml device `SDHIVE_STOP_TEST_DEVICE` names (`Vulkan0` in a build with the `vulkan` feature,
 //! on a GPU: docs/gpu.md).
 
-use sdhive_engine::Placement;
+use sdhive_engine::{GenerateRequest, Placement, Sampler};
 use sdhive_modelsource::{ModelLocation, ResolvedModel};
 use sdhive_sdcpp::{LoadOptions, SdCppEngine, WeightType};
 use std::path::PathBuf;
@@ -47,4 +47,18 @@ pub fn engine() -> SdCppEngine {
         memory_budget: None,
     };
     SdCppEngine::load(&model, opts).unwrap_or_else(|e| panic!("cannot load {}: {e}", dir.display()))
+}
+
+/// The golden case `tests/fixtures/golden/sd15_random_euler.json` as a request: 64², 4 Euler steps, seed 42.
+pub fn golden_request(prompt: String) -> GenerateRequest {
+    GenerateRequest {
+        prompt,
+        steps: 4,
+        cfg_scale: 7.0,
+        width: Some(64),
+        height: Some(64),
+        seed: Some(42),
+        sampler: Sampler::Euler,
+        ..GenerateRequest::default()
+    }
 }
