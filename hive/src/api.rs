@@ -104,33 +104,43 @@ fn bearer_matches(headers: &HeaderMap, secret: &str) -> bool {
     given.as_bytes().ct_eq(secret.as_bytes()).into()
 }
 
+/// 401 for the public and admin routes: one `WWW-Authenticate` challenge per configured credential.
+fn unauthorized(credentials: &sdhive_protocol::Credentials) -> Response {
+    let mut r = error(
+        StatusCode::UNAUTHORIZED,
+        "authentication_error",
+        "invalid_api_key",
+        "missing or wrong credentials (the API key as a bearer token, or the --api-auth user and password)",
+    );
+    r.headers_mut().remove(header::WWW_AUTHENTICATE);
+    for challenge in credentials.challenges() {
+        r.headers_mut().append(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
+    }
+    r
+}
+
+fn authorization(req: &Request) -> Option<&str> {
+    req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok())
+}
+
+/// The API key (bearer) or the `--api-auth` users (Basic), whichever are configured; `/health` stays open.
 async fn public_auth(State(hive): H, req: Request, next: Next) -> Response {
-    if let Some(key) = &hive.config.api_key {
-        if req.uri().path() != "/health" && !bearer_matches(req.headers(), key) {
-            return error(
-                StatusCode::UNAUTHORIZED,
-                "authentication_error",
-                "invalid_api_key",
-                "missing or wrong API key",
-            );
-        }
+    let credentials = hive.config.credentials();
+    if req.uri().path() != "/health" && !credentials.accepts(authorization(&req)) {
+        return unauthorized(&credentials);
     }
     next.run(req).await
 }
 
 async fn admin_auth(State(hive): H, req: Request, next: Next) -> Response {
-    match &hive.config.api_key {
-        Some(key) if !bearer_matches(req.headers(), key) => error(
-            StatusCode::UNAUTHORIZED,
-            "authentication_error",
-            "invalid_api_key",
-            "missing or wrong API key",
-        ),
-        None if !hive.config.is_loopback() => error(
+    let credentials = hive.config.credentials();
+    match credentials.required() {
+        true if !credentials.accepts(authorization(&req)) => unauthorized(&credentials),
+        false if !hive.config.is_loopback() => error(
             StatusCode::FORBIDDEN,
             "permission_error",
             "admin_disabled",
-            "the hive listens beyond loopback without an api_key: admin routes are disabled",
+            "the hive listens beyond loopback without an api_key or api_auth: admin routes are disabled",
         ),
         _ => next.run(req).await,
     }
@@ -188,6 +198,9 @@ pub fn router(hive: Arc<Hive>) -> Router {
         .route("/sdapi/v1/refresh-embeddings", post(refresh_networks))
         .route("/sdapi/v1/unload-checkpoint", post(unload_checkpoint))
         .route("/sdapi/v1/reload-checkpoint", post(reload_checkpoint))
+        .route("/sdapi/v1/memory", get(memory))
+        .route("/sdapi/v1/cmd-flags", get(cmd_flags))
+        .route("/sdapi/v1/prompt-styles", get(prompt_styles))
         .route("/sdapi/v1/{*rest}", any(forward_any))
         .route_layer(middleware::from_fn_with_state(hive.clone(), public_auth));
     Router::new()
@@ -500,7 +513,7 @@ async fn info(State(hive): H) -> Response {
         "queue": {"depth": state.queue.len(), "max": hive.config.queue_size},
         "models": models::list(&state).into_iter().map(|m| m.name).collect::<Vec<_>>(),
         "selected_model": state.selected.as_deref().map(|m| models::title_of(&state, m)),
-        "auth_required": hive.config.api_key.is_some(),
+        "auth_required": hive.config.credentials().required(),
     }))
     .into_response()
 }
@@ -1294,6 +1307,139 @@ async fn reload_checkpoint(State(hive): H, headers: HeaderMap) -> Response {
     match ensure_loaded(&hive, &model, &serde_json::Map::new(), &headers).await {
         Some(r) if !r.status().is_success() => r,
         _ => Json(Value::Null).into_response(),
+    }
+}
+
+// ---- memory, flags, styles: answered by the hive itself ----
+
+/// A `kB` line of a `/proc` file (`VmRSS:  2048 kB`), in bytes.
+fn proc_kib(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|line| {
+        let rest = line.strip_prefix(key)?.strip_prefix(':')?;
+        rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok().map(|kib| kib * 1024)
+    })
+}
+
+fn resident_bytes(pid: &str) -> Option<u64> {
+    proc_kib(&std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?, "VmRSS")
+}
+
+/// A1111's `ram` (its process's resident memory as `used`, the machine's as `total`, `free` the difference) for
+/// the hive and the workers it runs on this machine, together.
+fn node_ram(hive: &Hive) -> Value {
+    let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| proc_kib(&t, "MemTotal"));
+    let (Some(total), Some(own)) = (total, resident_bytes("self")) else {
+        return json!({"error": "unavailable: this platform has no /proc/meminfo and /proc/<pid>/status"});
+    };
+    let children: Vec<u32> =
+        hive.lock().workers.values().filter(|w| w.managed).filter_map(|w| w.pid).collect();
+    let used = own + children.iter().filter_map(|pid| resident_bytes(&pid.to_string())).sum::<u64>();
+    json!({"free": total.saturating_sub(used), "used": used, "total": total})
+}
+
+/// `GET /sdapi/v1/memory` for the node: `ram` counts the hive and its workers on this machine; `cuda` is the
+/// workers' device memory — one device's reading as its worker gives it, several devices' `system` summed with
+/// each listed under `devices` (workers sharing a device counted once); A1111's error form when no worker
+/// reports device memory (CPU workers).
+async fn memory(State(hive): H, method: Method, uri: Uri, headers: HeaderMap) -> Response {
+    let mut devices: Vec<Value> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for (id, base, bearer) in targets(&hive) {
+        let answer =
+            send_to(&hive, &base, bearer.as_deref(), method.clone(), &uri, &headers, Bytes::new()).await;
+        let Ok(r) = answer.map_err(|e| tracing::debug!(worker = %id, "memory: {e}")) else { continue };
+        if !r.status().is_success() {
+            continue;
+        }
+        let Ok(bytes) = axum::body::to_bytes(r.into_body(), 1024 * 1024).await else { continue };
+        let Ok(v) = serde_json::from_slice::<Value>(&bytes) else { continue };
+        let mut cuda = v["cuda"].clone();
+        if !cuda["system"].is_object() {
+            continue;
+        }
+        let host =
+            base.split("://").nth(1).and_then(|rest| rest.rsplit_once(':')).map(|(h, _)| h.to_string());
+        let device = &cuda["device"];
+        if !seen.insert((host, device["backend"].to_string(), device["index"].to_string())) {
+            continue;
+        }
+        cuda["worker"] = json!(id);
+        devices.push(cuda);
+    }
+    let cuda = match devices.len() {
+        0 => json!({"error": "unavailable: no worker reports device memory (CPU workers, or none ready)"}),
+        1 => devices.remove(0),
+        _ => {
+            let sum = |key: &str| devices.iter().filter_map(|d| d["system"][key].as_u64()).sum::<u64>();
+            let untracked = json!({"error": "not tracked: sdhive's engines keep no allocator statistics"});
+            json!({
+                "system": {"free": sum("free"), "used": sum("used"), "total": sum("total")},
+                "active": untracked,
+                "allocated": untracked,
+                "reserved": untracked,
+                "inactive": untracked,
+                "events": untracked,
+                "devices": devices,
+            })
+        }
+    };
+    let ram = {
+        let hive = hive.clone();
+        tokio::task::spawn_blocking(move || node_ram(&hive))
+            .await
+            .unwrap_or_else(|e| json!({"error": e.to_string()}))
+    };
+    Json(json!({"ram": ram, "cuda": cuda})).into_response()
+}
+
+/// `GET /sdapi/v1/cmd-flags`: the hive's effective configuration (every key of `hive config`, secrets
+/// `<redacted>`), plus A1111's names for what it has (`api`, `api_auth`, `listen`, `port`, `ckpt`, `ckpt_dir`,
+/// `vae_dir`, `lora_dir`, `embeddings_dir`, `styles_file`).
+async fn cmd_flags(State(hive): H) -> Response {
+    let c = &hive.config;
+    let mut flags = match serde_json::to_value(c.redacted()) {
+        Ok(Value::Object(map)) => map,
+        _ => serde_json::Map::new(),
+    };
+    let first = |list: &[std::path::PathBuf]| list.first().map(|p| p.display().to_string());
+    // The port actually bound (the configured one may be 0), as the workers are told to call back.
+    let port = hive
+        .callback_url
+        .split("://")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|authority| authority.rsplit_once(':'))
+        .and_then(|(_, port)| port.parse::<u16>().ok());
+    let a1111 = json!({
+        "api": true,
+        "nowebui": true,
+        "role": "hive",
+        "version": env!("CARGO_PKG_VERSION"),
+        "listen": !c.is_loopback(),
+        "server_name": c.bind.ip().to_string(),
+        "port": port.unwrap_or(c.bind.port()),
+        "ckpt": c.models.first(),
+        "ckpt_dir": first(&c.models_dirs),
+        "vae_dir": first(&c.vae_dirs),
+        "lora_dir": first(&c.lora_dirs),
+        "embeddings_dir": first(&c.embeddings_dirs),
+        "esrgan_models_path": first(&c.upscaler_dirs),
+    });
+    if let Value::Object(a1111) = a1111 {
+        flags.extend(a1111);
+    }
+    Json(Value::Object(flags)).into_response()
+}
+
+/// `GET /sdapi/v1/prompt-styles` from the hive's `styles_file` (the one its workers are given): `[]` without one.
+async fn prompt_styles(State(hive): H) -> Response {
+    let Some(path) = hive.config.styles_file.clone() else { return Json(json!([])).into_response() };
+    match tokio::task::spawn_blocking(move || sdhive_catalog::styles::read_styles(&path)).await {
+        Ok(Ok(styles)) => Json(json!(styles)).into_response(),
+        Ok(Err(e)) => {
+            a1111_error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "styles_unreadable", e.to_string())
+        }
+        Err(e) => a1111_error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal", e.to_string()),
     }
 }
 

@@ -62,12 +62,20 @@ pub struct HiveConfig {
     pub lora_dirs: Vec<PathBuf>,
     /// Textual-inversion folders, passed to every worker as `--embeddings-dir`.
     pub embeddings_dirs: Vec<PathBuf>,
+    /// Upscaler model folders (ESRGAN family), passed to every worker as `--upscaler-dir`.
+    pub upscaler_dirs: Vec<PathBuf>,
     /// Where `sd-worker-<backend>` binaries live; default: beside the hive executable.
     pub workers_dir: Option<PathBuf>,
     /// Registration/heartbeat bearer token; a random one is generated when unset.
     pub token: Option<String>,
     /// Bearer key for the hive's API (admin routes always, job routes when set).
     pub api_key: Option<String>,
+    /// A1111's `--api-auth`: `user:password[,user2:password2]` HTTP Basic credentials for the hive's API, accepted
+    /// besides `api_key` (workers are never given them: the hive reaches its workers with `worker_api_key`).
+    pub api_auth: Option<String>,
+    /// A1111's prompt styles (a `styles.csv` or a folder of them): listed by the hive, passed to every worker as
+    /// `--styles-file`.
+    pub styles_file: Option<PathBuf>,
     /// Key the workers require (`--api-key` of spawned workers, and what the hive sends to any worker that
     /// registers with `api_key_required`).
     pub worker_api_key: Option<String>,
@@ -119,9 +127,12 @@ impl Default for HiveConfig {
             vae_dirs: Vec::new(),
             lora_dirs: Vec::new(),
             embeddings_dirs: Vec::new(),
+            upscaler_dirs: Vec::new(),
             workers_dir: None,
             token: None,
             api_key: None,
+            api_auth: None,
+            styles_file: None,
             worker_api_key: None,
             backend: None,
             pin: Vec::new(),
@@ -155,9 +166,12 @@ pub struct CliOverrides {
     pub vae_dirs: Vec<PathBuf>,
     pub lora_dirs: Vec<PathBuf>,
     pub embeddings_dirs: Vec<PathBuf>,
+    pub upscaler_dirs: Vec<PathBuf>,
     pub workers_dir: Option<PathBuf>,
     pub token: Option<String>,
     pub api_key: Option<String>,
+    pub api_auth: Option<String>,
+    pub styles_file: Option<PathBuf>,
     pub backend: Option<String>,
     pub pin: Vec<String>,
     pub exclude: Vec<String>,
@@ -218,9 +232,12 @@ impl HiveConfig {
                 "EMBEDDINGS_DIRS" => {
                     self.embeddings_dirs = list(&value).into_iter().map(PathBuf::from).collect()
                 }
+                "UPSCALER_DIRS" => self.upscaler_dirs = list(&value).into_iter().map(PathBuf::from).collect(),
                 "WORKERS_DIR" => self.workers_dir = Some(PathBuf::from(value)),
                 "TOKEN" => self.token = Some(value),
                 "API_KEY" => self.api_key = Some(value),
+                "API_AUTH" => self.api_auth = Some(value),
+                "STYLES_FILE" => self.styles_file = Some(PathBuf::from(value)),
                 "WORKER_API_KEY" => self.worker_api_key = Some(value),
                 "BACKEND" => self.backend = Some(value),
                 "PIN" => self.pin = list(&value),
@@ -265,6 +282,7 @@ impl HiveConfig {
         set_list(&mut self.vae_dirs, &cli.vae_dirs);
         set_list(&mut self.lora_dirs, &cli.lora_dirs);
         set_list(&mut self.embeddings_dirs, &cli.embeddings_dirs);
+        set_list(&mut self.upscaler_dirs, &cli.upscaler_dirs);
         if cli.workers_dir.is_some() {
             self.workers_dir = cli.workers_dir.clone();
         }
@@ -273,6 +291,12 @@ impl HiveConfig {
         }
         if cli.api_key.is_some() {
             self.api_key = cli.api_key.clone();
+        }
+        if cli.api_auth.is_some() {
+            self.api_auth = cli.api_auth.clone();
+        }
+        if cli.styles_file.is_some() {
+            self.styles_file = cli.styles_file.clone();
         }
         if cli.backend.is_some() {
             self.backend = cli.backend.clone();
@@ -288,10 +312,14 @@ impl HiveConfig {
 
     pub fn validate(&mut self) -> Result<(), ConfigError> {
         // Empty strings from an env file mean "unset", not "the empty token".
-        for secret in [&mut self.token, &mut self.api_key, &mut self.worker_api_key] {
-            if secret.as_deref().is_some_and(|s| s.is_empty()) {
+        for secret in [&mut self.token, &mut self.api_key, &mut self.api_auth, &mut self.worker_api_key] {
+            if secret.as_deref().is_some_and(|s| s.trim().is_empty()) {
                 *secret = None;
             }
+        }
+        if let Some(auth) = &self.api_auth {
+            sdhive_protocol::parse_api_auth(auth)
+                .map_err(|e| ConfigError::Invalid(format!("api_auth: {e}")))?;
         }
         if self.heartbeat_interval_secs == 0 {
             return Err(ConfigError::Invalid("heartbeat_interval_secs must be at least 1".into()));
@@ -347,20 +375,36 @@ impl HiveConfig {
         Duration::from_secs(self.heartbeat_interval_secs)
     }
 
+    /// What the hive's public and admin routes accept: `api_key` as a bearer token, `api_auth` as HTTP Basic.
+    pub fn credentials(&self) -> sdhive_protocol::Credentials {
+        let basic = self
+            .api_auth
+            .as_deref()
+            .and_then(|a| sdhive_protocol::parse_api_auth(a).ok())
+            .unwrap_or_default();
+        sdhive_protocol::Credentials::new(self.api_key.clone(), basic)
+    }
+
     /// Whether the hive listens only on loopback (admin routes may then go without an API key).
     pub fn is_loopback(&self) -> bool {
         self.bind.ip().is_loopback()
     }
 
-    /// The effective configuration as TOML with secrets replaced, for `hive config`.
-    pub fn redacted_toml(&self) -> String {
+    /// The configuration with every secret that is set replaced by `<redacted>`.
+    pub fn redacted(&self) -> HiveConfig {
         let mut shown = self.clone();
-        for secret in [&mut shown.token, &mut shown.api_key, &mut shown.worker_api_key] {
+        for secret in [&mut shown.token, &mut shown.api_key, &mut shown.api_auth, &mut shown.worker_api_key] {
             if secret.is_some() {
                 *secret = Some("<redacted>".into());
             }
         }
-        toml::to_string(&shown).unwrap_or_else(|e| format!("# cannot render the configuration: {e}\n"))
+        shown
+    }
+
+    /// The effective configuration as TOML with secrets replaced, for `hive config`.
+    pub fn redacted_toml(&self) -> String {
+        toml::to_string(&self.redacted())
+            .unwrap_or_else(|e| format!("# cannot render the configuration: {e}\n"))
     }
 }
 
@@ -442,12 +486,20 @@ mod tests {
         let cli = CliOverrides {
             token: Some("s3cret-token".into()),
             api_key: Some(String::new()),
+            api_auth: Some("alice:s3cret-pw".into()),
             ..Default::default()
         };
-        let c = HiveConfig::load(None, Vec::new(), &cli).unwrap();
+        let c = HiveConfig::load(None, env(&[("SDHIVE_STYLES_FILE", "/s/styles.csv")]), &cli).unwrap();
         assert_eq!(c.api_key, None);
+        assert_eq!(c.styles_file, Some(PathBuf::from("/s/styles.csv")));
+        let credentials = c.credentials();
+        assert!(credentials.required() && credentials.api_key.is_none());
         let shown = c.redacted_toml();
         assert!(!shown.contains("s3cret-token") && shown.contains("<redacted>"), "{shown}");
+        assert!(!shown.contains("s3cret-pw") && !shown.contains("alice"), "{shown}");
+        let bad = CliOverrides { api_auth: Some("no-colon".into()), ..Default::default() };
+        let err = HiveConfig::load(None, Vec::new(), &bad).unwrap_err();
+        assert!(err.to_string().contains("api_auth") && !err.to_string().contains("no-colon"), "{err}");
         // What `hive config` prints must load back as a config file.
         assert!(HiveConfig::from_toml(&shown).is_ok(), "{shown}");
     }

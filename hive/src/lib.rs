@@ -158,8 +158,8 @@ pub async fn serve(
             random_hex(24)
         }
     };
-    if config.api_key.is_none() && !config.is_loopback() {
-        tracing::warn!(bind = %addr, "listening beyond loopback without api_key: admin routes are disabled");
+    if !config.credentials().required() && !config.is_loopback() {
+        tracing::warn!(bind = %addr, "listening beyond loopback without api_key or api_auth: admin routes are disabled");
     }
     let hive = Hive::new(config, token, callback_url)?;
 

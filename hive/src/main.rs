@@ -59,6 +59,9 @@ struct Flags {
     /// A folder of textual-inversion embeddings every worker serves (repeatable).
     #[arg(long = "embeddings-dir", value_name = "DIR")]
     embeddings_dirs: Vec<PathBuf>,
+    /// A folder of upscaler models (ESRGAN / Real-ESRGAN .safetensors) every worker serves (repeatable).
+    #[arg(long = "upscaler-dir", value_name = "DIR")]
+    upscaler_dirs: Vec<PathBuf>,
     /// Where the sd-worker-<backend> binaries are (default: beside this executable).
     #[arg(long, value_name = "DIR")]
     workers_dir: Option<PathBuf>,
@@ -68,6 +71,13 @@ struct Flags {
     /// Bearer key for the hive's API.
     #[arg(long)]
     api_key: Option<String>,
+    /// A1111's HTTP Basic credentials for the hive's API, `user:password[,user2:password2]` (accepted besides
+    /// --api-key).
+    #[arg(long, value_name = "USER:PASSWORD[,…]")]
+    api_auth: Option<String>,
+    /// A1111's prompt styles: a styles.csv or a folder of .csv files (passed to every worker).
+    #[arg(long, value_name = "PATH")]
+    styles_file: Option<PathBuf>,
     /// Use only this backend.
     #[arg(long)]
     backend: Option<String>,
@@ -104,9 +114,12 @@ impl Flags {
             vae_dirs: self.vae_dirs.clone(),
             lora_dirs: self.lora_dirs.clone(),
             embeddings_dirs: self.embeddings_dirs.clone(),
+            upscaler_dirs: self.upscaler_dirs.clone(),
             workers_dir: self.workers_dir.clone(),
             token: self.token.clone(),
             api_key: self.api_key.clone(),
+            api_auth: self.api_auth.clone(),
+            styles_file: self.styles_file.clone(),
             backend: self.backend.clone(),
             pin: self.pin.clone(),
             exclude: self.exclude.clone(),

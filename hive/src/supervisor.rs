@@ -143,8 +143,14 @@ fn command(hive: &Hive, spec: &Spec) -> Command {
     for dir in &hive.config.lora_dirs {
         cmd.arg("--lora-dir").arg(dir);
     }
+    for dir in &hive.config.upscaler_dirs {
+        cmd.arg("--upscaler-dir").arg(dir);
+    }
     for dir in &hive.config.embeddings_dirs {
         cmd.arg("--embeddings-dir").arg(dir);
+    }
+    if let Some(styles) = &hive.config.styles_file {
+        cmd.arg("--styles-file").arg(styles);
     }
     // Secrets go through the environment: argv is readable by every user in /proc/<pid>/cmdline.
     cmd.env("WORKER_TOKEN", &hive.token);
@@ -152,6 +158,9 @@ fn command(hive: &Hive, spec: &Spec) -> Command {
         Some(key) => cmd.env("API_KEY", key),
         None => cmd.env_remove("API_KEY"),
     };
+    // The hive's clients' Basic credentials are the hive's to check: a worker that required them would lock the
+    // hive out (it authenticates with the worker API key).
+    cmd.env_remove("API_AUTH");
     if std::env::var_os("RUST_LOG").is_none() {
         cmd.env("RUST_LOG", "info");
     }

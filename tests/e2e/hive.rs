@@ -326,8 +326,28 @@ fn sigterm_drains_the_running_job_then_stops_the_workers() {
 
 #[test]
 fn api_key_guards_everything_but_health() {
-    let (_hive_proc, addr) = start_hive("127.0.0.1:0", false, &["--api-key", "k3y"]);
+    let (_hive_proc, addr) =
+        start_hive("127.0.0.1:0", false, &["--api-key", "k3y", "--api-auth", "bob:hunter2"]);
     let key = [("Authorization", "Bearer k3y")];
+    // `bob:hunter2` as HTTP Basic (A1111's --api-auth) is accepted as well as the key, admin routes included.
+    let basic = [("Authorization", "Basic Ym9iOmh1bnRlcjI=")];
+    assert_eq!(request(&addr, "GET", "/v1/workers", &basic, None).status, 200);
+    let flags = request(&addr, "GET", "/sdapi/v1/cmd-flags", &basic, None);
+    assert_eq!(flags.status, 200, "{}", flags.text());
+    assert_eq!(
+        (flags.json()["api_key"].as_str(), flags.json()["api_auth"].as_str()),
+        (Some("<redacted>"), Some("<redacted>"))
+    );
+    assert!(!flags.text().contains("hunter2") && !flags.text().contains("k3y"), "{}", flags.text());
+    let r = request(&addr, "GET", "/sdapi/v1/prompt-styles", &[("Authorization", "Basic ")], None);
+    assert_eq!(r.status, 401);
+    let head = r.head.to_ascii_lowercase();
+    assert!(
+        head.contains("www-authenticate: basic") && head.contains("www-authenticate: bearer"),
+        "{}",
+        r.head
+    );
+    assert_eq!(request(&addr, "GET", "/sdapi/v1/prompt-styles", &basic, None).json(), json!([]));
     assert_eq!(get(&addr, "/health").status, 200);
     for (method, path) in
         [("GET", "/v1/workers"), ("GET", "/v1/devices"), ("GET", "/metrics"), ("POST", "/v1/jobs")]

@@ -3,6 +3,8 @@
 #   bash BUNDLE/run.sh OUT_DIR [--skip-compiled] [--skip-sdxl]
 #   bash BUNDLE/run.sh OUT_DIR --switch          (the model-switch benchmark instead: switch_table.py)
 #   bash BUNDLE/run.sh OUT_DIR --lora            (the LoRA merge benchmark instead: lora_table.py)
+#   bash BUNDLE/run.sh OUT_DIR --hires           (the hires-fix benchmark instead: hires_table.py)
+#   bash BUNDLE/run.sh OUT_DIR --upscale         (the ESRGAN upscaler against spandrel instead: upscale_table.py)
 # BUNDLE is what `cargo xtask bench cuda` wrote. The machine provides the NVIDIA driver, Python with PyTorch
 # (CUDA 13), and through PyTorch's wheels or a CUDA 13 install the cuBLAS, cuRAND, NVRTC and cuDNN 9 libraries.
 set -euo pipefail
@@ -20,6 +22,10 @@ if [ "${1:-}" = --switch ]; then
     PYTHONPATH="$B/site:${PYTHONPATH:-}" python3 "$B/switch_table.py" "$B" "$OUT"
 elif [ "${1:-}" = --lora ]; then
     PYTHONPATH="$B/site:${PYTHONPATH:-}" python3 "$B/lora_table.py" "$B" "$OUT"
+elif [ "${1:-}" = --hires ]; then
+    PYTHONPATH="$B/site:${PYTHONPATH:-}" python3 "$B/hires_table.py" "$B" "$OUT"
+elif [ "${1:-}" = --upscale ]; then
+    PYTHONPATH="$B/site:${PYTHONPATH:-}" python3 "$B/upscale_table.py" "$B" "$OUT"
 else
     python3 "$B/cuda_table.py" "$B" "$OUT" "$@"
 fi

@@ -10,9 +10,10 @@ use anyhow::{ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The reference side's Python packages beyond what a PyTorch machine has (torch, transformers, huggingface_hub,
-/// safetensors, numpy, Pillow): diffusers, pinned to what the reference interpreter of this repository runs.
-const WHEELS: [&str; 2] = ["diffusers==0.42.1", "importlib_metadata"];
+/// The reference side's Python packages beyond what a PyTorch machine has (torch, torchvision, transformers,
+/// huggingface_hub, safetensors, numpy, Pillow): diffusers and spandrel (with einops), pinned to what the reference
+/// interpreter of this repository runs.
+const WHEELS: [&str; 4] = ["diffusers==0.42.1", "importlib_metadata", "spandrel==0.4.2", "einops"];
 
 /// The GPU machine's Python (the PyTorch images ship 3.12).
 const PYTHON_VERSION: &str = "3.12";
@@ -58,6 +59,10 @@ pub fn run(out: Option<PathBuf>, python: &str) -> Result<()> {
         "make_lora.py",
         "bench_lora_diffusers.py",
         "lora_table.py",
+        "bench_esrgan_spandrel.py",
+        "upscale_table.py",
+        "bench_hires_diffusers.py",
+        "hires_table.py",
     ] {
         copy(&root.join("xtask/bench").join(f), &out.join(f))?;
     }

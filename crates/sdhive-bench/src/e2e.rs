@@ -1,10 +1,11 @@
 //! End-to-end timing: a model folder loaded into the candle engine exactly as the workers load it, then whole
-//! requests (text encoding, every denoising step with CFG, VAE decode, PNG-ready pixels) timed one by one.
+//! requests (text encoding, every denoising step with CFG, VAE decode, PNG-ready pixels; optionally a hires fix)
+//! timed one by one.
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use sdhive_candle::{CandleEngine, LoadOptions};
-use sdhive_engine::{Control, Engine, GenerateRequest};
+use sdhive_engine::{Control, Engine, GenerateRequest, HiresFix};
 use std::path::Path;
 
 pub struct EndToEnd {
@@ -13,7 +14,9 @@ pub struct EndToEnd {
 }
 
 impl EndToEnd {
-    pub fn load(dir: &Path, dev: &Device, dtype: DType, size: u32, steps: u32) -> Result<Self> {
+    /// With `hires`, each request is a hires fix to twice `size`: "Latent", a second pass of `steps` steps at
+    /// denoising strength 0.5.
+    pub fn load(dir: &Path, dev: &Device, dtype: DType, size: u32, steps: u32, hires: bool) -> Result<Self> {
         let resolved = sdhive_modelsource::resolve(
             &dir.display().to_string(),
             &sdhive_modelsource::ResolveOptions {
@@ -33,6 +36,7 @@ impl EndToEnd {
             steps,
             cfg_scale: 7.0,
             seed: Some(42),
+            hires: hires.then(|| HiresFix { steps, denoising_strength: 0.5, ..HiresFix::default() }),
             ..GenerateRequest::default()
         };
         Ok(Self { engine, request })

@@ -2,7 +2,8 @@
 //! pixels) and VAE decode (one 256² image) on the CPU in f32 with random weights, and reports the
 //! process's peak RSS with both networks built. With the `cuda` feature, `--device cuda --dtype f16`
 //! times the same work on an NVIDIA GPU (`--model sdxl` for the SDXL UNet), and `--write-model`
-//! writes a full-size random-weight diffusers folder for end-to-end runs of the workers.
+//! writes a full-size random-weight diffusers folder for end-to-end runs of the workers. `--upscale-bench` times the
+//! ESRGAN upscaler instead (`upscale.rs`, against spandrel's `xtask/bench/bench_esrgan_spandrel.py`).
 //!
 //! Two modes. By default it warms up, times `--iters` calls of each network (and, on a GPU, `--iters`
 //! 20-step schedules of UNet steps issued back to back, as a denoising loop issues them) and prints one JSON
@@ -15,6 +16,7 @@ mod e2e;
 mod lora;
 mod switch;
 mod text;
+mod upscale;
 mod write_model;
 
 use anyhow::{bail, Context, Result};
@@ -78,6 +80,10 @@ struct Args {
     /// With --e2e: denoising steps.
     #[arg(long, default_value_t = 20)]
     steps: u32,
+    /// With --e2e: hires fix to twice the size ("Latent" upscaler, a second pass of `--steps` steps at denoising
+    /// strength 0.5, so half of them run), as `xtask/bench/bench_hires_diffusers.py` composes diffusers.
+    #[arg(long)]
+    hires: bool,
     /// Time model switches instead, between these diffusers folders (repeat the flag): loads from disk and from
     /// the RAM cache, with the device memory after each switch.
     #[arg(long = "switch", value_name = "DIR")]
@@ -89,6 +95,16 @@ struct Args {
     /// With --lora-model: a LoRA file (give two).
     #[arg(long = "lora", value_name = "FILE")]
     lora: Vec<PathBuf>,
+    /// Time the ESRGAN upscaler instead: a full-size random RRDBNet ×4 (64 features, 23 blocks, 32 growth channels,
+    /// Real-ESRGAN's key names, f16 weights) upscaling an `--upscale-size`² image untiled on `--device`.
+    #[arg(long)]
+    upscale_bench: bool,
+    /// With --upscale-bench: the model file (written there first if it does not exist; default: in the temp dir).
+    #[arg(long, value_name = "FILE")]
+    upscale_model: Option<PathBuf>,
+    /// With --upscale-bench: the input image's side.
+    #[arg(long, default_value_t = 512)]
+    upscale_size: u32,
     /// With --switch: cached switches timed (alternating between the models).
     #[arg(long, default_value_t = 20)]
     switches: usize,
@@ -356,6 +372,20 @@ fn main() -> Result<()> {
         println!("{report}");
         return Ok(());
     }
+    if args.upscale_bench {
+        let mut report = upscale::run(
+            args.upscale_model.as_deref(),
+            args.upscale_size,
+            &dev,
+            dtype,
+            args.warmup,
+            args.iters,
+        )?;
+        report["device"] = serde_json::json!(device_name);
+        report["dtype"] = serde_json::json!(args.dtype);
+        println!("{report}");
+        return Ok(());
+    }
     if let Some(dir) = &args.lora_model {
         let mut report = lora::run(dir, &args.lora, &dev, dtype, args.iters)?;
         report["device"] = serde_json::json!(device_name);
@@ -364,11 +394,11 @@ fn main() -> Result<()> {
         return Ok(());
     }
     if let Some(dir) = &args.e2e {
-        let mut run = e2e::EndToEnd::load(dir, &dev, dtype, args.size, args.steps)?;
+        let mut run = e2e::EndToEnd::load(dir, &dev, dtype, args.size, args.steps, args.hires)?;
         let timing = time_calls(&dev, "image", args.warmup, args.iters, || run.generate())?;
         let report = serde_json::json!({
             "device": device_name, "dtype": args.dtype, "model": args.model.name(), "size": args.size,
-            "steps": args.steps, "e2e": timing,
+            "steps": args.steps, "hires": args.hires, "e2e": timing,
         });
         println!("{report}");
         return Ok(());

@@ -3,20 +3,22 @@
 //! says how much it needs), encodes the prompts once per request and runs one denoising loop per image
 //! (seed, seed+1, …).
 
-use crate::conditioning::{encode_pair, encode_positive};
+use crate::conditioning::{encode_pair, encode_positive, Conditioning};
+use crate::hires::{hires_image, SecondPass};
 use crate::lora::LoraApplyError;
 use crate::model::{LoadError, SdModel};
 use crate::pipeline::{
     generate_image, latent_preview, ImageJob, PipelineError, StepReport, UnetConditioning,
 };
 use crate::residency::Targets;
+use crate::upscalers::Upscalers;
 use candle_core::DType;
 use sdhive_engine::extra_networks::strip_networks;
 use sdhive_engine::memory::ATTENTION_SLICES;
 use sdhive_engine::{
     budgeted_free, infotext, random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput,
     GenerateRequest, GeneratedImage, InfotextContext, JobPlan, Limits, MemoryReport, ModelShape, Progress,
-    Sampler, ValidationError,
+    RgbImage, Sampler, UpscaleRequest, ValidationError,
 };
 use sdhive_models::ops::{attention_is_fused, limit_attention_scores, MAX_SCORE_ELEMENTS};
 use sdhive_modelsource::ResolvedModel;
@@ -67,6 +69,7 @@ pub struct CandleEngine {
     memory: Option<MemoryQuery>,
     memory_budget: Option<u64>,
     report: MemoryReport,
+    upscalers: Upscalers,
 }
 
 /// Images per UNet call with classifier-free guidance (the negative and positive halves of one batch).
@@ -153,6 +156,7 @@ impl CandleEngine {
             memory: opts.memory,
             memory_budget: opts.memory_budget,
             report,
+            upscalers: Upscalers::default(),
         }
     }
 
@@ -232,11 +236,17 @@ impl Engine for CandleEngine {
         self.model.set_embeddings(&req.embeddings).map_err(|e| {
             EngineError::Invalid(ValidationError { field: "embeddings", message: e.to_string() })
         })?;
-        let plan = self.plan(width, height)?;
+        // Hires fix: the UNet's largest call is the second pass's, at the output size.
+        let hires = match &req.hires {
+            Some(h) => Some((h, h.validate(width, height, &self.limits)?)),
+            None => None,
+        };
+        let (plan_w, plan_h) = hires.map_or((width, height), |(_, t)| t.output);
+        let plan = self.plan(plan_w, plan_h)?;
         if plan.attention_slicing || plan.vae_tiling {
             tracing::info!(
-                width,
-                height,
+                width = plan_w,
+                height = plan_h,
                 attention_slicing = plan.attention_slicing,
                 vae_tiling = plan.vae_tiling,
                 "memory plan for this job"
@@ -252,15 +262,34 @@ impl Engine for CandleEngine {
         let guided = f64::from(req.cfg_scale) > 1.0;
         // The `<lora:…>` tags are the job's LoRAs (in `req.loras` now), not words of the prompt.
         let prompt = strip_networks(&req.prompt);
-        let cond = if guided {
-            let pair = encode_pair(&self.model, &prompt, &req.negative_prompt, req.clip_skip)
-                .map_err(text_failed)?;
-            UnetConditioning::new(&self.model, &pair.positive, Some(&pair.negative), size)
-        } else {
-            let positive = encode_positive(&self.model, &prompt, req.clip_skip).map_err(text_failed)?;
-            UnetConditioning::new(&self.model, &positive, None, size)
-        }
-        .map_err(text_failed)?;
+        let texts =
+            encode(&self.model, &prompt, &req.negative_prompt, req.clip_skip, guided).map_err(text_failed)?;
+        let cond =
+            UnetConditioning::new(&self.model, &texts.0, texts.1.as_ref(), size).map_err(text_failed)?;
+        // The second pass's prompts (an empty `hr_prompt` is the first pass's, as in A1111) at the output size.
+        let second_cond = match hires {
+            Some((h, target)) => {
+                let hr_guided = f64::from(h.cfg_scale.unwrap_or(req.cfg_scale)) > 1.0;
+                let hr_prompt = h.prompt.as_deref().filter(|p| !p.is_empty()).map(strip_networks);
+                let hr_negative = h.negative_prompt.as_deref().filter(|p| !p.is_empty());
+                let same = hr_guided == guided && hr_prompt.is_none() && hr_negative.is_none();
+                let owned;
+                let hr_texts = if same {
+                    &texts
+                } else {
+                    let p = hr_prompt.as_deref().unwrap_or(&prompt);
+                    let n = hr_negative.unwrap_or(&req.negative_prompt);
+                    owned = encode(&self.model, p, n, req.clip_skip, hr_guided).map_err(text_failed)?;
+                    &owned
+                };
+                let out = (target.output.0 as usize, target.output.1 as usize);
+                Some(
+                    UnetConditioning::new(&self.model, &hr_texts.0, hr_texts.1.as_ref(), out)
+                        .map_err(text_failed)?,
+                )
+            }
+            None => None,
+        };
 
         let mut images = Vec::with_capacity(req.n as usize);
         for index in 0..req.n {
@@ -274,6 +303,7 @@ impl Engine for CandleEngine {
                 schedule: req.schedule,
                 seed,
                 init_image: req.init_image.as_ref(),
+                init_latents: None,
                 mask: req.mask.as_ref(),
                 strength: f64::from(req.strength),
                 vae_tiling: plan.vae_tiling,
@@ -292,13 +322,47 @@ impl Engine for CandleEngine {
                 };
                 progress(&p) == Control::Continue
             };
-            let image = generate_image(&self.model, &cond, &job, &mut on_step).map_err(|e| match e {
-                PipelineError::Cancelled => EngineError::Cancelled,
-                PipelineError::Invalid { field, message } => {
-                    EngineError::Invalid(ValidationError { field, message })
+            let image = match (hires, &second_cond) {
+                (Some((h, target)), Some(second_cond)) => {
+                    let second_job = ImageJob {
+                        width: target.output.0 as usize,
+                        height: target.output.1 as usize,
+                        steps: if h.steps == 0 { req.steps } else { h.steps } as usize,
+                        cfg_scale: f64::from(h.cfg_scale.unwrap_or(req.cfg_scale)),
+                        sampler: h.sampler.unwrap_or(req.sampler),
+                        schedule: h.schedule.unwrap_or(req.schedule),
+                        seed,
+                        init_image: None,
+                        init_latents: None,
+                        mask: None,
+                        strength: f64::from(h.denoising_strength),
+                        vae_tiling: plan.vae_tiling,
+                    };
+                    let upscalers = &mut self.upscalers;
+                    let (device, dtype) = (model.unet.device(), model.unet.dtype());
+                    let mut enlarge = |img: &RgbImage, to: (u32, u32)| {
+                        upscalers.enlarge(&h.upscaler, img, to, device, dtype)
+                    };
+                    let second = SecondPass {
+                        upscaler: &h.upscaler,
+                        target,
+                        job: second_job,
+                        cond: second_cond,
+                        enlarge: &mut enlarge,
+                    };
+                    hires_image(model, &cond, &job, second, &mut on_step)
                 }
+                _ => generate_image(model, &cond, &job, &mut on_step),
+            };
+            let image = image.map_err(|e| match e {
+                PipelineError::Cancelled => EngineError::Cancelled { done: std::mem::take(&mut images) },
+                PipelineError::Invalid { field, message } => EngineError::Invalid(ValidationError {
+                    field: hires_field(hires.is_some(), field),
+                    message,
+                }),
                 other => failed(other.to_string()),
             })?;
+            // A1111's `Size` is the first pass's; the hires size follows from the `Hires` fields.
             let ctx = InfotextContext {
                 seed,
                 width,
@@ -309,6 +373,41 @@ impl Engine for CandleEngine {
             images.push(GeneratedImage { image, seed, infotext: infotext(req, &ctx) });
         }
         Ok(GenerateOutput { images })
+    }
+
+    fn upscale(&mut self, req: &UpscaleRequest) -> Result<Vec<RgbImage>, EngineError> {
+        let (device, dtype) = (self.model.unet.device(), self.model.unet.dtype());
+        self.upscalers.extras(req, device, dtype).map_err(|e| match e {
+            PipelineError::Invalid { field, message } => {
+                EngineError::Invalid(ValidationError { field, message })
+            }
+            other => failed(other.to_string()),
+        })
+    }
+}
+
+/// The prompt's (and, when guiding, the negative prompt's) text-encoder outputs.
+fn encode(
+    model: &SdModel,
+    prompt: &str,
+    negative: &str,
+    clip_skip: u32,
+    guided: bool,
+) -> candle_core::Result<(Conditioning, Option<Conditioning>)> {
+    if guided {
+        let pair = encode_pair(model, prompt, negative, clip_skip)?;
+        Ok((pair.positive, Some(pair.negative)))
+    } else {
+        Ok((encode_positive(model, prompt, clip_skip)?, None))
+    }
+}
+
+/// A hires job's pipeline errors about the strength are about its `denoising_strength`.
+fn hires_field(hires: bool, field: &'static str) -> &'static str {
+    if hires && field == "strength" {
+        "denoising_strength"
+    } else {
+        field
     }
 }
 

@@ -10,11 +10,13 @@ mod cache;
 mod conditioning;
 mod embeddings;
 mod engine;
+mod hires;
 mod lora;
 mod model;
 mod pipeline;
 mod residency;
 mod tensor_image;
+mod upscalers;
 
 pub use cache::HostCache;
 pub use embeddings::{ActiveEmbeddings, EmbeddingError};
@@ -23,6 +25,8 @@ pub use lora::{AppliedLoras, ChangeTimes, LoraApplyError};
 pub use model::{Family, LoadError, SdModel};
 pub use residency::{ModuleTarget, Resident, Targets};
 
+#[cfg(test)]
+mod hires_tests;
 #[cfg(test)]
 mod lora_tests;
 #[cfg(test)]

@@ -105,6 +105,7 @@ pub(crate) fn run_case(models: &mut HashMap<String, SdModel>, case: &Value) -> C
         schedule,
         seed: case["seed"].as_u64().unwrap(),
         init_image: init.as_ref(),
+        init_latents: None,
         mask: mask.as_ref(),
         strength: case["strength"].as_f64().unwrap_or(1.0),
         vae_tiling: false,

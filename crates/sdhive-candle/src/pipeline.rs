@@ -83,6 +83,9 @@ pub struct ImageJob<'a> {
     pub schedule: Schedule,
     pub seed: u64,
     pub init_image: Option<&'a RgbImage>,
+    /// Start from these (already scaled) latents instead of an encoded image, as diffusers' img2img does when its
+    /// `image` has the latent channel count: no VAE encode, so no draw for its sample.
+    pub init_latents: Option<&'a Tensor>,
     pub mask: Option<&'a GrayImage>,
     pub strength: f64,
     /// Decode in tiles (the memory plan's choice for this job).
@@ -183,7 +186,7 @@ fn upcast_vae_precision(model: &SdModel) -> Option<sdhive_models::ops::Tf32Guard
         .then(sdhive_models::ops::tf32_convolutions)
 }
 
-fn decode(model: &SdModel, latents: &Tensor, tiled: bool) -> Result<RgbImage, PipelineError> {
+pub fn decode(model: &SdModel, latents: &Tensor, tiled: bool) -> Result<RgbImage, PipelineError> {
     let _precision = upcast_vae_precision(model);
     let cfg = &model.vae_config;
     let mut z = latents.affine(1.0 / cfg.scaling_factor, 0.0).map_err(failed("vae decode"))?;
@@ -219,6 +222,24 @@ pub fn generate_image(
     decode(model, &latents, job.vae_tiling)
 }
 
+/// How many denoising steps `job` runs: all of them from noise, those the strength leaves when it starts from an
+/// image or latents (`from_init`).
+pub fn planned_steps(model: &SdModel, job: &ImageJob<'_>, from_init: bool) -> Result<usize, PipelineError> {
+    let scheduler = sdhive_schedulers::build(
+        sampler_kind(job.sampler),
+        sigma_schedule(job.schedule),
+        &model.scheduler_config,
+        job.steps,
+    )
+    .map_err(|e| PipelineError::Invalid { field: "sampler", message: e.to_string() })?;
+    let total = scheduler.timesteps().len();
+    if from_init {
+        Ok(total.saturating_sub(img2img_start(job.steps, job.strength, scheduler.order())))
+    } else {
+        Ok(total)
+    }
+}
+
 /// Runs the sampler and returns the final latents (what diffusers returns with `output_type="latent"`), on the
 /// UNet's device.
 pub fn denoise(
@@ -248,7 +269,8 @@ pub fn denoise(
         ),
         None => None,
     };
-    let begin = if init.is_some() { img2img_start(job.steps, job.strength, scheduler.order()) } else { 0 };
+    let from_init = init.is_some() || job.init_latents.is_some();
+    let begin = if from_init { img2img_start(job.steps, job.strength, scheduler.order()) } else { 0 };
     if begin >= timesteps.len() {
         return Err(PipelineError::Invalid {
             field: "strength",
@@ -258,7 +280,7 @@ pub fn denoise(
             ),
         });
     }
-    if init.is_some() {
+    if from_init {
         scheduler.set_begin_index(begin);
     }
     let init_sigma = scheduler.init_noise_sigma();
@@ -271,6 +293,11 @@ pub fn denoise(
     }
 
     let (mut latents, mut inpaint) = match (&init, job.mask) {
+        (None, _) if job.init_latents.is_some() => {
+            let init_latents = job.init_latents.expect("checked by the guard");
+            let noise = randn(&mut rng, &shape, device).map_err(failed("noise"))?;
+            (scheduler.add_noise(init_latents, &noise, begin).map_err(failed("add noise"))?, None)
+        }
         (None, _) => {
             let noise = randn(&mut rng, &shape, device).map_err(failed("noise"))?;
             (noise.affine(init_sigma, 0.0).map_err(failed("noise"))?, None)

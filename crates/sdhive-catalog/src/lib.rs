@@ -11,6 +11,8 @@ mod hash;
 mod header;
 mod networks;
 mod scan;
+pub mod styles;
+mod upscalers;
 
 pub use entry::{Checkpoint, CheckpointFormat, Refused, Vae};
 pub use error::{CatalogError, NotFound};
@@ -18,6 +20,7 @@ pub use networks::{
     checkpoint_text_widths, Embedding, EmbeddingWidth, Lora, LoraFormat, LoraNotFound, NetworkCatalog,
     NetworkHasher, NetworksConfig, RefusedNetwork,
 };
+pub use upscalers::{UpscalerCatalog, UpscalerFile, UpscalersConfig};
 
 use hash::HashCache;
 use std::ffi::OsString;

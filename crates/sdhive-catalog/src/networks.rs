@@ -421,7 +421,13 @@ fn models_subfolders(dir: &Path) -> Vec<(PathBuf, Kind)> {
 }
 
 /// Every file below `dir` (canonical), in name order; symlinks are followed only while they stay inside `root`.
-fn walk(root: &Path, dir: &Path, depth: usize, ancestors: &mut Vec<PathBuf>, out: &mut Vec<PathBuf>) {
+pub(crate) fn walk(
+    root: &Path,
+    dir: &Path,
+    depth: usize,
+    ancestors: &mut Vec<PathBuf>,
+    out: &mut Vec<PathBuf>,
+) {
     if depth > MAX_DEPTH || ancestors.iter().any(|a| a == dir) {
         tracing::warn!("skipping {}: nested too deep or a symlink loop", dir.display());
         return;

@@ -68,8 +68,9 @@ pub struct EngineInfo {
 pub enum EngineError {
     #[error(transparent)]
     Invalid(#[from] ValidationError),
+    /// Cancelled before the next step; `done` holds the images finished before it (A1111 returns them).
     #[error("cancelled")]
-    Cancelled,
+    Cancelled { done: Vec<GeneratedImage> },
     #[error("out of device memory: {0}")]
     OutOfMemory(String),
     /// The memory plan refused the job before it started: it cannot fit on this device.
@@ -84,10 +85,16 @@ pub trait Engine: Send {
     fn info(&self) -> EngineInfo;
 
     /// Runs `req` to completion, calling `progress` after every step; `Control::Cancel` ends the job with
-    /// `EngineError::Cancelled` before the next step.
+    /// `EngineError::Cancelled` (carrying the images already finished) before the next step.
     fn generate(
         &mut self,
         req: &GenerateRequest,
         progress: &mut dyn FnMut(&Progress) -> Control,
     ) -> Result<GenerateOutput, EngineError>;
+
+    /// Runs A1111's extras "Upscale" step on every image of `req`, in order.
+    fn upscale(&mut self, req: &crate::UpscaleRequest) -> Result<Vec<RgbImage>, EngineError> {
+        let _ = req;
+        Err(EngineError::Failed("this engine has no upscalers".into()))
+    }
 }

@@ -50,6 +50,33 @@ pub fn infotext(req: &GenerateRequest, ctx: &InfotextContext<'_>) -> String {
     if let Some(strength) = req.effective_strength() {
         fields.push(("Denoising strength", number(strength)));
     }
+    if let Some(h) = &req.hires {
+        fields.push(("Denoising strength", number(h.denoising_strength)));
+        if h.resize_x == 0 && h.resize_y == 0 {
+            fields.push(("Hires upscale", number(h.scale)));
+        } else {
+            fields.push(("Hires resize", format!("{}x{}", h.resize_x, h.resize_y)));
+        }
+        if h.steps > 0 {
+            fields.push(("Hires steps", h.steps.to_string()));
+        }
+        fields.push(("Hires upscaler", quote_if_needed(h.upscaler.name())));
+        if let Some(s) = h.sampler.filter(|s| *s != req.sampler) {
+            fields.push(("Hires sampler", s.name().to_string()));
+        }
+        if let Some(s) = h.schedule.filter(|s| *s != req.schedule) {
+            fields.push(("Hires schedule type", s.name().to_string()));
+        }
+        if let Some(c) = h.cfg_scale.filter(|c| *c != req.cfg_scale) {
+            fields.push(("Hires CFG Scale", number(c)));
+        }
+        if let Some(p) = h.prompt.as_ref().filter(|p| **p != req.prompt) {
+            fields.push(("Hires prompt", quote_if_needed(p)));
+        }
+        if let Some(p) = h.negative_prompt.as_ref().filter(|p| **p != req.negative_prompt) {
+            fields.push(("Hires negative prompt", quote_if_needed(p)));
+        }
+    }
     if req.mask.is_some() {
         fields.push(("Mask", "yes".to_string()));
     }
@@ -135,6 +162,35 @@ mod tests {
         );
         let plain = GenerateRequest { loras: vec![lora("d", None)], ..Default::default() };
         assert!(!infotext(&plain, &ctx).contains("hashes"));
+    }
+
+    #[test]
+    fn hires_settings_as_a1111_writes_them() {
+        use crate::hires::{HiresFix, HiresUpscaler};
+        let req = GenerateRequest {
+            prompt: "x".into(),
+            width: Some(512),
+            height: Some(512),
+            hires: Some(HiresFix {
+                upscaler: HiresUpscaler::Lanczos,
+                steps: 10,
+                denoising_strength: 0.5,
+                sampler: Some(Sampler::DpmPp2M),
+                cfg_scale: Some(7.0),
+                prompt: Some("x, detailed".into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let ctx = InfotextContext { seed: 1, width: 512, height: 512, model: "m", version: "v" };
+        let text = infotext(&req, &ctx);
+        assert!(
+            text.contains(
+                "Size: 512x512, Model: m, Denoising strength: 0.5, Hires upscale: 2, Hires steps: 10, Hires \
+                 upscaler: Lanczos, Hires sampler: DPM++ 2M, Hires prompt: \"x, detailed\", Version: v"
+            ),
+            "{text}"
+        );
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 pub mod engine;
 pub mod extra_networks;
+pub mod hires;
 pub mod host;
 pub mod image_io;
 pub mod infotext;
@@ -11,9 +12,11 @@ pub mod memory;
 pub mod placement;
 pub mod request;
 pub mod sampler;
+pub mod upscale;
 
 pub use engine::{Control, Engine, EngineError, EngineInfo, GenerateOutput, GeneratedImage, Progress};
 pub use extra_networks::{parse_networks, strip_networks, NetworkKind, NetworkTag, TagError};
+pub use hires::{HiresFix, HiresTarget, HiresUpscaler, LatentMode};
 pub use host::{error_chain, BoxError, EngineFactory, ModelHost, ModelSpec, SwitchError};
 pub use image_io::{decode_image, decode_mask, encode_png, GrayImage, ImageError, RgbImage};
 pub use infotext::{infotext, InfotextContext};
@@ -21,3 +24,4 @@ pub use memory::{budgeted_free, InsufficientMemory, JobPlan, MemoryReport, Model
 pub use placement::{DeviceRef, Module, Placement, PlacementError};
 pub use request::{random_seed, EmbeddingUse, GenerateRequest, Limits, LoraUse, ValidationError};
 pub use sampler::{Sampler, Schedule};
+pub use upscale::{UpscaleRequest, UpscaleSize};

@@ -36,6 +36,8 @@ pub struct GenerateRequest {
     pub loras: Vec<LoraUse>,
     /// Textual-inversion embeddings named in the prompt or negative prompt, resolved to their files.
     pub embeddings: Vec<EmbeddingUse>,
+    /// A1111's hires fix (txt2img only): `width`×`height` is the first pass, the output is larger.
+    pub hires: Option<crate::hires::HiresFix>,
 }
 
 /// One LoRA (or LyCORIS) network a request applies.
@@ -82,6 +84,7 @@ impl Default for GenerateRequest {
             preview_every: 0,
             loras: Vec::new(),
             embeddings: Vec::new(),
+            hires: None,
         }
     }
 }
@@ -164,6 +167,25 @@ impl GenerateRequest {
         }
         if self.mask.is_some() && self.init_image.is_none() {
             return Err(invalid("mask", "a mask needs an init image to inpaint"));
+        }
+        if let Some(hires) = &self.hires {
+            if self.init_image.is_some() {
+                return Err(invalid(
+                    "enable_hr",
+                    "hires fix is for txt2img; img2img takes the size it is given",
+                ));
+            }
+            if let (Some(w), Some(h)) = (self.width, self.height) {
+                hires.validate(w, h, limits)?;
+            }
+            if let Some(p) = &hires.prompt {
+                if p.chars().count() > limits.max_prompt_chars {
+                    return Err(invalid(
+                        "hr_prompt",
+                        format!("longer than {} characters", limits.max_prompt_chars),
+                    ));
+                }
+            }
         }
         if let Some(img) = &self.init_image {
             let (w, h) = self.output_size_with_default((img.width, img.height));

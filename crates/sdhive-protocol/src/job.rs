@@ -177,6 +177,12 @@ pub struct JobRequest {
     /// LoRAs to apply besides the prompt's `<lora:…>` tags.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loras: Option<Vec<crate::networks::LoraRequest>>,
+    /// A1111's hires fix: a second, img2img pass at a larger size (txt2img only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hires: Option<crate::hires::HiresRequest>,
+    /// A1111 prompt styles (`--styles-file`) applied to the prompt and negative prompt, in order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub styles: Option<Vec<String>>,
 }
 
 /// `202 Accepted` answer to a submission.

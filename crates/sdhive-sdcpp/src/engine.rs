@@ -13,8 +13,8 @@ use diffusion_rs_sys as sys;
 use sdhive_engine::extra_networks::strip_networks;
 use sdhive_engine::{
     budgeted_free, infotext, random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput,
-    GenerateRequest, GeneratedImage, GrayImage, InfotextContext, Limits, MemoryReport, ModelShape, Placement,
-    PlacementError, Progress, RgbImage, ValidationError,
+    GenerateRequest, GeneratedImage, GrayImage, HiresFix, HiresUpscaler, InfotextContext, LatentMode, Limits,
+    MemoryReport, ModelShape, Placement, PlacementError, Progress, RgbImage, UpscaleRequest, ValidationError,
 };
 use sdhive_modelsource::{ModelLocation, ResolvedModel};
 use std::ffi::{CStr, CString};
@@ -80,6 +80,7 @@ pub struct SdCppEngine {
     memory_budget: Option<u64>,
     limits: Limits,
     loras: LoraChecks,
+    upscalers: crate::upscale::SdCppUpscalers,
 }
 
 /// sd.cpp runs the conditional and unconditional passes as separate batch-1 calls.
@@ -206,6 +207,7 @@ impl SdCppEngine {
             memory_budget: opts.memory_budget,
             limits: Limits::default(),
             loras: LoraChecks::default(),
+            upscalers: Default::default(),
         })
     }
 
@@ -285,9 +287,13 @@ impl Engine for SdCppEngine {
                 message: format!("must be below 2^63 on the stable-diffusion.cpp engine, got {base_seed}"),
             }));
         }
+        // Hires fix runs inside sd.cpp's generate_image; its second pass is the largest UNet call.
+        let hires =
+            req.hires.as_ref().map(|h| check_hires(h, req, width, height, &self.limits)).transpose()?;
+        let (plan_w, plan_h) = hires.as_ref().map_or((width, height), |h| h.output);
         let plan = self.shape.plan(
-            width,
-            height,
+            plan_w,
+            plan_h,
             IMAGES_PER_UNET_CALL,
             budgeted_free(
                 device::find(&self.plan_device).map(|d| d.memory_free_bytes),
@@ -326,16 +332,23 @@ impl Engine for SdCppEngine {
             p.sample_params.guidance.txt_cfg = req.cfg_scale;
             p.vae_tiling_params.enabled = plan.vae_tiling;
             // Every image passes the set, empty included: sd.cpp applies what each call names and nothing else.
+            if let Some(h) = &hires {
+                p.hires = h.params();
+            }
             p.loras = if sd_loras.is_empty() { std::ptr::null() } else { sd_loras.as_ptr() };
             p.lora_count = sd_loras.len() as u32;
             // SAFETY: every pointer in `p` (prompts, images, LoRA paths) borrows data alive for this whole call;
             // `ctx` is ours, used through `&mut self`.
-            let image = unsafe { generate_one(ctx, &p, &mut report) }?;
+            let image = match unsafe { generate_one(ctx, &p, &mut report) } {
+                Err(EngineError::Cancelled { .. }) => return Err(EngineError::Cancelled { done: images }),
+                other => other?,
+            };
             let image = image.ok_or_else(|| {
                 EngineError::Failed(
                     "stable-diffusion.cpp returned no image (its log at RUST_LOG=sdcpp=info says why)".into(),
                 )
             })?;
+            // A1111's `Size` is the first pass's; the hires size follows from the `Hires` fields.
             let ctx = InfotextContext {
                 seed,
                 width,
@@ -347,6 +360,117 @@ impl Engine for SdCppEngine {
         }
         Ok(GenerateOutput { images })
     }
+
+    fn upscale(&mut self, req: &UpscaleRequest) -> Result<Vec<RgbImage>, EngineError> {
+        // SAFETY: a plain query of the machine.
+        let threads = unsafe { sys::sd_get_num_physical_cores() };
+        self.upscalers.extras(req, &self.plan_device, threads)
+    }
+}
+
+/// A hires fix as sd.cpp runs it: its upscaler, the model file, the output size and the second pass's steps.
+struct SdHires {
+    upscaler: sys::sd_hires_upscaler_t,
+    model_path: Option<CString>,
+    output: (u32, u32),
+    steps: u32,
+    denoising_strength: f32,
+}
+
+impl SdHires {
+    /// Borrows `model_path`: `self` must outlive the generate call.
+    fn params(&self) -> sys::sd_hires_params_t {
+        let mut h: sys::sd_hires_params_t = unsafe {
+            let mut h = std::mem::MaybeUninit::<sys::sd_hires_params_t>::uninit();
+            // SAFETY: sd_hires_params_init writes every field.
+            sys::sd_hires_params_init(h.as_mut_ptr());
+            h.assume_init()
+        };
+        h.enabled = true;
+        h.upscaler = self.upscaler;
+        h.model_path = self.model_path.as_ref().map_or(std::ptr::null(), |p| p.as_ptr());
+        h.target_width = self.output.0 as i32;
+        h.target_height = self.output.1 as i32;
+        h.steps = self.steps as i32;
+        h.denoising_strength = self.denoising_strength;
+        h
+    }
+}
+
+/// What of A1111's hires fix sd.cpp can run: one sampler, prompt and CFG for both passes, and no crop.
+fn check_hires(
+    h: &HiresFix,
+    req: &GenerateRequest,
+    width: u32,
+    height: u32,
+    limits: &Limits,
+) -> Result<SdHires, EngineError> {
+    let target = h.validate(width, height, limits)?;
+    let refuse = |field: &'static str, what: &str| {
+        EngineError::Invalid(ValidationError {
+            field,
+            message: format!(
+                "stable-diffusion.cpp runs the second pass with the first pass's {what}; leave it unset or equal"
+            ),
+        })
+    };
+    if h.sampler.is_some_and(|s| s != req.sampler) {
+        return Err(refuse("hr_sampler_name", "sampler"));
+    }
+    if h.schedule.is_some_and(|s| s != req.schedule) {
+        return Err(refuse("hr_scheduler", "scheduler"));
+    }
+    if h.cfg_scale.is_some_and(|c| c != req.cfg_scale) {
+        return Err(refuse("hr_cfg", "CFG scale"));
+    }
+    if h.prompt.as_ref().is_some_and(|p| *p != req.prompt) {
+        return Err(refuse("hr_prompt", "prompt"));
+    }
+    if h.negative_prompt.as_ref().is_some_and(|p| *p != req.negative_prompt) {
+        return Err(refuse("hr_negative_prompt", "negative prompt"));
+    }
+    if target.output != target.upscaled {
+        return Err(EngineError::Invalid(ValidationError {
+            field: "hr_resize_x",
+            message:
+                "stable-diffusion.cpp resizes to the given box without cropping; give one side, or a box \
+                      of the first pass's aspect"
+                    .into(),
+        }));
+    }
+    use sys::sd_hires_upscaler_t as U;
+    let (upscaler, model_path) = match &h.upscaler {
+        HiresUpscaler::Latent(mode) => (
+            match mode {
+                LatentMode::Bilinear => U::SD_HIRES_UPSCALER_LATENT,
+                LatentMode::BilinearAntialiased => U::SD_HIRES_UPSCALER_LATENT_ANTIALIASED,
+                LatentMode::Bicubic => U::SD_HIRES_UPSCALER_LATENT_BICUBIC,
+                LatentMode::BicubicAntialiased => U::SD_HIRES_UPSCALER_LATENT_BICUBIC_ANTIALIASED,
+                LatentMode::Nearest => U::SD_HIRES_UPSCALER_LATENT_NEAREST,
+                LatentMode::NearestExact => U::SD_HIRES_UPSCALER_LATENT_NEAREST_EXACT,
+            },
+            None,
+        ),
+        // sd.cpp's "none" turns hires off; A1111's None is a Lanczos resize.
+        HiresUpscaler::None | HiresUpscaler::Lanczos => (U::SD_HIRES_UPSCALER_LANCZOS, None),
+        HiresUpscaler::Nearest => (U::SD_HIRES_UPSCALER_NEAREST, None),
+        HiresUpscaler::Model { path, .. } => {
+            let text = path.to_str().ok_or_else(|| {
+                EngineError::Invalid(ValidationError {
+                    field: "hr_upscaler",
+                    message: format!("the upscaler's path is not UTF-8: {}", path.display()),
+                })
+            })?;
+            (U::SD_HIRES_UPSCALER_MODEL, Some(c_text("hr_upscaler", text)?))
+        }
+    };
+    Ok(SdHires {
+        upscaler,
+        model_path,
+        output: target.output,
+        steps: h.steps,
+        denoising_strength: h.denoising_strength,
+    })
 }
 
 /// sd.cpp's parameters for one text-to-image image, guidance off; the caller sets the rest. The prompts are
@@ -392,7 +516,7 @@ unsafe fn generate_one(
     // SAFETY: the caller's contract; the shim passes on what generate_image returned for batch_count 1.
     match unsafe { callbacks::generate(ctx, p, report) } {
         Generated::Images(out) => Ok(unsafe { take_image(out) }),
-        Generated::Stopped => Err(EngineError::Cancelled),
+        Generated::Stopped => Err(EngineError::Cancelled { done: Vec::new() }),
         Generated::Threw(message) => {
             Err(EngineError::Failed(format!("stable-diffusion.cpp threw: {message}")))
         }

@@ -9,6 +9,7 @@ mod engine;
 mod model_info;
 mod networks;
 mod params;
+mod upscale;
 
 pub use device::{GgmlDevice, GgmlDeviceError};
 pub use engine::{LoadError, LoadOptions, SdCppEngine, WeightType};

@@ -41,12 +41,12 @@ fn a_stopped_image_ends_at_the_step_asked_and_the_engine_computes_as_before() {
 
     // Asked after step 2 of 4: no later step is computed (each would be reported) and the job is cancelled.
     let (stopped, seen) = run(&mut engine, &request(1), Some((0, 2)));
-    assert!(matches!(stopped, Err(EngineError::Cancelled)), "expected Cancelled, got {stopped:?}");
+    assert!(matches!(stopped, Err(EngineError::Cancelled { .. })), "expected Cancelled, got {stopped:?}");
     assert_eq!(seen, [(0, 1), (0, 2)]);
 
     // A stop in the first image of two never starts the second.
     let (stopped, seen) = run(&mut engine, &request(2), Some((0, 1)));
-    assert!(matches!(stopped, Err(EngineError::Cancelled)), "expected Cancelled, got {stopped:?}");
+    assert!(matches!(stopped, Err(EngineError::Cancelled { .. })), "expected Cancelled, got {stopped:?}");
     assert_eq!(seen, [(0, 1)]);
 
     // What the unwound sampling loop left behind (its reserved compute buffer) does not change the next image.

@@ -50,13 +50,19 @@ impl ApiError {
         Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", Some(code), None, message.into())
     }
 
-    pub fn unauthorized() -> Self {
+    /// 401, saying which credentials `accepted` would take.
+    pub fn unauthorized(accepted: &sdhive_protocol::Credentials) -> Self {
+        let send = match (accepted.api_key.is_some(), !accepted.basic.is_empty()) {
+            (true, true) => "`Authorization: Bearer <key>` or `Authorization: Basic <user:password>`",
+            (false, true) => "`Authorization: Basic <user:password>` (the --api-auth credentials)",
+            _ => "`Authorization: Bearer <key>`",
+        };
         Self::new(
             StatusCode::UNAUTHORIZED,
             "authentication_error",
             Some("invalid_api_key"),
             None,
-            "missing or wrong API key: send `Authorization: Bearer <key>`".into(),
+            format!("missing or wrong credentials: send {send}"),
         )
     }
 

@@ -7,10 +7,12 @@
 use crate::jobs::{FinishedImage, JobManager, Next, Outcome, Shared, StartedJob, Work};
 use bytes::Bytes;
 use sdhive_engine::{
-    encode_png, Control, Engine, EngineError, GenerateOutput, GenerateRequest, ModelHost, ModelSpec, Progress,
+    encode_png, Control, Engine, EngineError, GenerateOutput, GenerateRequest, GeneratedImage, HiresUpscaler,
+    ModelHost, ModelSpec, Progress, RgbImage, UpscaleRequest, UpscaleSize,
 };
 use sdhive_protocol::JobId;
 use sdhive_protocol::{JobError, JobErrorKind};
+use sdhive_upscale::{a1111, Filter};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Weak;
@@ -70,6 +72,11 @@ fn run(weak: Weak<Shared>, mut host: ModelHost) {
                     },
                     Work::Load(model) => switch(&jobs, &mut host, &id, &model)
                         .map_or_else(|f| f, |()| Outcome::Succeeded(vec![])),
+                    Work::Upscale(request) => match host.engine() {
+                        Some(engine) => upscale(engine, &request),
+                        // Resampling needs no model; upscaler models run on the loaded engine's device.
+                        None => upscale_without_engine(&request),
+                    },
                     Work::Unload => {
                         host.unload_model();
                         jobs.library().record_unloaded();
@@ -142,7 +149,14 @@ fn run_one(
     let result = catch_unwind(AssertUnwindSafe(|| engine.generate(request, &mut on_progress)));
     let outcome = match result {
         Ok(Ok(output)) => encode_all(output),
-        Ok(Err(EngineError::Cancelled)) => Outcome::Cancelled,
+        // The images finished before the stop are kept: A1111's interrupted requests answer with them.
+        Ok(Err(EngineError::Cancelled { done })) => match encode_images(done) {
+            Ok(images) => Outcome::Cancelled(images),
+            Err(e) => {
+                tracing::warn!(job = %id, "the images finished before the cancel are lost: {}", e.message);
+                Outcome::Cancelled(Vec::new())
+            }
+        },
         Ok(Err(EngineError::Invalid(v))) => Outcome::Failed(JobError {
             kind: JobErrorKind::InvalidRequest,
             message: v.to_string(),
@@ -175,32 +189,115 @@ fn run_one(
         Outcome::Failed(e) => {
             tracing::warn!(job = %id, kind = e.kind.as_str(), "job failed: {}", e.message)
         }
-        Outcome::Cancelled => tracing::info!(job = %id, "job cancelled"),
+        Outcome::Cancelled(done) => tracing::info!(job = %id, finished = done.len(), "job cancelled"),
     }
     outcome
 }
 
-fn encode_all(output: GenerateOutput) -> Outcome {
-    let mut images = Vec::with_capacity(output.images.len());
-    for generated in output.images {
-        match encode_png(&generated.image, Some(&generated.infotext)) {
-            Ok(png) => images.push(FinishedImage {
-                png: Bytes::from(png),
-                seed: generated.seed,
-                infotext: generated.infotext,
-                width: generated.image.width,
-                height: generated.image.height,
-            }),
+/// An extras job on the engine: its images as PNGs (no parameters chunk: A1111's extras write none of their own).
+fn upscale(engine: &mut dyn Engine, request: &UpscaleRequest) -> Outcome {
+    let result = catch_unwind(AssertUnwindSafe(|| engine.upscale(request)));
+    match result {
+        Ok(Ok(images)) => encode_upscaled(images),
+        Ok(Err(EngineError::Invalid(v))) => Outcome::Failed(JobError {
+            kind: JobErrorKind::InvalidRequest,
+            message: v.to_string(),
+            param: Some(v.field.to_string()),
+        }),
+        Ok(Err(EngineError::OutOfMemory(m))) => {
+            Outcome::Failed(JobError { kind: JobErrorKind::OutOfMemory, message: m, param: None })
+        }
+        Ok(Err(e)) => {
+            Outcome::Failed(JobError { kind: JobErrorKind::EngineError, message: e.to_string(), param: None })
+        }
+        Err(payload) => Outcome::Failed(JobError {
+            kind: JobErrorKind::EnginePanic,
+            message: format!("the engine panicked: {}", panic_message(payload.as_ref())),
+            param: None,
+        }),
+    }
+}
+
+/// Extras with no model loaded: the resampling upscalers, computed here; upscaler models need an engine.
+fn upscale_without_engine(request: &UpscaleRequest) -> Outcome {
+    let model = |u: &HiresUpscaler| matches!(u, HiresUpscaler::Model { .. } | HiresUpscaler::Latent(_));
+    if model(&request.upscaler) || request.second.as_ref().is_some_and(|(u, _)| model(u)) {
+        return Outcome::Failed(JobError {
+            kind: JobErrorKind::InvalidRequest,
+            message: "upscaler models run on the loaded checkpoint's device, and no checkpoint is loaded"
+                .into(),
+            param: Some("upscaler_1".into()),
+        });
+    }
+    let size = match request.size {
+        UpscaleSize::By(s) => a1111::ExtrasResize::By(s),
+        UpscaleSize::To { width, height, crop } => a1111::ExtrasResize::To { width, height, crop },
+    };
+    let pass = |u: &HiresUpscaler, scale: f64| {
+        let filter = match u {
+            HiresUpscaler::Lanczos => Some(Filter::Lanczos),
+            HiresUpscaler::Nearest => Some(Filter::Nearest),
+            _ => None,
+        };
+        a1111::builtin_pass(filter, scale)
+    };
+    let mut out = Vec::with_capacity(request.images.len());
+    for img in &request.images {
+        let scale = size.scale_for(img);
+        let first = a1111::extras_upscale(img, size, pass(&request.upscaler, scale));
+        let image = first.and_then(|first| match &request.second {
+            Some((second, v)) if *v > 0.0 => a1111::extras_upscale(img, size, pass(second, scale))
+                .map(|other| a1111::blend_second(&first, &other, f64::from(*v))),
+            _ => Ok(first),
+        });
+        match image {
+            Ok(i) => out.push(i),
             Err(e) => {
                 return Outcome::Failed(JobError {
-                    kind: JobErrorKind::EngineError,
-                    message: format!("cannot encode the image: {e}"),
-                    param: None,
+                    kind: JobErrorKind::InvalidRequest,
+                    message: e.to_string(),
+                    param: Some("upscaling_resize".into()),
                 })
             }
         }
     }
-    Outcome::Succeeded(images)
+    encode_upscaled(out)
+}
+
+fn encode_upscaled(images: Vec<RgbImage>) -> Outcome {
+    let generated =
+        images.into_iter().map(|image| GeneratedImage { image, seed: 0, infotext: String::new() }).collect();
+    match encode_images(generated) {
+        Ok(images) => Outcome::Succeeded(images),
+        Err(e) => Outcome::Failed(e),
+    }
+}
+
+fn encode_all(output: GenerateOutput) -> Outcome {
+    match encode_images(output.images) {
+        Ok(images) => Outcome::Succeeded(images),
+        Err(e) => Outcome::Failed(e),
+    }
+}
+
+fn encode_images(generated: Vec<GeneratedImage>) -> Result<Vec<FinishedImage>, JobError> {
+    let mut images = Vec::with_capacity(generated.len());
+    for generated in generated {
+        let png = encode_png(&generated.image, Some(generated.infotext.as_str()).filter(|t| !t.is_empty()))
+            .map_err(|e| JobError {
+            kind: JobErrorKind::EngineError,
+            message: format!("cannot encode the image: {e}"),
+            param: None,
+        })?;
+        images.push(FinishedImage {
+            png: Bytes::from(png),
+            seed: generated.seed,
+            infotext: generated.infotext,
+            width: generated.image.width,
+            height: generated.image.height,
+        });
+    }
+    Ok(images)
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {

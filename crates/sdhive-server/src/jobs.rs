@@ -44,9 +44,14 @@ pub enum SubmitError {
 #[derive(Debug)]
 pub(crate) enum Work {
     // Boxed: a request (prompts, LoRAs, images) is several times the size of the other variants.
-    Generate { request: Box<GenerateRequest>, model: ModelSpec },
+    Generate {
+        request: Box<GenerateRequest>,
+        model: ModelSpec,
+    },
     Load(ModelSpec),
     Unload,
+    /// A1111's extras: images through an upscaler, on the engine's device.
+    Upscale(Box<sdhive_engine::UpscaleRequest>),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -373,7 +378,8 @@ pub(crate) enum Next {
 pub(crate) enum Outcome {
     Succeeded(Vec<FinishedImage>),
     Failed(JobError),
-    Cancelled,
+    /// Stopped by a cancel; the images finished before it (a batch's first ones).
+    Cancelled(Vec<FinishedImage>),
 }
 
 fn new_job_id() -> JobId {
@@ -522,6 +528,18 @@ impl JobManager {
         self.enqueue(Work::Unload, control_summary("unload model".into()), true)
     }
 
+    /// Queues an extras upscale; it runs on the engine thread like a generation, after the jobs before it.
+    pub fn submit_upscale(&self, req: sdhive_engine::UpscaleRequest) -> Result<JobId, SubmitError> {
+        let what = format!("upscale {} image(s) with {}", req.images.len(), req.upscaler.name());
+        self.enqueue(Work::Upscale(Box::new(req)), control_summary(what), false)
+    }
+
+    /// [`JobManager::submit_upscale`], waiting for the result.
+    pub async fn upscale(&self, req: sdhive_engine::UpscaleRequest) -> Result<JobView, RunError> {
+        let id = self.submit_upscale(req)?;
+        self.await_job(id).await
+    }
+
     fn enqueue(&self, work: Work, summary: RequestSummary, control: bool) -> Result<JobId, SubmitError> {
         let mut inner = self.lock_fresh();
         if !inner.accepting {
@@ -538,6 +556,7 @@ impl JobManager {
             Work::Generate { request, .. } => (request.steps, request.n),
             // A switch counts as one job for A1111's `job_count`, so pollers see the worker busy.
             Work::Load(_) | Work::Unload => (0, 1),
+            Work::Upscale(req) => (0, req.images.len() as u32),
         };
         let job = Job {
             id: id.clone(),
@@ -899,7 +918,7 @@ impl JobManager {
                     job.emit(JobEvent::Failed { id: id.clone(), error });
                     JobState::Failed
                 }
-                Outcome::Cancelled if job.stopped_by_shutdown => {
+                Outcome::Cancelled(_) if job.stopped_by_shutdown => {
                     let error = JobError {
                         kind: JobErrorKind::ShuttingDown,
                         message: format!(
@@ -912,7 +931,8 @@ impl JobManager {
                     job.emit(JobEvent::Failed { id: id.clone(), error });
                     JobState::Failed
                 }
-                Outcome::Cancelled => {
+                Outcome::Cancelled(done) => {
+                    job.images = done;
                     job.emit(JobEvent::Cancelled { id: id.clone(), step: job.step });
                     JobState::Cancelled
                 }

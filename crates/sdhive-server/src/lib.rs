@@ -6,15 +6,18 @@
 pub mod auth;
 pub mod error;
 pub mod extract;
+pub mod hires;
 mod infer;
 pub mod jobs;
 mod locks;
 pub mod metrics;
 pub mod models;
 pub mod networks;
+pub mod png_info;
 pub mod registration;
 pub mod routes;
 pub mod serve;
+pub mod styles;
 pub mod validation;
 
 pub use error::ApiError;
@@ -53,7 +56,7 @@ pub struct ServerConfig {
     pub max_queue: usize,
     /// How long a finished job's result stays retrievable; afterwards its id answers 410.
     pub job_ttl: Duration,
-    /// When set, every route but `/health` needs `Authorization: Bearer <key>`.
+    /// When set, every route but `/health` needs `Authorization: Bearer <key>` (or one of `api_auth`).
     pub api_key: Option<String>,
     pub max_body_bytes: usize,
     /// The model as the operator named it (`--model`); the engine's own name is in [`EngineInfo::model`].
@@ -70,6 +73,24 @@ pub struct ServerConfig {
     pub version: String,
     /// LoRA and embeddings folders (`--lora-dir`, `--embeddings-dir`).
     pub networks: sdhive_catalog::NetworksConfig,
+    /// Upscaler model folders (`--upscaler-dir`, and the models dirs' `ESRGAN`/`RealESRGAN` subfolders).
+    pub upscalers: sdhive_catalog::UpscalersConfig,
+    /// A1111's `--api-auth` users: HTTP Basic credentials accepted besides the bearer `api_key`.
+    pub api_auth: sdhive_protocol::BasicUsers,
+    /// A1111's `--styles-file`: a `styles.csv` or a folder of them (read on each use).
+    pub styles_file: Option<std::path::PathBuf>,
+    /// The worker's other effective flags (A1111's names where it has them, secrets left out), for
+    /// `GET /sdapi/v1/cmd-flags`; what this config holds is added there.
+    pub cmd_flags: serde_json::Map<String, serde_json::Value>,
+    /// Where the server listens, once bound (`serve` fills it in).
+    pub listen: Option<std::net::SocketAddr>,
+}
+
+impl ServerConfig {
+    /// The credentials every route but `/health` needs: the bearer key and/or the Basic users.
+    pub fn credentials(&self) -> sdhive_protocol::Credentials {
+        sdhive_protocol::Credentials::new(self.api_key.clone(), self.api_auth.clone())
+    }
 }
 
 impl Default for ServerConfig {
@@ -96,6 +117,11 @@ impl Default for ServerConfig {
             max_tombstones: 10_000,
             version: env!("CARGO_PKG_VERSION").into(),
             networks: sdhive_catalog::NetworksConfig::default(),
+            upscalers: sdhive_catalog::UpscalersConfig::default(),
+            api_auth: sdhive_protocol::BasicUsers::default(),
+            styles_file: None,
+            cmd_flags: serde_json::Map::new(),
+            listen: None,
         }
     }
 }
@@ -141,6 +167,25 @@ impl AppState {
         let metrics = Arc::new(Metrics::new());
         let jobs = JobManager::start(Arc::clone(&config), Arc::clone(&metrics), Arc::clone(&library), host);
         AppState { jobs, config, library, networks, metrics, started_at: SystemTime::now() }
+    }
+
+    /// The node's upscaler models, scanned now (a folder walk: files added since start are seen).
+    pub fn upscaler_models(&self) -> Vec<sdhive_catalog::UpscalerFile> {
+        match sdhive_catalog::UpscalerCatalog::scan(&self.config.upscalers) {
+            Ok(c) => c.models,
+            Err(e) => {
+                tracing::warn!("cannot scan the upscaler folders: {e}");
+                Vec::new()
+            }
+        }
+    }
+
+    /// An upscaler model by name, as a hires upscaler.
+    pub fn upscaler_model(&self, name: &str) -> Option<sdhive_engine::HiresUpscaler> {
+        let catalog = sdhive_catalog::UpscalerCatalog { models: self.upscaler_models(), refused: Vec::new() };
+        catalog
+            .find(name)
+            .map(|f| sdhive_engine::HiresUpscaler::Model { name: f.name.clone(), path: f.path.clone() })
     }
 
     /// The text-encoder widths of the model a job will run on, for choosing the embeddings that fit it.
@@ -228,7 +273,7 @@ impl AppState {
     }
 }
 
-/// All route families over `state`, behind the API-key check and the body-size limit.
+/// All route families over `state`, behind the credentials check and the body-size limit.
 pub fn router(state: AppState) -> axum::Router {
     let body_limit = state.config.max_body_bytes;
     axum::Router::new()
@@ -236,8 +281,10 @@ pub fn router(state: AppState) -> axum::Router {
         .merge(routes::ops::router())
         .merge(routes::openai::router())
         .merge(routes::a1111::router())
+        .merge(routes::a1111_info::router())
+        .merge(routes::a1111_upscale::router())
         .fallback(routes::not_found)
-        .layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_api_key))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_credentials))
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(state)
 }

@@ -172,8 +172,8 @@ pub fn run(
 }
 
 /// The router while the model loads: liveness yes, everything else 503.
-fn loading_router(api_key: Option<String>) -> Router {
-    let api_key: Option<Arc<str>> = api_key.map(Into::into);
+fn loading_router(credentials: sdhive_protocol::Credentials) -> Router {
+    let credentials = Arc::new(credentials);
     Router::new()
         .route("/health", get(crate::routes::ops::health))
         .route(
@@ -186,8 +186,8 @@ fn loading_router(api_key: Option<String>) -> Router {
             e.into_response()
         })
         .layer(axum::middleware::from_fn(move |req: Request, next: axum::middleware::Next| {
-            let api_key = api_key.clone();
-            async move { auth::check(api_key.as_deref(), req, next).await }
+            let credentials = Arc::clone(&credentials);
+            async move { auth::check(&credentials, req, next).await }
         }))
 }
 
@@ -203,7 +203,8 @@ pub async fn serve(
     let local =
         listener.local_addr().map_err(|source| ServeError::Bind { addr: "listener".into(), source })?;
     let full: Arc<OnceLock<Router>> = Arc::new(OnceLock::new());
-    let loading = loading_router(config.api_key.clone());
+    let config = ServerConfig { listen: Some(local), ..config };
+    let loading = loading_router(config.credentials());
     let switch = {
         let full = Arc::clone(&full);
         tower::service_fn(move |req: Request| {

@@ -130,6 +130,7 @@ pub fn build_request(
 
         loras: Vec::new(),
         embeddings: Vec::new(),
+        hires: None,
     };
     out.validate(limits)?;
     if req.mask.is_some() && req.init_image.is_none() {

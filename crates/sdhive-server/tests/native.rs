@@ -379,7 +379,7 @@ impl Engine for FlakyEngine {
             if progress(&Progress { image: 0, images: 1, step, steps: req.steps, preview: None })
                 == Control::Cancel
             {
-                return Err(EngineError::Cancelled);
+                return Err(EngineError::Cancelled { done: Vec::new() });
             }
         }
         let image = RgbImage { width: 8, height: 8, data: vec![128; 8 * 8 * 3] };

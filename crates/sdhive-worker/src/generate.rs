@@ -62,7 +62,7 @@ pub fn run(backend: Backend, args: &GenerateArgs) -> anyhow::Result<()> {
     });
     bar.finish();
     let output = result.map_err(|e| match e {
-        EngineError::Cancelled => anyhow!("cancelled"),
+        EngineError::Cancelled { .. } => anyhow!("cancelled"),
         EngineError::Invalid(v) => anyhow!("invalid {}: {}", flag_for_field(v.field), v.message),
         other => anyhow::Error::new(other).context("generation failed"),
     })?;

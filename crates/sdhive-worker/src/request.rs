@@ -124,6 +124,7 @@ pub fn build_request(args: &GenerateArgs) -> Result<GenerateRequest, ArgsError> 
         // Filled from the prompt once the model is known (`generate::resolve_networks`).
         loras: Vec::new(),
         embeddings: Vec::new(),
+        hires: None,
     };
     req.validate(&Limits::default())?;
     Ok(req)

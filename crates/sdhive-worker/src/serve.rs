@@ -42,6 +42,12 @@ pub struct ServeArgs {
     #[arg(long = "embeddings-dir", env = "EMBEDDINGS_DIRS", value_name = "DIR", value_delimiter = ',')]
     pub embeddings_dirs: Vec<PathBuf>,
 
+    /// A folder of upscaler models (ESRGAN / Real-ESRGAN / SRVGG .safetensors) for hires fix and the extras; an
+    /// `ESRGAN`, `RealESRGAN` or `upscale_models` folder inside a models dir counts too. Repeatable; the variable
+    /// takes a comma-separated list.
+    #[arg(long = "upscaler-dir", env = "UPSCALER_DIRS", value_name = "DIR", value_delimiter = ',')]
+    pub upscaler_dirs: Vec<PathBuf>,
+
     /// Recently used checkpoints kept in host memory, so switching back only uploads (0: none). Entries are
     /// dropped early while the machine is short of memory.
     #[arg(long, env = "CHECKPOINT_CACHE", default_value_t = 2)]
@@ -78,6 +84,16 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every route but /health.
     #[arg(long, env = "API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+
+    /// A1111's HTTP Basic credentials, `user:password[,user2:password2]`, required on every route but /health
+    /// (with --api-key too, either credential is accepted).
+    #[arg(long, env = "API_AUTH", hide_env_values = true, value_name = "USER:PASSWORD[,…]")]
+    pub api_auth: Option<String>,
+
+    /// A1111's prompt styles: a styles.csv (`name,prompt,negative_prompt`) or a folder of .csv files, read on each
+    /// use; requests name styles in `styles`.
+    #[arg(long, env = "STYLES_FILE", value_name = "PATH")]
+    pub styles_file: Option<PathBuf>,
 
     /// Device index on this binary's backend.
     #[arg(long, env = "DEVICE", default_value_t = 0)]
@@ -163,6 +179,34 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(secs).map_err(|e| format!("`{s}`: {e}"))
 }
 
+/// The flags `GET /sdapi/v1/cmd-flags` shows besides what the server's config holds (A1111's names where it
+/// has the flag); secrets are left out.
+fn cmd_flags(args: &ServeArgs) -> serde_json::Map<String, serde_json::Value> {
+    use serde_json::json;
+    let paths = |list: &[PathBuf]| list.iter().map(|p| p.display().to_string()).collect::<Vec<_>>();
+    let flags = json!({
+        "vae_dir": args.vae_dirs.first().map(|p| p.display().to_string()),
+        "vae_dirs": paths(&args.vae_dirs),
+        "model_roots": paths(&args.model_roots),
+        "esrgan_models_path": args.upscaler_dirs.first().map(|p| p.display().to_string()),
+        "realesrgan_models_path": args.upscaler_dirs.first().map(|p| p.display().to_string()),
+        "upscaler_dirs": paths(&args.upscaler_dirs),
+        "checkpoint_cache": args.checkpoint_cache,
+        "dtype": args.dtype.map(|d| format!("{d:?}").to_lowercase()),
+        "no_half": args.dtype.is_some_and(|d| matches!(d, DTypeArg::F32)),
+        "placement": args.placement,
+        "offload": args.offload,
+        "memory_budget": args.memory_budget,
+        "offline": args.offline,
+        "callback_url": args.callback_url,
+        "public_url": args.public_url,
+    });
+    match flags {
+        serde_json::Value::Object(map) => map,
+        _ => serde_json::Map::new(),
+    }
+}
+
 fn default_worker_id(backend: Backend, device: usize) -> String {
     let host = std::env::var("HOSTNAME")
         .ok()
@@ -219,6 +263,18 @@ pub fn prepare(backend: Backend, args: &ServeArgs) -> anyhow::Result<Prepared> {
         max_n: args.max_n,
         max_prompt_chars: args.max_prompt_chars,
     };
+    let api_auth = sdhive_protocol::parse_api_auth(args.api_auth.as_deref().unwrap_or_default())
+        .map_err(|e| anyhow::anyhow!("invalid --api-auth: {e}"))?;
+    if let Some(path) = &args.styles_file {
+        // Read once now so that a wrong path stops the worker before it listens; requests read it again.
+        sdhive_catalog::styles::read_styles(path).context("cannot read --styles-file")?;
+    }
+    if args.callback_url.is_some()
+        && !api_auth.is_empty()
+        && args.api_key.as_deref().unwrap_or_default().is_empty()
+    {
+        tracing::warn!("--api-auth without --api-key: the hive authenticates with a bearer key and cannot reach this worker");
+    }
     let probe_device = device.clone();
     let memory_probe = Some(MemoryProbe(Arc::new(move || shared_worker::memory(&probe_device))));
     let config = ServerConfig {
@@ -240,6 +296,9 @@ pub fn prepare(backend: Backend, args: &ServeArgs) -> anyhow::Result<Prepared> {
             driver: info.driver.clone(),
         },
         memory_probe,
+        api_auth,
+        styles_file: args.styles_file.clone(),
+        cmd_flags: cmd_flags(args),
         ..ServerConfig::default()
     };
     let hash_cache = args.hash_cache.clone().or_else(sdhive_catalog::default_hash_cache);
@@ -251,7 +310,12 @@ pub fn prepare(backend: Backend, args: &ServeArgs) -> anyhow::Result<Prepared> {
     };
     // Scanned here too so that a wrong folder stops the worker before it listens; the server scans again.
     sdhive_catalog::NetworkCatalog::scan(&networks).context("cannot read the LoRA / embeddings folders")?;
-    let config = ServerConfig { networks, ..config };
+    let upscalers = sdhive_catalog::UpscalersConfig {
+        upscaler_dirs: args.upscaler_dirs.clone(),
+        models_dirs: args.models_dirs.clone(),
+    };
+    sdhive_catalog::UpscalerCatalog::scan(&upscalers).context("cannot read the upscaler folders")?;
+    let config = ServerConfig { networks, upscalers, ..config };
     let registration = args.callback_url.as_ref().map(|url| {
         let mut reg = RegistrationConfig::new(url.clone(), args.token.clone());
         reg.base_url = args.public_url.as_ref().map(|u| u.trim_end_matches('/').to_string());
@@ -322,5 +386,23 @@ mod tests {
         assert_eq!(args.model_roots, vec![PathBuf::from("/a")]);
         assert_eq!((args.max_width, args.max_steps, args.max_n), (2048, 150, 8));
         assert!(args.callback_url.is_none() && args.api_key.is_none());
+        if std::env::var_os("API_AUTH").is_none() && std::env::var_os("STYLES_FILE").is_none() {
+            assert!(args.api_auth.is_none() && args.styles_file.is_none());
+        }
+        let cli = Cli::try_parse_from([
+            "sd-worker",
+            "serve",
+            "--model",
+            "m",
+            "--api-auth",
+            "alice:pw,bob:pw2",
+            "--styles-file",
+            "/srv/styles.csv",
+        ])
+        .unwrap();
+        let Command::Serve(args) = cli.command else { panic!("expected serve") };
+        assert_eq!(args.api_auth.as_deref(), Some("alice:pw,bob:pw2"));
+        assert_eq!(args.styles_file, Some(PathBuf::from("/srv/styles.csv")));
+        assert_eq!(cmd_flags(&args)["vae_dirs"], serde_json::json!([]));
     }
 }

@@ -151,6 +151,7 @@ fn request(seed: u64) -> GenerateRequest {
         preview_every: 0,
         loras: Vec::new(),
         embeddings: Vec::new(),
+        hires: None,
     }
 }
 

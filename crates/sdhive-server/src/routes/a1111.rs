@@ -2,8 +2,9 @@
 //! (synchronous; a client that disconnects cancels its job), `progress`, `interrupt`, `skip`, `sd-models`,
 //! `samplers`, `schedulers` and `options`. Request fields, defaults and the `info` JSON string follow A1111;
 //! where we differ (errors are 400 `{"error", "detail", "field"}` rather than 422, `inpainting_fill` is always
-//! "original", an interrupted request gets an error rather than partial images) `docs/api.md` says so. The
-//! few settings A1111 keeps server-side (`CLIP_stop_at_last_layers`) live in this router's own state.
+//! "original") `docs/api.md` says so; an interrupted request answers with the images finished before it, as
+//! A1111's does. The few settings A1111 keeps server-side (`CLIP_stop_at_last_layers`) live in this router's own
+//! state.
 
 use crate::error::ApiError;
 use crate::extract::parse_json;
@@ -21,7 +22,7 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use base64::Engine as _;
 use sdhive_engine::{GenerateRequest, GrayImage, ModelSpec, Sampler, Schedule, ValidationError};
-use sdhive_protocol::{JobId, LoraRequest, Seed};
+use sdhive_protocol::{HiresRequest, JobId, LoraRequest, Seed};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -113,15 +114,15 @@ impl IntoResponse for A1111Error {
 }
 
 /// 400 about `field`, with the message saying which field as the engine's validation messages do.
-fn invalid(field: &str, message: impl std::fmt::Display) -> A1111Error {
+pub(crate) fn invalid(field: &str, message: impl std::fmt::Display) -> A1111Error {
     A1111Error(ApiError::invalid(field, format!("invalid `{field}`: {message}")))
 }
 
 /// How this request spelled the fields our validation names differently.
 #[derive(Debug, Clone, Copy)]
-struct Spelling {
+pub(crate) struct Spelling {
     /// `sampler_name`, or `sampler_index` when only that was sent.
-    sampler: &'static str,
+    pub(crate) sampler: &'static str,
 }
 
 impl Spelling {
@@ -144,7 +145,7 @@ impl Spelling {
     }
 }
 
-fn failure(f: JobFailure, spelling: Spelling) -> A1111Error {
+pub(crate) fn failure(f: JobFailure, spelling: Spelling) -> A1111Error {
     A1111Error(match f {
         JobFailure::Invalid { param, message } => ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -158,9 +159,7 @@ fn failure(f: JobFailure, spelling: Spelling) -> A1111Error {
             "interrupted",
             Some("job_cancelled"),
             None,
-            "the job was interrupted before it finished; no image is returned (our engine keeps no partial \
-             results)"
-                .into(),
+            "the job was interrupted before it finished".into(),
         ),
         JobFailure::ShuttingDown(message) => {
             let mut e = ApiError::unavailable("shutting_down", message);
@@ -178,7 +177,7 @@ fn failure(f: JobFailure, spelling: Spelling) -> A1111Error {
 // ---------------------------------------------------------------------------------------------------------
 
 /// The fields of A1111's `txt2img` and `img2img` bodies that we act on. Everything else A1111 accepts
-/// (`styles`, `restore_faces`, `save_images`, `subseed`, `alwayson_scripts`, …) is accepted and ignored.
+/// (`restore_faces`, `save_images`, `subseed`, `alwayson_scripts`, …) is accepted and ignored.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
 struct SdapiRequest {
@@ -199,6 +198,17 @@ struct SdapiRequest {
     denoising_strength: Option<f32>,
     send_images: Option<bool>,
     enable_hr: Option<bool>,
+    hr_scale: Option<f32>,
+    hr_upscaler: Option<String>,
+    hr_second_pass_steps: Option<u32>,
+    hr_resize_x: Option<u32>,
+    hr_resize_y: Option<u32>,
+    hr_sampler_name: Option<String>,
+    hr_scheduler: Option<String>,
+    hr_prompt: Option<String>,
+    hr_negative_prompt: Option<String>,
+    hr_cfg: Option<f32>,
+    hr_checkpoint_name: Option<String>,
     tiling: Option<bool>,
     script_name: Option<String>,
     init_images: Option<Vec<String>>,
@@ -210,6 +220,8 @@ struct SdapiRequest {
     include_init_images: Option<bool>,
     /// Our extension: LoRAs besides the prompt's `<lora:…>` tags.
     loras: Option<Vec<LoraRequest>>,
+    /// Prompt styles from `--styles-file`, applied in order (A1111's `styles`).
+    styles: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -230,9 +242,10 @@ struct Prepared {
     send_images: bool,
     mask_blur: Option<u32>,
     echo: Value,
+    styles: Vec<String>,
 }
 
-fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, A1111Error> {
+pub(crate) fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, A1111Error> {
     body.map_err(|rejection| {
         A1111Error(if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::new(
@@ -343,9 +356,6 @@ fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<
     let body: SdapiRequest = parse_json(bytes)?;
     let raw: Value = serde_json::from_slice(bytes).unwrap_or(Value::Null);
 
-    if body.enable_hr == Some(true) {
-        return Err(invalid("enable_hr", "hires fix is not supported; upscale separately"));
-    }
     if body.tiling == Some(true) {
         return Err(invalid("tiling", "tiling is not supported"));
     }
@@ -412,7 +422,41 @@ fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<
 
         loras: Vec::new(),
         embeddings: Vec::new(),
+        hires: None,
     };
+    // A1111's img2img has no hires fix; its clients may still send the txt2img switches.
+    if mode == Mode::Txt2Img && body.enable_hr == Some(true) {
+        let other_checkpoint = body
+            .hr_checkpoint_name
+            .as_deref()
+            .map(str::trim)
+            .filter(|n| !n.is_empty() && !n.eq_ignore_ascii_case("Use same checkpoint"));
+        if let Some(name) = other_checkpoint {
+            return Err(invalid(
+                "hr_checkpoint_name",
+                format!(
+                    "the second pass runs on the first pass's checkpoint; `{name}` cannot be used for it"
+                ),
+            ));
+        }
+        let hr = HiresRequest {
+            upscaler: body.hr_upscaler.clone(),
+            scale: body.hr_scale,
+            resize_x: body.hr_resize_x,
+            resize_y: body.hr_resize_y,
+            steps: body.hr_second_pass_steps,
+            denoising_strength: body.denoising_strength,
+            sampler: body.hr_sampler_name.clone(),
+            scheduler: body.hr_scheduler.clone(),
+            prompt: body.hr_prompt.clone(),
+            negative_prompt: body.hr_negative_prompt.clone(),
+            cfg_scale: body.hr_cfg,
+        };
+        crate::hires::attach(state, &mut req, &hr, &crate::hires::A1111_FIELDS, DEFAULT_DENOISING)
+            .map_err(|e| spelling.invalid(e))?;
+    }
+    let styles = body.styles.clone().unwrap_or_default();
+    crate::styles::apply(&state.config, &styles, &mut req)?;
     // Cheap checks before any image is decoded.
     req.validate(&state.config.limits).map_err(|e| spelling.invalid(e))?;
     state
@@ -466,6 +510,7 @@ fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<
         send_images: body.send_images.unwrap_or(true),
         mask_blur,
         echo,
+        styles,
     })
 }
 
@@ -685,7 +730,7 @@ fn info_json(state: &AppState, p: &Prepared, view: &JobView, images: &[FinishedI
         "extra_generation_params": extra,
         "index_of_first_image": 0,
         "infotexts": images.iter().map(|i| i.infotext.as_str()).collect::<Vec<_>>(),
-        "styles": [],
+        "styles": p.styles,
         "job_timestamp": job_timestamp(view.started_at.unwrap_or(view.created_at)),
         "clip_skip": req.clip_skip,
         "is_using_inpainting_conditioning": inpainting_model && req.mask.is_some(),
@@ -710,7 +755,14 @@ async fn generate(
     .map_err(|e| A1111Error(ApiError::internal(format!("request preparation failed: {e}"))))??;
     let view =
         state.jobs.run_for(prepared.req.clone(), prepared.model.clone()).await.map_err(ApiError::from)?;
-    let (view, images) = job_outcome(view).map_err(|f| failure(f, prepared.spelling))?;
+    // An interrupted job answers with the images it finished (possibly none), as A1111 does.
+    let (view, images) = match view.state {
+        sdhive_protocol::JobState::Cancelled => {
+            let images = view.images.clone();
+            (view, images)
+        }
+        _ => job_outcome(view).map_err(|f| failure(f, prepared.spelling))?,
+    };
     if let Some((spec, vae)) = &prepared.keep_override {
         state.library.select_checkpoint(spec);
         if let Some(vae) = vae {

@@ -2,6 +2,8 @@
 //! behind the shared auth and body-limit layers.
 
 pub mod a1111;
+pub mod a1111_info;
+pub mod a1111_upscale;
 pub mod native;
 pub mod openai;
 pub mod ops;

@@ -31,7 +31,16 @@ async fn submit(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<JobRequest>,
 ) -> Result<Response, ApiError> {
-    let req = build_request(&body, &state.config.limits, state.config.max_decode_pixels)?;
+    let mut req = build_request(&body, &state.config.limits, state.config.max_decode_pixels)?;
+    if let Some(hr) = &body.hires {
+        let strength = sdhive_engine::HiresFix::default().denoising_strength;
+        crate::hires::attach(&state, &mut req, hr, &crate::hires::NATIVE_FIELDS, strength)?;
+    }
+    if let Some(styles) = body.styles.as_deref().filter(|s| !s.is_empty()) {
+        crate::styles::apply(&state.config, styles, &mut req)?;
+        // The styled prompts are what the limits apply to.
+        req.validate(&state.config.limits)?;
+    }
     let vae = body.vae.as_deref().map(VaeChoice::parse);
     if let Some(choice) = &vae {
         state.library.check_vae(choice)?;

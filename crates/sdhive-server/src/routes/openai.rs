@@ -65,6 +65,8 @@ struct ImageParams {
     model: Option<String>,
     /// LoRAs besides the prompt's `<lora:…>` tags.
     loras: Option<Vec<LoraRequest>>,
+    /// Hires fix (generations only), as the native API's `hires` object.
+    hires: Option<sdhive_protocol::HiresRequest>,
 }
 
 /// The checkpoint a request names, with the selected VAE choice.
@@ -220,7 +222,7 @@ fn build_request(
     let defaults = GenerateRequest::default();
     // An edit with a mask means "redraw this region": start it from pure noise unless told otherwise.
     let default_strength = if mask.is_some() { 1.0 } else { defaults.strength };
-    let req = GenerateRequest {
+    let mut req = GenerateRequest {
         prompt: p.prompt.clone(),
         negative_prompt: p.negative_prompt.clone().unwrap_or_default(),
         steps: p.steps.unwrap_or(defaults.steps),
@@ -240,8 +242,17 @@ fn build_request(
 
         loras: Vec::new(),
         embeddings: Vec::new(),
+        hires: None,
     };
     req.validate(&state.config.limits).map_err(openai_invalid)?;
+    if let Some(hr) = &p.hires {
+        if req.init_image.is_some() {
+            return Err(ApiError::invalid("hires", "hires fix is for generations, not edits"));
+        }
+        let strength = sdhive_engine::HiresFix::default().denoising_strength;
+        crate::hires::attach(state, &mut req, hr, &crate::hires::NATIVE_FIELDS, strength)
+            .map_err(openai_invalid)?;
+    }
     Ok(req)
 }
 

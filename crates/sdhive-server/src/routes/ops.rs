@@ -76,7 +76,7 @@ async fn info(State(state): State<AppState>) -> Json<serde_json::Value> {
         "capabilities": state.capabilities(),
         "queue": {"depth": state.jobs.queue_depth(), "max": state.config.max_queue},
         "job_ttl_secs": state.config.job_ttl.as_secs_f64(),
-        "auth_required": state.config.api_key.is_some(),
+        "auth_required": state.config.credentials().required(),
         "memory": info.memory,
     }))
 }

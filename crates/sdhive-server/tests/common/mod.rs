@@ -69,7 +69,7 @@ impl Engine for SlowEngine {
                 std::thread::sleep(self.per_step);
                 let p = Progress { image, images: req.n, step, steps: req.steps, preview: None };
                 if progress(&p) == Control::Cancel {
-                    return Err(EngineError::Cancelled);
+                    return Err(EngineError::Cancelled { done: Vec::new() });
                 }
             }
             let seed = req.seed.unwrap_or(0).wrapping_add(u64::from(image));

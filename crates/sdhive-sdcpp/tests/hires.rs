@@ -1,0 +1,123 @@
+//! Hires fix through stable-diffusion.cpp on the random SD1.5 (`common`): latent and image upscalers give an
+//! image of the hires size that is not the plain image at that size, the infotext records the hires settings,
+//! and what sd.cpp cannot run (a second sampler, a crop) is refused naming A1111's field. Ignored by default
+//! because it needs that 2 GB model; `cargo xtask vulkan` writes the model and runs it.
+
+mod common;
+
+use sdhive_engine::{
+    Control, Engine, EngineError, GenerateRequest, HiresFix, HiresUpscaler, LatentMode, Sampler,
+};
+
+fn request(hires: Option<HiresFix>) -> GenerateRequest {
+    GenerateRequest { hires, steps: 2, ..common::golden_request("a red cube on a wooden table".into()) }
+}
+
+fn fix(upscaler: HiresUpscaler) -> HiresFix {
+    HiresFix { upscaler, steps: 2, denoising_strength: 0.5, ..Default::default() }
+}
+
+/// One engine for every check: loading the model is most of the cost.
+#[test]
+#[ignore = "needs the random SD1.5 named by SDHIVE_SD15_RANDOM; cargo xtask vulkan runs it"]
+fn hires_through_stable_diffusion_cpp() {
+    let mut engine = common::engine();
+    refuses_what_sdcpp_cannot_run(&mut engine);
+    extras_run_the_upscaler_model(&mut engine);
+    let plain_128 = GenerateRequest { width: Some(128), height: Some(128), steps: 2, ..request(None) };
+    let plain = engine.generate(&plain_128, &mut |_| Control::Continue).expect("plain 128²");
+    for upscaler in [HiresUpscaler::Latent(LatentMode::Bilinear), HiresUpscaler::Lanczos] {
+        let name = upscaler.name().to_string();
+        let out = engine.generate(&request(Some(fix(upscaler))), &mut |_| Control::Continue);
+        let image = &out.unwrap_or_else(|e| panic!("{name}: {e}")).images[0];
+        assert_eq!((image.image.width, image.image.height), (128, 128), "{name}");
+        assert!(image.infotext.contains(&format!("Hires upscaler: {name}")), "{}", image.infotext);
+        assert!(image.infotext.contains("Size: 64x64"), "{}", image.infotext);
+        let diff = image.image.data.iter().zip(&plain.images[0].image.data).filter(|(a, b)| a != b).count();
+        assert!(diff > image.image.data.len() / 2, "{name}: the hires image is the plain 128² image");
+    }
+}
+
+fn refuses_what_sdcpp_cannot_run(engine: &mut sdhive_sdcpp::SdCppEngine) {
+    let cases = [
+        (HiresFix { sampler: Some(Sampler::EulerA), ..fix(HiresUpscaler::Lanczos) }, "hr_sampler_name"),
+        (HiresFix { cfg_scale: Some(3.0), ..fix(HiresUpscaler::Lanczos) }, "hr_cfg"),
+        (HiresFix { prompt: Some("other".into()), ..fix(HiresUpscaler::Lanczos) }, "hr_prompt"),
+        (HiresFix { resize_x: 128, resize_y: 96, ..fix(HiresUpscaler::Lanczos) }, "hr_resize_x"),
+    ];
+    for (h, field) in cases {
+        match engine.generate(&request(Some(h)), &mut |_| Control::Continue) {
+            Err(EngineError::Invalid(e)) => assert_eq!(e.field, field, "{e}"),
+            other => panic!("{field}: expected a refusal, got {:?}", other.map(|o| o.images.len())),
+        }
+    }
+}
+
+/// An RRDBNet ×4 of the size sd.cpp's ESRGAN runs (64 features, 32 growth channels; one block to stay small) in
+/// BasicSR's key layout, with deterministic small weights, written to `path`.
+fn write_esrgan(path: &std::path::Path) {
+    let mut shapes: Vec<(String, Vec<usize>)> = vec![("conv_first".into(), vec![64, 3, 3, 3])];
+    for rdb in 1..=3 {
+        for (i, cin) in [64, 96, 128, 160, 192].into_iter().enumerate() {
+            let cout = if i == 4 { 64 } else { 32 };
+            shapes.push((format!("body.0.rdb{rdb}.conv{}", i + 1), vec![cout, cin, 3, 3]));
+        }
+    }
+    for name in ["conv_body", "conv_up1", "conv_up2", "conv_hr"] {
+        shapes.push((name.into(), vec![64, 64, 3, 3]));
+    }
+    shapes.push(("conv_last".into(), vec![3, 64, 3, 3]));
+    let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut state = 12345u64;
+    for (name, shape) in shapes {
+        let n: usize = shape.iter().product();
+        let weights: Vec<u8> = (0..n)
+            .flat_map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let v = ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1;
+                v.to_le_bytes()
+            })
+            .collect();
+        data.push((format!("{name}.bias"), vec![shape[0]], vec![0u8; shape[0] * 4]));
+        data.push((format!("{name}.weight"), shape, weights));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+        .iter()
+        .map(|(n, s, d)| {
+            (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d).unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).expect("writing the ESRGAN file");
+}
+
+/// The extras' upscale through sd.cpp's ESRGAN gives the ×4 image (A1111's destination), which is not the Lanczos
+/// enlargement of the input: the model ran. A file sd.cpp cannot run is refused naming the upscaler.
+fn extras_run_the_upscaler_model(engine: &mut sdhive_sdcpp::SdCppEngine) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("4x_test.safetensors");
+    write_esrgan(&file);
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/upscalers");
+    let png = std::fs::read(fixtures.join("input.png")).expect("input.png");
+    let input = sdhive_engine::decode_image(&png, 1 << 20).expect("input image");
+    let request = |upscaler| sdhive_engine::UpscaleRequest {
+        images: vec![input.clone()],
+        upscaler,
+        size: sdhive_engine::UpscaleSize::By(4.0),
+        second: None,
+    };
+    let model = HiresUpscaler::Model { name: "4x_test".into(), path: file };
+    let by_model = engine.upscale(&request(model)).expect("sd.cpp upscales with an ESRGAN ×4");
+    let by_lanczos = engine.upscale(&request(HiresUpscaler::Lanczos)).expect("Lanczos");
+    // A1111's destination: each side × 4, rounded down to a multiple of 8.
+    assert_eq!((by_model[0].width, by_model[0].height), (88, 64));
+    let diff = by_model[0].data.iter().zip(&by_lanczos[0].data).filter(|(a, b)| a.abs_diff(**b) > 8).count();
+    assert!(diff > by_model[0].data.len() / 4, "the model's image is the Lanczos one ({diff} values differ)");
+    let tiny = HiresUpscaler::Model {
+        name: "esrgan_x4_new".into(),
+        path: fixtures.join("models/esrgan_x4_new.safetensors"),
+    };
+    match engine.upscale(&request(tiny)) {
+        Err(EngineError::Invalid(e)) => assert_eq!(e.field, "upscaler_1", "{e}"),
+        other => panic!("a 8-feature RRDBNet should be refused on sd.cpp, got {:?}", other.map(|o| o.len())),
+    }
+}
