@@ -4,7 +4,7 @@
 
 use crate::pipeline::PipelineError;
 use candle_core::{DType, Device};
-use sdhive_engine::{HiresUpscaler, RgbImage, UpscaleRequest, UpscaleSize};
+use sdhive_engine::{HiresUpscaler, RgbImage, UpscaleRequest};
 use sdhive_upscale::{a1111, Filter, Tile, UpscaleModel};
 use std::path::PathBuf;
 
@@ -49,26 +49,21 @@ impl Upscalers {
     }
 
     /// One pass of `upscaler` (A1111's `do_upscale`) inside an upscale by `scale`.
-    fn pass<'a>(
-        &'a mut self,
-        upscaler: &'a HiresUpscaler,
+    fn pass(
+        &mut self,
+        upscaler: &HiresUpscaler,
         scale: f64,
-        device: &'a Device,
+        device: &Device,
         dtype: DType,
-    ) -> impl FnMut(&RgbImage) -> Result<RgbImage, PipelineError> + 'a {
-        move |img: &RgbImage| {
-            let filter = match upscaler {
-                HiresUpscaler::Model { path, .. } => {
-                    let model = self.model(path, device, dtype)?;
-                    return model
-                        .upscale(img, Tile::A1111)
-                        .map_err(|e| failed("upscaler model")(e.to_string()));
-                }
-                HiresUpscaler::Nearest => Some(Filter::Nearest),
-                HiresUpscaler::Lanczos => Some(Filter::Lanczos),
-                _ => None,
-            };
-            a1111::builtin_pass(filter, scale)(img).map_err(|e| invalid("hr_upscaler")(e.to_string()))
+        img: &RgbImage,
+    ) -> Result<RgbImage, PipelineError> {
+        match (upscaler, a1111::builtin_for(upscaler, scale)) {
+            (HiresUpscaler::Model { path, .. }, _) => {
+                let model = self.model(path, device, dtype)?;
+                model.upscale(img, Tile::A1111).map_err(|e| failed("upscaler model")(e.to_string()))
+            }
+            (_, Some(mut builtin)) => builtin(img).map_err(|e| invalid("hr_upscaler")(e.to_string())),
+            (_, None) => Err(failed("hires upscale")("a latent upscaler has no image to enlarge".into())),
         }
     }
 
@@ -90,7 +85,7 @@ impl Upscalers {
             return Ok(sdhive_upscale::resize(img, to.0, to.1, Filter::Lanczos));
         }
         let scale = (f64::from(to.0) / f64::from(img.width)).max(f64::from(to.1) / f64::from(img.height));
-        let mut pass = self.pass(upscaler, scale, device, dtype);
+        let mut pass = |i: &RgbImage| self.pass(upscaler, scale, device, dtype, i);
         a1111::resize_image(a1111::ResizeMode::Just, img, to.0, to.1, Some(&mut pass))
     }
 
@@ -101,22 +96,6 @@ impl Upscalers {
         device: &Device,
         dtype: DType,
     ) -> Result<Vec<RgbImage>, PipelineError> {
-        let size = match req.size {
-            UpscaleSize::By(s) => a1111::ExtrasResize::By(s),
-            UpscaleSize::To { width, height, crop } => a1111::ExtrasResize::To { width, height, crop },
-        };
-        let mut out = Vec::with_capacity(req.images.len());
-        for img in &req.images {
-            let scale = size.scale_for(img);
-            let first = a1111::extras_upscale(img, size, self.pass(&req.upscaler, scale, device, dtype))?;
-            out.push(match &req.second {
-                Some((second, visibility)) if *visibility > 0.0 => {
-                    let other = a1111::extras_upscale(img, size, self.pass(second, scale, device, dtype))?;
-                    a1111::blend_second(&first, &other, f64::from(*visibility))
-                }
-                _ => first,
-            });
-        }
-        Ok(out)
+        a1111::extras(req, |upscaler, scale, img| self.pass(upscaler, scale, device, dtype, img))
     }
 }

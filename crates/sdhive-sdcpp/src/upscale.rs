@@ -3,8 +3,8 @@
 //! first use, kept while jobs name the same file), inside A1111's upscale loop.
 
 use diffusion_rs_sys as sys;
-use sdhive_engine::{EngineError, HiresUpscaler, RgbImage, UpscaleRequest, UpscaleSize, ValidationError};
-use sdhive_upscale::{a1111, Filter};
+use sdhive_engine::{EngineError, HiresUpscaler, RgbImage, UpscaleRequest, ValidationError};
+use sdhive_upscale::a1111;
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
@@ -79,16 +79,11 @@ impl SdCppUpscalers {
         threads: i32,
         img: &RgbImage,
     ) -> Result<RgbImage, EngineError> {
-        let filter = match upscaler {
-            HiresUpscaler::Model { path, .. } => return self.model_pass(path, device, threads, img),
-            HiresUpscaler::Nearest => Some(Filter::Nearest),
-            HiresUpscaler::Lanczos => Some(Filter::Lanczos),
-            HiresUpscaler::None => None,
-            HiresUpscaler::Latent(_) => {
-                return Err(invalid("a latent upscaler cannot enlarge an image".into()))
-            }
-        };
-        a1111::builtin_pass(filter, scale)(img).map_err(|e| invalid(e.to_string()))
+        match (upscaler, a1111::builtin_for(upscaler, scale)) {
+            (HiresUpscaler::Model { path, .. }, _) => self.model_pass(path, device, threads, img),
+            (_, Some(mut builtin)) => builtin(img).map_err(|e| invalid(e.to_string())),
+            (_, None) => Err(invalid("a latent upscaler cannot enlarge an image".into())),
+        }
     }
 
     fn model_pass(
@@ -132,25 +127,7 @@ impl SdCppUpscalers {
         device: &str,
         threads: i32,
     ) -> Result<Vec<RgbImage>, EngineError> {
-        let size = match req.size {
-            UpscaleSize::By(s) => a1111::ExtrasResize::By(s),
-            UpscaleSize::To { width, height, crop } => a1111::ExtrasResize::To { width, height, crop },
-        };
-        let mut out = Vec::with_capacity(req.images.len());
-        for img in &req.images {
-            let scale = size.scale_for(img);
-            let first =
-                a1111::extras_upscale(img, size, |i| self.pass(&req.upscaler, scale, device, threads, i))?;
-            out.push(match &req.second {
-                Some((second, visibility)) if *visibility > 0.0 => {
-                    let other =
-                        a1111::extras_upscale(img, size, |i| self.pass(second, scale, device, threads, i))?;
-                    a1111::blend_second(&first, &other, f64::from(*visibility))
-                }
-                _ => first,
-            });
-        }
-        Ok(out)
+        a1111::extras(req, |upscaler, scale, img| self.pass(upscaler, scale, device, threads, img))
     }
 }
 

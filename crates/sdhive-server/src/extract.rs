@@ -3,6 +3,7 @@
 
 use crate::error::ApiError;
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{FromRequest, Request};
 use axum::http::StatusCode;
 use serde::de::DeserializeOwned;
@@ -17,21 +18,29 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
-            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::new(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "invalid_request_error",
-                    Some("body_too_large"),
-                    None,
-                    "request body is larger than this server's limit".into(),
-                )
-            } else {
-                ApiError::bad_body("invalid_body", format!("cannot read the request body: {rejection}"))
-            }
-        })?;
+        let bytes = read_body(Bytes::from_request(req, state).await)?;
         parse_json(&bytes).map(ApiJson)
     }
+}
+
+/// 413 when the body went over the server's limit (`status` says so), else a 400 with `code` and `what` failed.
+pub fn body_error(status: StatusCode, code: &'static str, what: String) -> ApiError {
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            Some("body_too_large"),
+            None,
+            "request body is larger than this server's limit".into(),
+        )
+    } else {
+        ApiError::bad_body(code, what)
+    }
+}
+
+/// A raw body, or the error for why it could not be read.
+pub fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|r| body_error(r.status(), "invalid_body", format!("cannot read the request body: {r}")))
 }
 
 /// Parses `bytes` as `T`, reporting which field is wrong.

@@ -8,11 +8,11 @@ use crate::jobs::{FinishedImage, JobManager, Next, Outcome, Shared, StartedJob, 
 use bytes::Bytes;
 use sdhive_engine::{
     encode_png, Control, Engine, EngineError, GenerateOutput, GenerateRequest, GeneratedImage, HiresUpscaler,
-    ModelHost, ModelSpec, Progress, RgbImage, UpscaleRequest, UpscaleSize,
+    ModelHost, ModelSpec, Progress, RgbImage, UpscaleRequest,
 };
 use sdhive_protocol::JobId;
 use sdhive_protocol::{JobError, JobErrorKind};
-use sdhive_upscale::{a1111, Filter};
+use sdhive_upscale::a1111;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Weak;
@@ -229,38 +229,20 @@ fn upscale_without_engine(request: &UpscaleRequest) -> Outcome {
             param: Some("upscaler_1".into()),
         });
     }
-    let size = match request.size {
-        UpscaleSize::By(s) => a1111::ExtrasResize::By(s),
-        UpscaleSize::To { width, height, crop } => a1111::ExtrasResize::To { width, height, crop },
-    };
-    let pass = |u: &HiresUpscaler, scale: f64| {
-        let filter = match u {
-            HiresUpscaler::Lanczos => Some(Filter::Lanczos),
-            HiresUpscaler::Nearest => Some(Filter::Nearest),
-            _ => None,
-        };
-        a1111::builtin_pass(filter, scale)
-    };
-    let mut out = Vec::with_capacity(request.images.len());
-    for img in &request.images {
-        let scale = size.scale_for(img);
-        let first = a1111::extras_upscale(img, size, pass(&request.upscaler, scale));
-        let image = first.and_then(|first| match &request.second {
-            Some((second, v)) if *v > 0.0 => a1111::extras_upscale(img, size, pass(second, scale))
-                .map(|other| a1111::blend_second(&first, &other, f64::from(*v))),
-            _ => Ok(first),
-        });
-        match image {
-            Ok(i) => out.push(i),
-            Err(e) => {
-                return Outcome::Failed(JobError {
-                    kind: JobErrorKind::InvalidRequest,
-                    message: e.to_string(),
-                    param: Some("upscaling_resize".into()),
-                })
-            }
+    let passes = a1111::extras(request, |upscaler, scale, img| match a1111::builtin_for(upscaler, scale) {
+        Some(mut builtin) => builtin(img).map_err(|e| e.to_string()),
+        None => Err(format!("`{}` needs an engine", upscaler.name())),
+    });
+    let out = match passes {
+        Ok(images) => images,
+        Err(message) => {
+            return Outcome::Failed(JobError {
+                kind: JobErrorKind::InvalidRequest,
+                message,
+                param: Some("upscaling_resize".into()),
+            })
         }
-    }
+    };
     encode_upscaled(out)
 }
 

@@ -7,108 +7,28 @@
 //! One worker (model loaded once) serves every test of this file.
 
 mod pyclients;
+mod realworker;
 
 use base64::Engine as _;
-use candle_core::{DType, Device};
-use sdhive_candle::{CandleEngine, LoadOptions};
+use realworker::{fixtures, Client};
 use sdhive_engine::{decode_image, RgbImage};
-use sdhive_server::{AppState, ServerConfig};
+use sdhive_server::ServerConfig;
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
-use std::sync::OnceLock;
-use std::time::{Duration, Instant};
 
 const PROMPT: &str = "a photo of an astronaut riding a horse";
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-fn load_engine() -> CandleEngine {
-    let offline = sdhive_modelsource::ResolveOptions { offline: true, ..Default::default() };
-    let model = sdhive_modelsource::resolve(&fixtures().join("models/sd1").to_string_lossy(), &offline)
-        .expect("the sd1 fixture model resolves");
-    let opts = LoadOptions::single_device(&Device::Cpu, DType::F32, "cpu", "cpu");
-    CandleEngine::load(&model, opts).expect("the sd1 fixture model loads")
-}
-
-async fn start_worker() -> String {
-    let engine = tokio::task::spawn_blocking(load_engine).await.expect("engine loader thread");
-    let model_name = fixtures().join("models/sd1").to_string_lossy().into_owned();
+fn config() -> ServerConfig {
     let upscalers = sdhive_catalog::UpscalersConfig {
         upscaler_dirs: vec![fixtures().join("upscalers/models")],
         models_dirs: Vec::new(),
     };
-    let config = ServerConfig { model_name, upscalers, ..ServerConfig::default() };
-    let app = sdhive_server::router(AppState::new(config, Box::new(engine)));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind a loopback port");
-    let addr = listener.local_addr().expect("local address");
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            eprintln!("test server stopped: {e}");
-        }
-    });
-    format!("http://{addr}")
+    ServerConfig { upscalers, ..ServerConfig::default() }
 }
 
-/// The worker every test shares, on a runtime of its own thread (each `#[tokio::test]`'s runtime ends with it).
 fn shared() -> &'static str {
-    static BASE: OnceLock<String> = OnceLock::new();
-    BASE.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .expect("the shared worker's runtime");
-            rt.block_on(async move {
-                let _ = tx.send(start_worker().await);
-                std::future::pending::<()>().await;
-            });
-        });
-        rx.recv().expect("the shared worker started")
-    })
-}
-
-struct Client {
-    base: String,
-    http: reqwest::Client,
-}
-
-impl Client {
-    fn new() -> Client {
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(300)).build().expect("http client");
-        Client { base: shared().to_string(), http }
-    }
-
-    async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let response = self.http.post(format!("{}{path}", self.base)).json(body).send().await.expect("POST");
-        let status = response.status().as_u16();
-        (status, response.json().await.expect("a JSON body"))
-    }
-
-    async fn get(&self, path: &str) -> Value {
-        let response = self.http.get(format!("{}{path}", self.base)).send().await.expect("GET");
-        assert_eq!(response.status().as_u16(), 200, "GET {path}");
-        response.json().await.expect("a JSON body")
-    }
-
-    async fn job(&self, body: &Value) -> Value {
-        let (status, got) = self.post("/v1/jobs", body).await;
-        assert_eq!(status, 202, "{body}: {got}");
-        let id = got["id"].as_str().expect("a job id");
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let job = self.get(&format!("/v1/jobs/{id}")).await;
-            if !["queued", "running"].contains(&job["state"].as_str().unwrap_or_default()) {
-                return job;
-            }
-            assert!(Instant::now() < deadline, "job {id} did not finish: {job}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
+    realworker::shared(config)
 }
 
 fn image_of(b64: &Value) -> RgbImage {
@@ -166,7 +86,7 @@ fn with(mut body: Value, extra: Value) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a1111_hires_matches_the_goldens_and_records_its_settings() {
-    let c = Client::new();
+    let c = Client::new(shared());
     let body = with(
         golden_body(),
         json!({"enable_hr": true, "hr_upscaler": "Latent", "hr_scale": 2,
@@ -194,7 +114,7 @@ async fn a1111_hires_matches_the_goldens_and_records_its_settings() {
 /// SillyTavern's body as its server proxy forwards it (its own `url` and `auth` keys included).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sillytavern_body_with_hires_succeeds() {
-    let c = Client::new();
+    let c = Client::new(shared());
     let body = json!({
         "url": c.base, "auth": "", "prompt": PROMPT, "negative_prompt": "blurry", "sampler_name": "Euler",
         "scheduler": "Automatic", "steps": 4, "cfg_scale": 7, "width": 64, "height": 64, "restore_faces": false,
@@ -212,7 +132,7 @@ async fn sillytavern_body_with_hires_succeeds() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn native_hires_job_matches_the_golden() {
-    let c = Client::new();
+    let c = Client::new(shared());
     let job = c
         .job(&json!({"prompt": PROMPT, "steps": 8, "cfg_scale": 7.5, "seed": 42, "width": 64, "height": 64,
                      "sampler": "Euler", "hires": {"upscaler": "Lanczos", "scale": 1.5, "steps": 10,
@@ -226,7 +146,7 @@ async fn native_hires_job_matches_the_golden() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upscaler_listings_and_extras_match_a1111() {
-    let c = Client::new();
+    let c = Client::new(shared());
     let upscalers = c.get("/sdapi/v1/upscalers").await;
     let names: Vec<&str> = upscalers.as_array().unwrap().iter().filter_map(|u| u["name"].as_str()).collect();
     for want in ["None", "Lanczos", "Nearest", "compact_x4", "esrgan_x2_new", "esrgan_x4_old"] {
@@ -264,7 +184,7 @@ async fn upscaler_listings_and_extras_match_a1111() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_hires_and_extras_input_is_a_400_naming_the_field() {
-    let c = Client::new();
+    let c = Client::new(shared());
     let hr = |extra: Value| with(golden_body(), with(json!({"enable_hr": true}), extra));
     let cases = [
         ("/sdapi/v1/txt2img", hr(json!({"hr_upscaler": "4x-Nope"})), "hr_upscaler"),

@@ -9,25 +9,20 @@
 //! nothing else ran on: CI time is scarce, and the tiny model's steps are what these tests cost.
 
 mod pyclients;
+mod realworker;
 
 use base64::Engine as _;
-use candle_core::{DType, Device};
-use sdhive_candle::{CandleEngine, LoadOptions};
+use candle_core::Device;
+use realworker::{fixtures, start_worker, Client};
 use sdhive_catalog::NetworksConfig;
 use sdhive_engine::{decode_image, RgbImage};
-use sdhive_server::{AppState, ServerConfig};
+use sdhive_server::ServerConfig;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
-use std::time::{Duration, Instant};
 
 const PROMPT: &str = "a photo of an astronaut riding a horse";
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
 
 fn lora_file(name: &str) -> PathBuf {
     fixtures().join("models/Lora").join(format!("{name}.safetensors"))
@@ -52,101 +47,20 @@ fn networks() -> NetworksConfig {
     }
 }
 
-fn load_engine() -> CandleEngine {
-    let offline = sdhive_modelsource::ResolveOptions { offline: true, ..Default::default() };
-    let model = sdhive_modelsource::resolve(&fixtures().join("models/sd1").to_string_lossy(), &offline)
-        .expect("the sd1 fixture model resolves");
-    let opts = LoadOptions::single_device(&Device::Cpu, DType::F32, "cpu", "cpu");
-    CandleEngine::load(&model, opts).expect("the sd1 fixture model loads")
+fn config() -> ServerConfig {
+    ServerConfig { networks: networks(), ..ServerConfig::default() }
 }
 
-/// A worker on a loopback port with a freshly loaded engine; returns its base URL. Runs on the caller's runtime.
-async fn start_worker() -> String {
-    let engine = tokio::task::spawn_blocking(load_engine).await.expect("engine loader thread");
-    // The model named by its path, as `serve --model tests/fixtures/models/sd1` names it: the embeddings that fit
-    // are judged from the text encoders' configs there (the candle engine's family, "sd", does not tell).
-    let model_name = fixtures().join("models/sd1").to_string_lossy().into_owned();
-    let config = ServerConfig { model_name, networks: networks(), ..ServerConfig::default() };
-    let app = sdhive_server::router(AppState::new(config, Box::new(engine)));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind a loopback port");
-    let addr = listener.local_addr().expect("local address");
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            eprintln!("test server stopped: {e}");
-        }
-    });
-    format!("http://{addr}")
-}
-
-/// The worker every test shares. It runs on a runtime of its own thread, since each `#[tokio::test]` has a
-/// runtime that ends with the test.
 fn shared() -> &'static str {
-    static BASE: OnceLock<String> = OnceLock::new();
-    BASE.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .expect("the shared worker's runtime");
-            rt.block_on(async move {
-                let _ = tx.send(start_worker().await);
-                std::future::pending::<()>().await;
-            });
-        });
-        rx.recv().expect("the shared worker started")
-    })
+    realworker::shared(config)
 }
 
-/// A client for one test (reqwest's pool belongs to the runtime that made its connections).
-struct Client {
-    base: String,
-    http: reqwest::Client,
-}
-
-impl Client {
-    fn new(base: &str) -> Client {
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(300)).build().expect("http client");
-        Client { base: base.to_string(), http }
-    }
-
-    async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let response = self.http.post(format!("{}{path}", self.base)).json(body).send().await.expect("POST");
-        let status = response.status().as_u16();
-        (status, response.json().await.expect("a JSON body"))
-    }
-
-    async fn get(&self, path: &str) -> Value {
-        let response = self.http.get(format!("{}{path}", self.base)).send().await.expect("GET");
-        assert_eq!(response.status().as_u16(), 200, "GET {path}");
-        response.json().await.expect("a JSON body")
-    }
-
-    /// A1111 txt2img that must succeed: the first image's PNG bytes and the parsed `info`.
-    async fn txt2img(&self, body: &Value) -> (Vec<u8>, Value) {
-        let (status, got) = self.post("/sdapi/v1/txt2img", body).await;
-        assert_eq!(status, 200, "{body}: {got}");
-        let info =
-            serde_json::from_str(got["info"].as_str().expect("info is a string")).expect("info is JSON");
-        (png_bytes(&got["images"][0]), info)
-    }
-
-    /// A native job, polled to its end.
-    async fn job(&self, body: &Value) -> Value {
-        let (status, got) = self.post("/v1/jobs", body).await;
-        assert_eq!(status, 202, "{body}: {got}");
-        let id = got["id"].as_str().expect("a job id");
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let job = self.get(&format!("/v1/jobs/{id}")).await;
-            if !["queued", "running"].contains(&job["state"].as_str().unwrap_or_default()) {
-                return job;
-            }
-            assert!(Instant::now() < deadline, "job {id} did not finish: {job}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
+/// A1111 txt2img that must succeed: the first image's PNG bytes and the parsed `info`.
+async fn txt2img(c: &Client, body: &Value) -> (Vec<u8>, Value) {
+    let (status, got) = c.post("/sdapi/v1/txt2img", body).await;
+    assert_eq!(status, 200, "{body}: {got}");
+    let info = serde_json::from_str(got["info"].as_str().expect("info is a string")).expect("info is JSON");
+    (png_bytes(&got["images"][0]), info)
 }
 
 fn png_bytes(b64: &Value) -> Vec<u8> {
@@ -279,7 +193,7 @@ async fn an_edit_takes_structured_loras_as_a_form_field() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a1111_lora_and_te_unet_tags_match_the_goldens_with_hashes() {
     let c = Client::new(shared());
-    let (png, info) = c.txt2img(&golden_body(&format!("{PROMPT} <lora:sd1_kohya:1>"))).await;
+    let (png, info) = txt2img(&c, &golden_body(&format!("{PROMPT} <lora:sd1_kohya:1>"))).await;
     assert_matches_golden(&decode(&png), "sd1_lora_kohya");
     let hash = addnet_short(&lora_file("sd1_kohya"));
     let text = infotext(&info);
@@ -291,10 +205,10 @@ async fn a1111_lora_and_te_unet_tags_match_the_goldens_with_hashes() {
     );
 
     // te ≠ unet is fine on candle: against the A1111-formula golden.
-    let (png, _) = c.txt2img(&golden_body(&format!("{PROMPT} <lora:sd1_kohya:0.3:1>"))).await;
+    let (png, _) = txt2img(&c, &golden_body(&format!("{PROMPT} <lora:sd1_kohya:0.3:1>"))).await;
     assert_matches_golden(&decode(&png), "sd1_lora_te_unet");
     // The guard on the comparison: a plain image is off the LoRA golden.
-    let (plain, _) = c.txt2img(&golden_body(PROMPT)).await;
+    let (plain, _) = txt2img(&c, &golden_body(PROMPT)).await;
     let (off, total) = golden_off(&decode(&plain), "sd1_lora_kohya");
     assert!(off * 10 > total, "the plain image is within 10% of the LoRA golden: the comparison cannot tell");
 }
@@ -302,7 +216,7 @@ async fn a1111_lora_and_te_unet_tags_match_the_goldens_with_hashes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn textual_inversion_matches_its_golden_and_is_listed() {
     let c = Client::new(shared());
-    let (png, info) = c.txt2img(&golden_body(&format!("sd1_emb, {PROMPT}"))).await;
+    let (png, info) = txt2img(&c, &golden_body(&format!("sd1_emb, {PROMPT}"))).await;
     assert_matches_golden(&decode(&png), "sd1_ti");
     let hash = file_short(&fixtures().join("models/embeddings/sd1_emb.safetensors"));
     let text = infotext(&info);
@@ -329,7 +243,7 @@ async fn sillytavern_and_open_webui_bodies_with_a_tag() {
         "override_settings": {"CLIP_stop_at_last_layers": 1, "sd_vae": "Automatic"},
         "override_settings_restore_afterwards": true, "save_images": false, "send_images": true,
         "do_not_save_grid": false, "do_not_save_samples": false});
-    let (png, _) = c.txt2img(&sillytavern).await;
+    let (png, _) = txt2img(&c, &sillytavern).await;
     assert_matches_golden(&decode(&png), "sd1_lora_kohya");
 
     // Open WebUI sends `authorization: Basic <base64 user:pass>` on every call, an empty value when no
@@ -359,28 +273,28 @@ async fn sillytavern_and_open_webui_bodies_with_a_tag() {
 async fn removing_a_lora_gives_a_fresh_workers_image_byte_for_byte() {
     let plain = golden_body(PROMPT);
     // A worker of its own, so that nothing but this sequence runs on it: plain, LoRA, plain, LoRA, plain.
-    let w = Client::new(&start_worker().await);
-    let (a_bytes, _) = w.txt2img(&plain).await;
-    let (lora, info) = w.txt2img(&golden_body(&format!("{PROMPT} <lora:sd1_locon:0.5>"))).await;
+    let w = Client::new(&start_worker(config()).await);
+    let (a_bytes, _) = txt2img(&w, &plain).await;
+    let (lora, info) = txt2img(&w, &golden_body(&format!("{PROMPT} <lora:sd1_locon:0.5>"))).await;
     assert!(infotext(&info).contains("Lora hashes: \"sd1_locon: "), "{info}");
-    let (b_bytes, _) = w.txt2img(&plain).await;
+    let (b_bytes, _) = txt2img(&w, &plain).await;
     // The native route's structured field, its own request path, then plain again.
     let job = w
         .job(&json!({"prompt": PROMPT, "loras": [{"name": "sd1_kohya", "weight": 1.0}], "steps": 8,
                      "seed": 42, "cfg_scale": 7.5, "width": 64, "height": 64, "sampler": "Euler"}))
         .await;
     assert_eq!(job["state"], "succeeded", "{job}");
-    let (d_bytes, _) = w.txt2img(&plain).await;
+    let (d_bytes, _) = txt2img(&w, &plain).await;
 
-    let fresh = Client::new(&start_worker().await);
-    let (c_bytes, _) = fresh.txt2img(&plain).await;
+    let fresh = Client::new(&start_worker(config()).await);
+    let (c_bytes, _) = txt2img(&fresh, &plain).await;
     // The PNG carries the infotext, which holds nothing variable for equal requests: compare the bytes.
     assert_ne!(decode(&lora), decode(&c_bytes), "the LoRA must change the image");
     assert!(a_bytes == c_bytes, "two fresh workers' plain images differ: the comparison means nothing");
     assert!(b_bytes == c_bytes, "plain after a LoRA differs from a fresh worker's: the LoRA was not removed");
     assert!(d_bytes == c_bytes, "plain after a structured LoRA job differs from a fresh worker's");
     // The shared worker has run the other tests' LoRA jobs, interleaved with their plain ones.
-    let (e_bytes, _) = Client::new(shared()).txt2img(&plain).await;
+    let (e_bytes, _) = txt2img(&Client::new(shared()), &plain).await;
     assert!(
         e_bytes == c_bytes,
         "plain on the shared worker (after other LoRA jobs) differs from a fresh one"
@@ -428,7 +342,7 @@ async fn bad_loras_are_400s_naming_the_field_and_the_lora() {
     assert!(job["error"]["message"].as_str().is_some_and(|m| m.contains("sdxl_kohya")), "{job}");
 
     // After the engine refused the SDXL LoRA, the worker still serves, LoRAs included.
-    let (png, _) = c.txt2img(&golden_body(&format!("{PROMPT} <lora:sd1_kohya:1>"))).await;
+    let (png, _) = txt2img(&c, &golden_body(&format!("{PROMPT} <lora:sd1_kohya:1>"))).await;
     assert_matches_golden(&decode(&png), "sd1_lora_kohya");
 }
 

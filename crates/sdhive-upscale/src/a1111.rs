@@ -6,7 +6,7 @@
 
 use crate::pillow::{black, blend, paste};
 use crate::resize::{resize, resize_box, Filter};
-use sdhive_engine::RgbImage;
+use sdhive_engine::{HiresUpscaler, RgbImage, UpscaleRequest, UpscaleSize};
 
 /// A1111's destination for `scale`: `int((side · scale) // 8 · 8)`.
 pub fn destination(img: &RgbImage, scale: f64) -> (u32, u32) {
@@ -224,6 +224,47 @@ fn centred_at(resized: &RgbImage, width: u32, height: u32, src_w: u32, src_h: u3
     let y = i64::from(height / 2) - i64::from(src_h / 2);
     paste(&mut res, resized, x, y);
     res
+}
+
+/// The resampling pass of a built-in upscaler (`None`, `Lanczos`, `Nearest`) inside an upscale by `scale`; `None`
+/// for upscaler models and latent upscalers, whose passes the engines run.
+pub fn builtin_for(
+    upscaler: &HiresUpscaler,
+    scale: f64,
+) -> Option<impl FnMut(&RgbImage) -> Result<RgbImage, BuiltinError>> {
+    let filter = match upscaler {
+        HiresUpscaler::None => None,
+        HiresUpscaler::Lanczos => Some(Filter::Lanczos),
+        HiresUpscaler::Nearest => Some(Filter::Nearest),
+        HiresUpscaler::Model { .. } | HiresUpscaler::Latent(_) => return None,
+    };
+    Some(builtin_pass(filter, scale))
+}
+
+/// A1111's extras "Upscale" step on each image of `req`: [`extras_upscale`] with the first upscaler, and the second
+/// blended in at its visibility. `pass(upscaler, scale, image)` is one pass of `upscaler` inside an upscale by
+/// `scale` (the engines run models on their device; [`builtin_for`] gives the resampling ones).
+pub fn extras<E>(
+    req: &UpscaleRequest,
+    mut pass: impl FnMut(&HiresUpscaler, f64, &RgbImage) -> Result<RgbImage, E>,
+) -> Result<Vec<RgbImage>, E> {
+    let size = match req.size {
+        UpscaleSize::By(s) => ExtrasResize::By(s),
+        UpscaleSize::To { width, height, crop } => ExtrasResize::To { width, height, crop },
+    };
+    let mut out = Vec::with_capacity(req.images.len());
+    for img in &req.images {
+        let scale = size.scale_for(img);
+        let first = extras_upscale(img, size, |i: &RgbImage| pass(&req.upscaler, scale, i))?;
+        out.push(match &req.second {
+            Some((second, visibility)) if *visibility > 0.0 => {
+                let other = extras_upscale(img, size, |i: &RgbImage| pass(second, scale, i))?;
+                blend_second(&first, &other, f64::from(*visibility))
+            }
+            _ => first,
+        });
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

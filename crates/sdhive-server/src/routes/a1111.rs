@@ -246,19 +246,7 @@ struct Prepared {
 }
 
 pub(crate) fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, A1111Error> {
-    body.map_err(|rejection| {
-        A1111Error(if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                Some("body_too_large"),
-                None,
-                "request body is larger than this server's limit".into(),
-            )
-        } else {
-            ApiError::bad_body("invalid_body", format!("cannot read the request body: {rejection}"))
-        })
-    })
+    crate::extract::read_body(body).map_err(A1111Error)
 }
 
 /// A1111 flags are ints (0/1) that some clients send as booleans.

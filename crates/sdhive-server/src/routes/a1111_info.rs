@@ -11,7 +11,6 @@ use crate::AppState;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
@@ -48,19 +47,8 @@ async fn png_info(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, A1111Error> {
-    let bytes = body.map_err(|e| {
-        A1111Error(if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                Some("body_too_large"),
-                None,
-                "request body is larger than this server's limit".into(),
-            )
-        } else {
-            ApiError::bad_body("invalid_body", format!("cannot read the request body: {e}"))
-        })
-    })?;
+    let bytes = crate::routes::a1111::read_body(body)?;
+
     let request: PngInfoRequest = crate::extract::parse_json(&bytes)?;
     let image = request.image.filter(|i| !i.trim().is_empty()).ok_or_else(|| {
         A1111Error(ApiError::invalid("image", "invalid `image`: a base64 image (or data: URL) is required"))

@@ -496,17 +496,11 @@ struct EditForm {
 }
 
 fn multipart_error(e: MultipartError) -> ApiError {
-    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            Some("body_too_large"),
-            None,
-            "request body is larger than this server's limit".into(),
-        )
-    } else {
-        ApiError::bad_body("invalid_multipart", format!("cannot read the multipart body: {}", e.body_text()))
-    }
+    crate::extract::body_error(
+        e.status(),
+        "invalid_multipart",
+        format!("cannot read the multipart body: {}", e.body_text()),
+    )
 }
 
 async fn read_form(mut multipart: Multipart) -> Result<EditForm, ApiError> {
