@@ -6,7 +6,7 @@
 //! `src/linear_norm_wgmma.cu`, `src/conv_splitk.cu`, Hopper only) are compiled for compute_90a alone; other builds get empty files
 //! there. Without the feature, nothing to do.
 
-const SOURCES: [&str; 3] = ["kernels", "attention", "edge_conv"];
+const SOURCES: [&str; 4] = ["kernels", "attention", "edge_conv", "upscale"];
 
 /// Sources that exist only as Hopper kernels: compiled for compute_90a alone.
 const HOPPER_ONLY: [&str; 3] = ["geglu_wgmma", "linear_norm_wgmma", "conv_splitk"];

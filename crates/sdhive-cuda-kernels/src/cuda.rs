@@ -4,7 +4,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::{self, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig,
+    PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{
@@ -17,7 +18,7 @@ const MODULE: &str = "sdhive_cuda_kernels";
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
 const THREADS: u32 = 256;
 
-fn suffix(dtype: DType) -> Result<&'static str> {
+pub(crate) fn suffix(dtype: DType) -> Result<&'static str> {
     Ok(match dtype {
         DType::F32 => "f32",
         DType::F16 => "f16",
@@ -189,7 +190,7 @@ fn items<T>(n: usize, vectorizable: bool) -> usize {
 }
 
 /// Elements of T in one 16-byte load.
-fn per_vector<T>() -> usize {
+pub(crate) fn per_vector<T>() -> usize {
     16 / std::mem::size_of::<T>()
 }
 
@@ -206,39 +207,103 @@ macro_rules! by_dtype {
 
 pub(crate) use by_dtype;
 
-/// The custom op of a kernel over three operands, CUDA only: `$forward(&self, a, b, c)` takes each operand's
-/// storage and layout and returns the output with its shape.
-macro_rules! cuda_op3 {
-    ($op:ty, $name:literal, $forward:ident) => {
-        impl candle_core::CustomOp3 for $op {
+/// The scalars a kernel takes after its buffers, pushed in order.
+pub(crate) trait Scalars {
+    fn push<'a>(&'a self, k: &mut LaunchArgs<'a>);
+}
+
+macro_rules! scalars {
+    ($($t:ident $i:tt),+) => {
+        impl<$($t: DeviceRepr),+> Scalars for ($($t,)+) {
+            fn push<'a>(&'a self, k: &mut LaunchArgs<'a>) {
+                $(k.arg(&self.$i);)+
+            }
+        }
+    };
+}
+
+scalars!(A 0);
+scalars!(A 0, B 1);
+scalars!(A 0, B 1, C 2);
+
+/// A kernel by name in a PTX module: `(kernel, module, ptx)`.
+pub(crate) type Kernel<'a> = (&'a str, &'a str, &'a str);
+
+/// Runs a grid-stride `kernel(inputs…, out, scalars…)` over `items` (one per thread) and returns `out`, a new
+/// buffer of `out_elems` elements that the kernel must write in full; the inputs are read as contiguous T buffers.
+pub(crate) fn launch_over<T: CudaDType + DeviceRepr>(
+    (name, module, ptx): Kernel<'_>,
+    inputs: &[(&CudaStorage, &Layout)],
+    out_elems: usize,
+    items: usize,
+    scalars: impl Scalars,
+) -> Result<CudaStorage> {
+    let Some(&(first, _)) = inputs.first() else {
+        bail!("sdhive-cuda-kernels: {name} launched without inputs")
+    };
+    let dev: &CudaDevice = first.device();
+    let views = inputs
+        .iter()
+        .map(|&(s, l)| contiguous::<T>(s, l, "every input"))
+        .collect::<Result<Vec<_>>>()
+        .map_err(|e| e.context(format!("launching {name}")))?;
+    // SAFETY: written in full by the kernel (the caller's contract above).
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(out_elems)? };
+    let func = dev.get_or_load_custom_func(name, module, ptx)?;
+    let mut k = func.builder();
+    for v in &views {
+        k.arg(v);
+    }
+    k.arg(&out);
+    scalars.push(&mut k);
+    let cfg =
+        LaunchConfig { grid_dim: (grid_for(items), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the callers pass the arguments each kernel's signature takes, the inputs holding `items` items.
+    unsafe { k.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+/// The custom op of a kernel over two or three operands (`CustomOp2`, `CustomOp3`), CUDA only:
+/// `|op, a, b[, c]| forward` takes the op and each operand's storage and layout and returns the output with its
+/// shape.
+macro_rules! cuda_op {
+    ($op:ty, $name:literal, |$s:pat_param, $a:ident, $b:ident| $forward:expr) => {
+        $crate::cuda::cuda_op!(@impl CustomOp2, $op, $name, [a al, b bl], |$s, $a, $b| $forward);
+    };
+    ($op:ty, $name:literal, |$s:pat_param, $a:ident, $b:ident, $c:ident| $forward:expr) => {
+        $crate::cuda::cuda_op!(@impl CustomOp3, $op, $name, [a al, b bl, c cl], |$s, $a, $b, $c| $forward);
+    };
+    (@impl $trait:ident, $op:ty, $name:literal, [$($x:ident $xl:ident),+], |$s:pat_param, $($v:ident),+|
+        $forward:expr) => {
+        impl candle_core::$trait for $op {
             fn name(&self) -> &'static str {
                 $name
             }
 
             fn cpu_fwd(
                 &self,
-                _: &candle_core::CpuStorage,
-                _: &candle_core::Layout,
-                _: &candle_core::CpuStorage,
-                _: &candle_core::Layout,
-                _: &candle_core::CpuStorage,
-                _: &candle_core::Layout,
+                $($x: &candle_core::CpuStorage, $xl: &candle_core::Layout),+
             ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+                let _ = ($($x, $xl),+);
                 $crate::cuda::cpu_only($name)
             }
 
             fn cuda_fwd(
                 &self,
-                a: &candle_core::CudaStorage,
-                al: &candle_core::Layout,
-                b: &candle_core::CudaStorage,
-                bl: &candle_core::Layout,
-                c: &candle_core::CudaStorage,
-                cl: &candle_core::Layout,
+                $($x: &candle_core::CudaStorage, $xl: &candle_core::Layout),+
             ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-                self.$forward((a, al), (b, bl), (c, cl))
+                let ($s, $($v),+) = (self, $(($x, $xl)),+);
+                $forward
             }
         }
+    };
+}
+pub(crate) use cuda_op;
+
+/// [`cuda_op`] over three operands with the op's method `$forward(&self, a, b, c)` as the forward pass.
+macro_rules! cuda_op3 {
+    ($op:ty, $name:literal, $forward:ident) => {
+        $crate::cuda::cuda_op!($op, $name, |op, a, b, c| op.$forward(a, b, c));
     };
 }
 pub(crate) use cuda_op3;
@@ -266,43 +331,8 @@ macro_rules! normalisation_op {
 /// the bias third; `$run(op, x, w, bias)` takes both and returns the output with its shape.
 macro_rules! optional_bias_op {
     ($op:ty, $name:literal, $name_bias:literal, $run:ident) => {
-        impl candle_core::CustomOp2 for $op {
-            fn name(&self) -> &'static str {
-                $name
-            }
-
-            fn cpu_fwd(
-                &self,
-                _: &candle_core::CpuStorage,
-                _: &candle_core::Layout,
-                _: &candle_core::CpuStorage,
-                _: &candle_core::Layout,
-            ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-                $crate::cuda::cpu_only($name)
-            }
-
-            fn cuda_fwd(
-                &self,
-                x: &candle_core::CudaStorage,
-                xl: &candle_core::Layout,
-                w: &candle_core::CudaStorage,
-                wl: &candle_core::Layout,
-            ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-                self.$run((x, xl), (w, wl), None)
-            }
-        }
-
-        impl $op {
-            fn forward_with_bias(
-                &self,
-                x: (&candle_core::CudaStorage, &candle_core::Layout),
-                w: (&candle_core::CudaStorage, &candle_core::Layout),
-                b: (&candle_core::CudaStorage, &candle_core::Layout),
-            ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-                self.$run(x, w, Some(b))
-            }
-        }
-        $crate::cuda::cuda_op3!($op, $name_bias, forward_with_bias);
+        $crate::cuda::cuda_op!($op, $name, |op, x, w| op.$run(x, w, None));
+        $crate::cuda::cuda_op!($op, $name_bias, |op, x, w, b| op.$run(x, w, Some(b)));
     };
 }
 pub(crate) use optional_bias_op;
@@ -328,6 +358,7 @@ macro_rules! single_input_op {
         }
     };
 }
+pub(crate) use single_input_op;
 
 struct GroupNorm {
     groups: usize,
@@ -1027,67 +1058,44 @@ pub fn repeat_batch(x: &Tensor, batch: usize) -> Result<Tensor> {
     x.apply_op1_no_bwd(&RepeatBatch { copies: batch })
 }
 
-/// Two channels-last maps joined along their channels (the UNet's skip connections): one launch that moves
-/// each output row's 16-byte vectors from the one input or the other.
-struct ConcatLast;
-
-fn concat_last_launch<T: CudaDType + DeviceRepr>(
-    _: &ConcatLast,
+/// Two channels-last maps joined along their channels by `kernel(a, b, out, va, vb, rows)`, one launch that moves
+/// each output row's `va + vb` 16-byte vectors from the one input or the other (`b`'s as they are or activated).
+fn join_last_launch<T: CudaDType + DeviceRepr>(
+    kernel: Kernel<'_>,
     a: (&CudaStorage, &Layout),
     b: (&CudaStorage, &Layout),
 ) -> Result<CudaStorage> {
-    let dev: &CudaDevice = a.0.device();
     let (ca, cb) = (last_dim(a.1), last_dim(b.1));
     let rows = a.1.shape().elem_count() / ca.max(1);
     let vec = per_vector::<T>();
-    let av = contiguous::<T>(a.0, a.1, "first concatenated map")?;
-    let bv = contiguous::<T>(b.0, b.1, "second concatenated map")?;
-    // SAFETY: written in full by the kernel.
-    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(rows * (ca + cb))? };
-    let func = dev.get_or_load_custom_func("concat_rows_vec", MODULE, PTX)?;
-    let mut k = func.builder();
-    k.arg(&av);
-    k.arg(&bv);
-    k.arg(&out);
-    builder_arg!(k, (ca / vec) as u32, (cb / vec) as u32, rows);
-    let cfg = LaunchConfig {
-        grid_dim: (grid_for(rows * (ca + cb) / vec), 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: the arguments match the kernel's signature; both inputs hold `rows` rows of whole vectors.
-    unsafe { k.launch(cfg) }.w()?;
-    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    let scalars = ((ca / vec) as u32, (cb / vec) as u32, rows);
+    launch_over::<T>(kernel, &[a, b], rows * (ca + cb), rows * (ca + cb) / vec, scalars)
+}
+
+/// [`join_last_launch`] for the operands' dtype, with the joined map's shape.
+pub(crate) fn join_last(
+    kernel: Kernel<'_>,
+    a: (&CudaStorage, &Layout),
+    b: (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    let out = by_dtype!(a.0.dtype(), join_last_launch(kernel, a, b))?;
+    let mut dims = a.1.dims().to_vec();
+    if let Some(c) = dims.last_mut() {
+        *c += last_dim(b.1);
+    }
+    Ok((out, Shape::from(dims)))
 }
 
 fn last_dim(l: &Layout) -> usize {
     l.dims().last().copied().unwrap_or(0)
 }
 
-impl CustomOp2 for ConcatLast {
-    fn name(&self) -> &'static str {
-        "sdhive-concat-channels-last"
-    }
+/// Two channels-last maps joined along their channels as they are (the UNet's skip connections).
+struct ConcatLast;
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        cpu_only(self.name())
-    }
-
-    fn cuda_fwd(
-        &self,
-        a: &CudaStorage,
-        al: &Layout,
-        b: &CudaStorage,
-        bl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        let out = by_dtype!(a.dtype(), concat_last_launch(self, (a, al), (b, bl)))?;
-        let mut dims = al.dims().to_vec();
-        if let Some(c) = dims.last_mut() {
-            *c += last_dim(bl);
-        }
-        Ok((out, Shape::from(dims)))
-    }
-}
+cuda_op!(ConcatLast, "sdhive-concat-channels-last", |_, a, b| {
+    join_last(("concat_rows_vec", MODULE, PTX), a, b)
+});
 
 pub fn concat_last(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (da, db) = (a.dims(), b.dims());

@@ -4,11 +4,13 @@
 //! epilogue and the transformers' narrow products with the LayerNorm after them; cuDNN convolutions and cuBLASLt linears; the channels-last
 //! (NHWC) variants of the map operations (the skip connections' channel concatenation among them, and a GroupNorm
 //! of two maps joined along their channels that writes the join itself), the NCHW ↔ NHWC transpose at a network's
-//! edges, and the 3×3 convolutions there that change layout in the same launch. Each replaces a chain of candle ops that made one pass
-//! over the tensor per op (several through candle's strided broadcast kernels). [`applies`] says when a call can
-//! take the element-wise ones: every tensor contiguous on one CUDA device, in f32, f16 or bf16;
-//! [`attention_applies`] the same for the attention. The callers (sdhive-models' ops) keep candle's ops as the
-//! reference and for every other case; the tests here compare the two on a GPU.
+//! edges, and the 3×3 convolutions there that change layout in the same launch; for the upscalers' ESRGAN,
+//! LeakyReLU alone or on the newer half of a channel join, and the residual `s·a + b`. Each replaces a chain of
+//! candle ops that made one pass over the tensor per op (several through candle's strided broadcast kernels).
+//! [`applies`] says when a call can take the element-wise ones: every tensor contiguous on one CUDA device, in f32,
+//! f16 or bf16; [`attention_applies`] the same for the attention. The callers (sdhive-models' and sdhive-upscale's
+//! ops) keep candle's ops as the reference and for every other case; the tests here (sdhive-upscale's for the
+//! upscalers' kernels) compare the two on a GPU.
 //!
 //! Without the `cuda` feature nothing applies and the functions return an error.
 
@@ -42,6 +44,8 @@ mod gemm;
 mod graph;
 #[cfg(feature = "cuda")]
 mod linear_norm;
+#[cfg(feature = "cuda")]
+mod upscale;
 
 #[cfg(feature = "cuda")]
 pub use graph::Graph;
@@ -445,6 +449,36 @@ pub fn upsample2x_channels_last(x: &Tensor) -> Result<Tensor> {
 /// both [`channels_last_fits`]; other dimensions or dtypes that differ are refused.
 pub fn concat_channels_last(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     on_cuda!(cuda::concat_last(a, b); a, b)
+}
+
+/// Whether [`leaky_relu`], [`cat_leaky_relu`] and [`scale_add`] take these tensors: [`applies`], and each starts on
+/// a 16-byte boundary with rows (its last dimension) of whole 16-byte vectors, which every thread moves one of.
+pub fn vector_rows_apply(tensors: &[&Tensor]) -> bool {
+    applies(tensors)
+        && tensors.iter().all(|t| {
+            let size = t.dtype().size_in_bytes();
+            (t.layout().start_offset() * size).is_multiple_of(16)
+                && t.dims().last().is_some_and(|&c| (c * size).is_multiple_of(16))
+        })
+}
+
+/// LeakyReLU(0.2) (PyTorch's `x > 0 ? x : 0.2·x`, halves computed in f32 and rounded once) in one pass. Call only
+/// where [`vector_rows_apply`] takes `x`.
+pub fn leaky_relu(x: &Tensor) -> Result<Tensor> {
+    on_cuda!(upscale::leaky_relu(x); x)
+}
+
+/// Channels-last `a` and [`leaky_relu`]`(b)` joined along their channels in one pass (ESRGAN's dense blocks: the
+/// activation is never stored on its own). Call only where [`vector_rows_apply`] takes both; other dimensions that
+/// differ are refused.
+pub fn cat_leaky_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    on_cuda!(upscale::cat_leaky_relu(a, b); a, b)
+}
+
+/// `s·a + b` in one pass (halves computed in f32 and rounded once), `a` and `b` of one shape (others are refused).
+/// Call only where [`vector_rows_apply`] takes both.
+pub fn scale_add(a: &Tensor, s: f64, b: &Tensor) -> Result<Tensor> {
+    on_cuda!(upscale::scale_add(a, s, b); a, s, b)
 }
 
 /// `x`, one sample, repeated to a batch of `batch` in one launch (`torch.cat([x] * batch)`). Call only where

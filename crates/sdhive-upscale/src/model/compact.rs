@@ -3,10 +3,10 @@
 //! `body.2i` filters), a last convolution to `out·scale²` channels, a pixel shuffle, and the input, upsampled
 //! nearest, added back. Features, depth and scale come from the shapes (spandrel's `get_scale_and_output_channels`).
 
-use super::file::{Entries, Weights};
-use super::ops::{self, Conv, Storage};
+use super::file::Entries;
+use super::ops::{self, Builder, Conv, Storage};
 use crate::error::UpscaleError;
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{Result, Tensor};
 use sdhive_models::ops::MapLayout;
 
 pub(crate) const ARCH: &str = "RealESRGAN Compact";
@@ -98,31 +98,20 @@ pub(crate) struct Net {
 }
 
 impl Net {
-    pub fn build(
-        spec: &Spec,
-        w: &Weights,
-        device: &Device,
-        dtype: DType,
-    ) -> std::result::Result<Self, UpscaleError> {
-        let layout = MapLayout::on(device, dtype);
-        let cl = layout == MapLayout::ChannelsLast;
-        let in_width = if cl { spec.in_nc.next_multiple_of(8) } else { spec.in_nc };
+    pub fn build(spec: &Spec, build: &Builder<'_>) -> std::result::Result<Self, UpscaleError> {
+        let in_width = build.width(spec.in_nc);
         let last_channels = spec.out_nc * spec.scale * spec.scale;
-        let conv = |i: usize, storage: Storage| -> std::result::Result<Conv, UpscaleError> {
-            let (f, b) = (w.get(&format!("body.{i}.weight"))?, w.get(&format!("body.{i}.bias"))?);
-            Ok(Conv::new(f, b, storage, layout, device, dtype)?)
-        };
+        let conv = |i: usize, storage: Storage| build.conv(&format!("body.{i}"), storage);
         let body = (0..=spec.num_conv)
             .map(|i| -> std::result::Result<(Conv, Tensor), UpscaleError> {
                 let storage = Storage { in_channels: (i == 0).then_some(in_width), ..Storage::default() };
-                let slope =
-                    w.get(&format!("body.{}.weight", 2 * i + 1))?.to_dtype(dtype)?.to_device(device)?;
+                let slope = build.tensor(&format!("body.{}.weight", 2 * i + 1))?;
                 Ok((conv(2 * i, storage)?, slope))
             })
             .collect::<std::result::Result<_, _>>()?;
-        let out_width = if cl { last_channels.next_multiple_of(8) } else { last_channels };
+        let out_width = build.width(last_channels);
         let last = conv(spec.last_index(), Storage { out_channels: Some(out_width), ..Storage::default() })?;
-        Ok(Self { body, last, layout, in_width, last_channels, scale: spec.scale })
+        Ok(Self { body, last, layout: build.layout, in_width, last_channels, scale: spec.scale })
     }
 
     /// spandrel's `SRVGGNetCompact.forward` of an NCHW batch.

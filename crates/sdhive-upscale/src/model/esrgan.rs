@@ -5,10 +5,10 @@
 //! read from the shapes; Real-ESRGAN's ×2 and ×1 models (12 or 48 input channels) pixel-unshuffle their input by 2
 //! or 4 after a reflect pad to a multiple of that, and crop the output back.
 
-use super::file::{Entries, Weights};
-use super::ops::{self, Conv, Storage};
+use super::file::Entries;
+use super::ops::{self, Builder, Conv, Storage};
 use crate::error::UpscaleError;
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{Result, Tensor};
 use sdhive_models::ops::MapLayout;
 
 pub(crate) const ARCH: &str = "ESRGAN";
@@ -184,20 +184,9 @@ pub(crate) struct Net {
 }
 
 impl Net {
-    pub fn build(
-        spec: &Spec,
-        w: &Weights,
-        device: &Device,
-        dtype: DType,
-    ) -> std::result::Result<Self, UpscaleError> {
-        let layout = MapLayout::on(device, dtype);
-        let cl = layout == MapLayout::ChannelsLast;
-        // Channels-last, the edges' few image channels are padded to whole 16-byte vectors of the map.
-        let in_width = if cl { spec.in_nc.next_multiple_of(8) } else { spec.in_nc };
-        let conv = |name: &str, storage: Storage| -> std::result::Result<Conv, UpscaleError> {
-            let (f, b) = (w.get(&format!("{name}.weight"))?, w.get(&format!("{name}.bias"))?);
-            Ok(Conv::new(f, b, storage, layout, device, dtype)?)
-        };
+    pub fn build(spec: &Spec, build: &Builder<'_>) -> std::result::Result<Self, UpscaleError> {
+        let cl = build.channels_last();
+        let in_width = build.width(spec.in_nc);
         let plain = Storage::default();
         let residual = Storage { scale: cl.then_some(0.2), ..plain };
         let blocks = spec
@@ -208,27 +197,32 @@ impl Net {
                 let rdb = |k: usize| -> std::result::Result<[Conv; 5], UpscaleError> {
                     let n = &block[k];
                     Ok([
-                        conv(&n[0], plain)?,
-                        conv(&n[1], plain)?,
-                        conv(&n[2], plain)?,
-                        conv(&n[3], plain)?,
-                        conv(&n[4], residual)?,
+                        build.conv(&n[0], plain)?,
+                        build.conv(&n[1], plain)?,
+                        build.conv(&n[2], plain)?,
+                        build.conv(&n[3], plain)?,
+                        build.conv(&n[4], residual)?,
                     ])
                 };
                 Ok([rdb(0)?, rdb(1)?, rdb(2)?])
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
         Ok(Self {
-            first: conv(&spec.names.first, Storage { in_channels: Some(in_width), ..plain })?,
+            first: build.conv(&spec.names.first, Storage { in_channels: Some(in_width), ..plain })?,
             blocks,
-            body: conv(&spec.names.body, plain)?,
-            ups: spec.names.ups.iter().map(|n| conv(n, plain)).collect::<std::result::Result<_, _>>()?,
-            hr: conv(&spec.names.hr, plain)?,
-            last: conv(
+            body: build.conv(&spec.names.body, plain)?,
+            ups: spec
+                .names
+                .ups
+                .iter()
+                .map(|n| build.conv(n, plain))
+                .collect::<std::result::Result<_, _>>()?,
+            hr: build.conv(&spec.names.hr, plain)?,
+            last: build.conv(
                 &spec.names.last,
-                Storage { out_channels: cl.then(|| spec.out_nc.next_multiple_of(8)), ..plain },
+                Storage { out_channels: cl.then(|| build.width(spec.out_nc)), ..plain },
             )?,
-            layout,
+            layout: build.layout,
             in_width,
             out_nc: spec.out_nc,
             shuffle: spec.shuffle,

@@ -7,8 +7,6 @@
 mod compact;
 mod esrgan;
 mod file;
-#[cfg(feature = "cuda")]
-mod kernels;
 mod ops;
 
 use crate::error::UpscaleError;
@@ -178,9 +176,10 @@ impl UpscaleModel {
             entries: &entries,
             data: &data,
         };
+        let build = ops::Builder::new(&weights, device, dtype);
         let net = match &spec {
-            Spec::Esrgan(s) => Net::Esrgan(esrgan::Net::build(s, &weights, device, dtype)?),
-            Spec::Compact(s) => Net::Compact(compact::Net::build(s, &weights, device, dtype)?),
+            Spec::Esrgan(s) => Net::Esrgan(esrgan::Net::build(s, &build)?),
+            Spec::Compact(s) => Net::Compact(compact::Net::build(s, &build)?),
         };
         Ok(Self {
             net,

@@ -4,6 +4,8 @@
 //! NHWC tensor-core kernels with bias and skip in the epilogue, joined, upsampled and converted at the edges by
 //! sdhive-cuda-kernels.
 
+use super::file::Weights;
+use crate::error::UpscaleError;
 use candle_core::{DType, Device, Result, Tensor};
 use sdhive_cuda_kernels as gpu;
 use sdhive_models::ops::MapLayout;
@@ -26,6 +28,47 @@ pub(crate) struct Storage {
     pub out_channels: Option<usize>,
     /// Filter and bias multiplied by this (a residual scale folded into the convolution).
     pub scale: Option<f64>,
+}
+
+/// What building either network from its file shares: the file's weights, and the device and dtype with the map
+/// layout these choose.
+pub(crate) struct Builder<'a> {
+    weights: &'a Weights<'a>,
+    device: &'a Device,
+    dtype: DType,
+    pub layout: MapLayout,
+}
+
+impl<'a> Builder<'a> {
+    pub fn new(weights: &'a Weights<'a>, device: &'a Device, dtype: DType) -> Self {
+        Self { weights, device, dtype, layout: MapLayout::on(device, dtype) }
+    }
+
+    pub fn channels_last(&self) -> bool {
+        self.layout == MapLayout::ChannelsLast
+    }
+
+    /// The channels a map of `channels` holds in this layout: channels-last, padded to whole 16-byte vectors (the
+    /// edges' few image channels).
+    pub fn width(&self, channels: usize) -> usize {
+        if self.channels_last() {
+            channels.next_multiple_of(8)
+        } else {
+            channels
+        }
+    }
+
+    /// The file's tensor `name` as the network holds it.
+    pub fn tensor(&self, name: &str) -> std::result::Result<Tensor, UpscaleError> {
+        Ok(self.weights.get(name)?.to_dtype(self.dtype)?.to_device(self.device)?)
+    }
+
+    /// The convolution of the file's `{name}.weight` and `{name}.bias`.
+    pub fn conv(&self, name: &str, storage: Storage) -> std::result::Result<Conv, UpscaleError> {
+        let w = self.weights;
+        let (f, b) = (w.get(&format!("{name}.weight"))?, w.get(&format!("{name}.bias"))?);
+        Ok(Conv::new(f, b, storage, self.layout, self.device, self.dtype)?)
+    }
 }
 
 impl Conv {
@@ -126,12 +169,12 @@ pub(crate) fn to_nchw_narrow(layout: MapLayout, y: &Tensor, channels: usize) -> 
     Tensor::cat(&bands, 2)
 }
 
-/// `LeakyReLU(0.2)`: one pass of this crate's kernel on a GPU; elsewhere `max(x, 0.2·x)`, which equals `x` for
-/// `x ≥ 0` and `0.2·x` below, bit for bit.
+/// `LeakyReLU(0.2)`: one pass of sdhive-cuda-kernels' kernel on a GPU; elsewhere `max(x, 0.2·x)`, which equals
+/// `x` for `x ≥ 0` and `0.2·x` below, bit for bit.
 pub(crate) fn leaky_relu(x: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if super::kernels::takes(&[x]) {
-        return super::kernels::leaky_relu(x);
+    if gpu::vector_rows_apply(&[x]) {
+        return gpu::leaky_relu(x);
     }
     x.maximum(&x.affine(0.2, 0.0)?)
 }
@@ -140,8 +183,8 @@ pub(crate) fn leaky_relu(x: &Tensor) -> Result<Tensor> {
 /// GPU, channels-last, one pass writes the join (the activation is never stored on its own).
 pub(crate) fn cat_leaky_relu(a: &Tensor, b: &Tensor, layout: MapLayout) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if layout == MapLayout::ChannelsLast && super::kernels::takes(&[a, b]) {
-        return super::kernels::cat_leaky_relu(a, b);
+    if layout == MapLayout::ChannelsLast && gpu::vector_rows_apply(&[a, b]) {
+        return gpu::cat_leaky_relu(a, b);
     }
     cat(a, &leaky_relu(b)?, layout)
 }
@@ -149,8 +192,8 @@ pub(crate) fn cat_leaky_relu(a: &Tensor, b: &Tensor, layout: MapLayout) -> Resul
 /// `a · s + b` (a residual scaled into its skip): one pass on a GPU; elsewhere PyTorch's two operations.
 pub(crate) fn scale_add(a: &Tensor, s: f64, b: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if super::kernels::takes(&[a, b]) && a.dims() == b.dims() {
-        return super::kernels::scale_add(a, s, b);
+    if gpu::vector_rows_apply(&[a, b]) && a.dims() == b.dims() {
+        return gpu::scale_add(a, s, b);
     }
     a.affine(s, 0.0)? + b
 }

@@ -107,62 +107,56 @@ fn message(r: Result<UpscaleModel, UpscaleError>) -> String {
     }
 }
 
+/// `good` rewritten by `edit` into `dir/file`, whose load must fail naming the file and saying each of `words`.
+fn refused_edit(
+    good: &Path,
+    dir: &Path,
+    file: &str,
+    words: &[&str],
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>, &mut Vec<u8>),
+) -> PathBuf {
+    let path = dir.join(file);
+    rewrite(good, &path, edit);
+    let m = message(UpscaleModel::load(&path, &Device::Cpu, DType::F32));
+    assert!(m.contains(file) && words.iter().all(|w| m.contains(w)), "{m}");
+    path
+}
+
 #[test]
 fn bad_files_are_refused_naming_the_file() {
-    let dir = tempfile::tempdir().expect("tempdir");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
     let good = fixtures::dir().join("models/compact_x4.safetensors");
     let cpu = &Device::Cpu;
 
-    let pth = dir.path().join("RealESRGAN_x4plus.pth");
+    let pth = dir.join("RealESRGAN_x4plus.pth");
     std::fs::write(&pth, b"PK\x03\x04 a zip of pickles").expect("write");
     let m = message(UpscaleModel::load(&pth, cpu, DType::F32));
     assert!(m.contains("RealESRGAN_x4plus.pth") && m.contains("safetensors") && m.contains("unpickl"), "{m}");
     assert!(UpscaleModel::inspect(&pth).is_err());
 
-    let extra = dir.path().join("extra.safetensors");
-    rewrite(&good, &extra, |h, data| {
-        h.insert(
-            "body.1.alpha".into(),
-            serde_json::json!({"dtype": "F32", "shape": [1], "data_offsets": [data.len(), data.len() + 4]}),
-        );
-        data.extend([0u8; 4]);
-    });
-    let m = message(UpscaleModel::load(&extra, cpu, DType::F32));
-    assert!(
-        m.contains("extra.safetensors") && m.contains("`body.1.alpha`") && m.contains("unexpected"),
-        "{m}"
-    );
+    let extra =
+        refused_edit(&good, dir, "extra.safetensors", &["`body.1.alpha`", "unexpected"], |h, data| {
+            let at = data.len();
+            h.insert(
+                "body.1.alpha".into(),
+                serde_json::json!({"dtype": "F32", "shape": [1], "data_offsets": [at, at + 4]}),
+            );
+            data.extend([0u8; 4]);
+        });
     assert!(UpscaleModel::inspect(&extra).expect_err("inspect").to_string().contains("body.1.alpha"));
-
-    let missing = dir.path().join("missing.safetensors");
-    rewrite(&good, &missing, |h, _| {
+    refused_edit(&good, dir, "missing.safetensors", &["`body.3.weight`", "missing"], |h, _| {
         h.remove("body.3.weight");
     });
-    let m = message(UpscaleModel::load(&missing, cpu, DType::F32));
-    assert!(
-        m.contains("missing.safetensors") && m.contains("`body.3.weight`") && m.contains("missing"),
-        "{m}"
-    );
-
-    let reshaped = dir.path().join("reshaped.safetensors");
-    rewrite(&good, &reshaped, |h, _| {
+    refused_edit(&good, dir, "reshaped.safetensors", &["`body.1.weight`", "[2, 4]"], |h, _| {
         h.insert("body.1.weight".into(), serde_json::json!({"dtype": "F32", "shape": [2, 4], "data_offsets": h["body.1.weight"]["data_offsets"]}));
     });
-    let m = message(UpscaleModel::load(&reshaped, cpu, DType::F32));
-    assert!(
-        m.contains("reshaped.safetensors") && m.contains("`body.1.weight`") && m.contains("[2, 4]"),
-        "{m}"
-    );
-
-    let unknown = dir.path().join("unet.safetensors");
-    rewrite(&good, &unknown, |h, _| {
+    refused_edit(&good, dir, "unet.safetensors", &["not an upscaler"], |h, _| {
         let v = h.remove("body.0.weight").expect("body.0");
         h.insert("conv_in.weight".into(), v);
     });
-    let m = message(UpscaleModel::load(&unknown, cpu, DType::F32));
-    assert!(m.contains("unet.safetensors") && m.contains("not an upscaler"), "{m}");
 
-    let truncated = dir.path().join("truncated.safetensors");
+    let truncated = dir.join("truncated.safetensors");
     let bytes = std::fs::read(&good).expect("read");
     std::fs::write(&truncated, &bytes[..200]).expect("write");
     for m in [
@@ -171,14 +165,14 @@ fn bad_files_are_refused_naming_the_file() {
     ] {
         assert!(m.contains("truncated.safetensors") && m.contains("not a valid safetensors"), "{m}");
     }
-    let short = dir.path().join("short.safetensors");
+    let short = dir.join("short.safetensors");
     std::fs::write(&short, [7u8, 0, 0]).expect("write");
     assert!(message(UpscaleModel::load(&short, cpu, DType::F32)).contains("short.safetensors"));
-    let cut_data = dir.path().join("cut.safetensors");
+    let cut_data = dir.join("cut.safetensors");
     std::fs::write(&cut_data, &bytes[..bytes.len() - 10]).expect("write");
     let m = message(UpscaleModel::load(&cut_data, cpu, DType::F32));
     assert!(m.contains("cut.safetensors") && m.contains("outside"), "{m}");
-    let absent = dir.path().join("absent.safetensors");
+    let absent = dir.join("absent.safetensors");
     assert!(message(UpscaleModel::load(&absent, cpu, DType::F32)).contains("absent.safetensors"));
 }
 
