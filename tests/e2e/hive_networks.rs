@@ -7,6 +7,8 @@
 //! through it (styles, flags and memory from the hive, PNG Info and the empty listings from a worker, txt2img
 //! with styles).
 
+#[path = "../../crates/sdhive-server/tests/pyclients/mod.rs"]
+mod pyclients;
 mod support;
 
 use base64::Engine as _;
@@ -195,4 +197,20 @@ fn hive_lists_the_union_of_its_workers_networks() {
     assert_eq!(r.status, 200, "{}", r.text());
     let r = post(&addr, "/sdapi/v1/extra-single-image", &json!({"image": input, "upscaler_1": "nope"}));
     assert_eq!((r.status, r.json()["field"].as_str()), (400, Some("upscaler_1")), "{}", r.text());
+
+    // Every route webuiapi has, through the hive, with A1111's Basic auth as the client sends it.
+    if std::env::var_os("SDHIVE_SKIP_PYTHON_TESTS").is_none() {
+        let python =
+            pyclients::python_with(&["webuiapi", "openai"], "lora-clients-venv").unwrap_or_else(|e| {
+                panic!("cannot set up Python with `webuiapi` ({e}); SDHIVE_SKIP_PYTHON_TESTS=1 skips")
+            });
+        let sweep = fixtures().join("../../crates/sdhive-server/tests/clients/webuiapi_sweep.py");
+        let out = Command::new(python)
+            .arg(sweep)
+            .args(["--base-url", &format!("http://{addr}"), "--user", "alice", "--password", "s3cret-pw"])
+            .output()
+            .expect("run python");
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "webuiapi through the hive failed:\n{stdout}\n{stderr}");
+    }
 }

@@ -29,6 +29,10 @@ def main() -> None:
     txt.scheduler = EulerDiscreteScheduler.from_config(txt.scheduler.config)
     txt = txt.to(DEV)
     txt.set_progress_bar_config(disable=True)
+    # sdhive-bench --write-model writes no `sample_size` (it only sets default sizes); img2img's constructor
+    # compares it with 64, as SD1.5's own config has it.
+    if txt.unet.config.sample_size is None:
+        txt.unet.register_to_config(sample_size=64)
     i2i = StableDiffusionImg2ImgPipeline(**txt.components)
     i2i.set_progress_bar_config(disable=True)
     g = torch.Generator(DEV)

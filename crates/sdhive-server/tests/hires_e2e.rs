@@ -250,4 +250,13 @@ async fn webuiapi_and_the_openai_sdk_use_hires_and_upscalers() {
         serde_json::from_slice(&std::fs::read(dir.join("webuiapi-hires-info.json")).unwrap()).unwrap();
     assert!(info["infotexts"][0].as_str().unwrap_or_default().contains("Hires upscaler: Latent"), "{info}");
     let _ = std::fs::remove_dir_all(&dir);
+
+    // Every route webuiapi has, as its users call them.
+    let sweep = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/webuiapi_sweep.py");
+    let mut cmd = Command::new(&python);
+    cmd.arg(&sweep).args(["--base-url", shared()]);
+    let out =
+        tokio::task::spawn_blocking(move || cmd.output()).await.expect("client thread").expect("python");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the webuiapi sweep failed:\n--- stdout\n{stdout}\n--- stderr\n{stderr}");
 }
