@@ -130,6 +130,31 @@ async fn sillytavern_body_with_hires_succeeds() {
     assert_eq!((image.width, image.height), (96, 96));
 }
 
+/// Open WebUI's A1111 flow: options read, the whole object posted back with the checkpoint picked, then its short
+/// txt2img body with the admin's JSON (hires settings) merged in, every call with `authorization: Basic ` (empty
+/// when no credentials are set).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_webui_flow_with_hires_in_the_admin_json_succeeds() {
+    let c = Client::new(shared());
+    let basic = ("authorization", "Basic ");
+    let get = |path: &str| c.http.get(format!("{}{path}", c.base)).header(basic.0, basic.1).send();
+    let options: Value = get("/sdapi/v1/options").await.expect("GET options").json().await.expect("JSON");
+    let models: Value = get("/sdapi/v1/sd-models").await.expect("GET sd-models").json().await.expect("JSON");
+    let mut whole = options.clone();
+    whole["sd_model_checkpoint"] = models[0]["title"].clone();
+    let r = c.http.post(format!("{}/sdapi/v1/options", c.base)).header(basic.0, basic.1).json(&whole);
+    assert_eq!(r.send().await.expect("POST options").status().as_u16(), 200);
+    let body = json!({"prompt": PROMPT, "batch_size": 1, "width": 64, "height": 64, "steps": 8,
+                      "negative_prompt": "", "sampler_name": "Euler", "cfg_scale": 7.5, "seed": 42,
+                      "enable_hr": true, "hr_upscaler": "Latent", "hr_scale": 2, "denoising_strength": 0.6});
+    let r = c.http.post(format!("{}/sdapi/v1/txt2img", c.base)).header(basic.0, basic.1).json(&body);
+    let response = r.send().await.expect("POST txt2img");
+    assert_eq!(response.status().as_u16(), 200);
+    let got: Value = response.json().await.expect("JSON");
+    assert_close(&image_of(&got["images"][0]), &hires_golden("latent"), "Open WebUI hires");
+    assert!(got["info"].as_str().is_some_and(|i| i.contains("Hires upscaler")), "{}", got["info"]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn native_hires_job_matches_the_golden() {
     let c = Client::new(shared());

@@ -144,7 +144,7 @@ fn image_upscaler(state: &AppState, field: &str, name: Option<&str>) -> Result<H
     }
 }
 
-/// The largest side the extras produce: what an upload may be, as width × height.
+/// The extras may make no image larger than an upload may be (`--max-image-pixels`).
 fn check_output(state: &AppState, images: &[RgbImage], size: UpscaleSize) -> Result<(), A1111Error> {
     let max = state.config.max_decode_pixels;
     for img in images {
