@@ -79,17 +79,30 @@ type Report<'a> = &'a mut dyn FnMut(u32, u32) -> bool;
 /// not cross) and the VAE's tiles. Each sequence announces itself with (0, total); sampling then reports (1, total),
 /// (2, total), … one by one, from its own thread between two model calls, while a load polls its counter every
 /// 200 ms and skips numbers. A report is taken as a step when it is the next number of an announced sequence; the
-/// first sequence to reach its total ends the image's steps (the VAE's tiles come after).
+/// first sequence to reach its total ends the image's steps (the VAE's tiles come after). A hires fix samples twice:
+/// then a second sequence counts too, one whose total is within one of the second pass's expected steps (sd.cpp
+/// derives it from the strength with float rounding), so the VAE's or the upscaler's tiles between the passes do not.
 #[derive(Debug, Default)]
 struct Steps {
     /// (total, reached so far) per announced total.
     announced: Vec<(c_int, c_int)>,
     finished: bool,
+    /// The hires second pass's expected steps, until the first pass ends.
+    second: Option<c_int>,
+    /// While the second pass runs: its expected steps.
+    in_second: Option<c_int>,
 }
 
 impl Steps {
+    fn new(second: Option<u32>) -> Steps {
+        Steps { second: second.map(|s| s as c_int), ..Steps::default() }
+    }
+
     fn is_step(&mut self, step: c_int, total: c_int) -> bool {
         if self.finished || total <= 0 {
+            return false;
+        }
+        if self.in_second.is_some_and(|expected| (total - expected).abs() > 1) {
             return false;
         }
         let entry = self.announced.iter_mut().find(|(t, _)| *t == total);
@@ -104,7 +117,15 @@ impl Steps {
                     return false;
                 }
                 *reached = step;
-                self.finished = step == total;
+                if step == total {
+                    match self.second.take() {
+                        Some(expected) => {
+                            self.announced.clear();
+                            self.in_second = Some(expected);
+                        }
+                        None => self.finished = true,
+                    }
+                }
                 true
             }
         }
@@ -132,20 +153,22 @@ unsafe extern "C" fn on_progress(step: c_int, steps: c_int, data: *mut c_void) -
     c_int::from(go_on)
 }
 
-/// Runs sd.cpp's generate_image with `report` consulted at each step, holding the process-wide generation lock.
+/// Runs sd.cpp's generate_image with `report` consulted at each step (of both passes when `second_pass`, a hires
+/// fix's expected second-pass steps, is given), holding the process-wide generation lock.
 ///
 /// # Safety
 /// `ctx` is a live sd.cpp context used by no other thread, and every pointer in `params` is valid for the call.
 pub unsafe fn generate(
     ctx: *mut sys::sd_ctx_t,
     params: &sys::sd_img_gen_params_t,
+    second_pass: Option<u32>,
     report: Report<'_>,
 ) -> Generated {
     install();
     let _guard: MutexGuard<'_, ()> = GENERATION.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let mut images = std::ptr::null_mut();
     let mut message = [0 as c_char; 512];
-    let mut reporting = Reporting { report, steps: Steps::default() };
+    let mut reporting = Reporting { report, steps: Steps::new(second_pass) };
     // SAFETY: the caller vouches for `ctx` and `params`; `reporting` outlives the call and is only used on this
     // thread during it; `images` and `message` are writable for the sizes given.
     let outcome = unsafe {
@@ -173,7 +196,11 @@ mod tests {
 
     /// The reports taken as denoising steps.
     fn steps_of(reports: &[(i32, i32)]) -> Vec<(i32, i32)> {
-        let mut steps = Steps::default();
+        steps_with(reports, None)
+    }
+
+    fn steps_with(reports: &[(i32, i32)], second: Option<u32>) -> Vec<(i32, i32)> {
+        let mut steps = Steps::new(second);
         reports.iter().copied().filter(|&(step, total)| steps.is_step(step, total)).collect()
     }
 
@@ -207,5 +234,20 @@ mod tests {
             steps_of(&[(0, 4), (1, 4), (1, 4), (3, 4), (2, 4), (0, 4), (3, 4)]),
             [(1, 4), (2, 4), (3, 4)]
         );
+    }
+
+    #[test]
+    fn a_hires_fix_counts_its_second_sampling_sequence() {
+        // 3 steps, the VAE's 4 decode tiles and the encoder's 4 (an image upscaler between the passes), then a
+        // second pass whose schedule sd.cpp rounded to 9 steps where 10 were asked, then the final decode's tiles.
+        let mut reports = vec![(0, 3), (1, 3), (2, 3), (3, 3), (0, 4), (1, 4), (2, 4), (3, 4), (4, 4)];
+        reports.extend([(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]);
+        reports.push((0, 9));
+        reports.extend((1..=9).map(|s| (s, 9)));
+        reports.extend([(0, 4), (1, 4), (2, 4)]);
+        let mut want = vec![(1, 3), (2, 3), (3, 3)];
+        want.extend((1..=9).map(|s| (s, 9)));
+        assert_eq!(steps_with(&reports, Some(10)), want);
+        assert_eq!(steps_with(&reports, None), [(1, 3), (2, 3), (3, 3)]);
     }
 }

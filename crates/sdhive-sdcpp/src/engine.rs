@@ -316,8 +316,22 @@ impl Engine for SdCppEngine {
         let mut images = Vec::with_capacity(req.n as usize);
         for index in 0..req.n {
             let seed = base_seed + u64::from(index);
+            // sd.cpp counts each hires pass from 1; reported as one run of steps over both.
+            let second = hires.as_ref().map_or(0, |h| h.second_pass_steps(req.steps));
+            let (mut offset, mut last) = (0, 0);
             let mut report = |step: u32, steps: u32| {
-                let p = Progress { image: index, images: req.n, step, steps, preview: None };
+                if second > 0 && step <= last {
+                    offset += last;
+                }
+                last = step;
+                let total = if second > 0 && offset > 0 { offset + steps } else { steps + second };
+                let p = Progress {
+                    image: index,
+                    images: req.n,
+                    step: offset + step,
+                    steps: total,
+                    preview: None,
+                };
                 progress(&p) == Control::Continue
             };
             let ctx = self.ctx.0.as_ptr();
@@ -339,7 +353,7 @@ impl Engine for SdCppEngine {
             p.lora_count = sd_loras.len() as u32;
             // SAFETY: every pointer in `p` (prompts, images, LoRA paths) borrows data alive for this whole call;
             // `ctx` is ours, used through `&mut self`.
-            let image = match unsafe { generate_one(ctx, &p, &mut report) } {
+            let image = match unsafe { generate_one(ctx, &p, (second > 0).then_some(second), &mut report) } {
                 Err(EngineError::Cancelled { .. }) => return Err(EngineError::Cancelled { done: images }),
                 other => other?,
             };
@@ -378,6 +392,16 @@ struct SdHires {
 }
 
 impl SdHires {
+    /// The steps sd.cpp's second pass runs (`make_hires_sigma_schedule`): the schedule stretched to
+    /// `steps / strength` steps, of which it keeps the last `int(stretched × strength) + 1`, in C's float arithmetic.
+    fn second_pass_steps(&self, first_pass_steps: u32) -> u32 {
+        let steps = if self.steps == 0 { first_pass_steps } else { self.steps }.max(1) as f32;
+        let strength = self.denoising_strength.clamp(0.0001, 1.0);
+        let stretched = ((steps / strength) as i32).max(1);
+        let kept = ((stretched as f32 * strength) as i32).min(stretched - 1);
+        (kept + 1) as u32
+    }
+
     /// Borrows `model_path`: `self` must outlive the generate call.
     fn params(&self) -> sys::sd_hires_params_t {
         let mut h: sys::sd_hires_params_t = unsafe {
@@ -511,10 +535,11 @@ fn image_params(
 unsafe fn generate_one(
     ctx: *mut sys::sd_ctx_t,
     p: &sys::sd_img_gen_params_t,
+    second_pass: Option<u32>,
     report: &mut dyn FnMut(u32, u32) -> bool,
 ) -> Result<Option<RgbImage>, EngineError> {
     // SAFETY: the caller's contract; the shim passes on what generate_image returned for batch_count 1.
-    match unsafe { callbacks::generate(ctx, p, report) } {
+    match unsafe { callbacks::generate(ctx, p, second_pass, report) } {
         Generated::Images(out) => Ok(unsafe { take_image(out) }),
         Generated::Stopped => Err(EngineError::Cancelled { done: Vec::new() }),
         Generated::Threw(message) => {
@@ -530,7 +555,7 @@ fn warm_up(ctx: *mut sys::sd_ctx_t) -> Result<(), EngineError> {
     let scheduler = unsafe { sys::sd_get_default_scheduler(ctx, euler) };
     let p = image_params(c"", c"", (64, 64), 0, euler, scheduler, 1);
     // SAFETY: `p` borrows static prompts; `ctx` is live and used by no one else during load.
-    let image = unsafe { generate_one(ctx, &p, &mut |_, _| true) }?;
+    let image = unsafe { generate_one(ctx, &p, None, &mut |_, _| true) }?;
     image.map(|_| ()).ok_or_else(|| EngineError::Failed("no image".into()))
 }
 

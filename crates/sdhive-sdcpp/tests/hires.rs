@@ -28,7 +28,14 @@ fn hires_through_stable_diffusion_cpp() {
     let plain = engine.generate(&plain_128, &mut |_| Control::Continue).expect("plain 128²");
     for upscaler in [HiresUpscaler::Latent(LatentMode::Bilinear), HiresUpscaler::Lanczos] {
         let name = upscaler.name().to_string();
-        let out = engine.generate(&request(Some(fix(upscaler))), &mut |_| Control::Continue);
+        let mut steps = Vec::new();
+        let out = engine.generate(&request(Some(fix(upscaler))), &mut |p| {
+            steps.push((p.step, p.steps));
+            Control::Continue
+        });
+        // Both passes as one run of steps: the first pass's 2, then sd.cpp's second pass of 2 steps at strength
+        // 0.5, which runs the last 3 of a 4-step schedule.
+        assert_eq!(steps, [(1, 5), (2, 5), (3, 5), (4, 5), (5, 5)], "{name}: progress");
         let image = &out.unwrap_or_else(|e| panic!("{name}: {e}")).images[0];
         assert_eq!((image.image.width, image.image.height), (128, 128), "{name}");
         assert!(image.infotext.contains(&format!("Hires upscaler: {name}")), "{}", image.infotext);
