@@ -1,5 +1,5 @@
 //! Hires fix on the wire: the `hires` object of native jobs and OpenAI generations (A1111's flat `enable_hr` /
-//! `hr_*` fields mean the same). Unset fields take A1111's defaults; see `docs/api.md`.
+//! `hr_*` fields mean the same). Unset fields take A1111's defaults; see `docs/api-a1111.md` ("Hires fix").
 
 use serde::{Deserialize, Serialize};
 

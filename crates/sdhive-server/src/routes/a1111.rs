@@ -2,7 +2,7 @@
 //! (synchronous; a client that disconnects cancels its job), `progress`, `interrupt`, `skip`, `sd-models`,
 //! `samplers`, `schedulers` and `options`. Request fields, defaults and the `info` JSON string follow A1111;
 //! where we differ (errors are 400 `{"error", "detail", "field"}` rather than 422, `inpainting_fill` is always
-//! "original") `docs/api.md` says so; an interrupted request answers with the images finished before it, as
+//! "original") `docs/api-a1111.md` says so; an interrupted request answers with the images finished before it, as
 //! A1111's does. The few settings A1111 keeps server-side (`CLIP_stop_at_last_layers`) live in this router's own
 //! state.
 
