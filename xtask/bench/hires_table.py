@@ -14,16 +14,14 @@ import os
 import subprocess
 import sys
 
+from bench_run import run_json
+
 BUNDLE, OUT = sys.argv[1], sys.argv[2]
 BIN = os.path.join(BUNDLE, "bin")
 MODEL = "/tmp/bench_sd15"
 ITERS = "5"
 
 
-def lines(cmd: list[str], log: str) -> list[dict]:
-    with open(os.path.join(OUT, log), "a") as err:
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, check=True).stdout
-    return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
 
 
 def main() -> None:
@@ -34,10 +32,11 @@ def main() -> None:
                        check=True)
     ours, ref = [], []
     for _ in range(2):
-        ours.append(lines([bench, "--device", "cuda", "--dtype", "f16", "--model", "sd15", "--e2e", MODEL, "--hires",
-                           "--size", "512", "--steps", "20", "--iters", ITERS, "--warmup", "1"], "hires_ours.log")[0])
-        ref.append(lines([sys.executable, os.path.join(BUNDLE, "bench_hires_diffusers.py"), MODEL, ITERS],
-                         "hires_diffusers.log")[0])
+        ours.append(run_json(OUT, [bench, "--device", "cuda", "--dtype", "f16", "--model", "sd15", "--e2e", MODEL,
+                                   "--hires", "--size", "512", "--steps", "20", "--iters", ITERS, "--warmup", "1"],
+                             "hires_ours.log", append=True)[0])
+        ref.append(run_json(OUT, [sys.executable, os.path.join(BUNDLE, "bench_hires_diffusers.py"), MODEL, ITERS],
+                            "hires_diffusers.log", append=True)[0])
     with open(os.path.join(OUT, "hires.json"), "w") as f:
         json.dump({"ours": ours, "diffusers": ref}, f, indent=1)
     o = min(r["e2e"]["median_ms"] for r in ours)

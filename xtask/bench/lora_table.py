@@ -13,16 +13,14 @@ import os
 import subprocess
 import sys
 
+from bench_run import run_json
+
 BUNDLE, OUT = sys.argv[1], sys.argv[2]
 BIN = os.path.join(BUNDLE, "bin")
 MODEL = "/tmp/bench_sdxl"
 LORAS = ["/tmp/bench_lora_a.safetensors", "/tmp/bench_lora_b.safetensors"]
 
 
-def lines(cmd: list[str], log: str) -> list[dict]:
-    with open(os.path.join(OUT, log), "w") as err:
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, check=True).stdout
-    return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
 
 
 def main() -> None:
@@ -35,9 +33,9 @@ def main() -> None:
         if not os.path.exists(path):
             subprocess.run([sys.executable, os.path.join(BUNDLE, "make_lora.py"), MODEL, path, "--rank", "32",
                             "--seed", str(seed)], check=True)
-    ours = lines([bench, "--device", "cuda", "--dtype", "f16", "--lora-model", MODEL, "--lora", LORAS[0],
+    ours = run_json(OUT, [bench, "--device", "cuda", "--dtype", "f16", "--lora-model", MODEL, "--lora", LORAS[0],
                   "--lora", LORAS[1], "--iters", "7"], "lora_ours.log")[0]
-    ref = lines([sys.executable, os.path.join(BUNDLE, "bench_lora_diffusers.py"), MODEL, *LORAS, "5"],
+    ref = run_json(OUT, [sys.executable, os.path.join(BUNDLE, "bench_lora_diffusers.py"), MODEL, *LORAS, "5"],
                 "lora_diffusers.log")[0]
     with open(os.path.join(OUT, "lora.json"), "w") as f:
         json.dump({"ours": ours, "diffusers": ref}, f, indent=1)

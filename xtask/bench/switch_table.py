@@ -14,15 +14,13 @@ import statistics
 import subprocess
 import sys
 
+from bench_run import run_json
+
 BUNDLE, OUT = sys.argv[1], sys.argv[2]
 BIN = os.path.join(BUNDLE, "bin")
 MODELS = [("sd15", "sd1", "/tmp/bench_sd15"), ("sdxl", "sdxl", "/tmp/bench_sdxl")]
 
 
-def lines(cmd: list[str], log: str) -> list[dict]:
-    with open(os.path.join(OUT, log), "w") as err:
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, check=True).stdout
-    return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
 
 
 def main() -> None:
@@ -33,9 +31,9 @@ def main() -> None:
             subprocess.run([bench, "--write-model", path, "--model", fam, "--template",
                             f"tests/fixtures/models/{tmpl}"], check=True)
     dirs = [p for _, _, p in MODELS]
-    ours = lines([bench, "--device", "cuda", "--dtype", "f16", *[a for d in dirs for a in ("--switch", d)],
+    ours = run_json(OUT, [bench, "--device", "cuda", "--dtype", "f16", *[a for d in dirs for a in ("--switch", d)],
                   "--switches", "20"], "switch_ours.log")[0]
-    ref = {r["model"]: r["ms"] for r in lines([sys.executable, os.path.join(BUNDLE, "bench_switch_diffusers.py"),
+    ref = {r["model"]: r["ms"] for r in run_json(OUT, [sys.executable, os.path.join(BUNDLE, "bench_switch_diffusers.py"),
                                                *dirs], "switch_diffusers.log")}
     with open(os.path.join(OUT, "switch.json"), "w") as f:
         json.dump({"ours": ours, "diffusers": ref}, f, indent=1)

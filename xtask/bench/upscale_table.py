@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+
+from bench_run import run_json
 
 BUNDLE, OUT = sys.argv[1], sys.argv[2]
 BIN = os.path.join(BUNDLE, "bin")
@@ -20,21 +21,17 @@ MODEL = "/tmp/bench_esrgan_x4.safetensors"
 ITERS = "10"
 
 
-def lines(cmd: list[str], log: str) -> list[dict]:
-    with open(os.path.join(OUT, log), "w") as err:
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, check=True).stdout
-    return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
 
 
 def main() -> None:
     os.makedirs(OUT, exist_ok=True)
     bench = os.path.join(BIN, "sdhive-bench")
     # Writes the model first when it is missing, so spandrel reads the same file.
-    ours = lines([bench, "--device", "cuda", "--dtype", "f16", "--upscale-bench", "--upscale-model", MODEL,
+    ours = run_json(OUT, [bench, "--device", "cuda", "--dtype", "f16", "--upscale-bench", "--upscale-model", MODEL,
                   "--upscale-size", "512", "--warmup", "3", "--iters", ITERS], "upscale_ours.log")[0]
     script = os.path.join(BUNDLE, "bench_esrgan_spandrel.py")
-    ref = lines([sys.executable, script, MODEL, ITERS, "--size", "512"], "upscale_spandrel.log")[0]
-    tuned = lines([sys.executable, script, MODEL, ITERS, "--size", "512", "--cudnn-benchmark"],
+    ref = run_json(OUT, [sys.executable, script, MODEL, ITERS, "--size", "512"], "upscale_spandrel.log")[0]
+    tuned = run_json(OUT, [sys.executable, script, MODEL, ITERS, "--size", "512", "--cudnn-benchmark"],
                   "upscale_spandrel_benchmark.log")[0]
     with open(os.path.join(OUT, "upscale.json"), "w") as f:
         json.dump({"ours": ours, "spandrel": ref, "spandrel_cudnn_benchmark": tuned}, f, indent=1)

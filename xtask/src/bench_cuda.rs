@@ -63,6 +63,7 @@ pub fn run(out: Option<PathBuf>, python: &str) -> Result<()> {
         "upscale_table.py",
         "bench_hires_diffusers.py",
         "hires_table.py",
+        "bench_run.py",
     ] {
         copy(&root.join("xtask/bench").join(f), &out.join(f))?;
     }
