@@ -20,9 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use axum::{Json, Router};
 use futures::StreamExt;
-use sdhive_protocol::{
-    Deregister, ErrorBody, ErrorDetail, Heartbeat, ListedModel, RegisterRequest, RegisterResponse,
-};
+use sdhive_protocol::{Deregister, ErrorBody, ErrorDetail, Heartbeat, RegisterRequest, RegisterResponse};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use shared_worker::Backend;
@@ -332,7 +330,11 @@ async fn list_workers(State(hive): H) -> Response {
         "workers": workers,
         "selected_model": state.selected.as_deref().map(|m| models::title_of(&state, m)),
         "on_demand_models": on_demand,
-        "on_demand": "a request for a model no worker has loaded waits for an idle worker, which switches to it",
+        "on_demand": "a request for a model no worker has loaded goes to an idle worker, which switches to it; \
+                      when none can switch without thrashing, another worker is started for it on a device with \
+                      room (max_workers_per_device, max_cpu_workers, its free memory), and stopped again after \
+                      idle_worker_secs without work",
+        "on_demand_last_decision": state.on_demand_note,
     }))
     .into_response()
 }
@@ -347,9 +349,36 @@ async fn get_worker(State(hive): H, Path(id): Path<String>) -> Response {
     }
 }
 
+/// The device table, with the workers on each device now (planned and on demand) and what they hold.
 async fn devices(State(hive): H) -> Response {
     let rows = hive.devices.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    Json(json!({"devices": rows})).into_response()
+    let state = hive.lock();
+    let rows: Vec<Value> = rows
+        .iter()
+        .map(|r| {
+            let mut v = serde_json::to_value(r).unwrap_or(Value::Null);
+            let here: Vec<Value> = state
+                .workers
+                .values()
+                .filter(|w| {
+                    w.managed
+                        && w.backend == r.device.backend.name()
+                        && w.device_index == Some(r.device.index)
+                })
+                .map(|w| {
+                    json!({
+                        "id": w.id,
+                        "state": w.status,
+                        "loaded_model": w.loaded.as_deref().map(|m| models::title_of(&state, m)),
+                        "on_demand": w.on_demand.is_some(),
+                    })
+                })
+                .collect();
+            v["workers"] = json!(here);
+            v
+        })
+        .collect();
+    Json(json!({"devices": rows, "on_demand_last_decision": state.on_demand_note})).into_response()
 }
 
 #[derive(Debug, Deserialize)]
@@ -422,16 +451,9 @@ async fn spawn_worker(State(hive): H, body: Bytes) -> Response {
         0 => 0,
         base => base.saturating_add(u16::try_from(supervisors.len()).unwrap_or(u16::MAX)),
     };
-    let spec = Spec {
-        worker: PlannedWorker {
-            worker_id: worker_id.clone(),
-            backend,
-            device_index: req.device,
-            model,
-            binary,
-        },
-        port,
-    };
+    let worker =
+        PlannedWorker { worker_id: worker_id.clone(), backend, device_index: req.device, model, binary };
+    let spec = Spec::planned(worker, port);
     tracing::info!(worker = %worker_id, "spawning a worker on request");
     if let Some(old) = supervisors.insert(worker_id.clone(), supervisor::start(&hive, spec)) {
         old.task.abort();
@@ -511,7 +533,7 @@ async fn info(State(hive): H) -> Response {
         "version": env!("CARGO_PKG_VERSION"),
         "workers": state.workers.len(),
         "queue": {"depth": state.queue.len(), "max": hive.config.queue_size},
-        "models": models::list(&state).into_iter().map(|m| m.name).collect::<Vec<_>>(),
+        "models": models::list(&state).into_iter().map(|m| m.model.name).collect::<Vec<_>>(),
         "selected_model": state.selected.as_deref().map(|m| models::title_of(&state, m)),
         "auth_required": hive.config.credentials().required(),
     }))
@@ -560,6 +582,16 @@ async fn metrics(State(hive): H) -> Response {
         "OpenAI/A1111 generation requests forwarded.",
         m.sync_requests,
     );
+    counter(
+        "sdhive_hive_on_demand_workers_started_total",
+        "Workers started for a model no worker had and none could switch to.",
+        m.on_demand_started,
+    );
+    counter(
+        "sdhive_hive_on_demand_workers_stopped_total",
+        "Workers started on demand and stopped again after idle_worker_secs.",
+        m.on_demand_stopped,
+    );
     counter("sdhive_hive_rejected_queue_full_total", "Requests refused with 429.", m.rejected_queue_full);
     counter("sdhive_hive_worker_restarts_total", "Managed worker restarts.", m.worker_restarts);
     out.push_str("# HELP sdhive_hive_queue_depth Requests waiting in the hive queue.\n# TYPE sdhive_hive_queue_depth gauge\n");
@@ -591,7 +623,7 @@ async fn metrics(State(hive): H) -> Response {
 
 async fn models(State(hive): H) -> Response {
     let listed = models::list(&hive.lock());
-    Json(json!({"object": "list", "data": listed.iter().map(|m| m.openai(0)).collect::<Vec<_>>()}))
+    Json(json!({"object": "list", "data": listed.iter().map(models::Listed::openai).collect::<Vec<_>>()}))
         .into_response()
 }
 
@@ -599,13 +631,13 @@ async fn model(State(hive): H, Path(id): Path<String>) -> Response {
     let found = {
         let state = hive.lock();
         match models::resolve(&state, Some(&id)) {
-            Ok(Some(source)) => Ok(models::list(&state).into_iter().find(|m| m.filename == source)),
+            Ok(Some(source)) => Ok(models::list(&state).into_iter().find(|m| m.model.filename == source)),
             Ok(None) => Ok(None),
             Err(e) => Err(e),
         }
     };
     match found {
-        Ok(Some(m)) => Json(m.openai(0)).into_response(),
+        Ok(Some(m)) => Json(m.openai()).into_response(),
         Ok(None) => error_about(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
@@ -625,7 +657,7 @@ async fn model(State(hive): H, Path(id): Path<String>) -> Response {
 
 async fn sd_models(State(hive): H) -> Response {
     let listed = models::list(&hive.lock());
-    Json(listed.iter().map(ListedModel::a1111).collect::<Vec<_>>()).into_response()
+    Json(listed.iter().map(models::Listed::a1111).collect::<Vec<_>>()).into_response()
 }
 
 async fn sd_vae(State(hive): H) -> Response {

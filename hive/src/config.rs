@@ -89,6 +89,20 @@ pub struct HiveConfig {
     /// How many workers the CPU gets when it serves (each uses every core; more than one helps only to keep
     /// several models loaded at once, and tests).
     pub cpu_workers: usize,
+    /// The most workers one GPU runs: its planned worker plus those started on demand, when a request needs a
+    /// model no worker has and none can switch to it, and the device's free memory fits that model. 1: none on
+    /// demand.
+    pub max_workers_per_device: usize,
+    /// The most workers the CPU runs, `cpu_workers` included (unset: `cpu_workers`, so none on demand).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_cpu_workers: Option<usize>,
+    /// A worker started on demand that had nothing to do for this long is stopped, so its memory returns.
+    pub idle_worker_secs: f64,
+    /// `backend:index=SIZE` (`cuda:0=40G`, `cpu:0=16G`): the memory the hive may fill on that device with its
+    /// workers' models. On-demand workers start only while the estimates of the models its workers hold, plus
+    /// the new one, fit; the device's measured free memory still applies. A device whose free memory is not
+    /// detected (Vulkan, Metal) gets on-demand workers only with this.
+    pub device_memory: Vec<String>,
     /// A worker whose loaded model still has requests waiting is not switched to another model, unless a
     /// request for that other model has waited this long (no thrashing, no starvation).
     pub model_switch_wait_secs: f64,
@@ -139,6 +153,10 @@ impl Default for HiveConfig {
             exclude: Vec::new(),
             cpu: CpuPolicy::Auto,
             cpu_workers: 1,
+            max_workers_per_device: 2,
+            max_cpu_workers: None,
+            idle_worker_secs: 600.0,
+            device_memory: Vec::new(),
             model_switch_wait_secs: 30.0,
             heartbeat_interval_secs: 5,
             queue_size: 64,
@@ -177,9 +195,53 @@ pub struct CliOverrides {
     pub exclude: Vec<String>,
     pub cpu: Option<CpuPolicy>,
     pub cpu_workers: Option<usize>,
+    pub max_workers_per_device: Option<usize>,
+    pub max_cpu_workers: Option<usize>,
+    pub device_memory: Vec<String>,
     pub heartbeat_interval_secs: Option<u64>,
     pub queue_size: Option<usize>,
     pub worker_slots: Option<usize>,
+}
+
+/// One `device_memory` entry: `backend:index=SIZE`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    pub backend: shared_worker::Backend,
+    pub index: usize,
+    pub bytes: u64,
+}
+
+impl DeviceMemory {
+    pub fn parse(s: &str) -> Result<DeviceMemory, String> {
+        let (device, size) =
+            s.split_once('=').ok_or_else(|| format!("`{s}` is not BACKEND:INDEX=SIZE (e.g. cuda:0=40G)"))?;
+        let spec = crate::plan::DeviceSpec::parse(device.trim())?;
+        let index =
+            spec.index.ok_or_else(|| format!("`{s}`: name the device with its index (e.g. cuda:0)"))?;
+        let bytes = parse_bytes(size).map_err(|e| format!("`{s}`: {e}"))?;
+        Ok(DeviceMemory { backend: spec.backend, index, bytes })
+    }
+}
+
+/// `16G`, `512M`, `1.5GiB`, `1000000` (bytes); binary units.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let n: f64 = number.parse().map_err(|_| format!("`{t}` is not a size such as 16G or 512M"))?;
+    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        other => return Err(format!("`{other}` is not a size unit (K, M, G, T)")),
+    };
+    let bytes = n * scale as f64;
+    if !(1.0..1.8e19).contains(&bytes) {
+        return Err(format!("`{t}` is not a positive size"));
+    }
+    Ok(bytes as u64)
 }
 
 fn list(value: &str) -> Vec<String> {
@@ -244,6 +306,10 @@ impl HiveConfig {
                 "EXCLUDE" => self.exclude = list(&value),
                 "CPU" => self.cpu = parse(&var, &value)?,
                 "CPU_WORKERS" => self.cpu_workers = parse(&var, &value)?,
+                "MAX_WORKERS_PER_DEVICE" => self.max_workers_per_device = parse(&var, &value)?,
+                "MAX_CPU_WORKERS" => self.max_cpu_workers = Some(parse(&var, &value)?),
+                "IDLE_WORKER_SECS" => self.idle_worker_secs = parse(&var, &value)?,
+                "DEVICE_MEMORY" => self.device_memory = list(&value),
                 "MODEL_SWITCH_WAIT_SECS" => self.model_switch_wait_secs = parse(&var, &value)?,
                 "HEARTBEAT_INTERVAL_SECS" => self.heartbeat_interval_secs = parse(&var, &value)?,
                 "QUEUE_SIZE" => self.queue_size = parse(&var, &value)?,
@@ -305,6 +371,11 @@ impl HiveConfig {
         set_list(&mut self.exclude, &cli.exclude);
         set(&mut self.cpu, &cli.cpu);
         set(&mut self.cpu_workers, &cli.cpu_workers);
+        set(&mut self.max_workers_per_device, &cli.max_workers_per_device);
+        if cli.max_cpu_workers.is_some() {
+            self.max_cpu_workers = cli.max_cpu_workers;
+        }
+        set_list(&mut self.device_memory, &cli.device_memory);
         set(&mut self.heartbeat_interval_secs, &cli.heartbeat_interval_secs);
         set(&mut self.queue_size, &cli.queue_size);
         set(&mut self.worker_slots, &cli.worker_slots);
@@ -332,7 +403,24 @@ impl HiveConfig {
                 "cpu_workers must be at least 1 (use cpu = \"never\" for none)".into(),
             ));
         }
+        if self.max_workers_per_device == 0 {
+            return Err(ConfigError::Invalid(
+                "max_workers_per_device must be at least 1 (1: no workers started on demand)".into(),
+            ));
+        }
+        if let Some(max) = self.max_cpu_workers {
+            if max < self.cpu_workers {
+                return Err(ConfigError::Invalid(format!(
+                    "max_cpu_workers ({max}) must be at least cpu_workers ({})",
+                    self.cpu_workers
+                )));
+            }
+        }
+        for entry in &self.device_memory {
+            DeviceMemory::parse(entry).map_err(|e| ConfigError::Invalid(format!("device_memory: {e}")))?;
+        }
         let secs = [
+            ("idle_worker_secs", self.idle_worker_secs),
             ("restart_initial_secs", self.restart_initial_secs),
             ("restart_max_secs", self.restart_max_secs),
             ("restart_reset_secs", self.restart_reset_secs),
@@ -357,6 +445,29 @@ impl HiveConfig {
 
     pub fn model_switch_wait(&self) -> Duration {
         Duration::from_secs_f64(self.model_switch_wait_secs)
+    }
+
+    pub fn idle_worker(&self) -> Duration {
+        Duration::from_secs_f64(self.idle_worker_secs)
+    }
+
+    /// The most workers the hive runs on one device of `backend` (planned and on demand together).
+    pub fn max_workers(&self, backend: shared_worker::Backend) -> usize {
+        match backend {
+            shared_worker::Backend::Cpu => {
+                self.max_cpu_workers.unwrap_or(self.cpu_workers).max(self.cpu_workers)
+            }
+            _ => self.max_workers_per_device.max(1),
+        }
+    }
+
+    /// The memory stated for `backend:index` (`device_memory`), in bytes.
+    pub fn stated_memory(&self, backend: shared_worker::Backend, index: usize) -> Option<u64> {
+        self.device_memory
+            .iter()
+            .filter_map(|e| DeviceMemory::parse(e).ok())
+            .find(|d| d.backend == backend && d.index == index)
+            .map(|d| d.bytes)
     }
 
     /// What every spawned worker may load without being told a path: its `--model-root`s (the configured
@@ -466,6 +577,33 @@ mod tests {
         assert_eq!(c.worker_roots(), roots);
         let cli = CliOverrides { cpu_workers: Some(0), ..Default::default() };
         assert!(HiveConfig::load(None, Vec::new(), &cli).is_err(), "no CPU workers is cpu = \"never\"");
+    }
+
+    #[test]
+    fn on_demand_worker_keys() {
+        let c = HiveConfig::default();
+        use shared_worker::Backend;
+        assert_eq!((c.max_workers(Backend::Cuda), c.max_workers(Backend::Cpu)), (2, 1));
+        let mut c = HiveConfig::from_toml("cpu_workers = 2\ndevice_memory = [\"cuda:1=40G\"]\n").unwrap();
+        c.apply_env(env(&[("SDHIVE_MAX_CPU_WORKERS", "3"), ("SDHIVE_IDLE_WORKER_SECS", "5")])).unwrap();
+        assert_eq!((c.max_workers(Backend::Cpu), c.idle_worker()), (3, Duration::from_secs(5)));
+        assert_eq!(c.stated_memory(Backend::Cuda, 1), Some(40 << 30));
+        assert_eq!(c.stated_memory(Backend::Cuda, 0), None);
+        c.apply_cli(&CliOverrides { device_memory: vec!["cpu:0=1.5G".into()], ..Default::default() });
+        assert_eq!(c.stated_memory(Backend::Cpu, 0), Some(3 << 29));
+        assert!(c.validate().is_ok());
+        assert_eq!(parse_bytes("512M"), Ok(512 << 20));
+        assert_eq!(parse_bytes("1000"), Ok(1000));
+        for bad in ["cuda=4G", "cuda:0", "cuda:0=lots", "cuda:0=4Q", "gpu:0=4G", "cuda:0=0"] {
+            let cli = CliOverrides { device_memory: vec![bad.into()], ..Default::default() };
+            let err = HiveConfig::load(None, Vec::new(), &cli).unwrap_err().to_string();
+            assert!(err.contains("device_memory") && err.contains(bad.split('=').next().unwrap()), "{err}");
+        }
+        let cli = CliOverrides { cpu_workers: Some(2), max_cpu_workers: Some(1), ..Default::default() };
+        let err = HiveConfig::load(None, Vec::new(), &cli).unwrap_err().to_string();
+        assert!(err.contains("max_cpu_workers"), "{err}");
+        let cli = CliOverrides { max_workers_per_device: Some(0), ..Default::default() };
+        assert!(HiveConfig::load(None, Vec::new(), &cli).is_err());
     }
 
     #[test]

@@ -253,6 +253,29 @@ async fn run_tool(program: &str, args: &[&str]) -> Option<String> {
     }
 }
 
+/// The free memory of one device now, asked of the tool that reports it (`nvidia-smi`, `rocm-smi`,
+/// `/proc/meminfo`); `None` where none does (Vulkan, Metal) or the query fails.
+pub async fn free_memory(backend: Backend, index: usize) -> Option<u64> {
+    let found = match backend {
+        Backend::Cuda => {
+            let id = index.to_string();
+            let query = "--query-gpu=index,name,memory.total,memory.free,driver_version";
+            let args = [query, "--format=csv,noheader,nounits", "-i", id.as_str()];
+            run_tool("nvidia-smi", &args).await.as_deref().map(parse_nvidia_smi).unwrap_or_default()
+        }
+        Backend::Rocm => {
+            let args = ["--showproductname", "--showmeminfo", "vram", "--json"];
+            run_tool("rocm-smi", &args).await.as_deref().map(parse_rocm_smi).unwrap_or_default()
+        }
+        Backend::Cpu => {
+            let meminfo = tokio::fs::read_to_string("/proc/meminfo").await.unwrap_or_default();
+            vec![parse_cpu("", &meminfo)]
+        }
+        Backend::Vulkan | Backend::Metal => Vec::new(),
+    };
+    found.into_iter().find(|d| d.index == index).and_then(|d| d.memory_free_bytes)
+}
+
 /// Every device this machine has, per backend; the CPU is always there.
 pub async fn detect() -> Vec<Device> {
     let mut devices = Vec::new();
@@ -366,5 +389,9 @@ mod tests {
         assert_eq!(d.iter().filter(|d| d.backend == Backend::Cpu).count(), 1, "{d:?}");
         let cpu = d.iter().find(|d| d.backend == Backend::Cpu).unwrap();
         assert!(cpu.memory_total_bytes.is_some_and(|m| m > 0), "{cpu:?}");
+        // Read again when deciding whether another worker fits.
+        let free = free_memory(Backend::Cpu, 0).await;
+        assert!(free.is_some_and(|f| f > 0 && f <= cpu.memory_total_bytes.unwrap_or(0)), "{free:?}");
+        assert_eq!(free_memory(Backend::Vulkan, 0).await, None, "not reported by any tool");
     }
 }

@@ -1,12 +1,14 @@
 //! The hive: one process per node that detects the node's devices, runs one `sd-worker-<backend>` per device
-//! (restarting them when they die), accepts registrations from workers started elsewhere, and serves the
-//! workers' public API behind one endpoint. See `docs/operations.md` and the hive section of
+//! (restarting them when they die; more on a device with room when a model is wanted that no worker has),
+//! accepts registrations from workers started elsewhere, and serves the workers' public API behind one
+//! endpoint. See `docs/operations.md` and the hive section of
 //! `docs/architecture.md`.
 //!
 //! All mutable state (worker table, job table, hive queue) sits behind one mutex in [`State`], so a worker's
 //! death and the jobs it held are handled in one step; nothing awaits while holding it.
 
 pub mod api;
+pub mod capacity;
 pub mod config;
 pub mod detect;
 pub mod models;
@@ -36,6 +38,8 @@ pub struct State {
     pub catalog: sdhive_catalog::Catalog,
     /// The model requests that name none run with (A1111's `sd_model_checkpoint`), as a source string.
     pub selected: Option<String>,
+    /// The latest decision about starting a worker on demand (why one was started, or why none could be).
+    pub on_demand_note: Option<String>,
 }
 
 #[derive(Default, Debug, Clone)]
@@ -51,6 +55,8 @@ pub struct Metrics {
     pub sync_rerun: u64,
     pub sync_worker_lost: u64,
     pub model_switches: u64,
+    pub on_demand_started: u64,
+    pub on_demand_stopped: u64,
     pub rejected_queue_full: u64,
     pub worker_restarts: u64,
 }
@@ -68,6 +74,8 @@ pub struct Hive {
     pub spawner: supervisor::Spawner,
     /// Flips to true when the hive shuts down; background tasks watch it.
     pub shutdown: watch::Sender<bool>,
+    /// Woken when requests remain waiting: `capacity` looks whether to start a worker for them.
+    pub capacity_wake: tokio::sync::Notify,
 }
 
 impl Hive {
@@ -86,6 +94,7 @@ impl Hive {
             supervisors: Mutex::new(HashMap::new()),
             spawner: supervisor::Spawner::start(),
             shutdown: watch::channel(false).0,
+            capacity_wake: tokio::sync::Notify::new(),
         }))
     }
 
@@ -203,10 +212,11 @@ pub async fn serve(
                 base => base.saturating_add(u16::try_from(n).unwrap_or(u16::MAX)),
             };
             let id = worker.worker_id.clone();
-            supervisors.insert(id, supervisor::start(&hive, supervisor::Spec { worker, port }));
+            supervisors.insert(id, supervisor::start(&hive, supervisor::Spec::planned(worker, port)));
         }
     }
     tokio::spawn(housekeeping(hive.clone()));
+    tokio::spawn(capacity::run(hive.clone()));
 
     let app = api::router(hive.clone());
     let mut stopped = hive.shutdown.subscribe();

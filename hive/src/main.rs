@@ -93,6 +93,15 @@ struct Flags {
     /// How many workers the CPU gets when it serves.
     #[arg(long, value_name = "N")]
     cpu_workers: Option<usize>,
+    /// The most workers one GPU runs, those started on demand included (1: none on demand).
+    #[arg(long, value_name = "N")]
+    max_workers_per_device: Option<usize>,
+    /// The most workers the CPU runs, --cpu-workers included (default: --cpu-workers, none on demand).
+    #[arg(long, value_name = "N")]
+    max_cpu_workers: Option<usize>,
+    /// Memory the hive may fill with its workers' models on a device, e.g. cuda:0=40G (repeatable).
+    #[arg(long = "device-memory", value_name = "BACKEND:INDEX=SIZE")]
+    device_memory: Vec<String>,
     /// Heartbeat interval asked of workers, in seconds.
     #[arg(long, value_name = "SECS")]
     heartbeat_interval: Option<u64>,
@@ -125,6 +134,9 @@ impl Flags {
             exclude: self.exclude.clone(),
             cpu: self.cpu,
             cpu_workers: self.cpu_workers,
+            max_workers_per_device: self.max_workers_per_device,
+            max_cpu_workers: self.max_cpu_workers,
+            device_memory: self.device_memory.clone(),
             heartbeat_interval_secs: self.heartbeat_interval,
             queue_size: self.queue_size,
             worker_slots: self.worker_slots,

@@ -1,5 +1,6 @@
 //! The hive's view of the models: its own scan of the models dirs (the same catalogue every worker it starts
-//! scans), the models workers report that are no catalogue entry, which worker holds which model loaded, the
+//! scans), the models workers report that are no catalogue entry (their loaded model, and the libraries
+//! external workers report), which worker holds which model loaded and which could load it, the
 //! hive's selected model (A1111's `sd_model_checkpoint` for requests that name none), and turning a client's
 //! model name into the one string every worker understands — a checkpoint's canonical path, or the `--model`
 //! argument of a model outside the library — with A1111's matching, so an unknown name is refused before it
@@ -9,7 +10,7 @@ use crate::config::HiveConfig;
 use crate::registry::WorkerStatus;
 use crate::State;
 use sdhive_catalog::{Catalog, CatalogConfig, CatalogError, Checkpoint, NotFound};
-use sdhive_protocol::{file_stem, is_openai_model_name, ListedModel};
+use sdhive_protocol::{file_stem, is_openai_model_name, LibraryModel, ListedModel};
 
 /// What the hive scans: the workers' models and VAE dirs, with the hash cache they share.
 pub fn catalog_config(config: &HiveConfig) -> CatalogConfig {
@@ -25,10 +26,15 @@ pub fn scan(config: &HiveConfig) -> Result<Catalog, CatalogError> {
     if config.models_dirs.is_empty() && config.vae_dirs.is_empty() {
         return Ok(Catalog::default());
     }
-    let mut catalog = Catalog::scan(&catalog_config(config))?;
-    // The workers refuse GGUF files (no engine loads them through the library yet): so does the hive.
-    catalog.checkpoints.retain(|c| c.format != sdhive_catalog::CheckpointFormat::Gguf);
-    Ok(catalog)
+    // GGUF checkpoints stay listed: the stable-diffusion.cpp workers load them (`backend_loads` routes them).
+    Catalog::scan(&catalog_config(config))
+}
+
+/// Whether a worker of `backend` loads the checkpoint `source` (a canonical path): a GGUF file only on the
+/// stable-diffusion.cpp engine, as that worker's own library says (`EngineKind::loads_gguf`).
+pub fn backend_loads(backend: &str, source: &str) -> bool {
+    let gguf = std::path::Path::new(source).extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    !gguf || backend.parse::<shared_worker::Backend>().is_ok_and(|b| b.engine().loads_gguf())
 }
 
 fn path_string(c: &Checkpoint) -> String {
@@ -49,19 +55,37 @@ pub fn same_model_name(alias: &str, query: &str) -> bool {
     !a.is_empty() && (a == q || a.eq_ignore_ascii_case(q) || file_stem(a) == file_stem(q))
 }
 
-/// A model that no catalogue entry stands for: a worker's `--model` outside the library (or an external
-/// worker's model), known by the source string the worker reports.
+/// A model that no catalogue entry stands for: a worker's `--model` outside the library, or a model of an
+/// external worker's library, known by the source string the worker reports.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Extra {
     pub source: String,
-    /// The engine's name for it once a worker loaded it, else the source's stem.
+    /// The engine's name for it once a worker loaded it, else its library title, else the source's stem.
     pub title: String,
     aliases: Vec<String>,
+    /// How the worker's library lists it, when it does.
+    listed: Option<LibraryModel>,
 }
 
-/// Every model workers hold or were started with that the catalogue lacks, once each.
+/// Every model workers hold, were started with or can load that the catalogue lacks, once each.
 pub fn extras(state: &State) -> Vec<Extra> {
     let mut out: Vec<Extra> = Vec::new();
+    let live =
+        state.workers.values().filter(|w| !matches!(w.status, WorkerStatus::Failed | WorkerStatus::Stopped));
+    for m in live.flat_map(|w| &w.library).filter(|m| !in_catalog(&state.catalog, &m.filename)) {
+        if out.iter().any(|e| e.source == m.filename) {
+            continue;
+        }
+        let mut aliases = vec![m.filename.clone(), file_stem(&m.filename).to_string()];
+        aliases.extend([&m.name, &m.model_name, &m.title].into_iter().cloned());
+        aliases.extend(m.hash.iter().chain(&m.sha256).cloned());
+        out.push(Extra {
+            source: m.filename.clone(),
+            title: m.title.clone(),
+            aliases,
+            listed: Some(m.clone()),
+        });
+    }
     for w in state.workers.values().filter(|w| !matches!(w.status, WorkerStatus::Failed)) {
         let reg = w.registration.as_ref();
         let reported = reg.and_then(|r| r.model_source.as_deref());
@@ -86,7 +110,8 @@ pub fn extras(state: &State) -> Vec<Extra> {
                             e.aliases.push(a);
                         }
                     }
-                    if let Some(n) = name {
+                    // A library's title is A1111's; the engine's name only stands in where there is none.
+                    if let Some(n) = name.filter(|_| e.listed.is_none()) {
                         e.title = n;
                     }
                 }
@@ -94,11 +119,25 @@ pub fn extras(state: &State) -> Vec<Extra> {
                     source: source.to_string(),
                     title: name.unwrap_or_else(|| file_stem(source).to_string()),
                     aliases,
+                    listed: None,
                 }),
             }
         }
     }
     out
+}
+
+/// Whether `query` is one of A1111's names for `c` (any case, a trailing ` [hash]` ignored), not merely part
+/// of its title.
+fn names_exactly(c: &Checkpoint, query: &str) -> bool {
+    let bare = query.trim_end().strip_suffix(']').and_then(|b| b.rsplit_once(" [")).map(|(n, _)| n);
+    let path = path_string(c);
+    let mut names = vec![c.name.as_str(), c.model_name.as_str(), c.name_for_extra(), path.as_str()];
+    names.extend(c.sha256.as_deref());
+    names.extend(c.shorthash());
+    let title = c.title();
+    names.push(&title);
+    [Some(query), bare].into_iter().flatten().any(|q| names.iter().any(|n| n.eq_ignore_ascii_case(q.trim())))
 }
 
 pub fn in_catalog(catalog: &Catalog, source: &str) -> bool {
@@ -117,13 +156,20 @@ pub fn resolve(state: &State, query: Option<&str>) -> Result<Resolved, NotFound>
     let Some(q) = query.filter(|q| !is_openai_model_name(q)) else {
         return Ok(default_model(state));
     };
-    if let Ok(c) = state.catalog.find(q) {
+    // A catalogue entry the name matches exactly, else a model outside the catalogue it names, else the
+    // catalogue's looser matches (the shortest title containing it): an external worker's `b` is not lost to
+    // the catalogue's `sdxl-base`.
+    let found = state.catalog.find(q).ok();
+    if let Some(c) = found.filter(|c| names_exactly(c, q)) {
         return Ok(Some(path_string(c)));
     }
     let extras = extras(state);
     let hit = extras.iter().find(|e| e.aliases.iter().any(|a| same_model_name(a, q)));
     if let Some(e) = hit {
         return Ok(Some(e.source.clone()));
+    }
+    if let Some(c) = found {
+        return Ok(Some(path_string(c)));
     }
     let mut closest = state.catalog.closest_titles(q, 3);
     for e in &extras {
@@ -179,7 +225,40 @@ fn loaded_on(state: &State, source: &str) -> Vec<String> {
         .collect()
 }
 
-pub fn list(state: &State) -> Vec<ListedModel> {
+/// Workers that could run requests for `source` (up, or on their way up), by id.
+fn available_on(state: &State, source: &str) -> Vec<String> {
+    let in_catalog = in_catalog(&state.catalog, source);
+    state
+        .workers
+        .values()
+        .filter(|w| crate::router::may_serve(w) && w.can_load(source, in_catalog))
+        .map(|w| w.id.clone())
+        .collect()
+}
+
+/// One model as the hive lists it: the worker's entry, and where it can run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Listed {
+    pub model: ListedModel,
+    /// Workers that could load it: its requests go to one of them.
+    pub available_on: Vec<String>,
+}
+
+impl Listed {
+    pub fn a1111(&self) -> serde_json::Value {
+        let mut v = self.model.a1111();
+        v["available_on"] = serde_json::json!(self.available_on);
+        v
+    }
+
+    pub fn openai(&self) -> serde_json::Value {
+        let mut v = self.model.openai(0);
+        v["available_on"] = serde_json::json!(self.available_on);
+        v
+    }
+}
+
+pub fn list(state: &State) -> Vec<Listed> {
     let mut out: Vec<ListedModel> = state
         .catalog
         .checkpoints
@@ -196,18 +275,33 @@ pub fn list(state: &State) -> Vec<ListedModel> {
         })
         .collect();
     for e in extras(state) {
-        out.push(ListedModel {
-            name: e.title.clone(),
-            model_name: file_stem(&e.title).to_string(),
-            title: e.title,
-            hash: None,
-            sha256: None,
-            loaded_on: loaded_on(state, &e.source),
-            filename: e.source,
-            format: "path".into(),
+        let loaded_on = loaded_on(state, &e.source);
+        out.push(match e.listed {
+            Some(m) => ListedModel {
+                name: m.name,
+                title: m.title,
+                model_name: m.model_name,
+                hash: m.hash,
+                sha256: m.sha256,
+                filename: m.filename,
+                format: m.format,
+                loaded_on,
+            },
+            None => ListedModel {
+                name: e.title.clone(),
+                model_name: file_stem(&e.title).to_string(),
+                title: e.title,
+                hash: None,
+                sha256: None,
+                loaded_on,
+                filename: e.source,
+                format: "path".into(),
+            },
         });
     }
-    out
+    out.into_iter()
+        .map(|model| Listed { available_on: available_on(state, &model.filename), model })
+        .collect()
 }
 
 /// One line about the models for `hive devices` and the start-up log; `warn` for a model that cannot be
@@ -327,17 +421,79 @@ mod tests {
         for q in ["my-model", "/elsewhere/my-model.safetensors", "my-model.safetensors"] {
             assert_eq!(resolve(&state, Some(q)), Ok(Some("/elsewhere/my-model.safetensors".into())), "{q}");
         }
-        let listed = list(&state);
+        let listed: Vec<ListedModel> = list(&state).into_iter().map(|l| l.model).collect();
         assert_eq!(listed.len(), 3, "{listed:?}");
         let extra = listed.iter().find(|m| m.format == "path").unwrap();
         assert_eq!(
             (extra.title.as_str(), extra.loaded_on.as_slice()),
             ("my-model", &["ext".to_string()][..])
         );
-        // An external worker only runs what it has: not the catalogue's models.
+        // A worker that reports no library only runs what it has: not the catalogue's models.
         let w = &state.workers["ext"];
         assert!(w.can_load("/elsewhere/my-model.safetensors", false));
         assert!(!w.can_load(&listed[0].filename, true));
+    }
+
+    fn library_entry(path: &str, title: &str, sha: Option<&str>) -> LibraryModel {
+        LibraryModel {
+            filename: path.into(),
+            name: file_stem(path).to_string() + ".safetensors",
+            title: title.into(),
+            model_name: file_stem(path).into(),
+            hash: sha.map(|s| s[..10].to_string()),
+            sha256: sha.map(String::from),
+            format: "safetensors".into(),
+        }
+    }
+
+    #[test]
+    fn an_external_workers_library_is_listed_resolved_and_routed_to() {
+        let (_dir, catalog) = library();
+        let mut state = State { catalog, ..Default::default() };
+        let sha = "abcdef0123".repeat(6) + "abcd";
+        let (a, b) = ("/remote/a.safetensors", "/remote/b.safetensors");
+        let mut req = request("ext", "http://h:1", 1);
+        req.model_source = Some(a.into());
+        req.switchable = true;
+        req.library = Some(vec![
+            library_entry(a, "a.safetensors [1111111111]", None),
+            library_entry(b, "b.safetensors [abcdef0123]", Some(&sha)),
+        ]);
+        state.register(req, Instant::now()).unwrap();
+        // By A1111's names for it, its hashes and its path.
+        for q in ["b", "b.safetensors", "b.safetensors [abcdef0123]", "abcdef0123", sha.as_str(), b] {
+            assert_eq!(resolve(&state, Some(q)), Ok(Some(b.into())), "{q}");
+        }
+        assert!(state.workers["ext"].can_load(b, false), "any model of its library");
+        assert!(servable(&state, b));
+        let listed = list(&state);
+        let entry = listed.iter().find(|l| l.model.filename == b).unwrap();
+        assert_eq!(entry.model.title, "b.safetensors [abcdef0123]", "the library's title");
+        assert_eq!(entry.model.sha256.as_deref(), Some(sha.as_str()));
+        assert!(entry.model.loaded_on.is_empty());
+        assert_eq!(entry.available_on, ["ext"]);
+        assert_eq!(entry.a1111()["available_on"], serde_json::json!(["ext"]));
+        assert_eq!(entry.openai()["id"], "b.safetensors");
+        let loaded = listed.iter().find(|l| l.model.filename == a).unwrap();
+        assert_eq!(loaded.model.loaded_on, ["ext"]);
+        assert_eq!(loaded.model.title, "a.safetensors [1111111111]", "not replaced by the engine's name");
+        // The catalogue's models are not the external worker's to run.
+        let own = listed
+            .iter()
+            .find(|l| l.model.format != "safetensors" || l.model.filename.ends_with("sd1.safetensors"));
+        assert!(own.is_some_and(|l| l.available_on.is_empty()), "{listed:?}");
+
+        // A changed library arrives with a heartbeat.
+        let hb: sdhive_protocol::Heartbeat = serde_json::from_value(serde_json::json!({
+            "worker_id": "ext", "state": "idle", "queue_depth": 0, "running_job": null,
+            "memory_total_bytes": null, "memory_free_bytes": null, "jobs_succeeded": 0, "jobs_failed": 0,
+            "jobs_cancelled": 0, "uptime_secs": 1.0, "model_source": a,
+            "library": [library_entry("/remote/c.safetensors", "c.safetensors", None)],
+        }))
+        .unwrap();
+        assert!(state.heartbeat("ext", hb, Instant::now()));
+        assert_eq!(resolve(&state, Some("c")), Ok(Some("/remote/c.safetensors".into())));
+        assert!(resolve(&state, Some(b)).is_err(), "gone from its library");
     }
 
     #[test]
@@ -373,5 +529,16 @@ mod tests {
             "{notes}"
         );
         assert!(notes.contains("model /nowhere/x.safetensors: NOT SERVED"), "{notes}");
+    }
+
+    #[test]
+    fn gguf_checkpoints_go_only_to_stable_diffusion_cpp_workers() {
+        assert!(backend_loads("vulkan", "/m/x.gguf") && backend_loads("rocm", "/m/x.GGUF"));
+        assert!(!backend_loads("cpu", "/m/x.gguf") && !backend_loads("cuda", "/m/x.gguf"));
+        assert!(backend_loads("cpu", "/m/x.safetensors") && backend_loads("cpu", "/m/sd15"));
+        let cpu = WorkerEntry::managed("c", "cpu", 0, None);
+        let vulkan = WorkerEntry::managed("v", "vulkan", 0, None);
+        assert!(!cpu.can_load("/m/x.gguf", true) && vulkan.can_load("/m/x.gguf", true));
+        assert!(cpu.can_load("/m/x.safetensors", true));
     }
 }

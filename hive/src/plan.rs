@@ -56,6 +56,12 @@ pub enum Status {
         /// Further workers on the same device (`cpu_workers`).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         more: Vec<MoreWorker>,
+        /// The most workers the device runs, those started on demand included (`max_workers_per_device`,
+        /// `max_cpu_workers`).
+        max_workers: usize,
+        /// `device_memory` for this device, when stated.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stated_memory_bytes: Option<u64>,
     },
     /// Usable, but no model was configured.
     Idle,
@@ -279,7 +285,13 @@ pub fn plan(devices: &[Device], config: &HiveConfig, binary_exists: impl Fn(&Pat
                 });
             }
             let first = ids.remove(0);
-            rows[r].status = Status::Selected { model: first.model, worker_id: first.worker_id, more: ids };
+            rows[r].status = Status::Selected {
+                model: first.model,
+                worker_id: first.worker_id,
+                more: ids,
+                max_workers: config.max_workers(d.backend).max(count),
+                stated_memory_bytes: config.stated_memory(d.backend, d.index),
+            };
         }
     }
     let on_demand = config.models.iter().skip(workers.len()).cloned().collect();
@@ -298,14 +310,33 @@ pub fn render_table(plan: &Plan) -> String {
     for r in &plan.rows {
         let d = &r.device;
         let status = match &r.status {
-            Status::Selected { model, worker_id, more } => std::iter::once((worker_id, model))
-                .chain(more.iter().map(|m| (&m.worker_id, &m.model)))
-                .map(|(id, model)| match model {
-                    Some(m) => format!("worker {id} (preloads {m})"),
-                    None => format!("worker {id} (preloads the models dirs' first checkpoint)"),
-                })
-                .collect::<Vec<_>>()
-                .join("; "),
+            Status::Selected { model, worker_id, more, max_workers, stated_memory_bytes } => {
+                let mut text = std::iter::once((worker_id, model))
+                    .chain(more.iter().map(|m| (&m.worker_id, &m.model)))
+                    .map(|(id, model)| match model {
+                        Some(m) => format!("worker {id} (preloads {m})"),
+                        None => format!("worker {id} (preloads the models dirs' first checkpoint)"),
+                    })
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                let extra = max_workers.saturating_sub(1 + more.len());
+                if extra > 0 {
+                    let memory = match (
+                        stated_memory_bytes,
+                        d.memory_free_bytes.is_some() || d.backend == Backend::Cpu,
+                    ) {
+                        (Some(b), _) => format!("within the stated {}", gib(Some(*b))),
+                        (None, true) => "when its free memory fits the model".to_string(),
+                        (None, false) => {
+                            "when the free memory its workers report fits the model (not detected \
+                                           here; device_memory states it)"
+                                .to_string()
+                        }
+                    };
+                    text.push_str(&format!("; up to {extra} more on demand, {memory}"));
+                }
+                text
+            }
             Status::Idle => "usable (no model or models dir configured)".into(),
             Status::MissingBinary { binary } => format!("MISSING worker binary {}", binary.display()),
             Status::Shadowed { by } => format!("served as {by}"),
@@ -481,6 +512,39 @@ mod tests {
         assert_eq!(p.on_demand, ["c"]);
         let table = render_table(&p);
         assert!(table.contains("(preloads a)") && table.contains("(preloads b)"), "{table}");
+    }
+
+    #[test]
+    fn each_device_says_how_many_workers_it_may_run_on_demand() {
+        let mut devices = node();
+        devices[0].memory_free_bytes = Some(70 << 30);
+        let p = plan(&devices, &config(|c| c.device_memory = vec!["cuda:1=40G".into()]), all_present);
+        let max = |backend, index| match status_of(&p, backend, index) {
+            Status::Selected { max_workers, stated_memory_bytes, .. } => (max_workers, stated_memory_bytes),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!((max(Backend::Cuda, 0), max(Backend::Cuda, 1)), ((2, None), (2, Some(40 << 30))));
+        let table = render_table(&p);
+        assert!(table.contains("up to 1 more on demand, when its free memory fits the model"), "{table}");
+        assert!(table.contains("up to 1 more on demand, within the stated 40.0 GiB"), "{table}");
+        // One per GPU: nothing on demand. The CPU keeps cpu_workers unless max_cpu_workers says more.
+        let p = plan(&node(), &config(|c| c.max_workers_per_device = 1), all_present);
+        assert!(!render_table(&p).contains("on demand"), "{}", render_table(&p));
+        let cpu = |c: &mut HiveConfig| {
+            c.backend = Some("cpu".into());
+            c.cpu_workers = 2;
+        };
+        let p = plan(&node(), &config(cpu), all_present);
+        assert!(matches!(status_of(&p, Backend::Cpu, 0), Status::Selected { max_workers: 2, .. }));
+        let p = plan(
+            &node(),
+            &config(|c| {
+                cpu(c);
+                c.max_cpu_workers = Some(3);
+            }),
+            all_present,
+        );
+        assert!(matches!(status_of(&p, Backend::Cpu, 0), Status::Selected { max_workers: 3, .. }));
     }
 
     #[test]

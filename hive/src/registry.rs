@@ -1,10 +1,11 @@
-//! The worker table: one entry per worker id, spawned here ("managed") or registered from elsewhere
-//! ("external"); registration validation, heartbeats, and the health sweep that turns silent workers
-//! unhealthy (and forgets silent external ones). Which jobs a lost worker held is the router's business.
+//! The worker table: one entry per worker id, spawned here ("managed", planned or started on demand) or
+//! registered from elsewhere ("external"); registration validation, heartbeats (with the models each worker
+//! can load), and the health sweep that turns silent workers unhealthy (and forgets silent external ones).
+//! Which jobs a lost worker held is the router's business.
 
 use crate::plan::valid_worker_id;
 use crate::State;
-use sdhive_protocol::{Heartbeat, RegisterRequest, WorkerState, PROTOCOL_VERSION};
+use sdhive_protocol::{Heartbeat, LibraryModel, RegisterRequest, WorkerState, PROTOCOL_VERSION};
 use serde::Serialize;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -60,9 +61,35 @@ pub struct WorkerEntry {
     pub stderr_tail: VecDeque<String>,
     /// `DELETE /v1/workers/{id}` or hive shutdown: finish what it has, take nothing new.
     pub stop_requested: bool,
+    /// The checkpoints the worker says it can load (its registration, then heartbeats when it changes).
+    pub library: Vec<LibraryModel>,
+    /// Set for a worker the hive started on demand: for which model, and why.
+    pub on_demand: Option<OnDemand>,
+    /// When the hive last gave it a request or got one back: how long an on-demand worker has been idle.
+    pub last_active: Option<Instant>,
+}
+
+/// Why a worker was started on demand, and what became of it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OnDemand {
+    /// The model it was started for (a catalogue checkpoint's path).
+    pub model: String,
+    pub reason: String,
+    pub started_at: Instant,
+    /// Why it stopped, and whether that was a failure (it exited by itself) rather than idleness.
+    pub ended: Option<(Instant, String, bool)>,
 }
 
 impl WorkerEntry {
+    /// Requests the hive keeps in flight here: `worker_slots`, or enough for the worker to fill a batch
+    /// (`--max-batch`) while it runs one.
+    pub fn slots(&self, worker_slots: usize) -> usize {
+        match self.registration.as_ref().map_or(1, |r| r.capabilities.max_batch as usize) {
+            batch if batch > 1 => worker_slots.max(batch + 1),
+            _ => worker_slots,
+        }
+    }
+
     pub fn managed(id: &str, backend: &str, device_index: usize, model: Option<&str>) -> WorkerEntry {
         WorkerEntry {
             id: id.into(),
@@ -85,6 +112,9 @@ impl WorkerEntry {
             last_exit: None,
             stderr_tail: VecDeque::new(),
             stop_requested: false,
+            library: Vec::new(),
+            on_demand: None,
+            last_active: None,
         }
     }
 
@@ -123,13 +153,18 @@ impl WorkerEntry {
         self.registration.as_ref().and_then(|r| r.model_source.as_deref()).or(self.planned_source.as_deref())
     }
 
-    /// Whether it can run requests for `source`: its own model, or — for a worker this hive started, which got
-    /// the hive's models dirs — any checkpoint of the hive's catalogue. An external worker's library is not
-    /// known here, so it only gets requests for the model it has loaded.
+    /// Whether it can run requests for `source`: its own model, any model of the library it reported, or — for
+    /// a worker this hive started, which got the hive's models dirs — any checkpoint of the hive's catalogue.
     pub fn can_load(&self, source: &str, in_catalog: bool) -> bool {
         self.loaded.as_deref() == Some(source)
             || self.own_source() == Some(source)
-            || (self.managed && in_catalog)
+            || (self.managed && in_catalog && crate::models::backend_loads(&self.backend, source))
+            || self.library.iter().any(|m| m.filename == source)
+    }
+
+    /// Counts toward a device's workers: up, on its way up, or stopping — not stopped or failed.
+    pub fn occupies_device(&self) -> bool {
+        !matches!(self.status, WorkerStatus::Stopped | WorkerStatus::Failed)
     }
 
     /// The engine's name for what it registered with, or the argument it was started with.
@@ -157,6 +192,14 @@ impl WorkerEntry {
     /// `GET /v1/workers` entry.
     pub fn view(&self, now: Instant) -> serde_json::Value {
         let reg = self.registration.as_ref();
+        let on_demand = self.on_demand.as_ref().map(|o| {
+            serde_json::json!({
+                "model": o.model,
+                "reason": o.reason,
+                "started_secs_ago": now.saturating_duration_since(o.started_at).as_secs_f64(),
+                "stopped": o.ended.as_ref().map(|(_, why, _)| why),
+            })
+        });
         serde_json::json!({
             "id": self.id,
             "managed": self.managed,
@@ -179,6 +222,10 @@ impl WorkerEntry {
             "restarts": self.restarts,
             "last_exit": self.last_exit,
             "stderr_tail": self.stderr_tail,
+            "library_models": self.library.len(),
+            "on_demand": on_demand,
+            "idle_secs": self.last_active.filter(|_| self.inflight == 0)
+                .map(|t| now.saturating_duration_since(t).as_secs_f64()),
         })
     }
 }
@@ -262,6 +309,7 @@ impl State {
                 entry.planned_source.clone().or_else(|| (!req.model.is_empty()).then(|| req.model.clone()))
             }
         };
+        entry.library = req.library.clone().unwrap_or_default();
         entry.registration = Some(req);
         entry.status = if entry.stop_requested { WorkerStatus::Draining } else { WorkerStatus::Ready };
         entry.last_seen = Some(now);
@@ -271,10 +319,14 @@ impl State {
     }
 
     /// `false`: unknown id (the worker must register again).
-    pub fn heartbeat(&mut self, id: &str, hb: Heartbeat, now: Instant) -> bool {
+    pub fn heartbeat(&mut self, id: &str, mut hb: Heartbeat, now: Instant) -> bool {
         let Some(entry) = self.workers.get_mut(id) else { return false };
         if entry.registration.is_none() {
             return false;
+        }
+        if let Some(library) = hb.library.take() {
+            tracing::info!(worker = %entry.id, models = library.len(), "worker reports a changed model library");
+            entry.library = library;
         }
         entry.last_seen = Some(now);
         if matches!(
@@ -368,6 +420,7 @@ pub(crate) mod tests {
             model: "sd1".into(),
             model_source: None,
             switchable: false,
+            library: None,
             model_family: "sd1".into(),
             capabilities: Capabilities {
                 engine: "candle".into(),
@@ -386,11 +439,32 @@ pub(crate) mod tests {
                 img2img: false,
                 inpaint: false,
                 preview: false,
+                max_batch: 1,
             },
             version: "0".into(),
             pid,
             started_at: 0.0,
         }
+    }
+
+    #[test]
+    fn a_batching_worker_gets_slots_to_fill_its_batch() {
+        let mut w = WorkerEntry::managed("w", "cuda", 0, None);
+        assert_eq!(w.slots(2), 2, "before registering");
+        w.registration = Some(request("w", "http://127.0.0.1:1", 1));
+        assert_eq!(w.slots(1), 1, "a worker that does not batch keeps the setting");
+        let mut reg = request("w", "http://127.0.0.1:1", 1);
+        reg.capabilities.max_batch = 8;
+        w.registration = Some(reg);
+        assert_eq!(w.slots(2), 9);
+        assert_eq!(w.slots(12), 12, "a larger setting stays");
+        let old: RegisterRequest = serde_json::from_value({
+            let mut v = serde_json::to_value(request("w", "http://127.0.0.1:1", 1)).unwrap();
+            v["capabilities"].as_object_mut().unwrap().remove("max_batch");
+            v
+        })
+        .unwrap();
+        assert_eq!(old.capabilities.max_batch, 1, "older workers do not batch");
     }
 
     #[test]
@@ -456,6 +530,7 @@ pub(crate) mod tests {
             uptime_secs: 1.0,
             model: None,
             model_source: None,
+            library: None,
         };
         assert!(!s.heartbeat("nobody", hb.clone(), t0), "unknown ids are told to register");
         assert!(s.heartbeat("w1", hb.clone(), t0));

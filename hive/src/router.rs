@@ -1,6 +1,7 @@
 //! Choosing a worker and keeping track of what was sent where: the hive's bounded queue of waiting
 //! requests, the routing policy (a worker that has the request's model loaded, else an idle one to switch,
-//! without switching a worker away from a model that still has requests waiting), hive job ids mapped to
+//! without switching a worker away from a model that still has requests waiting, nor while a worker started
+//! on demand for the model comes up; what can be placed nowhere may get such a worker: `capacity`), hive job ids mapped to
 //! worker job ids, dispatch of native jobs, the monitor that follows each dispatched job's event stream
 //! (re-publishing it under the hive id), and what happens to jobs whose worker dies — queued ones go back to
 //! the hive queue, and so do running ones, once: a generation is reproducible from its seed, so it is run
@@ -186,6 +187,7 @@ pub fn release(state: &mut State, worker: &str, epoch: u64) {
     if let Some(w) = state.workers.get_mut(worker) {
         if w.epoch == epoch {
             w.inflight = w.inflight.saturating_sub(1);
+            w.last_active = Some(Instant::now());
             if w.inflight == 0
                 && w.status == WorkerStatus::Busy
                 && w.heartbeat.as_ref().is_none_or(|h| h.queue_depth == 0 && h.running_job.is_none())
@@ -269,13 +271,18 @@ fn choose(
         .workers
         .values()
         .filter(usable)
-        .filter(|w| w.inflight < hive.config.worker_slots)
+        .filter(|w| w.inflight < w.slots(hive.config.worker_slots))
         .filter(|w| model.is_none_or(|m| w.loaded.as_deref() == Some(m)))
         .min_by_key(|w| (w.load(), w.inflight, w.id.clone()));
     if let Some(w) = hot {
         return Some(w.id.clone());
     }
     let m = model?;
+    // A worker being started for this model will have it: switching another one to it meanwhile would only
+    // evict that one's model.
+    if awaited(state, m) {
+        return None;
+    }
     let in_catalog = models::in_catalog(&state.catalog, m);
     let wanted =
         |w: &WorkerEntry| w.loaded.as_ref().is_some_and(|l| pass.demand.get(l).is_some_and(|&n| n > 0));
@@ -289,6 +296,24 @@ fn choose(
         .map(|w| w.id.clone())
 }
 
+/// Whether a request for `model` that has waited since `since` could be handed to a worker now, by
+/// [`choose`]'s policy.
+pub fn placeable(hive: &Hive, state: &State, model: &str, since: Instant, now: Instant) -> bool {
+    let pass = Pass::new(hive, state, now);
+    let urgent = now.saturating_duration_since(since) >= hive.config.model_switch_wait();
+    choose(hive, state, Some(model), None, urgent, &pass, now).is_some()
+}
+
+/// Whether a worker started on demand for `model` is still coming up.
+pub fn awaited(state: &State, model: &str) -> bool {
+    state.workers.values().any(|w| {
+        w.on_demand.is_some()
+            && w.status == WorkerStatus::Starting
+            && !w.stop_requested
+            && w.planned_source.as_deref() == Some(model)
+    })
+}
+
 /// Takes a slot on `worker` for a request for `model`; the worker will have `model` loaded once it gets there.
 fn take_slot(
     hive: &Hive,
@@ -300,6 +325,7 @@ fn take_slot(
     let w = state.workers.get_mut(worker)?;
     let base_url = w.base_url()?.to_string();
     w.inflight += 1;
+    w.last_active = Some(now);
     if w.status == WorkerStatus::Ready {
         w.status = WorkerStatus::Busy;
     }
@@ -383,6 +409,10 @@ pub fn pump(hive: &Hive, state: &mut State) -> Vec<(String, Slot, u32)> {
         break;
     }
     publish_queue_positions(state);
+    // What still waits may need a worker started for it (`capacity`).
+    if !state.queue.is_empty() {
+        hive.capacity_wake.notify_one();
+    }
     starts
 }
 
@@ -1288,6 +1318,39 @@ mod tests {
         assert!(pump(&hive, &mut state).is_empty());
         state.queue[0].avoid.as_mut().unwrap().until = now;
         assert_eq!(dispatched(&pump(&hive, &mut state)), [pair("x1", "ext")]);
+    }
+
+    #[test]
+    fn an_external_worker_is_switched_to_any_model_of_its_library() {
+        let (hive, m, _dir) = two_workers(1);
+        let mut state = hive.lock();
+        let now = Instant::now();
+        let entry = |path: &str| sdhive_protocol::LibraryModel {
+            filename: path.into(),
+            name: path.trim_start_matches("/remote/").into(),
+            title: path.trim_start_matches("/remote/").into(),
+            model_name: sdhive_protocol::file_stem(path).into(),
+            hash: None,
+            sha256: None,
+            format: "safetensors".into(),
+        };
+        let (x, y) = ("/remote/x.safetensors", "/remote/y.safetensors");
+        let mut req = request("ext", "http://h:9", 9);
+        req.model_source = Some(x.into());
+        req.switchable = true;
+        req.library = Some(vec![entry(x), entry(y), entry(&m[2])]);
+        state.register(req, now).unwrap();
+        state.workers.get_mut("w1").unwrap().inflight = 1;
+        state.workers.get_mut("w2").unwrap().inflight = 1;
+        // Not loaded there, but in its library: it switches, as a spawned worker would.
+        queue_job(&mut state, "y1", y, now);
+        assert_eq!(dispatched(&pump(&hive, &mut state)), [pair("y1", "ext")]);
+        assert_eq!(state.workers["ext"].loaded.as_deref(), Some(y));
+        assert_eq!(state.metrics.model_switches, 1);
+        release(&mut state, "ext", 0);
+        // A catalogue model it lists too (it shares the hive's models dir).
+        queue_job(&mut state, "c1", &m[2], now);
+        assert_eq!(dispatched(&pump(&hive, &mut state)), [pair("c1", "ext")]);
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! Running managed workers as child processes: spawning them (argv only, never a shell) so that they die with
 //! the hive, logging their output under their worker id, restarting them with exponential backoff when they
-//! exit, giving up after a crash loop, and stopping them (SIGTERM, then SIGKILL after a grace period).
+//! exit (not those started on demand: the hive starts another when it needs one), giving up after a crash
+//! loop, and stopping them (SIGTERM, then SIGKILL after a grace period).
 
 use crate::plan::PlannedWorker;
-use crate::registry::{WorkerEntry, WorkerStatus};
+use crate::registry::{OnDemand, WorkerEntry, WorkerStatus};
 use crate::{router, Hive};
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
@@ -110,6 +111,14 @@ pub struct Spec {
     pub worker: PlannedWorker,
     /// `--port`; 0 lets the worker choose (it reports the port in its registration).
     pub port: u16,
+    /// Started on demand (for this model, for this reason): not restarted when it exits.
+    pub on_demand: Option<OnDemand>,
+}
+
+impl Spec {
+    pub fn planned(worker: PlannedWorker, port: u16) -> Spec {
+        Spec { worker, port, on_demand: None }
+    }
 }
 
 fn command(hive: &Hive, spec: &Spec) -> Command {
@@ -219,6 +228,7 @@ pub fn start(hive: &Arc<Hive>, spec: Spec) -> Handle {
             None => state.catalog.checkpoints.first().map(|c| c.path.to_string_lossy().into_owned()),
         };
         entry.loaded = entry.planned_source.clone();
+        entry.on_demand = spec.on_demand.clone();
         state.workers.insert(w.worker_id.clone(), entry);
     }
     let (stop, stop_rx) = watch::channel(false);
@@ -271,6 +281,8 @@ async fn supervise(hive: Arc<Hive>, spec: Spec, mut stop: watch::Receiver<bool>,
             Ok(status) => format!("exited: {status}"),
             Err(e) => e.clone(),
         };
+        // A worker started on demand is not restarted: the hive starts another when it needs one.
+        let ends = stopping || spec.on_demand.is_some();
         let starts = {
             let mut state = hive.lock();
             let mut epoch = 0;
@@ -280,13 +292,22 @@ async fn supervise(hive: Arc<Hive>, spec: Spec, mut stop: watch::Receiver<bool>,
                 w.registration = None;
                 w.pid = None;
                 w.last_exit = Some(why.clone());
-                w.status = if stopping { WorkerStatus::Stopped } else { WorkerStatus::Starting };
+                w.status = if ends { WorkerStatus::Stopped } else { WorkerStatus::Starting };
+                if let Some(o) = w.on_demand.as_mut().filter(|o| o.ended.is_none()) {
+                    let failed = !stopping;
+                    let what = if failed { format!("it {why}") } else { "stopped".to_string() };
+                    o.ended = Some((Instant::now(), what, failed));
+                }
             }
             router::worker_lost(&hive, &mut state, &id, epoch, &why)
         };
         router::start_dispatches(&hive, starts);
         if stopping {
             tracing::info!(worker = %id, "worker stopped");
+            break;
+        }
+        if ends {
+            tracing::warn!(worker = %id, "worker started on demand {why}; not restarted");
             break;
         }
         tracing::warn!(worker = %id, "worker {why}");

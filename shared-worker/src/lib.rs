@@ -91,6 +91,22 @@ pub enum EngineKind {
     SdCpp,
 }
 
+impl EngineKind {
+    /// Whether the engine loads single-file GGUF checkpoints: stable-diffusion.cpp reads them natively (and keeps
+    /// their quantised weights); candle has no GGUF loader for these models. Workers and the hive both ask here.
+    pub fn loads_gguf(self) -> bool {
+        self == EngineKind::SdCpp
+    }
+
+    /// The engine's name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineKind::Candle => "the candle engine",
+            EngineKind::SdCpp => "stable-diffusion.cpp",
+        }
+    }
+}
+
 /// An opened device, as the engine for its backend needs it.
 #[derive(Debug, Clone)]
 pub enum DeviceHandle {

@@ -5,9 +5,11 @@
 //! number of model switches; the model lists say
 //! where each model is loaded; unknown names are refused with the closest titles; `options` switches the
 //! default; a job whose worker is killed mid-run is run again with the same (hive-drawn) seed; and under load
-//! from 12 clients, a worker killed with `kill -9` costs no request. Every wait has a deadline.
+//! from 12 clients, a worker killed with `kill -9` costs no request. A model wanted while the only worker is
+//! busy gets a worker of its own on the CPU "device" given room (`--device-memory`), stopped again once idle;
+//! an external worker's library is routed to. Every wait has a deadline.
 //!
-//! The two tests run one at a time (each keeps two CPU workers busy on a small CI machine).
+//! The tests run one at a time (each keeps CPU workers busy on a small CI machine).
 
 mod support;
 
@@ -36,8 +38,12 @@ struct Library {
 
 impl Library {
     fn new() -> Library {
+        Library::of(&[MODELS[0], MODELS[1], MODELS[2], SINGLE_FILE])
+    }
+
+    fn of(models: &[&str]) -> Library {
         let dir = tempfile::tempdir().unwrap();
-        for m in MODELS.into_iter().chain([SINGLE_FILE]) {
+        for m in models {
             copy(&fixtures().join("models").join(m), &dir.path().join("models").join(m));
         }
         Library { dir }
@@ -406,4 +412,138 @@ fn no_request_is_lost_when_a_worker_is_killed_under_load() {
     );
     assert!(failures.is_empty(), "{failures:#?}\nhive log:\n{}", hive_proc.log());
     assert!(reruns + requeued + sync_reruns >= 1, "the killed worker had requests to give back");
+}
+
+fn worker_with_model<'a>(workers: &'a [serde_json::Value], path: &str) -> Option<&'a serde_json::Value> {
+    workers.iter().find(|w| w["loaded_source"] == path)
+}
+
+#[test]
+fn a_model_wanted_while_the_only_worker_is_busy_gets_a_worker_of_its_own() {
+    let _one_at_a_time = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let lib = Library::of(&["sd1", "sdxl"]);
+    // One CPU worker with SD 1.x; room for one more, and 8 GiB of the CPU's memory the hive may fill.
+    let mut cmd = Command::new(hive());
+    cmd.args(["serve", "--bind", "127.0.0.1:0", "--token", TOKEN, "--heartbeat-interval", "1"]);
+    cmd.args(["--cpu", "always", "--backend", "cpu", "--cpu-workers", "1", "--max-cpu-workers", "2"]);
+    cmd.args(["--device-memory", "cpu:0=8G", "--model", &lib.path("sd1")]);
+    cmd.arg("--models-dir").arg(lib.models_dir());
+    cmd.env("SDHIVE_IDLE_WORKER_SECS", "3")
+        .env("SDHIVE_DRAIN_GRACE_SECS", "5")
+        .env("SDHIVE_STOP_GRACE_SECS", "5")
+        .env("SDHIVE_HASH_CACHE", lib.dir.path().join("hashes.json"));
+    let hive_proc = Proc::spawn(cmd);
+    let addr = hive_proc.wait_listening("hive listening on http://");
+    wait_for("the worker", Duration::from_secs(60), || {
+        (workers(&addr).iter().filter(|w| w["state"] == "ready").count() == 1).then_some(())
+    });
+    let table = get(&addr, "/v1/devices").json();
+    assert_eq!(table["devices"][0]["max_workers"], 2, "{table}");
+
+    // A slow SD 1.x job keeps the worker busy; an SDXL request meanwhile cannot switch it (busy), so the hive
+    // starts a second worker for SDXL instead of waiting or thrashing.
+    let (slow_steps, slow_size, seed) = (40, 128, 42);
+    let slow = json!({"prompt": "a cat", "steps": slow_steps, "width": slow_size, "height": slow_size,
+        "seed": seed, "sampler": "Euler", "cfg_scale": 7, "model": "sd1"});
+    let (sdxl_ref, sd1_ref) =
+        (reference(&lib, "sdxl", seed, STEPS, SIZE), reference(&lib, "sd1", seed, slow_steps, slow_size));
+    let slow_id = submit(&addr, &slow);
+    let image = generate(&addr, Api::OpenAi, "sdxl", Some(seed))
+        .unwrap_or_else(|e| panic!("{e}\n{}", hive_proc.log()));
+    assert!(image == sdxl_ref, "not the SDXL image");
+    let job = wait_job(&addr, &slow_id, Duration::from_secs(120));
+    assert_eq!(job["state"], "succeeded", "{job}");
+    assert!(pixels(job["images"][0]["png_base64"].as_str().unwrap()).2 == sd1_ref, "not the SD 1.x image");
+
+    // Each model had a worker of its own: nothing was switched.
+    let now = workers(&addr);
+    let extra = worker_with_model(&now, &lib.path("sdxl")).unwrap_or_else(|| panic!("{now:?}"));
+    assert_eq!(extra["on_demand"]["model"], lib.path("sdxl").as_str(), "{extra}");
+    assert!(extra["on_demand"]["reason"].as_str().unwrap().contains("cpu:0 has"), "{extra}");
+    assert!(worker_with_model(&now, &lib.path("sd1")).is_some_and(|w| w["on_demand"].is_null()));
+    assert_eq!(metric(&addr, "sdhive_hive_model_switches_total"), 0, "{}", hive_proc.log());
+    assert_eq!(metric(&addr, "sdhive_hive_on_demand_workers_started_total"), 1);
+    assert!(hive_proc.log().contains("on demand: started worker"), "{}", hive_proc.log());
+    let table = get(&addr, "/v1/devices").json();
+    assert_eq!(table["devices"][0]["workers"].as_array().map(Vec::len), Some(2), "{table}");
+
+    // Idle for idle_worker_secs, it is stopped: its memory returns.
+    let pid = extra["pid"].as_u64().unwrap();
+    let id = extra["id"].as_str().unwrap().to_string();
+    let stopped = wait_for("the idle worker to stop", Duration::from_secs(20), || {
+        workers(&addr).into_iter().find(|w| w["id"] == id.as_str() && w["state"] == "stopped")
+    });
+    assert!(stopped["on_demand"]["stopped"].as_str().unwrap().contains("idle for"), "{stopped}");
+    wait_for("its process to exit", Duration::from_secs(10), || is_dead(pid).then_some(()));
+    assert_eq!(metric(&addr, "sdhive_hive_on_demand_workers_stopped_total"), 1);
+    assert_eq!(
+        workers(&addr).iter().filter(|w| w["state"] == "ready").count(),
+        1,
+        "the planned worker stays"
+    );
+}
+
+#[test]
+fn an_external_worker_is_routed_every_model_of_its_library() {
+    let _one_at_a_time = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let lib = Library::of(&["sd1", "sdxl"]);
+    // A hive with no model and no models dir: only the external worker serves.
+    let mut cmd = Command::new(hive());
+    cmd.args(["serve", "--bind", "127.0.0.1:0", "--token", TOKEN, "--heartbeat-interval", "1"]);
+    let hive_proc = Proc::spawn(cmd);
+    let addr = hive_proc.wait_listening("hive listening on http://");
+    let callback = format!("http://{addr}/v1/workers/register");
+    let mut cmd = Command::new(sdhive_tests::worker_cpu());
+    cmd.args([
+        "serve",
+        "--model",
+        "sd1",
+        "--port",
+        "0",
+        "--worker-id",
+        "ext-lib",
+        "--callback-url",
+        &callback,
+    ]);
+    cmd.arg("--models-dir").arg(lib.models_dir());
+    cmd.env("WORKER_TOKEN", TOKEN).env("SDHIVE_HASH_CACHE", lib.dir.path().join("hashes.json"));
+    let worker = Proc::spawn(cmd);
+    let w = wait_worker(&addr, "ready", Duration::from_secs(60));
+    assert_eq!(
+        (w["id"].as_str(), w["managed"].as_bool()),
+        (Some("ext-lib"), Some(false)),
+        "{}",
+        worker.log()
+    );
+
+    // Both models are listed, with where they are loaded and where they can run.
+    let models = get(&addr, "/v1/models").json();
+    let entry = |models: &serde_json::Value, id: &str| {
+        models["data"].as_array().unwrap().iter().find(|m| m["id"] == id).cloned()
+    };
+    let sdxl = entry(&models, "sdxl").unwrap_or_else(|| panic!("{models}"));
+    assert_eq!(
+        (sdxl["available_on"].clone(), sdxl["loaded_on"].clone()),
+        (json!(["ext-lib"]), json!([])),
+        "{sdxl}"
+    );
+    assert_eq!(entry(&models, "sd1").unwrap()["loaded_on"], json!(["ext-lib"]), "{models}");
+
+    // A request for its model that is not loaded goes to it, which switches: that model's image.
+    let seed = 42;
+    let image = generate(&addr, Api::OpenAi, "sdxl", Some(seed))
+        .unwrap_or_else(|e| panic!("{e}\n{}", hive_proc.log()));
+    assert!(image == reference(&lib, "sdxl", seed, STEPS, SIZE), "not the SDXL image");
+    assert_eq!(loaded_on(&addr)["sdxl"], ["ext-lib"]);
+    assert_eq!(metric(&addr, "sdhive_hive_model_switches_total"), 1);
+
+    // A model added to its folder is routed to it too, once refreshed (through the hive).
+    copy(&fixtures().join("models/sd2v"), &lib.models_dir().join("sd2v"));
+    assert_eq!(post(&addr, "/sdapi/v1/refresh-checkpoints", &json!({})).status, 200);
+    wait_for("the hive to list sd2v", Duration::from_secs(10), || {
+        entry(&get(&addr, "/v1/models").json(), "sd2v")
+    });
+    let image = generate(&addr, Api::A1111, "sd2v", Some(seed))
+        .unwrap_or_else(|e| panic!("{e}\n{}", hive_proc.log()));
+    assert!(image == reference(&lib, "sd2v", seed, STEPS, SIZE), "not the SD 2.x image");
 }

@@ -1,26 +1,42 @@
-"""diffusers' side of the switch benchmark: `from_pretrained(dir, torch_dtype=float16).to("cuda")` of each model
-folder, timed as a model switch is (the previous pipeline freed first, the files in the page cache: one
-untimed load of each first). Prints one JSON line: {"model": dir, "ms": [...]} per model.
+"""diffusers' side of the switch benchmark: each model loaded as a model switch loads it (the previous pipeline freed
+first, the files in the page cache: one untimed load of each first) — a diffusers folder with
+`DiffusionPipeline.from_pretrained(dir, torch_dtype=float16).to("cuda")`, a single-file checkpoint (`X.safetensors`,
+its config the folder `X/` beside it) with the folder's pipeline class' `from_single_file(file, config=X,
+torch_dtype=float16).to("cuda")`. Prints one JSON line {"model": path, "ms": [...]} per model.
 
-    python3 bench_switch_diffusers.py DIR [DIR ...]
+    python3 bench_switch_diffusers.py PATH [PATH ...]
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
 
+import diffusers
 import torch
 from diffusers import DiffusionPipeline
 
 LOADS = 3
 
 
+def pipeline(path: str):
+    if not path.endswith(".safetensors"):
+        return DiffusionPipeline.from_pretrained(path, torch_dtype=torch.float16)
+    config = path.removesuffix(".safetensors")
+    with open(os.path.join(config, "model_index.json")) as f:
+        index = json.load(f)
+    cls = getattr(diffusers, index["_class_name"])
+    # What the folder leaves out stays out (sdhive has no safety checker either).
+    absent = {k: None for k in ("safety_checker", "feature_extractor", "image_encoder") if k in index}
+    return cls.from_single_file(path, config=config, local_files_only=True, torch_dtype=torch.float16, **absent)
+
+
 def load(path: str) -> float:
     t = time.perf_counter()
-    pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=torch.float16).to("cuda")
+    pipe = pipeline(path).to("cuda")
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t) * 1e3
     del pipe
@@ -30,16 +46,16 @@ def load(path: str) -> float:
 
 
 def main() -> None:
-    dirs = sys.argv[1:]
-    for d in dirs:
-        load(d)
-    times: dict[str, list[float]] = {d: [] for d in dirs}
+    paths = sys.argv[1:]
+    for p in paths:
+        load(p)
+    times: dict[str, list[float]] = {p: [] for p in paths}
     for _ in range(LOADS):
-        for d in dirs:
-            times[d].append(load(d))
-            print(f"diffusers {d}: {times[d][-1]:.0f} ms", file=sys.stderr, flush=True)
-    for d in dirs:
-        print(json.dumps({"model": d, "ms": times[d]}), flush=True)
+        for p in paths:
+            times[p].append(load(p))
+            print(f"diffusers {p}: {times[p][-1]:.0f} ms", file=sys.stderr, flush=True)
+    for p in paths:
+        print(json.dumps({"model": p, "ms": times[p]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The CUDA benchmark on a GPU machine (no Rust needed), from the repository root:
 #   bash BUNDLE/run.sh OUT_DIR [--skip-compiled] [--skip-sdxl]
-#   bash BUNDLE/run.sh OUT_DIR --switch          (the model-switch benchmark instead: switch_table.py)
+#   bash BUNDLE/run.sh OUT_DIR --switch [--folders-only|--files-only]
+#                                                (the model-switch benchmark instead: switch_table.py)
 #   bash BUNDLE/run.sh OUT_DIR --lora            (the LoRA merge benchmark instead: lora_table.py)
 #   bash BUNDLE/run.sh OUT_DIR --hires           (the hires-fix benchmark instead: hires_table.py)
 #   bash BUNDLE/run.sh OUT_DIR --upscale         (the ESRGAN upscaler against spandrel instead: upscale_table.py)
+#   bash BUNDLE/run.sh OUT_DIR --serve [--skip-sdxl|--only-sdxl] [--max-batch 1,8] [--worker-args "ARGS"]
+#                                                (the HTTP serving benchmark instead: serve_table.py)
 # BUNDLE is what `cargo xtask bench cuda` wrote. The machine provides the NVIDIA driver, Python with PyTorch
 # (CUDA 13), and through PyTorch's wheels or a CUDA 13 install the cuBLAS, cuRAND, NVRTC and cuDNN 9 libraries.
 set -euo pipefail
@@ -19,11 +22,15 @@ libs=$(python3 -c 'import glob, os, site; print(":".join(d for p in site.getsite
 export LD_LIBRARY_PATH="$libs:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
 if [ "${1:-}" = --switch ]; then
-    PYTHONPATH="$B/site:${PYTHONPATH:-}" python3 "$B/switch_table.py" "$B" "$OUT"
+    shift
+    PYTHONPATH="$B/site:${PYTHONPATH:-}" python3 "$B/switch_table.py" "$B" "$OUT" "$@"
 elif [ "${1:-}" = --lora ]; then
     PYTHONPATH="$B/site:${PYTHONPATH:-}" python3 "$B/lora_table.py" "$B" "$OUT"
 elif [ "${1:-}" = --hires ]; then
     PYTHONPATH="$B/site:${PYTHONPATH:-}" python3 "$B/hires_table.py" "$B" "$OUT"
+elif [ "${1:-}" = --serve ]; then
+    shift
+    PYTHONPATH="$B/site:${PYTHONPATH:-}" python3 "$B/serve_table.py" "$B" "$OUT" "$@"
 elif [ "${1:-}" = --upscale ]; then
     PYTHONPATH="$B/site:${PYTHONPATH:-}" python3 "$B/upscale_table.py" "$B" "$OUT"
 else

@@ -64,9 +64,13 @@ pub fn run(out: Option<PathBuf>, python: &str) -> Result<()> {
         "bench_hires_diffusers.py",
         "hires_table.py",
         "bench_run.py",
+        "serve_table.py",
+        "bench_serve_diffusers.py",
     ] {
         copy(&root.join("xtask/bench").join(f), &out.join(f))?;
     }
+    // The switch benchmark's single-file checkpoints are converted from the random folders on the GPU machine.
+    copy(&root.join("xtask/fixtures/gen_single_file.py"), &out.join("gen_single_file.py"))?;
     let size: u64 = walk_size(&out)?;
     eprintln!(
         "xtask: {} ({:.0} MiB). On the GPU machine, from the repository root: bash {}/run.sh OUT_DIR",

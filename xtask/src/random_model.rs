@@ -1,8 +1,10 @@
 //! `cargo xtask random-model`: writes the full-size SD1.5 with deterministic random weights that
 //! `xtask/fixtures/gen_sd15_random.py` fed to diffusers for the committed golden image. Only the tensor list
 //! (`tests/fixtures/sd15-random/manifest.json`) is committed; the 2 GB of f16 weights are regenerated from it,
-//! bit for bit, with the generator described in that script. Beside it goes the script's random kohya LoRA for
-//! that model ([`LORA_FILE`] in the model folder), made from the manifest by the same generator.
+//! bit for bit, with the generator described in that script. Beside it go the script's random kohya LoRA for
+//! that model ([`LORA_FILE`] in the model folder), made from the manifest by the same generator, and its
+//! standalone VAE file in A1111's layout ([`VAE_FILE`], from `vae_manifest.json` beside the manifest): the
+//! model's VAE under its original names, filled again with other generator keys.
 
 use anyhow::{bail, ensure, Context, Result};
 use half::f16;
@@ -25,6 +27,13 @@ const LORA_ALPHA: f32 = 2.0;
 /// Generator keys of the LoRA's tensors start here, far past the model's.
 const LORA_BASE: u64 = 1 << 20;
 
+/// The standalone VAE, inside the model folder (its tensors listed in `vae_manifest.json` beside the manifest).
+pub const VAE_FILE: &str = "VAE/sd15_random_vae.safetensors";
+/// What the VAE was last written from, beside it (a dot file: no model library lists it).
+const VAE_STAMP: &str = "VAE/.sd15_random_vae.manifest.json";
+/// Generator keys of the VAE file's tensors start here, past the LoRA's.
+const VAE_BASE: u64 = 1 << 21;
+
 struct Entry {
     component: String,
     name: String,
@@ -38,6 +47,8 @@ pub fn write(manifest: &Path, out: &Path) -> Result<()> {
         std::fs::read_to_string(manifest).with_context(|| format!("cannot read {}", manifest.display()))?;
     let entries = parse(&text).with_context(|| format!("bad manifest {}", manifest.display()))?;
     write_lora(&entries, &out.join(LORA_FILE))?;
+    let vae_manifest = manifest.with_file_name("vae_manifest.json");
+    write_vae(&vae_manifest, &out.join(VAE_FILE), &out.join(VAE_STAMP))?;
     let stamp = out.join("manifest.json");
     if std::fs::read_to_string(&stamp).ok().as_deref() == Some(text.as_str()) {
         eprintln!("xtask: {} is up to date", out.display());
@@ -131,6 +142,35 @@ fn write_lora(entries: &[Entry], path: &Path) -> Result<()> {
     safetensors::serialize_to_file(views, None, path)
         .with_context(|| format!("cannot write {}", path.display()))?;
     eprintln!("xtask: wrote {} ({} modules)", path.display(), modules.len());
+    Ok(())
+}
+
+/// The standalone VAE file (160 MB), unless the one there was written from the same list.
+fn write_vae(manifest: &Path, path: &Path, stamp: &Path) -> Result<()> {
+    let text =
+        std::fs::read_to_string(manifest).with_context(|| format!("cannot read {}", manifest.display()))?;
+    if path.is_file() && std::fs::read_to_string(stamp).ok().as_deref() == Some(text.as_str()) {
+        return Ok(());
+    }
+    let v: Value = serde_json::from_str(&text)?;
+    ensure!(v["base"].as_u64() == Some(VAE_BASE), "{}: generator base is not {VAE_BASE}", manifest.display());
+    let entries = parse(&text).with_context(|| format!("bad manifest {}", manifest.display()))?;
+    ensure!(!entries.is_empty(), "{} lists no tensors", manifest.display());
+    let data: Vec<(String, Vec<usize>, Vec<u8>)> = entries
+        .iter()
+        .enumerate()
+        .map(|(j, e)| (e.name.clone(), e.shape.clone(), fill(VAE_BASE + j as u64, &e.name, &e.shape)))
+        .collect();
+    let views = data
+        .iter()
+        .map(|(name, shape, bytes)| Ok((name.clone(), TensorView::new(Dtype::F16, shape.clone(), bytes)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let parent = path.parent().context("the VAE has a folder")?;
+    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    safetensors::serialize_to_file(views, None, path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    std::fs::write(stamp, text).with_context(|| format!("cannot write {}", stamp.display()))?;
+    eprintln!("xtask: wrote {} ({} tensors)", path.display(), entries.len());
     Ok(())
 }
 

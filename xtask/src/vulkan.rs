@@ -1,5 +1,6 @@
 //! `cargo xtask vulkan`: builds `sd-worker-vulkan` (stable-diffusion.cpp on ggml's Vulkan backend), lints and
-//! tests it with its feature on (including the engine's stop-inside-an-image test on the random SD1.5), checks
+//! tests it with its feature on (including the engine's tests on the random SD1.5 on ggml's CPU backend: stopping
+//! inside an image, LoRAs, hires fix, a standalone VAE file and a q8_0 GGUF checkpoint against diffusers), checks
 //! that it refuses to start without a Vulkan device, and checks the engine against diffusers: the full-size SD1.5
 //! with deterministic random weights (`cargo xtask random-model`) generates at 64² and the image is compared with
 //! diffusers' committed one for the same weights, prompt, seed, with the random LoRA `cargo xtask random-model`

@@ -4,6 +4,7 @@
 //! times the same work on an NVIDIA GPU (`--model sdxl` for the SDXL UNet), and `--write-model`
 //! writes a full-size random-weight diffusers folder for end-to-end runs of the workers. `--upscale-bench` times the
 //! ESRGAN upscaler instead (`upscale.rs`, against spandrel's `xtask/bench/bench_esrgan_spandrel.py`).
+//! `--serve-bench WORKER` starts a worker and loads it over HTTP instead (`serving.rs`).
 //!
 //! Two modes. By default it warms up, times `--iters` calls of each network (and, on a GPU, `--iters`
 //! 20-step schedules of UNet steps issued back to back, as a denoising loop issues them) and prints one JSON
@@ -14,6 +15,7 @@
 
 mod e2e;
 mod lora;
+mod serving;
 mod switch;
 mod text;
 mod upscale;
@@ -80,6 +82,10 @@ struct Args {
     /// With --e2e: denoising steps.
     #[arg(long, default_value_t = 20)]
     steps: u32,
+    /// With --e2e: also time `--batch` requests (different prompts, seeds, CFG scales) denoised as one batch
+    /// against the same requests one by one, and report each batched image's drift from its image alone.
+    #[arg(long, default_value_t = 1)]
+    batch: u32,
     /// With --e2e: hires fix to twice the size ("Latent" upscaler, a second pass of `--steps` steps at denoising
     /// strength 0.5, so half of them run), as `xtask/bench/bench_hires_diffusers.py` composes diffusers.
     #[arg(long)]
@@ -108,6 +114,8 @@ struct Args {
     /// With --switch: cached switches timed (alternating between the models).
     #[arg(long, default_value_t = 20)]
     switches: usize,
+    #[command(flatten)]
+    serve_bench: serving::ServeBenchArgs,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -361,6 +369,19 @@ fn main() -> Result<()> {
         let template = args.template.as_deref().context("--write-model needs --template DIR")?;
         return write_model::write(args.model, template, dir);
     }
+    // The worker opens the device; this process stays off it, so the worker's memory is the worker's own.
+    if let Some(worker) = &args.serve_bench.serve_bench {
+        let report = serving::run(&serving::Settings {
+            args: &args.serve_bench,
+            worker: worker.clone(),
+            size: args.size,
+            steps: args.steps,
+            dtype: &args.dtype,
+            warmup: args.warmup,
+        })?;
+        println!("{report}");
+        return Ok(());
+    }
     let (dev, device_name) = open_device(&args.device)?;
     if args.iters == 0 {
         bail!("--iters must be at least 1");
@@ -396,10 +417,23 @@ fn main() -> Result<()> {
     if let Some(dir) = &args.e2e {
         let mut run = e2e::EndToEnd::load(dir, &dev, dtype, args.size, args.steps, args.hires)?;
         let timing = time_calls(&dev, "image", args.warmup, args.iters, || run.generate())?;
-        let report = serde_json::json!({
+        let mut report = serde_json::json!({
             "device": device_name, "dtype": args.dtype, "model": args.model.name(), "size": args.size,
             "steps": args.steps, "hires": args.hires, "e2e": timing,
         });
+        if args.batch > 1 {
+            let n = args.batch;
+            let alone = run.alone(n)?;
+            let batched = run.batched(n)?;
+            let one_by_one =
+                time_calls(&dev, "one by one", args.warmup, args.iters, || run.alone(n).map(|_| ()))?;
+            let together =
+                time_calls(&dev, "batched", args.warmup, args.iters, || run.batched(n).map(|_| ()))?;
+            report["batch"] = serde_json::json!({
+                "images": n, "one_by_one": one_by_one, "batched": together,
+                "drift": e2e::drift(&batched, &alone),
+            });
+        }
         println!("{report}");
         return Ok(());
     }
@@ -445,16 +479,33 @@ fn main() -> Result<()> {
             measure("unet time table", args.warmup, args.iters, Profile::Inside, || bench.unet_time_table())
         })
         .transpose()?;
+    const MIB: f64 = (1 << 20) as f64;
+    let graph_mib = || {
+        sdhive_cuda_kernels::graph_memory(&dev).map(|(now, most, _)| (now as f64 / MIB, most as f64 / MIB))
+    };
     if let Some(unet) = &bench.unet {
         let (recorded, refused) = unet.graph_status();
         eprintln!("UNet steps replayed from a CUDA graph: {}", if recorded > 0 { "yes" } else { "no" });
         for why in refused {
             eprintln!("CUDA graph refused: {why}");
         }
+        if let Ok((now, most)) = graph_mib() {
+            eprintln!("graph memory after the UNet's calls: {now:.0} MiB reserved (at most {most:.0})");
+        }
     }
     let vae_decode = (args.only != Only::Unet)
         .then(|| measure("vae decode", args.warmup, args.iters, Profile::Inside, || bench.vae_decode()))
         .transpose()?;
+    if let Some(vae) = &bench.vae {
+        let (recorded, refused) = vae.graph_status();
+        eprintln!("VAE decodes replayed from a CUDA graph: {}", if recorded > 0 { "yes" } else { "no" });
+        for why in refused {
+            eprintln!("CUDA graph refused: {why}");
+        }
+        if let Ok((now, most)) = graph_mib() {
+            eprintln!("graph memory after the VAE's calls: {now:.0} MiB reserved (at most {most:.0})");
+        }
+    }
     let report = Report {
         device: device_name,
         dtype: args.dtype.clone(),

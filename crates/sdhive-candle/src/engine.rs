@@ -1,7 +1,10 @@
 //! `CandleEngine`: the [`Engine`] implementation over candle. It validates a request against the loaded model,
 //! plans the job's memory against the device's free memory (attention slicing, VAE tiling, or a refusal that
 //! says how much it needs), encodes the prompts once per request and runs one denoising loop per image
-//! (seed, seed+1, …).
+//! (seed, seed+1, …), or — through [`Engine::generate_batch`] (`batch`) — one loop for a batch of images of
+//! several requests.
+
+mod batch;
 
 use crate::conditioning::{encode_pair, encode_positive, Conditioning};
 use crate::hires::{hires_image, SecondPass};
@@ -74,6 +77,9 @@ pub struct CandleEngine {
 
 /// Images per UNet call with classifier-free guidance (the negative and positive halves of one batch).
 const CFG_BATCH: u64 = 2;
+
+/// The most images denoised together; the memory plan may allow fewer.
+const MAX_BATCH: u32 = 64;
 
 /// A failed job's error: `OutOfMemory` when the device ran out of memory mid-job (the plan let it start, but
 /// something else took the memory), which the server reports as `out_of_memory`, else a plain failure.
@@ -162,18 +168,41 @@ impl CandleEngine {
 
     /// The memory plan for a job at `width`×`height` (CFG batch), against the device's free memory now.
     fn plan(&self, width: u32, height: u32) -> Result<JobPlan, EngineError> {
+        Ok(self.shape.plan(width, height, CFG_BATCH, self.free_for_jobs(), true, true)?)
+    }
+
+    /// The device memory a job may use now, as the planner sees it.
+    fn free_for_jobs(&self) -> Option<u64> {
         // The originals of LoRA-merged weights are held on the device beside the weights.
-        let free = budgeted_free(
+        budgeted_free(
             self.memory.as_ref().and_then(|m| m().1),
             self.memory_budget,
             self.shape.weights_bytes + self.model.loras.kept_bytes(),
-        );
-        Ok(self.shape.plan(width, height, CFG_BATCH, free, true, true)?)
+        )
     }
 
     pub fn with_limits(mut self, limits: Limits) -> Self {
         self.limits = limits;
         self
+    }
+
+    /// An image of `req` with its infotext. A1111's `Size` is the first pass's (`size`); a hires size follows from
+    /// the `Hires` fields.
+    fn finished(
+        &self,
+        req: &GenerateRequest,
+        image: RgbImage,
+        seed: u64,
+        size: (u32, u32),
+    ) -> GeneratedImage {
+        let ctx = InfotextContext {
+            seed,
+            width: size.0,
+            height: size.1,
+            model: &self.model.name,
+            version: concat!("sdhive ", env!("CARGO_PKG_VERSION")),
+        };
+        GeneratedImage { image, seed, infotext: infotext(req, &ctx) }
     }
 
     pub fn model(&self) -> &SdModel {
@@ -362,17 +391,22 @@ impl Engine for CandleEngine {
                 }),
                 other => failed(other.to_string()),
             })?;
-            // A1111's `Size` is the first pass's; the hires size follows from the `Hires` fields.
-            let ctx = InfotextContext {
-                seed,
-                width,
-                height,
-                model: &self.model.name,
-                version: concat!("sdhive ", env!("CARGO_PKG_VERSION")),
-            };
-            images.push(GeneratedImage { image, seed, infotext: infotext(req, &ctx) });
+            images.push(self.finished(req, image, seed, (width, height)));
         }
         Ok(GenerateOutput { images })
+    }
+
+    fn max_batch(&self) -> u32 {
+        MAX_BATCH
+    }
+
+    fn generate_batch(
+        &mut self,
+        reqs: &[&GenerateRequest],
+        max_images: u32,
+        progress: &mut dyn FnMut(usize, &Progress) -> Control,
+    ) -> Vec<Result<GenerateOutput, EngineError>> {
+        self.run_batch(reqs, max_images.min(MAX_BATCH), progress)
     }
 
     fn upscale(&mut self, req: &UpscaleRequest) -> Result<Vec<RgbImage>, EngineError> {

@@ -185,21 +185,7 @@ fn replayed_unet_steps_match_the_kernel_by_kernel_step() {
     let mut cfg = UNet2DConditionConfig::from_file(&fixtures().join("models/sd1/unet/config.json")).unwrap();
     cfg.block_out_channels = vec![128, 256];
     let unet = UNet2DConditionModel::new(sdhive_models::random_var_builder(dtype, dev), &cfg).unwrap();
-    // Deterministic, input-dependent values: sin of a scaled index.
-    let wave = |shape: &[usize], k: f64| {
-        let n: usize = shape.iter().product();
-        let i = Tensor::arange(0u32, n as u32, &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
-        (i * k)
-            .unwrap()
-            .sin()
-            .unwrap()
-            .reshape(shape)
-            .unwrap()
-            .to_dtype(dtype)
-            .unwrap()
-            .to_device(dev)
-            .unwrap()
-    };
+    let wave = |shape: &[usize], k: f64| wave(shape, k, dtype, dev);
     let input = |k: f64| (wave(&[2, 4, 16, 16], k), wave(&[2, 7, 32], 1.7 * k));
     let ((x1, c1), (x2, c2)) = (input(0.37), input(0.91));
     let step = |x: &Tensor, t: f64, c: &Tensor| unet.forward(x, t, c, None).unwrap();
@@ -234,6 +220,92 @@ fn replayed_unet_steps_match_the_kernel_by_kernel_step() {
     let d3 = max_diff(&first, &after) / scale;
     eprintln!("after evicting its recording: {d3:.2e}; graphs now {:?}", unet.graph_status());
     assert!(d3 <= tol, "the first shape after eviction differs: {d3:.2e}");
+}
+
+/// Deterministic, input-dependent values on `dev`: sin of a scaled index.
+fn wave(shape: &[usize], k: f64, dtype: DType, dev: &Device) -> Tensor {
+    let n: usize = shape.iter().product();
+    let i = Tensor::arange(0u32, n as u32, &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+    (i * k).unwrap().sin().unwrap().reshape(shape).unwrap().to_dtype(dtype).unwrap().to_device(dev).unwrap()
+}
+
+/// On CUDA the VAE decoder's second and later decodes of a latent shape replay a recorded graph (where it keeps
+/// its maps channels-last: f16/bf16 with cuDNN), which must compute from the latents it is given and give what the
+/// kernel-by-kernel decode gives, bit for bit: SD1.5's 512², a 384×640 image, SDXL's 1024² (the same network), a
+/// tiled decode whose tiles replay, and the upcast f32 decoder with TF32 convolutions, which never records. The
+/// networks have the released architecture and deterministic random weights; off CUDA a narrow one, where nothing
+/// records and the two instances must still agree.
+#[test]
+fn replayed_vae_decodes_match_the_kernel_by_kernel_decode() {
+    use sdhive_models::vae::{sd15_vae_config, AutoencoderKL, AutoencoderKLConfig};
+    let (dev, dtype) = (&test_device().device, test_device().dtype);
+    let gpu = dev.is_cuda();
+    let mut cfg = sd15_vae_config();
+    if !gpu {
+        cfg.block_out_channels = vec![32, 64];
+        cfg.down_block_types.truncate(2);
+        cfg.up_block_types.truncate(2);
+        cfg.sample_size = sdhive_models::IntOrList::Int(64);
+    }
+    let build = |cfg: &AutoencoderKLConfig, dtype: DType, graphs: bool| {
+        let mut vae = AutoencoderKL::new(sdhive_models::random_var_builder(dtype, dev), cfg).unwrap();
+        vae.set_cuda_graphs(graphs);
+        vae
+    };
+    let (graphed, plain) = (build(&cfg, dtype, true), build(&cfg, dtype, false));
+    let records = sdhive_cuda_kernels::graphs_on(dev) && sdhive_cuda_kernels::channels_last_on(dev, dtype);
+    let same = |what: &str, a: &Tensor, b: &Tensor| {
+        let d = max_diff(a, b);
+        assert!(d == 0.0, "{what}: the graphed decode differs from the kernel-by-kernel one by {d:.2e}");
+    };
+    let sizes: &[(usize, usize)] = if gpu { &[(64, 64), (48, 80), (128, 128)] } else { &[(8, 8), (6, 10)] };
+    for &(h, w) in sizes {
+        let (a, b) = (wave(&[1, 4, h, w], 0.37, dtype, dev), wave(&[1, 4, h, w], 0.91, dtype, dev));
+        // The first decode of a shape runs kernel by kernel, the second records and replays, the third replays.
+        let first = graphed.decode(&a).unwrap();
+        let second = graphed.decode(&b).unwrap();
+        let again = graphed.decode(&a).unwrap();
+        let (plain_a, plain_b) = (plain.decode(&a).unwrap(), plain.decode(&b).unwrap());
+        let apart = max_diff(&plain_a, &plain_b);
+        eprintln!(
+            "latent {h}×{w}: the two latents' images differ by {apart:.2e}; graphs {:?}",
+            graphed.graph_status()
+        );
+        same("first decode", &first, &plain_a);
+        same("recording decode", &second, &plain_b);
+        same("replayed decode", &again, &plain_a);
+        assert!(apart > 0.0, "two latents gave the same image");
+    }
+    let (recorded, refused) = graphed.graph_status();
+    if records {
+        // Two shapes are kept: 512² went when 1024² came.
+        assert_eq!((recorded, refused.len()), (2, 0), "the second decode of a shape records: {refused:?}");
+    } else {
+        assert_eq!(recorded, 0, "nothing records off the channels-last CUDA path");
+    }
+    assert_eq!(plain.graph_status().0, 0, "a VAE with graphs off records nothing");
+
+    // Tiles of 64 latents every 48 (cfg.tile_latent_size()): a 112² latent is three rows of 64, 64 and 16 latents
+    // high, each of three tiles 64, 64 and 16 wide, so within one decode the 64² and 64×16 tiles record and replay.
+    let side = 7 * cfg.tile_latent_size() / 4;
+    let z = wave(&[1, 4, side, side], 0.53, dtype, dev);
+    let tiled = graphed.decode_tiled(&z).unwrap();
+    same("tiled decode", &tiled, &plain.decode_tiled(&z).unwrap());
+    eprintln!("tiled {side}² decode: graphs {:?}", graphed.graph_status());
+    if records {
+        assert_eq!(graphed.graph_status().0, 1, "the last row's 16×64 tiles replay");
+    }
+
+    // The upcast SDXL decoder: f32 with TF32 convolutions, NCHW, so run kernel by kernel however often it is called.
+    if gpu && dtype != DType::F32 {
+        let _tf32 = sdhive_models::ops::tf32_convolutions();
+        let upcast = build(&cfg, DType::F32, true);
+        let z = wave(&[1, 4, 64, 64], 0.37, DType::F32, dev);
+        let runs: Vec<Tensor> = (0..3).map(|_| upcast.decode(&z).unwrap()).collect();
+        assert_eq!(upcast.graph_status(), (0, vec![]), "the NCHW decoder is not recorded");
+        let d = max_diff(&runs[0], &runs[2]);
+        assert!(d == 0.0, "the f32 decoder's repeated decodes differ by {d:.2e}");
+    }
 }
 
 fn max_abs(t: &Tensor) -> f32 {

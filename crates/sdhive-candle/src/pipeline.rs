@@ -222,16 +222,24 @@ pub fn generate_image(
     decode(model, &latents, job.vae_tiling)
 }
 
-/// How many denoising steps `job` runs: all of them from noise, those the strength leaves when it starts from an
-/// image or latents (`from_init`).
-pub fn planned_steps(model: &SdModel, job: &ImageJob<'_>, from_init: bool) -> Result<usize, PipelineError> {
-    let scheduler = sdhive_schedulers::build(
+/// The job's sampler set up for its steps, as diffusers' `from_config(...).set_timesteps(steps)`.
+fn scheduler_for(
+    model: &SdModel,
+    job: &ImageJob<'_>,
+) -> Result<Box<dyn sdhive_schedulers::DiffusionScheduler>, PipelineError> {
+    sdhive_schedulers::build(
         sampler_kind(job.sampler),
         sigma_schedule(job.schedule),
         &model.scheduler_config,
         job.steps,
     )
-    .map_err(|e| PipelineError::Invalid { field: "sampler", message: e.to_string() })?;
+    .map_err(|e| PipelineError::Invalid { field: "sampler", message: e.to_string() })
+}
+
+/// How many denoising steps `job` runs: all of them from noise, those the strength leaves when it starts from an
+/// image or latents (`from_init`).
+pub fn planned_steps(model: &SdModel, job: &ImageJob<'_>, from_init: bool) -> Result<usize, PipelineError> {
+    let scheduler = scheduler_for(model, job)?;
     let total = scheduler.timesteps().len();
     if from_init {
         Ok(total.saturating_sub(img2img_start(job.steps, job.strength, scheduler.order())))
@@ -252,13 +260,7 @@ pub fn denoise(
     let f = model.vae_scale_factor;
     let latent_channels = model.vae_config.latent_channels;
     let shape = [1, latent_channels, job.height / f, job.width / f];
-    let mut scheduler = sdhive_schedulers::build(
-        sampler_kind(job.sampler),
-        sigma_schedule(job.schedule),
-        &model.scheduler_config,
-        job.steps,
-    )
-    .map_err(|e| PipelineError::Invalid { field: "sampler", message: e.to_string() })?;
+    let mut scheduler = scheduler_for(model, job)?;
     let mut rng = TorchGenerator::new(job.seed);
     let timesteps = scheduler.timesteps();
 
@@ -292,7 +294,7 @@ pub fn denoise(
         });
     }
 
-    let (mut latents, mut inpaint) = match (&init, job.mask) {
+    let (latents, inpaint) = match (&init, job.mask) {
         (None, _) if job.init_latents.is_some() => {
             let init_latents = job.init_latents.expect("checked by the guard");
             let noise = randn(&mut rng, &shape, device).map_err(failed("noise"))?;
@@ -336,54 +338,209 @@ pub fn denoise(
         }
     };
 
-    let total = timesteps.len() - begin;
-    // With guidance the UNet takes the latents once for both prompts (it shares them up to its first attention
-    // to the text) and returns both predictions.
-    let batch = if cond.guided { 2 } else { 1 };
     let extra = match &inpaint {
         Some(Inpaint { mask, masked_image_latents: Some(mil), .. }) => Some((mask.clone(), mil.clone())),
         _ => None,
     };
-    // An offloaded UNet is built once for the whole loop.
+    let inputs = StepInputs {
+        context: &cond.context,
+        added: cond.added.as_ref(),
+        guided: cond.guided,
+        cfg: CfgScales::Uniform(job.cfg_scale),
+        extra: extra.as_ref(),
+    };
+    let mut blend =
+        |scheduler: &dyn sdhive_schedulers::DiffusionScheduler, i: usize, latents: Tensor| match &inpaint {
+            Some(Inpaint { mask, blend: Some((image_latents, noise)), .. }) => {
+                let proper = if i + 1 < timesteps.len() {
+                    scheduler.add_noise(image_latents, noise, i + 1).map_err(failed("add noise"))?
+                } else {
+                    image_latents.clone()
+                };
+                let keep = mask.affine(-1.0, 1.0).map_err(failed("blend"))?;
+                let a = proper.broadcast_mul(&keep).map_err(failed("blend"))?;
+                let b = latents.broadcast_mul(mask).map_err(failed("blend"))?;
+                (a + b).map_err(failed("blend"))
+            }
+            _ => Ok(latents),
+        };
+    sample(model, scheduler.as_mut(), begin, latents, &inputs, &mut rng, &mut blend, progress)
+}
+
+/// One image of a batch: its own conditioning (prompt, negative prompt), seed and CFG scale.
+pub struct BatchRow<'a> {
+    pub cond: &'a UnetConditioning,
+    pub seed: u64,
+    pub cfg_scale: f64,
+}
+
+/// A batch's ancestral noise: each row's share from that row's own stream, in row order — what diffusers draws
+/// with one generator per image, so every row follows the stream it has alone.
+struct RowNoise(Vec<TorchGenerator>);
+
+impl sdhive_schedulers::NoiseSource for RowNoise {
+    fn randn(&mut self, numel: usize) -> Vec<f32> {
+        let per_row = numel / self.0.len().max(1);
+        let mut values = Vec::with_capacity(numel);
+        for generator in &mut self.0 {
+            values.extend(generator.randn(per_row));
+        }
+        values
+    }
+}
+
+/// txt2img for a batch of `rows` that share `job`'s size, steps, sampler and schedule (`job`'s seed and CFG scale
+/// are the rows'). Every row gets the latents it gets from [`denoise`] alone; the rows' conditionings must all be
+/// guided or all not, with contexts of one length. Returns the final latents `[B, C, h, w]`.
+pub fn denoise_batch(
+    model: &SdModel,
+    rows: &[BatchRow<'_>],
+    job: &ImageJob<'_>,
+    progress: &mut dyn FnMut(StepReport<'_>) -> bool,
+) -> Result<Tensor, PipelineError> {
+    let Some(first) = rows.first() else {
+        return Err(PipelineError::Invalid {
+            field: "n",
+            message: "a batch needs at least one image".into(),
+        });
+    };
+    let guided = first.cond.guided;
+    if rows.iter().any(|r| r.cond.guided != guided) {
+        return Err(PipelineError::Invalid {
+            field: "cfg_scale",
+            message: "a batch's images must all use classifier-free guidance or all not".into(),
+        });
+    }
+    let device = model.unet.device();
+    let f = model.vae_scale_factor;
+    let shape = [1, model.vae_config.latent_channels, job.height / f, job.width / f];
+    let mut scheduler = scheduler_for(model, job)?;
+    let mut generators: Vec<TorchGenerator> = rows.iter().map(|r| TorchGenerator::new(r.seed)).collect();
+    let noise = generators
+        .iter_mut()
+        .map(|g| randn(g, &shape, device))
+        .collect::<candle_core::Result<Vec<_>>>()
+        .and_then(|n| Tensor::cat(&n, 0))
+        .and_then(|n| n.affine(scheduler.init_noise_sigma(), 0.0))
+        .map_err(failed("noise"))?;
+
+    // Guided rows stack as `[negatives…, positives…]`, the layout the doubled latents take.
+    let half = |t: &Tensor, part: usize| if guided { t.narrow(0, part, 1) } else { Ok(t.clone()) };
+    let stack = |pick: &dyn Fn(&UnetConditioning) -> Option<&Tensor>| -> candle_core::Result<Option<Tensor>> {
+        let parts: Vec<&Tensor> = rows.iter().filter_map(|r| pick(r.cond)).collect();
+        if parts.len() != rows.len() {
+            return Ok(None);
+        }
+        let mut halves = Vec::with_capacity(2 * rows.len());
+        for part in if guided { vec![0, 1] } else { vec![0] } {
+            for t in &parts {
+                halves.push(half(t, part)?);
+            }
+        }
+        Tensor::cat(&halves, 0).map(Some)
+    };
+    let joined = || -> candle_core::Result<(Tensor, Option<SdxlConditioning>)> {
+        let context = stack(&|c| Some(&c.context))?
+            .ok_or_else(|| candle_core::Error::Msg("a row has no text context".into()))?;
+        let text_embeds = stack(&|c| c.added.as_ref().map(|a| &a.text_embeds))?;
+        let time_ids = stack(&|c| c.added.as_ref().map(|a| &a.time_ids))?;
+        let added = match (text_embeds, time_ids) {
+            (Some(text_embeds), Some(time_ids)) => Some(SdxlConditioning { text_embeds, time_ids }),
+            _ => None,
+        };
+        Ok((context, added))
+    };
+    let (context, added) = joined().map_err(|e| PipelineError::Invalid {
+        field: "prompt",
+        message: format!("the batch's prompts cannot be stacked: {e}"),
+    })?;
+    let cfg = if rows.iter().all(|r| r.cfg_scale == first.cfg_scale) {
+        CfgScales::Uniform(first.cfg_scale)
+    } else {
+        let scales: Vec<f32> = rows.iter().map(|r| r.cfg_scale as f32).collect();
+        CfgScales::Rows(Tensor::from_vec(scales, (rows.len(), 1, 1, 1), device).map_err(failed("cfg"))?)
+    };
+    let inputs = StepInputs { context: &context, added: added.as_ref(), guided, cfg, extra: None };
+    let mut rng = RowNoise(generators);
+    sample(model, scheduler.as_mut(), 0, noise, &inputs, &mut rng, &mut |_, _, l| Ok(l), progress)
+}
+
+/// How the guided prediction mixes the two halves: one scale for the whole call, or one per batch row.
+enum CfgScales {
+    Uniform(f64),
+    /// `[B, 1, 1, 1]` on the UNet's device.
+    Rows(Tensor),
+}
+
+/// What every UNet call of a sampling run takes besides the latents.
+struct StepInputs<'a> {
+    /// `[negatives…, positives…]` when guided, else the positives; `B` rows each.
+    context: &'a Tensor,
+    added: Option<&'a SdxlConditioning>,
+    guided: bool,
+    cfg: CfgScales,
+    /// A 9-channel inpainting UNet's mask and masked-image latents, appended to its input.
+    extra: Option<&'a (Tensor, Tensor)>,
+}
+
+type AfterStep<'a> = dyn FnMut(&dyn sdhive_schedulers::DiffusionScheduler, usize, Tensor) -> Result<Tensor, PipelineError>
+    + 'a;
+
+/// The sampling loop from timestep index `begin`: `latents` `[B, C, h, w]` through every remaining step, the
+/// scheduler drawing ancestral noise from `rng` (one generator per row for a batch), `after_step` applied to each
+/// step's latents (inpainting's blend). Returns the final latents on the UNet's device.
+#[allow(clippy::too_many_arguments)]
+fn sample(
+    model: &SdModel,
+    scheduler: &mut dyn sdhive_schedulers::DiffusionScheduler,
+    begin: usize,
+    mut latents: Tensor,
+    inputs: &StepInputs<'_>,
+    rng: &mut dyn sdhive_schedulers::NoiseSource,
+    after_step: &mut AfterStep<'_>,
+    progress: &mut dyn FnMut(StepReport<'_>) -> bool,
+) -> Result<Tensor, PipelineError> {
+    let timesteps = scheduler.timesteps().to_vec();
+    let total = timesteps.len() - begin;
+    let rows = latents.dim(0).map_err(failed("latents"))?;
+    // With guidance the UNet takes a single image's latents once for both prompts (it shares them up to its first
+    // attention to the text) and returns both predictions; a batch's latents go in twice, negatives first.
+    let calls = if inputs.guided { 2 * rows } else { rows };
     model
         .unet
         .with(|unet| -> Result<Tensor, PipelineError> {
-            unet.prepare_timesteps(&timesteps[begin..], batch, cond.added.as_ref())
+            unet.prepare_timesteps(&timesteps[begin..], calls, inputs.added)
                 .map_err(failed("unet time embedding"))?;
             for (n, i) in (begin..timesteps.len()).enumerate() {
                 let t = timesteps[i];
                 let mut input = scheduler.scale_model_input(&latents, i).map_err(failed("scale input"))?;
-                if let Some((m, l)) = &extra {
+                if let Some((m, l)) = inputs.extra {
                     input = Tensor::cat(&[&input, m, l], 1).map_err(failed("inpaint input"))?;
+                }
+                if inputs.guided && rows > 1 {
+                    input = Tensor::cat(&[&input, &input], 0).map_err(failed("cfg input"))?;
                 }
                 let input = input.to_dtype(model.unet.dtype()).map_err(failed("unet input"))?;
                 let out = unet
-                    .forward(&input, t, &cond.context, cond.added.as_ref())
+                    .forward(&input, t, inputs.context, inputs.added)
                     .map_err(failed("unet"))?
                     .to_dtype(DType::F32)
                     .map_err(failed("unet"))?;
-                let noise_pred = if cond.guided {
-                    let uncond = out.narrow(0, 0, 1).map_err(failed("cfg"))?;
-                    let text = out.narrow(0, 1, 1).map_err(failed("cfg"))?;
+                let noise_pred = if inputs.guided {
+                    let uncond = out.narrow(0, 0, rows).map_err(failed("cfg"))?;
+                    let text = out.narrow(0, rows, rows).map_err(failed("cfg"))?;
                     let diff = (&text - &uncond).map_err(failed("cfg"))?;
-                    (&uncond + diff.affine(job.cfg_scale, 0.0).map_err(failed("cfg"))?)
-                        .map_err(failed("cfg"))?
+                    let scaled = match &inputs.cfg {
+                        CfgScales::Uniform(scale) => diff.affine(*scale, 0.0),
+                        CfgScales::Rows(scales) => diff.broadcast_mul(scales),
+                    }
+                    .map_err(failed("cfg"))?;
+                    (&uncond + scaled).map_err(failed("cfg"))?
                 } else {
                     out
                 };
-                latents =
-                    scheduler.step(&noise_pred, i, &latents, &mut rng).map_err(failed("scheduler step"))?;
-                if let Some(Inpaint { mask, blend: Some((image_latents, noise)), .. }) = &mut inpaint {
-                    let proper = if i + 1 < timesteps.len() {
-                        scheduler.add_noise(image_latents, noise, i + 1).map_err(failed("add noise"))?
-                    } else {
-                        image_latents.clone()
-                    };
-                    let keep = mask.affine(-1.0, 1.0).map_err(failed("blend"))?;
-                    let a = proper.broadcast_mul(&keep).map_err(failed("blend"))?;
-                    let b = latents.broadcast_mul(mask).map_err(failed("blend"))?;
-                    latents = (a + b).map_err(failed("blend"))?;
-                }
+                latents = scheduler.step(&noise_pred, i, &latents, rng).map_err(failed("scheduler step"))?;
+                latents = after_step(&*scheduler, i, latents)?;
                 let estimate = scheduler.pred_original_sample().unwrap_or(&latents);
                 if !progress(StepReport { step: n + 1, steps: total, estimate }) {
                     return Err(PipelineError::Cancelled);

@@ -1,6 +1,6 @@
-//! Sniffing model files without loading them: the safetensors header (an 8-byte little-endian length and a JSON
-//! table of tensors, capped so a corrupt length cannot allocate gigabytes) and the GGUF magic, plus what a
-//! safetensors file's tensor names say it is. Nothing here reads tensor data.
+//! Sniffing safetensors files without loading them: the header (an 8-byte little-endian length and a JSON table of
+//! tensors, capped so a corrupt length cannot allocate gigabytes) and what its tensor names say the file is.
+//! Nothing here reads tensor data (GGUF headers: `gguf.rs`).
 
 use std::fs::File;
 use std::io::Read;
@@ -93,18 +93,6 @@ pub(crate) fn classify(names: &[String], file_name: &str) -> Kind {
         Kind::Vae
     } else {
         Kind::Other
-    }
-}
-
-/// Checks the 4-byte `GGUF` magic.
-pub(crate) fn check_gguf(path: &Path) -> Result<(), String> {
-    let mut file = File::open(path).map_err(|e| format!("cannot open it: {e}"))?;
-    let mut magic = [0u8; 4];
-    file.read_exact(&mut magic).map_err(|e| format!("cannot read the GGUF magic: {e}"))?;
-    if &magic == b"GGUF" {
-        Ok(())
-    } else {
-        Err(format!("not a GGUF file: it starts with {magic:02x?}, not `GGUF`"))
     }
 }
 

@@ -7,6 +7,7 @@
 mod entry;
 mod error;
 mod find;
+pub mod gguf;
 mod hash;
 mod header;
 mod networks;
@@ -78,6 +79,27 @@ impl Catalog {
             catalog.refused.len()
         );
         Ok(catalog)
+    }
+
+    /// Moves every checkpoint whose format the serving engine does not load (`loadable` lists those it does) to
+    /// `refused`, saying which engine loads it; `engine` names the serving one in that message ("the candle
+    /// engine"). A worker lists only what it can switch to, so no listed model fails for its format.
+    pub fn retain_loadable(&mut self, loadable: &[CheckpointFormat], engine: &str) {
+        let (kept, refused): (Vec<Checkpoint>, Vec<Checkpoint>) =
+            std::mem::take(&mut self.checkpoints).into_iter().partition(|c| loadable.contains(&c.format));
+        self.checkpoints = kept;
+        for c in refused {
+            let reason = match c.format {
+                CheckpointFormat::Gguf => format!(
+                    "GGUF checkpoints load on the stable-diffusion.cpp engine (sd-worker-vulkan, sd-worker-rocm), \
+                     not on {engine}, which this worker runs: serve it from one of those, or use the model's \
+                     .safetensors or diffusers form here"
+                ),
+                other => format!("{} checkpoints do not load on {engine}", other.name()),
+            };
+            self.refused.push(Refused { name: c.name, path: c.path, reason });
+        }
+        self.refused.sort_by(|a, b| a.name.cmp(&b.name));
     }
 
     /// The checkpoint `query` names, matched as A1111's `get_closet_checkpoint_match` (see `find_index`).

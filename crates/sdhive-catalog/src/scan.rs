@@ -1,7 +1,7 @@
 //! The walk over the models and VAE folders: which entries become checkpoints, VAEs or refusals. Every walk is
 //! confined to its canonical root (a symlink leading out of it is skipped, so a library cannot be made to list
-//! or later serve files elsewhere on the host), and reads at most a safetensors header or a GGUF magic per file,
-//! so start-up stays fast however large the library is. Hashes come only from the cache here.
+//! or later serve files elsewhere on the host), and reads at most a safetensors or GGUF header per file, so
+//! start-up stays fast however large the library is. Hashes come only from the cache here.
 
 use crate::entry::{Checkpoint, CheckpointFormat, Refused, Vae};
 use crate::hash::{HashCache, Stamp};
@@ -207,10 +207,12 @@ impl Walker<'_> {
                     }
                 },
             },
-            (Mode::Models, "gguf") => match header::check_gguf(path) {
-                Ok(()) => self.checkpoint(path, rel, CheckpointFormat::Gguf),
-                Err(reason) => self.refuse(path, rel, reason),
-            },
+            (Mode::Models, "gguf") => {
+                match crate::gguf::read_header(path).and_then(|h| h.sd_checkpoint().map(drop)) {
+                    Ok(()) => self.checkpoint(path, rel, CheckpointFormat::Gguf),
+                    Err(reason) => self.refuse(path, rel, format!("GGUF file: {reason}")),
+                }
+            }
             (Mode::Models, e) if PICKLE_EXTENSIONS.contains(&e) => {
                 let stem = crate::entry::splitext_root(name);
                 let reason = format!(

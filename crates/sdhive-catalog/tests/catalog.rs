@@ -1,7 +1,7 @@
 //! End-to-end behaviour of the catalogue on model libraries built by each test in a temp folder: what a scan
 //! lists, refuses and ignores; hashing and the hash cache; and A1111-compatible checkpoint lookup.
 
-use sdhive_catalog::{Catalog, CatalogConfig, CatalogError, CheckpointFormat};
+use sdhive_catalog::{gguf, Catalog, CatalogConfig, CatalogError, CheckpointFormat};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -44,6 +44,14 @@ const CKPT_KEYS: &[&str] = &[
 const VAE_KEYS: &[&str] = &["encoder.conv_in.weight", "decoder.conv_in.weight"];
 const LORA_KEYS: &[&str] = &["lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight"];
 
+/// A GGUF with the tensors that make it a checkpoint of `family` (header-sized: zero data).
+fn write_sd_gguf(path: &Path, family: &str) {
+    let tensors = gguf::sd_tensors_for_tests(family, 4);
+    let refs: Vec<(&str, &[u64], u32)> =
+        tensors.iter().map(|(n, d, t)| (n.as_str(), d.as_slice(), *t)).collect();
+    gguf::write_for_tests(path, None, &refs).unwrap();
+}
+
 fn write_file(path: &Path, bytes: &[u8]) {
     fs::create_dir_all(path.parent().unwrap()).unwrap();
     fs::write(path, bytes).unwrap();
@@ -75,7 +83,9 @@ fn library(models: &Path) {
     let mut huge = u64::MAX.to_le_bytes().to_vec();
     huge.extend_from_slice(b"{}");
     write_file(&models.join("huge.safetensors"), &huge);
-    write_file(&models.join("q/m.gguf"), b"GGUF\x03\x00\x00\x00rest");
+    write_sd_gguf(&models.join("q/m.gguf"), "sd1");
+    gguf::write_for_tests(&models.join("llm.gguf"), Some("llama"), &[("blk.0.attn_q.weight", &[64, 64], 1)])
+        .unwrap();
     write_file(&models.join("bad.gguf"), b"GGML\x00\x00\x00\x00");
     write_safetensors(&models.join(".hidden.safetensors"), CKPT_KEYS);
     write_safetensors(&models.join(".cache/c.safetensors"), CKPT_KEYS);
@@ -128,7 +138,10 @@ fn scan_lists_checkpoints_vaes_and_refusals() {
     assert_eq!(catalog.vaes[2].path, root.join("VAE/vae-ft-mse.safetensors"));
 
     let refused: Vec<&str> = catalog.refused.iter().map(|r| r.name.as_str()).collect();
-    assert_eq!(refused, ["bad.gguf", "emb.pt", "garbage.safetensors", "huge.safetensors", "old.ckpt"]);
+    assert_eq!(
+        refused,
+        ["bad.gguf", "emb.pt", "garbage.safetensors", "huge.safetensors", "llm.gguf", "old.ckpt"]
+    );
     for r in &catalog.refused {
         assert_eq!(r.path, root.join(&r.name));
     }
@@ -140,6 +153,7 @@ fn scan_lists_checkpoints_vaes_and_refusals() {
     assert!(reason("garbage.safetensors").contains("not a JSON object"), "{}", reason("garbage.safetensors"));
     assert!(reason("huge.safetensors").contains("100 MB"), "{}", reason("huge.safetensors"));
     assert!(reason("bad.gguf").contains("GGUF"), "{}", reason("bad.gguf"));
+    assert!(reason("llm.gguf").contains("`llama` model"), "{}", reason("llm.gguf"));
 }
 
 #[test]
@@ -440,4 +454,57 @@ fn scan_order_is_deterministic() {
     }
     let catalog = Catalog::scan(&config(&[tmp.path()])).unwrap();
     assert_eq!(names(&catalog), ["B.safetensors", "a.safetensors", "m/b.safetensors", "z.safetensors"]);
+}
+
+#[test]
+fn gguf_checkpoints_are_named_and_hashed_as_a1111_does_and_refused_where_the_engine_cannot_load_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let models = tmp.path().join("models");
+    write_sd_gguf(&models.join("xl/juggernaut-q8_0.gguf"), "sdxl");
+    write_sd_gguf(&models.join("v1-5-q8_0.gguf"), "sd1");
+    write_safetensors(&models.join("a.safetensors"), CKPT_KEYS);
+    // A UNet-only GGUF (ComfyUI-GGUF style) is not a checkpoint any engine here serves.
+    gguf::write_for_tests(
+        &models.join("unet-only.gguf"),
+        None,
+        &[("input_blocks.0.0.weight", &[3, 3, 4, 320], 1)],
+    )
+    .unwrap();
+    let mut catalog = Catalog::scan(&config(&[&models])).unwrap();
+    assert_eq!(names(&catalog), ["a.safetensors", "v1-5-q8_0.gguf", "xl/juggernaut-q8_0.gguf"]);
+    let refused: Vec<(&str, &str)> =
+        catalog.refused.iter().map(|r| (r.name.as_str(), r.reason.as_str())).collect();
+    assert_eq!(refused.len(), 1);
+    assert_eq!(refused[0].0, "unet-only.gguf");
+    assert!(refused[0].1.contains("UNet alone"), "{}", refused[0].1);
+
+    // The family is read from the header: sd.cpp's engine reports it, so a wrong reading would show there.
+    let family = |name: &str| {
+        let path = &catalog.find(name).unwrap().path;
+        gguf::read_header(path).unwrap().sd_checkpoint().unwrap().family
+    };
+    assert_eq!((family("v1-5-q8_0"), family("juggernaut-q8_0")), ("sd1", "sdxl"));
+
+    // A1111's names and hash apply to a GGUF as to any single file: the hash is the sha256 of the file.
+    let xl = catalog.find_index("xl_juggernaut-q8_0").unwrap();
+    let sha = catalog.ensure_hash(xl).unwrap().unwrap();
+    let c = &catalog.checkpoints[xl];
+    assert_eq!(sha, sha256sum(&c.path));
+    assert_eq!((c.model_name.as_str(), c.name_for_extra()), ("xl_juggernaut-q8_0", "juggernaut-q8_0"));
+    assert_eq!(c.title(), format!("xl/juggernaut-q8_0.gguf [{}]", &sha[..10]));
+    assert_eq!(catalog.find(&sha[..10]).unwrap().path, c.path);
+
+    // A worker whose engine loads GGUF keeps them; one that does not lists them as refused, saying where they load.
+    let mut sdcpp = catalog.clone();
+    let all = [CheckpointFormat::Diffusers, CheckpointFormat::SafeTensors, CheckpointFormat::Gguf];
+    sdcpp.retain_loadable(&all, "stable-diffusion.cpp");
+    assert_eq!(sdcpp.checkpoints.len(), 3);
+    catalog
+        .retain_loadable(&[CheckpointFormat::Diffusers, CheckpointFormat::SafeTensors], "the candle engine");
+    assert_eq!(names(&catalog), ["a.safetensors"]);
+    let refused: Vec<&str> = catalog.refused.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(refused, ["unet-only.gguf", "v1-5-q8_0.gguf", "xl/juggernaut-q8_0.gguf"]);
+    let reason = &catalog.refused[1].reason;
+    assert!(reason.contains("stable-diffusion.cpp") && reason.contains("the candle engine"), "{reason}");
+    assert!(catalog.find("v1-5-q8_0").is_err());
 }

@@ -138,6 +138,27 @@ pub fn load_vae_file_on(path: impl AsRef<Path>, device: &Device) -> Result<Weigh
     plan.materialize(&file, device)
 }
 
+/// What a standalone VAE file's header says about the autoencoder in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VaeFileInfo {
+    /// 4 for Stable Diffusion 1.x, 2.x and XL.
+    pub latent_channels: usize,
+    /// The encoder's widths, top level first (`[128, 256, 512, 512]` for those models).
+    pub block_out_channels: Vec<usize>,
+}
+
+/// Checks a standalone VAE file as [`load_vae_file_on`] reads it (layout, every tensor explained, shapes
+/// consistent) from its header alone, for an engine that hands the file to another loader.
+pub fn inspect_vae_file(path: impl AsRef<Path>) -> Result<VaeFileInfo> {
+    let file = CheckpointFile::open(path.as_ref())?;
+    let prefix = if file.has_prefix(layout::VAE) { layout::VAE } else { "" };
+    let (_, structure) = vae::plan(&file, prefix, &mut Vec::new())?;
+    Ok(VaeFileInfo {
+        latent_channels: structure.latent_channels,
+        block_out_channels: structure.block_out_channels,
+    })
+}
+
 impl SingleFile {
     /// Maps the file, parses its header and recognises the layout; reads no tensor data.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {

@@ -646,3 +646,21 @@ fn prediction_from_metadata_and_marker_tensor() {
     assert_eq!(c.configs.scheduler["prediction_type"], json!("v_prediction"));
     assert!(c.skipped.iter().any(|s| s == "v_pred"));
 }
+
+#[test]
+fn a_standalone_vae_file_is_inspected_from_its_header() {
+    let vae = models_dir().join("VAE/sd1-alt.safetensors");
+    let info = sdhive_checkpoint::inspect_vae_file(&vae).unwrap();
+    let loaded = sdhive_checkpoint::load_vae_file_on(&vae, &Device::Cpu).unwrap();
+    let conv_in = loaded["decoder.conv_in.weight"].dims().to_vec();
+    assert_eq!(info.latent_channels, conv_in[1]);
+    assert_eq!(info.block_out_channels.last(), Some(&conv_in[0]));
+    // A checkpoint is not a standalone VAE file, nor is a file that is not safetensors.
+    let (ckpt, _) = fixture("sd1");
+    assert!(
+        sdhive_checkpoint::inspect_vae_file(&ckpt).is_ok(),
+        "a checkpoint's own VAE is read under its prefix"
+    );
+    let err = sdhive_checkpoint::inspect_vae_file(models_dir().join("sd1/model_index.json")).unwrap_err();
+    assert!(err.to_string().contains("model_index.json"), "{err}");
+}

@@ -220,7 +220,7 @@ fn launch<T: Storage>(
     };
     let (xdims, wdims) = (op.logical(x.1)?, op.logical(w.1)?);
     let ydims = op.out_dims(xdims, wdims);
-    let tf32 = x.0.dtype() == DType::F32 && crate::tf32_allowed();
+    let tf32 = x.0.dtype() == DType::F32 && crate::tf32_convolutions_on();
     let key: Key =
         (dev.id(), x.0.dtype(), tf32, op.channels_last, xdims, wdims, op.stride, op.padding, bias.is_some());
     let xv = x.0.as_cuda_slice::<T>()?.slice(xs..);

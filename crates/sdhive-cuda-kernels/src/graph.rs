@@ -169,6 +169,29 @@ pub fn trim(device: &Device) -> Result<()> {
     Ok(())
 }
 
+/// `(reserved, most reserved, used)` bytes of the device's graph memory: what recorded graphs keep between
+/// replays (the driver may back graphs launched on one stream with the same physical memory).
+pub fn memory(device: &Device) -> Result<(u64, u64, u64)> {
+    let ordinal = stream_of(device)?.context().cu_device();
+    let read = |attr: sys::CUgraphMem_attribute| -> Result<u64> {
+        let mut v: u64 = 0;
+        // SAFETY: a plain driver call on a device handle cudarc opened; these attributes are u64 (cuuint64_t).
+        let r = unsafe {
+            sys::cuDeviceGetGraphMemAttribute(ordinal, attr, &mut v as *mut u64 as *mut std::ffi::c_void)
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(driver(r, "memory attribute"));
+        }
+        Ok(v)
+    };
+    use sys::CUgraphMem_attribute::*;
+    Ok((
+        read(CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT)?,
+        read(CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)?,
+        read(CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT)?,
+    ))
+}
+
 /// `(reserved, used, most used)` bytes of the device's default memory pool, which every allocation of the
 /// device's stream comes from; then the reserve beyond what is allocated goes back to the driver.
 pub fn pool_usage_then_trim(device: &Device) -> Result<(u64, u64, u64)> {

@@ -131,8 +131,9 @@ pub fn tf32_convolutions() -> Tf32Guard {
     Tf32Guard(TF32.with(|t| t.replace(true)))
 }
 
-#[cfg_attr(not(feature = "cudnn"), allow(dead_code))]
-fn tf32_allowed() -> bool {
+/// Whether f32 convolutions on this thread may use TF32 now ([`tf32_convolutions`]): a recorded call must be
+/// replayed only under the setting it was recorded with.
+pub fn tf32_convolutions_on() -> bool {
     TF32.with(std::cell::Cell::get)
 }
 
@@ -255,6 +256,12 @@ pub fn capture_graph<T>(
 /// Returns the memory that destroyed graphs reserved on `device` to the driver.
 pub fn trim_graph_memory(device: &candle_core::Device) -> Result<()> {
     on_cuda!(graph::trim(device); device)
+}
+
+/// `(reserved, most reserved, used)` bytes of the graph memory on `device`: what recorded graphs keep between
+/// replays.
+pub fn graph_memory(device: &candle_core::Device) -> Result<(u64, u64, u64)> {
+    on_cuda!(graph::memory(device); device)
 }
 
 /// `(reserved, used, most used)` bytes of `device`'s memory pool, then its unused reserve returned to the driver.

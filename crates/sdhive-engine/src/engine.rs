@@ -92,6 +92,28 @@ pub trait Engine: Send {
         progress: &mut dyn FnMut(&Progress) -> Control,
     ) -> Result<GenerateOutput, EngineError>;
 
+    /// How many images this engine denoises together at most ([`Engine::generate_batch`]); 1 = one at a time.
+    fn max_batch(&self) -> u32 {
+        1
+    }
+
+    /// Runs requests of equal [`crate::BatchKey`] together, their images denoised as one batch of at most
+    /// `max_images` (bounded by [`Engine::max_batch`] and the memory plan), and returns one result per request, in
+    /// order. `progress` gets the request's index with each of its reports; cancelling one request stops only it.
+    /// Each image equals the image its request gets from [`Engine::generate`]. The default runs them one by one.
+    fn generate_batch(
+        &mut self,
+        reqs: &[&GenerateRequest],
+        max_images: u32,
+        progress: &mut dyn FnMut(usize, &Progress) -> Control,
+    ) -> Vec<Result<GenerateOutput, EngineError>> {
+        let _ = max_images;
+        reqs.iter()
+            .enumerate()
+            .map(|(i, req)| self.generate(req, &mut |p: &Progress| progress(i, p)))
+            .collect()
+    }
+
     /// Runs A1111's extras "Upscale" step on every image of `req`, in order.
     fn upscale(&mut self, req: &crate::UpscaleRequest) -> Result<Vec<RgbImage>, EngineError> {
         let _ = req;

@@ -2,6 +2,7 @@
 //! validated, what an engine reports while it works, and how a finished image is written out. Both engines
 //! (candle, stable-diffusion.cpp) implement [`Engine`]; the CLI and HTTP layers only ever see this crate.
 
+pub mod batch;
 pub mod engine;
 pub mod extra_networks;
 pub mod hires;
@@ -14,11 +15,15 @@ pub mod request;
 pub mod sampler;
 pub mod upscale;
 
+pub use batch::BatchKey;
 pub use engine::{Control, Engine, EngineError, EngineInfo, GenerateOutput, GeneratedImage, Progress};
 pub use extra_networks::{parse_networks, strip_networks, NetworkKind, NetworkTag, TagError};
 pub use hires::{HiresFix, HiresTarget, HiresUpscaler, LatentMode};
 pub use host::{error_chain, BoxError, EngineFactory, ModelHost, ModelSpec, SwitchError};
-pub use image_io::{decode_image, decode_mask, encode_png, GrayImage, ImageError, RgbImage};
+pub use image_io::{
+    decode_image, decode_mask, encode_image, encode_png, GrayImage, ImageError, ImageFormat, OutputFormat,
+    RgbImage,
+};
 pub use infotext::{infotext, InfotextContext};
 pub use memory::{budgeted_free, InsufficientMemory, JobPlan, MemoryReport, ModelShape};
 pub use placement::{DeviceRef, Module, Placement, PlacementError};

@@ -1,7 +1,7 @@
 //! One generation request as every front end (CLI, native jobs, OpenAI, A1111) hands it to an engine, plus the
 //! limits an operator configures and the validation that turns bad input into an error naming the field.
 
-use crate::image_io::{GrayImage, RgbImage};
+use crate::image_io::{infotext_fits, GrayImage, OutputFormat, RgbImage};
 use crate::sampler::{Sampler, Schedule};
 use serde::Serialize;
 use thiserror::Error;
@@ -38,6 +38,8 @@ pub struct GenerateRequest {
     pub embeddings: Vec<EmbeddingUse>,
     /// A1111's hires fix (txt2img only): `width`×`height` is the first pass, the output is larger.
     pub hires: Option<crate::hires::HiresFix>,
+    /// How the finished images are encoded (PNG unless the client asks for JPEG or WebP).
+    pub output: OutputFormat,
 }
 
 /// One LoRA (or LyCORIS) network a request applies.
@@ -85,6 +87,7 @@ impl Default for GenerateRequest {
             loras: Vec::new(),
             embeddings: Vec::new(),
             hires: None,
+            output: OutputFormat::PNG,
         }
     }
 }
@@ -187,6 +190,16 @@ impl GenerateRequest {
                 }
             }
         }
+        if !infotext_fits(self.output.format, self.infotext_bound()) {
+            return Err(invalid(
+                "output_format",
+                format!(
+                    "the prompts are too long for the generation parameters to fit a {}'s EXIF (64 KiB); ask \
+                     for png or webp",
+                    self.output.format
+                ),
+            ));
+        }
         if let Some(img) = &self.init_image {
             let (w, h) = self.output_size_with_default((img.width, img.height));
             if w == 0 || h == 0 {
@@ -210,6 +223,17 @@ impl GenerateRequest {
 
     fn output_size_with_default(&self, default: (u32, u32)) -> (u32, u32) {
         (self.width.unwrap_or(default.0), self.height.unwrap_or(default.1))
+    }
+
+    /// An upper bound on the infotext's length in UTF-16 units: the prompts, and room for the parameters line
+    /// (LoRA and embedding hashes included) that no request makes longer than a few thousand characters.
+    fn infotext_bound(&self) -> usize {
+        let units = |text: &str| text.encode_utf16().count();
+        let hires = self.hires.as_ref().map_or(0, |h| {
+            h.prompt.as_deref().map_or(0, units) + h.negative_prompt.as_deref().map_or(0, units)
+        });
+        let networks = 64 * (self.loras.len() + self.embeddings.len());
+        units(&self.prompt) + units(&self.negative_prompt) + hires + networks + 4096
     }
 
     /// The effective strength: txt2img always starts from pure noise.
@@ -280,6 +304,21 @@ mod tests {
         assert!(ok.validate(&l).is_ok());
         let bad = GenerateRequest { sampler: Sampler::Ddim, schedule: Schedule::Karras, ..req() };
         assert_eq!(bad.validate(&l).unwrap_err().field, "scheduler");
+    }
+
+    #[test]
+    fn a_jpeg_refuses_prompts_its_exif_cannot_hold() {
+        use crate::image_io::ImageFormat;
+        let l = Limits { max_prompt_chars: 40_000, ..Limits::default() };
+        let jpeg = OutputFormat::new(ImageFormat::Jpeg, 80);
+        let long = GenerateRequest { prompt: "x".repeat(30_000), output: jpeg, ..req() };
+        assert_eq!(long.validate(&l).unwrap_err().field, "output_format");
+        let long = GenerateRequest { negative_prompt: "猫".repeat(30_000), ..long };
+        assert_eq!(long.validate(&l).unwrap_err().field, "output_format");
+        let webp = OutputFormat::new(ImageFormat::Webp, 80);
+        assert!(GenerateRequest { output: webp, ..long.clone() }.validate(&l).is_ok());
+        assert!(GenerateRequest { output: OutputFormat::PNG, ..long }.validate(&l).is_ok());
+        assert!(GenerateRequest { prompt: "x".repeat(20_000), output: jpeg, ..req() }.validate(&l).is_ok());
     }
 
     #[test]

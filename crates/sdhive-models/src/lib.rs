@@ -7,6 +7,7 @@ pub mod clip;
 pub mod config;
 mod cpu;
 pub mod error;
+mod graphed;
 mod layers;
 pub mod loading;
 pub mod ops;

@@ -127,6 +127,11 @@ impl Drop for ScoreLimitGuard {
     }
 }
 
+/// The attention-score chunk limit in force on this thread.
+pub(crate) fn attention_score_limit() -> usize {
+    SCORE_LIMIT.with(std::cell::Cell::get)
+}
+
 /// Caps the attention scores materialised at once on this thread at `max_elements` until the guard drops
 /// (attention slicing: more, smaller score matrices; the result is the same).
 pub fn limit_attention_scores(max_elements: usize) -> ScoreLimitGuard {

@@ -3,6 +3,7 @@
 
 use crate::config::{check_act, check_divides, read_json, IntOrList};
 use crate::error::{input_err, invalid, weights_err, Result, TensorContext};
+use crate::graphed::{Graphs, Refresh};
 use crate::layers::{
     conv2d_nchw, linear, Conv2d, Downsample2D, EdgeConv, GroupNorm, ResnetBlock2D, ResnetSpec, Upsample2D,
 };
@@ -388,6 +389,10 @@ pub struct AutoencoderKL {
     config: AutoencoderKLConfig,
     dtype: DType,
     device: Device,
+    layout: MapLayout,
+    /// The decoder's recordings, by latent shape (a tiled decode's tiles among them).
+    graphs: Graphs<1>,
+    graphs_wanted: bool,
 }
 
 impl AutoencoderKL {
@@ -412,6 +417,9 @@ impl AutoencoderKL {
                 config: cfg.clone(),
                 dtype: vb.dtype(),
                 device: vb.device().clone(),
+                layout: MapLayout::of(&vb),
+                graphs: Graphs::new(MODEL, [Refresh::Always]),
+                graphs_wanted: true,
             })
         };
         build().map_err(weights_err(MODEL))
@@ -434,6 +442,27 @@ impl AutoencoderKL {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// Whether [`Self::decode`] may replay the decoder from CUDA graphs (on by default, where
+    /// `sdhive_cuda_kernels::graphs_on`): off, every decode runs kernel by kernel and records nothing.
+    pub fn set_cuda_graphs(&mut self, on: bool) {
+        self.graphs_wanted = on;
+    }
+
+    /// How many latent shapes decode from a recorded CUDA graph now (none off CUDA), and why recording failed for
+    /// the others.
+    pub fn graph_status(&self) -> (usize, Vec<String>) {
+        self.graphs.status()
+    }
+
+    /// Whether decodes are recorded: the channels-last decoder on a CUDA device. An NCHW decoder (f32, the upcast
+    /// SDXL VAE among them) upsamples through candle's kernel, which uploads its strides from host memory at every
+    /// call, something a replay cannot repeat; a recording of it would be refused.
+    fn records(&self) -> bool {
+        self.graphs_wanted
+            && self.layout == MapLayout::ChannelsLast
+            && sdhive_cuda_kernels::graphs_on(&self.device)
     }
 
     /// Images `(B, in_channels, H, W)` in [-1, 1] → latent posterior.
@@ -525,15 +554,27 @@ impl AutoencoderKL {
             ));
         }
         let run = || -> candle_core::Result<Tensor> {
-            let mut z = z.to_device(&self.device)?.to_dtype(self.dtype)?;
-            if let Some(p) = &self.post_quant_conv {
-                z = ops::conv2d(p, &z, ConvExtras::default())?;
+            // Contiguous either way (a tile of `decode_tiled` is a view), so that the fused kernels take it and a
+            // recorded decode computes what the kernel-by-kernel one does.
+            let z = z.to_device(&self.device)?.to_dtype(self.dtype)?.contiguous()?;
+            if self.records() {
+                // The second decode of a shape records, later ones replay: the decoder's launches then cost their
+                // GPU time alone, not the host's.
+                return self.graphs.run([&z], |[z]| self.decoder_forward(z));
             }
-            self.decoder.forward(&z)
+            self.decoder_forward(&z)
         };
         let out = run().ctx(MODEL);
         crate::cpu::release_scratch();
         out
+    }
+
+    /// `post_quant_conv` and the decoder on latents in the network's dtype and device.
+    fn decoder_forward(&self, z: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.post_quant_conv {
+            Some(p) => self.decoder.forward(&ops::conv2d(p, z, ConvExtras::default())?),
+            None => self.decoder.forward(z),
+        }
     }
 }
 

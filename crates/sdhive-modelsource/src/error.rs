@@ -39,6 +39,9 @@ pub enum SourceError {
     #[error("{} is not a valid .safetensors file: {reason}", path.display())]
     InvalidSafetensors { path: PathBuf, reason: String },
 
+    #[error("{} is not a usable GGUF checkpoint: {reason}", path.display())]
+    InvalidGguf { path: PathBuf, reason: String },
+
     #[error("{}: unknown model format: {reason}", path.display())]
     UnknownFormat { path: PathBuf, reason: String },
 

@@ -1,5 +1,5 @@
-//! Owns the meaning of the one `--model` argument: turning a local diffusers folder, a `.safetensors` file or a
-//! Hugging Face repo id into a checked, canonical location an engine can load, without letting the argument
+//! Owns the meaning of the one `--model` argument: turning a local diffusers folder, a `.safetensors` or `.gguf`
+//! file or a Hugging Face repo id into a checked, canonical location an engine can load, without letting the argument
 //! reach files it should not (model roots, repo-id validation) and without ever loading pickle checkpoints.
 
 mod diffusers;
@@ -22,7 +22,8 @@ pub enum ModelLocation {
     /// A folder laid out by diffusers' `save_pretrained` (`model_index.json` plus one folder per component),
     /// checked to hold every component's config and `.safetensors` weights.
     DiffusersDir(PathBuf),
-    /// A single-file checkpoint (A1111/ComfyUI style), whose safetensors header has been checked.
+    /// A single-file checkpoint: an original-layout `.safetensors` (A1111/ComfyUI style) or a `.gguf` (the
+    /// stable-diffusion.cpp engine's quantised form; see [`ModelLocation::is_gguf`]), its header checked.
     SingleFile(PathBuf),
 }
 
@@ -41,6 +42,14 @@ impl ModelLocation {
             ModelLocation::DiffusersDir(p) | ModelLocation::SingleFile(p) => p,
         }
     }
+
+    /// A single file in GGUF form, by its magic: a hub-cache blob has no extension to go by.
+    pub fn is_gguf(&self) -> bool {
+        let ModelLocation::SingleFile(path) = self else { return false };
+        let mut magic = [0u8; 4];
+        std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic)).is_ok()
+            && &magic == b"GGUF"
+    }
 }
 
 /// Resolves a standalone VAE file (A1111's `sd_vae`): it must exist inside the model roots and be a `.safetensors`
@@ -49,7 +58,7 @@ pub fn resolve_vae(path: &Path, opts: &ResolveOptions) -> Result<PathBuf, Source
     local::resolve_vae(&local::expand_home(&path.to_string_lossy()), opts)
 }
 
-/// Resolves `arg` in this order: an existing path (diffusers folder or `.safetensors` file), else a path-looking
+/// Resolves `arg` in this order: an existing path (diffusers folder, `.safetensors` or `.gguf` file), else a path-looking
 /// argument is reported missing, else a Hugging Face repo id `org/name[@revision]` looked up in the hub cache and
 /// downloaded there when incomplete (unless offline).
 pub fn resolve(arg: &str, opts: &ResolveOptions) -> Result<ResolvedModel, SourceError> {

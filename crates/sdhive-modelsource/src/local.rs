@@ -1,6 +1,6 @@
 //! Local model paths: canonicalisation and model-root confinement (checked on the canonical path, so `..` and
-//! symlinks cannot escape), format detection, and a header check of single `.safetensors` files so a truncated
-//! or mislabelled file fails here with its name rather than deep inside an engine.
+//! symlinks cannot escape), format detection, and a header check of single `.safetensors` and `.gguf` files so a
+//! truncated or mislabelled file fails here with its name rather than deep inside an engine.
 
 use crate::diffusers;
 use crate::{ModelLocation, ResolveOptions, ResolvedModel, SourceError};
@@ -80,12 +80,22 @@ pub(crate) fn resolve_path(path: &Path, opts: &ResolveOptions) -> Result<Resolve
             .map_err(|reason| SourceError::InvalidSafetensors { path: path.to_path_buf(), reason })?;
         return Ok(ResolvedModel { name, location: ModelLocation::SingleFile(canonical), vae: None });
     }
+    if ext == "gguf" {
+        // Checked as far as its header can tell (framing, a whole Stable Diffusion checkpoint); which engines
+        // load it is the worker's business.
+        sdhive_catalog::gguf::read_header(&canonical)
+            .and_then(|h| h.sd_checkpoint())
+            .map_err(|reason| SourceError::InvalidGguf { path: path.to_path_buf(), reason })?;
+        return Ok(ResolvedModel { name, location: ModelLocation::SingleFile(canonical), vae: None });
+    }
     if PICKLE_EXTENSIONS.contains(&ext.as_str()) {
         return Err(SourceError::PickleUnsupported { path: path.to_path_buf() });
     }
     Err(SourceError::UnknownFormat {
         path: path.to_path_buf(),
-        reason: "expected a .safetensors checkpoint or a diffusers folder containing model_index.json".into(),
+        reason:
+            "expected a .safetensors or .gguf checkpoint, or a diffusers folder containing model_index.json"
+                .into(),
     })
 }
 

@@ -180,6 +180,36 @@ fn local_forms_and_their_errors() {
 }
 
 #[test]
+fn gguf_checkpoints_resolve_as_single_files_and_other_gguf_files_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = offline_opts(&tmp.path().join("cache"));
+    let d = tmp.path();
+    let write_gguf = |name: &str, tensors: &[(String, Vec<u64>, u32)]| {
+        let refs: Vec<(&str, &[u64], u32)> =
+            tensors.iter().map(|(n, s, t)| (n.as_str(), s.as_slice(), *t)).collect();
+        sdhive_catalog::gguf::write_for_tests(&d.join(name), None, &refs).unwrap();
+        d.join(name)
+    };
+    let good = write_gguf("v1-5-q8_0.gguf", &sdhive_catalog::gguf::sd_tensors_for_tests("sd1", 4));
+    let m = resolve(good.to_str().unwrap(), &opts).unwrap();
+    assert_eq!(m.name, "v1-5-q8_0");
+    assert_eq!(m.location, ModelLocation::SingleFile(good.canonicalize().unwrap()));
+    assert!(m.location.is_gguf());
+    let st = d.join("single.safetensors");
+    write(&st, &tiny_safetensors());
+    assert!(!resolve(st.to_str().unwrap(), &opts).unwrap().location.is_gguf());
+
+    let unet_only = write_gguf("unet.gguf", &[("input_blocks.0.0.weight".into(), vec![3, 3, 4, 320], 1)]);
+    let err = resolve(unet_only.to_str().unwrap(), &opts).unwrap_err();
+    assert!(matches!(err, SourceError::InvalidGguf { .. }), "{err:?}");
+    assert!(err.to_string().contains("unet.gguf") && err.to_string().contains("UNet alone"), "{err}");
+
+    write(&d.join("trunc.gguf"), b"GGUF\x03\0\0\0");
+    let err = resolve(d.join("trunc.gguf").to_str().unwrap(), &opts).unwrap_err();
+    assert!(err.to_string().contains("trunc.gguf") && err.to_string().contains("truncated"), "{err}");
+}
+
+#[test]
 fn model_roots_confine_paths_after_canonicalisation() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("root");

@@ -183,6 +183,13 @@ pub struct JobRequest {
     /// A1111 prompt styles (`--styles-file`) applied to the prompt and negative prompt, in order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub styles: Option<Vec<String>>,
+    /// The images' file format: `png` (default), `jpeg` (or `jpg`) or `webp` (lossless). The generation
+    /// parameters go where A1111 keeps them: a PNG `parameters` chunk, the EXIF `UserComment` of the others.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_format: Option<String>,
+    /// JPEG quality, 0–100 (default 90).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_quality: Option<u32>,
 }
 
 /// `202 Accepted` answer to a submission.
@@ -243,9 +250,23 @@ pub struct JobImage {
     pub seed: u64,
     pub width: u32,
     pub height: u32,
-    /// A1111 parameters text, also embedded in the PNG's `parameters` chunk.
+    /// A1111 parameters text, also embedded in the image (a PNG's `parameters` chunk, a JPEG's or WebP's EXIF
+    /// `UserComment`).
     pub infotext: String,
+    /// `png`, `jpeg` or `webp`: the request's `output_format`.
+    #[serde(default = "png")]
+    pub format: String,
+    /// The encoded image, base64.
+    #[serde(default)]
+    pub image_base64: String,
+    /// The same bytes as `image_base64` when `format` is `png`, for clients written before `output_format`;
+    /// absent (empty) otherwise.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub png_base64: String,
+}
+
+fn png() -> String {
+    "png".into()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -435,5 +456,33 @@ mod tests {
         assert_eq!(serde_json::from_value::<JobEvent>(v).unwrap(), e);
         assert_eq!(serde_json::to_value(JobState::Cancelled).unwrap(), json!("cancelled"));
         assert_eq!(serde_json::to_value(JobLinks::for_job(&"j".into())).unwrap()["self"], "/v1/jobs/j");
+    }
+
+    #[test]
+    fn images_name_their_format_and_keep_png_base64_for_png() {
+        let image = |format: &str, png: &str| JobImage {
+            index: 0,
+            seed: 1,
+            width: 8,
+            height: 8,
+            infotext: "p".into(),
+            format: format.into(),
+            image_base64: "AAAA".into(),
+            png_base64: png.into(),
+        };
+        let webp = serde_json::to_value(image("webp", "")).unwrap();
+        assert_eq!((&webp["format"], &webp["image_base64"]), (&json!("webp"), &json!("AAAA")));
+        assert!(webp.get("png_base64").is_none(), "{webp}");
+        assert_eq!(serde_json::to_value(image("png", "AAAA")).unwrap()["png_base64"], "AAAA");
+        // A snapshot from before `format` existed reads as a PNG.
+        let old: JobImage = serde_json::from_value(
+            json!({"index": 0, "seed": 1, "width": 8, "height": 8, "infotext": "p", "png_base64": "AAAA"}),
+        )
+        .unwrap();
+        assert_eq!((old.format.as_str(), old.png_base64.as_str()), ("png", "AAAA"));
+        let req: JobRequest =
+            serde_json::from_value(json!({"prompt": "a", "output_format": "jpeg", "output_quality": 70}))
+                .unwrap();
+        assert_eq!((req.output_format.as_deref(), req.output_quality), (Some("jpeg"), Some(70)));
     }
 }

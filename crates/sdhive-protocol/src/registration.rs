@@ -1,8 +1,10 @@
 //! Worker ⇄ hive messages: the registration a worker posts once its model is loaded, the hive's answer (where
 //! to send heartbeats and how often), the periodic heartbeat, and the deregistration on shutdown. The flow is
-//! specified in `docs/protocol.md`.
+//! specified in `docs/protocol.md`. Both messages carry the worker's model library (the checkpoints it can load),
+//! so a hive routes requests for any of them to it.
 
 use crate::job::JobId;
+use crate::models::ListedModel;
 use serde::{Deserialize, Serialize};
 
 /// Bumped on incompatible changes; a hive refuses registrations it cannot speak (4xx), the worker keeps retrying.
@@ -31,6 +33,10 @@ pub struct RegisterRequest {
     /// Whether the worker switches models per request (it has a model library).
     #[serde(default)]
     pub switchable: bool,
+    /// Every checkpoint the worker can load, as its `/sdapi/v1/sd-models` lists them. Absent from older
+    /// workers: a hive then routes only the loaded model there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub library: Option<Vec<LibraryModel>>,
     /// `sd1`, `sd2`, `sdxl`, … as the engine detected it.
     pub model_family: String,
     pub capabilities: Capabilities,
@@ -71,6 +77,14 @@ pub struct Capabilities {
     pub inpaint: bool,
     /// Low-resolution previews during denoising; not produced yet.
     pub preview: bool,
+    /// The most images of queued jobs the worker denoises together (`--max-batch`); a hive keeps that many jobs
+    /// queued on it so batches can form. Older workers: 1.
+    #[serde(default = "one")]
+    pub max_batch: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 /// The hive's 2xx answer to a registration. Relative URLs are resolved against the callback URL.
@@ -124,6 +138,42 @@ pub struct Heartbeat {
     /// As [`RegisterRequest::model_source`], now.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_source: Option<String>,
+    /// The whole library again, only when it changed since the worker last sent it (a rescan found other
+    /// files, a checkpoint was hashed); absent: unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub library: Option<Vec<LibraryModel>>,
+}
+
+/// One checkpoint of a worker's library: what a hive needs to route requests for it there and to list it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LibraryModel {
+    /// The checkpoint as the worker knows it (its canonical path, or the `--model` argument of a model outside
+    /// its library): what a request routed there names.
+    pub filename: String,
+    /// A1111's `name`, `title` (`name [short hash]` once hashed) and `model_name`.
+    pub name: String,
+    pub title: String,
+    pub model_name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+    /// `diffusers`, `safetensors`, or `path` (outside the library).
+    pub format: String,
+}
+
+impl From<&ListedModel> for LibraryModel {
+    fn from(m: &ListedModel) -> LibraryModel {
+        LibraryModel {
+            filename: m.filename.clone(),
+            name: m.name.clone(),
+            title: m.title.clone(),
+            model_name: m.model_name.clone(),
+            hash: m.hash.clone(),
+            sha256: m.sha256.clone(),
+            format: m.format.clone(),
+        }
+    }
 }
 
 /// `POST <deregister_url>` once, on shutdown, after the last job ended.
@@ -148,5 +198,30 @@ mod tests {
         assert_eq!(r.heartbeat_interval_secs, None);
         assert_eq!(r.deregister_url, None);
         assert_eq!(serde_json::to_value(WorkerState::Draining).unwrap(), json!("draining"));
+    }
+
+    #[test]
+    fn the_library_is_optional_both_ways() {
+        let hb = json!({"worker_id": "w", "state": "idle", "queue_depth": 0, "running_job": null,
+            "memory_total_bytes": null, "memory_free_bytes": null, "jobs_succeeded": 0, "jobs_failed": 0,
+            "jobs_cancelled": 0, "uptime_secs": 1.0});
+        let mut parsed: Heartbeat = serde_json::from_value(hb.clone()).unwrap();
+        assert_eq!(parsed.library, None, "an older worker's heartbeat");
+        assert_eq!(serde_json::to_value(&parsed).unwrap(), hb, "nothing added when unchanged");
+        let listed = ListedModel {
+            name: "sub/a.safetensors".into(),
+            title: "sub/a.safetensors [0123456789]".into(),
+            model_name: "sub_a".into(),
+            hash: Some("0123456789".into()),
+            sha256: None,
+            filename: "/m/sub/a.safetensors".into(),
+            format: "safetensors".into(),
+            loaded_on: vec!["w".into()],
+        };
+        parsed.library = Some(vec![LibraryModel::from(&listed)]);
+        let v = serde_json::to_value(&parsed).unwrap();
+        assert_eq!(v["library"][0]["filename"], "/m/sub/a.safetensors");
+        assert!(v["library"][0].get("sha256").is_none() && v["library"][0].get("loaded_on").is_none());
+        assert_eq!(serde_json::from_value::<Heartbeat>(v).unwrap(), parsed);
     }
 }

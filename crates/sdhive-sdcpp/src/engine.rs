@@ -2,7 +2,8 @@
 //! named ggml device (never ggml's "best available", which may quietly be the CPU); each request is validated,
 //! mapped onto `sd_img_gen_params_t` and run one image at a time (seed, seed+1, …), each stoppable after any
 //! denoising step (`callbacks::generate`), and seeds use sd.cpp's torch-compatible CPU generator so they match
-//! diffusers'. A request's LoRAs are checked (`networks`) and handed to sd.cpp with the image's parameters.
+//! diffusers'. A request's LoRAs are checked (`networks`) and handed to sd.cpp with the image's parameters. A GGUF
+//! checkpoint loads in its own (quantised) types; a standalone VAE file is checked before sd.cpp reads it.
 
 use crate::callbacks::{self, Generated};
 use crate::device;
@@ -30,7 +31,8 @@ pub struct LoadOptions {
     /// Shown in `info()`: the backend compiled into the binary and the device's own name.
     pub backend_name: String,
     pub device_name: String,
-    /// Weight precision: `f16` (default, what GPUs run fastest) or `f32`; `None` keeps the file's.
+    /// Weight precision: `f16` (default, what GPUs run fastest) or `f32`; `None` keeps the file's. A GGUF
+    /// checkpoint always keeps its own types: converting quantised weights to f16 would undo what the file is for.
     pub weight_type: Option<WeightType>,
     pub placement: Placement,
     /// CPU threads for the parts ggml runs on the CPU.
@@ -53,11 +55,14 @@ pub enum LoadError {
     Placement(#[from] PlacementError),
     #[error("{0} contains a NUL byte")]
     Nul(&'static str),
+    #[error("VAE {path}: {message}")]
+    Vae { path: PathBuf, message: String },
     #[error(
-        "stable-diffusion.cpp could not load {path} on {device} (its log, at RUST_LOG=sdcpp=info, says why: \
-         unsupported architecture, missing tensors, or not enough device memory)"
+        "stable-diffusion.cpp could not load {path}{} on {device} (its log, at RUST_LOG=sdcpp=info, says why: \
+         unsupported architecture, missing tensors, or not enough device memory)",
+        vae.as_ref().map(|v| format!(" with the VAE {}", v.display())).unwrap_or_default()
     )]
-    Context { path: PathBuf, device: String },
+    Context { path: PathBuf, vae: Option<PathBuf>, device: String },
 }
 
 /// Owns an `sd_ctx_t`.
@@ -96,6 +101,11 @@ impl SdCppEngine {
         let path = model.location.path().to_path_buf();
         let info =
             ModelInfo::read(model).map_err(|message| LoadError::Model { path: path.clone(), message })?;
+        if let Some(vae) = &model.vae {
+            check_vae(vae)?;
+        }
+        // A GGUF's quantised weights stay as they are stored.
+        let weight_type = if info.gguf.is_some() { None } else { opts.weight_type };
         let (runtime, params_backend) = params::backend_specs(&opts.ggml_device, &opts.placement)?;
         let c_path =
             CString::new(path.to_string_lossy().into_owned()).map_err(|_| LoadError::Nul("model path"))?;
@@ -126,7 +136,7 @@ impl SdCppEngine {
             if let Some(threads) = opts.threads {
                 p.n_threads = threads.min(i32::MAX as usize) as i32;
             }
-            p.wtype = match opts.weight_type {
+            p.wtype = match weight_type {
                 Some(WeightType::F32) => sys::sd_type_t::SD_TYPE_F32,
                 Some(WeightType::F16) => sys::sd_type_t::SD_TYPE_F16,
                 None => sys::sd_type_t::SD_TYPE_COUNT,
@@ -145,9 +155,11 @@ impl SdCppEngine {
                 if c_params.as_bytes().is_empty() { std::ptr::null() } else { c_params.as_ptr() };
             sys::new_sd_ctx(&p)
         };
-        let ctx = NonNull::new(ctx)
-            .map(Context)
-            .ok_or_else(|| LoadError::Context { path: path.clone(), device: opts.ggml_device.clone() })?;
+        let ctx = NonNull::new(ctx).map(Context).ok_or_else(|| LoadError::Context {
+            path: path.clone(),
+            vae: model.vae.clone(),
+            device: opts.ggml_device.clone(),
+        })?;
         // sd.cpp reads each module's weights from disk on first use. One small generation now makes them
         // resident, so the memory plan below sees the device as jobs will, and no job waits on a load.
         if let Err(message) = warm_up(ctx.0.as_ptr()) {
@@ -156,10 +168,11 @@ impl SdCppEngine {
                 path.display()
             );
         }
-        let (dtype, bytes_per_weight) = match opts.weight_type {
-            Some(WeightType::F32) => ("f32", 4),
-            Some(WeightType::F16) => ("f16", 2),
-            None => ("file", 2),
+        let (dtype, bytes_per_weight) = match (&info.gguf, weight_type) {
+            (Some(gguf), _) => (gguf.types.clone(), 2),
+            (None, Some(WeightType::F32)) => ("f32".into(), 4),
+            (None, Some(WeightType::F16)) => ("f16".into(), 2),
+            (None, None) => ("file".into(), 2),
         };
         let shape = info.shape(bytes_per_weight);
         let plan_device = match opts.placement.device_of(sdhive_engine::Module::Diffusion) {
@@ -186,7 +199,7 @@ impl SdCppEngine {
             engine: "stable-diffusion.cpp".into(),
             backend: opts.backend_name,
             device: opts.device_name,
-            dtype: dtype.into(),
+            dtype,
             model: model.name.clone(),
             family: info.family.clone(),
             native_width: info.native_width,
@@ -247,6 +260,23 @@ impl SdCppEngine {
         }
         Ok(method)
     }
+}
+
+/// A standalone VAE must be one stable-diffusion.cpp can put in place of a Stable Diffusion model's own: read as
+/// the candle engine reads VAE files (so both accept the same ones), with SD's latent channels and widths, which
+/// sd.cpp's autoencoder has built in. sd.cpp itself would take a file of other tensors for a VAE that changes
+/// nothing, and a misshapen one only fails at the first decode.
+fn check_vae(path: &std::path::Path) -> Result<(), LoadError> {
+    let fail = |message: String| LoadError::Vae { path: path.to_path_buf(), message };
+    let vae = sdhive_checkpoint::inspect_vae_file(path).map_err(|e| fail(e.to_string()))?;
+    if vae.latent_channels != 4 || vae.block_out_channels != [128, 256, 512, 512] {
+        return Err(fail(format!(
+            "an autoencoder with {} latent channels and widths {:?}; Stable Diffusion 1.x, 2.x and XL use 4 and \
+             [128, 256, 512, 512]",
+            vae.latent_channels, vae.block_out_channels
+        )));
+    }
+    Ok(())
 }
 
 fn c_text(field: &'static str, s: &str) -> Result<CString, EngineError> {

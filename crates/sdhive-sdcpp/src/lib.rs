@@ -4,6 +4,7 @@
 //! and in docs/api.md.
 
 mod callbacks;
+mod convert;
 pub mod device;
 mod engine;
 mod model_info;
@@ -11,9 +12,10 @@ mod networks;
 mod params;
 mod upscale;
 
+pub use convert::{convert_to_gguf, ConvertError, GgufType};
 pub use device::{GgmlDevice, GgmlDeviceError};
 pub use engine::{LoadError, LoadOptions, SdCppEngine, WeightType};
-pub use model_info::ModelInfo;
+pub use model_info::{GgufWeights, ModelInfo};
 pub use params::{Placement, PlacementError};
 
 /// stable-diffusion.cpp's version string, e.g. `master-… (commit)`.

@@ -1,6 +1,7 @@
 //! What the serving layers need to know about a model before stable-diffusion.cpp has read it: its family and
 //! native size. stable-diffusion.cpp's C API does not report them, so they are read the way the candle engine
-//! reads them — from a diffusers folder's UNet config, or from a single file's tensor names and shapes.
+//! reads them — from a diffusers folder's UNet config, or from a single file's tensor names and shapes (a GGUF's
+//! from its header, which also gives the weights' stored size and types).
 
 use sdhive_engine::ModelShape;
 use sdhive_modelsource::{ModelLocation, ResolvedModel};
@@ -14,12 +15,23 @@ pub struct ModelInfo {
     pub native_height: u32,
     /// A 9-channel inpainting UNet.
     pub inpainting: bool,
+    /// A GGUF checkpoint's weights, which load in the file's own (often quantised) types.
+    pub gguf: Option<GgufWeights>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GgufWeights {
+    /// The weights' bytes as stored.
+    pub bytes: u64,
+    /// Their ggml types, most bytes first (`f16+q8_0`).
+    pub types: String,
 }
 
 impl ModelInfo {
     pub fn read(model: &ResolvedModel) -> Result<ModelInfo, String> {
         match &model.location {
             ModelLocation::DiffusersDir(dir) => from_unet_config(&dir.join("unet").join("config.json")),
+            ModelLocation::SingleFile(file) if model.location.is_gguf() => from_gguf(file),
             ModelLocation::SingleFile(file) => from_single_file(file),
         }
     }
@@ -29,6 +41,7 @@ impl ModelInfo {
     /// The model's shape for memory planning. stable-diffusion.cpp does not report its allocations, so the
     /// weights are the family's parameter count (UNet + text encoders + VAE) at `bytes_per_weight`; sd.cpp runs
     /// the CFG pair as two batch-1 calls and materialises attention scores (no flash attention by default).
+    /// A GGUF's weights count at their size in the file, as they stay in its types.
     pub fn shape(&self, bytes_per_weight: u64) -> ModelShape {
         let (params, first_attention_level, heads) = match self.family.as_str() {
             "sdxl" => (3_470_000_000u64, 1, 10),
@@ -36,7 +49,7 @@ impl ModelInfo {
             _ => (1_070_000_000, 0, 8),
         };
         ModelShape {
-            weights_bytes: params * bytes_per_weight,
+            weights_bytes: self.gguf.as_ref().map_or(params * bytes_per_weight, |g| g.bytes),
             activation_bytes: bytes_per_weight,
             vae_factor: 8,
             first_attention_level,
@@ -72,6 +85,7 @@ fn from_unet_value(cfg: &serde_json::Value) -> ModelInfo {
         native_width: side,
         native_height: side,
         inpainting: cfg["in_channels"].as_u64() == Some(9),
+        gguf: None,
     }
 }
 
@@ -88,6 +102,20 @@ fn from_single_file(path: &Path) -> Result<ModelInfo, String> {
     let inspection = file.inspect(None).map_err(|e| e.to_string())?;
     // The inferred UNet config carries sample_size and in_channels; the family comes from the text encoders.
     Ok(ModelInfo { family: file.family().as_str().to_string(), ..from_unet_value(&inspection.configs.unet) })
+}
+
+/// A GGUF holds no configs: the family (from its tensors) gives the native size, as diffusers' defaults do.
+fn from_gguf(path: &Path) -> Result<ModelInfo, String> {
+    let header = sdhive_catalog::gguf::read_header(path)?;
+    let ckpt = header.sd_checkpoint()?;
+    let side = default_side(ckpt.family);
+    Ok(ModelInfo {
+        family: ckpt.family.to_string(),
+        native_width: side,
+        native_height: side,
+        inpainting: ckpt.inpainting,
+        gguf: Some(GgufWeights { bytes: header.data_bytes, types: ckpt.weight_types }),
+    })
 }
 
 #[cfg(test)]
@@ -118,5 +146,27 @@ mod tests {
         let inpaint = from_single_file(&fixture("models/sd1-inpaint.safetensors")).unwrap();
         assert!(inpaint.inpainting);
         assert!(from_single_file(&fixture("golden/pipelines.json")).is_err());
+    }
+
+    #[test]
+    fn gguf_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("xl-inpaint.gguf");
+        let tensors = sdhive_catalog::gguf::sd_tensors_for_tests("sdxl", 9);
+        let refs: Vec<(&str, &[u64], u32)> =
+            tensors.iter().map(|(n, d, t)| (n.as_str(), d.as_slice(), *t)).collect();
+        sdhive_catalog::gguf::write_for_tests(&path, None, &refs).unwrap();
+        let info = from_gguf(&path).unwrap();
+        assert_eq!((info.family.as_str(), info.native_width, info.inpainting), ("sdxl", 1024, true));
+        let gguf = info.gguf.clone().unwrap();
+        assert_eq!(gguf.types, "q8_0+f16+f32");
+        // The plan counts the file's bytes, not the family's parameters at 2 bytes.
+        assert_eq!(info.shape(2).weights_bytes, gguf.bytes);
+        assert!(gguf.bytes > 0 && gguf.bytes < 1_000_000);
+        let resolved =
+            ResolvedModel { name: "x".into(), location: ModelLocation::SingleFile(path.clone()), vae: None };
+        assert_eq!(ModelInfo::read(&resolved).unwrap(), info);
+        std::fs::write(&path, b"GGUF\x03\0\0\0").unwrap();
+        assert!(ModelInfo::read(&resolved).unwrap_err().contains("truncated"));
     }
 }

@@ -1,20 +1,21 @@
-//! The engine thread: the only owner of the loaded model. It takes one job at a time from the queue, switches to
-//! the job's model first when another is loaded (a switch that fails fails the job and leaves the previous model
-//! serving), runs it with a progress callback that records steps and answers cancellation, encodes the images,
-//! and turns every failure — engine errors and engine panics alike — into a failed job, so the worker keeps
+//! The engine thread: the only owner of the loaded model. It takes the next job — or a batch of compatible queued
+//! generations, up to `--max-batch` images — from the queue, switches to the job's model first when another is
+//! loaded (a switch that fails fails the job and leaves the previous model serving), runs it with a progress
+//! callback that records steps and answers cancellation per job, hands the images to the encoding stage and
+//! moves on; every failure — engine errors and engine panics alike — becomes a failed job, so the worker keeps
 //! serving.
 
-use crate::jobs::{FinishedImage, JobManager, Next, Outcome, Shared, StartedJob, Work};
-use bytes::Bytes;
+use crate::encoder::{self, Encoder, Ended};
+use crate::jobs::{JobManager, Next, Outcome, Shared, StartedJob, Work};
 use sdhive_engine::{
-    encode_png, Control, Engine, EngineError, GenerateOutput, GenerateRequest, GeneratedImage, HiresUpscaler,
-    ModelHost, ModelSpec, Progress, RgbImage, UpscaleRequest,
+    Control, Engine, EngineError, GenerateOutput, GenerateRequest, HiresUpscaler, ModelHost, ModelSpec,
+    OutputFormat, Progress, UpscaleRequest,
 };
 use sdhive_protocol::JobId;
 use sdhive_protocol::{JobError, JobErrorKind};
 use sdhive_upscale::a1111;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Weak;
 use std::thread::JoinHandle;
 
@@ -47,47 +48,152 @@ impl Drop for AliveGuard {
     }
 }
 
+/// Threads encoding finished images: enough to keep up with a GPU making several images a second, while leaving
+/// cores to the HTTP side.
+fn encoder_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 4).clamp(1, 4))
+}
+
 /// Serves jobs until told to stop or until nothing can submit any more (every manager handle dropped); the
-/// engine, and with it the model's memory, is freed when this returns.
+/// engine, and with it the model's memory, is freed when this returns, after the last images are encoded.
 fn run(weak: Weak<Shared>, mut host: ModelHost) {
     let _alive = AliveGuard(weak.clone());
+    let encoder = Encoder::start(weak.clone(), encoder_threads());
     while let Some(jobs) = JobManager::upgrade(&weak) {
-        match jobs.next_job() {
-            Next::Job(job) => {
-                let StartedJob { id, work, cancel } = *job;
-                let outcome = match work {
-                    Work::Generate { request, model } => match switch(&jobs, &mut host, &id, &model) {
-                        Err(failure) => failure,
-                        Ok(()) => match host.engine() {
-                            Some(engine) => {
-                                let native = engine.info();
-                                jobs.set_size(
-                                    &id,
-                                    request.output_size((native.native_width, native.native_height)),
-                                );
-                                run_one(&jobs, engine, &id, &request, &cancel)
-                            }
-                            None => model_failure("no model is loaded".into()),
-                        },
-                    },
-                    Work::Load(model) => switch(&jobs, &mut host, &id, &model)
-                        .map_or_else(|f| f, |()| Outcome::Succeeded(vec![])),
-                    Work::Upscale(request) => match host.engine() {
-                        Some(engine) => upscale(engine, &request),
-                        // Resampling needs no model; upscaler models run on the loaded engine's device.
-                        None => upscale_without_engine(&request),
-                    },
-                    Work::Unload => {
-                        host.unload_model();
-                        jobs.library().record_unloaded();
-                        tracing::info!("model unloaded");
-                        Outcome::Succeeded(vec![])
-                    }
-                };
-                jobs.finish(&id, outcome);
-            }
+        let max_images = batch_images(&jobs, &mut host);
+        match jobs.next_jobs(max_images) {
+            Next::Jobs(started) => run_jobs(&jobs, &mut host, &encoder, started, max_images),
             Next::Idle => {}
             Next::Stop => break,
+        }
+    }
+}
+
+/// The most images one engine call may denoise together: the operator's `--max-batch`, within what the loaded
+/// engine batches (an engine that has not loaded yet is asked when it runs).
+fn batch_images(jobs: &JobManager, host: &mut ModelHost) -> u32 {
+    let configured = jobs.config().max_batch.max(1);
+    match host.engine() {
+        Some(engine) => configured.min(engine.max_batch().max(1)),
+        None => configured,
+    }
+}
+
+fn run_jobs(
+    jobs: &JobManager,
+    host: &mut ModelHost,
+    encoder: &Encoder,
+    started: Vec<StartedJob>,
+    max_images: u32,
+) {
+    let generations = started.iter().all(|j| matches!(j.work, Work::Generate { .. }));
+    if started.len() > 1 && generations {
+        return run_batch(jobs, host, encoder, started, max_images);
+    }
+    for job in started {
+        let StartedJob { id, work, cancel } = job;
+        let ended = match work {
+            Work::Generate { request, model } => match switch(jobs, host, &id, &model) {
+                Err(failure) => Ended::Final(failure),
+                Ok(()) => match host.engine() {
+                    Some(engine) => {
+                        let native = engine.info();
+                        jobs.set_size(&id, request.output_size((native.native_width, native.native_height)));
+                        run_one(jobs, encoder, engine, &id, &request, &cancel, max_images)
+                    }
+                    None => Ended::Final(model_failure("no model is loaded".into())),
+                },
+            },
+            Work::Load(model) => Ended::Final(
+                switch(jobs, host, &id, &model).map_or_else(|f| f, |()| Outcome::Succeeded(vec![])),
+            ),
+            Work::Upscale(request) => match host.engine() {
+                Some(engine) => upscale(engine, &request),
+                // Resampling needs no model; upscaler models run on the loaded engine's device.
+                None => upscale_without_engine(&request),
+            },
+            Work::Unload => {
+                host.unload_model();
+                jobs.library().record_unloaded();
+                tracing::info!("model unloaded");
+                Ended::Final(Outcome::Succeeded(vec![]))
+            }
+        };
+        encoder.finish(id, ended);
+    }
+}
+
+/// Generations of one model and batch key, denoised as one batch; each job keeps its own progress, cancellation
+/// and outcome.
+fn run_batch(
+    jobs: &JobManager,
+    host: &mut ModelHost,
+    encoder: &Encoder,
+    started: Vec<StartedJob>,
+    max_images: u32,
+) {
+    let mut ids = Vec::with_capacity(started.len());
+    let mut cancels = Vec::with_capacity(started.len());
+    let mut requests = Vec::with_capacity(started.len());
+    let mut model = None;
+    for StartedJob { id, work, cancel } in started {
+        if let Work::Generate { request, model: m } = work {
+            model.get_or_insert(m);
+            ids.push(id);
+            cancels.push(cancel);
+            requests.push(request);
+        }
+    }
+    let Some(model) = model else { return };
+    let fail_all = |outcome: Outcome| {
+        for id in &ids {
+            let copy = match &outcome {
+                Outcome::Failed(e) => Outcome::Failed(e.clone()),
+                _ => Outcome::Failed(JobError {
+                    kind: JobErrorKind::EngineError,
+                    message: "failed".into(),
+                    param: None,
+                }),
+            };
+            encoder.finish(id.clone(), Ended::Final(copy));
+        }
+    };
+    if let Err(failure) = switch(jobs, host, &ids[0], &model) {
+        return fail_all(failure);
+    }
+    let Some(engine) = host.engine() else { return fail_all(model_failure("no model is loaded".into())) };
+    let native = engine.info();
+    for (id, request) in ids.iter().zip(&requests) {
+        jobs.set_size(id, request.output_size((native.native_width, native.native_height)));
+    }
+    let images: u32 = requests.iter().map(|r| r.n).sum();
+    tracing::info!(jobs = ids.len(), images, steps = requests[0].steps, "batch started");
+    jobs.metrics().observe_batch(images.min(max_images));
+    let refs: Vec<&GenerateRequest> = requests.iter().map(|r| r.as_ref()).collect();
+    let mut on_progress = |i: usize, p: &Progress| {
+        report(jobs, encoder, &ids[i], p);
+        if cancels[i].load(Ordering::SeqCst) {
+            Control::Cancel
+        } else {
+            Control::Continue
+        }
+    };
+    let results =
+        catch_unwind(AssertUnwindSafe(|| engine.generate_batch(&refs, max_images, &mut on_progress)));
+    match results {
+        Ok(results) => {
+            for ((id, result), request) in ids.iter().zip(results).zip(&requests) {
+                encoder.finish(id.clone(), ended(id, result, request.output));
+            }
+        }
+        Err(payload) => {
+            let message = panic_message(payload.as_ref());
+            tracing::error!(jobs = ids.len(), "engine panicked in a batch: {message}");
+            fail_all(Outcome::Failed(JobError {
+                kind: JobErrorKind::EnginePanic,
+                message: format!("the engine panicked: {message}"),
+                param: None,
+            }));
         }
     }
 }
@@ -130,75 +236,103 @@ fn switch(jobs: &JobManager, host: &mut ModelHost, id: &JobId, model: &ModelSpec
     }
 }
 
+/// A step's report: progress now, the preview (if any) to the encoding threads.
+fn report(jobs: &JobManager, encoder: &Encoder, id: &JobId, p: &Progress) {
+    jobs.on_progress(id, p);
+    if let Some(preview) = &p.preview {
+        encoder.preview(id.clone(), p.step, p.image, preview.clone());
+    }
+}
+
 fn run_one(
     jobs: &JobManager,
+    encoder: &Encoder,
     engine: &mut dyn Engine,
     id: &JobId,
     request: &GenerateRequest,
-    cancel: &std::sync::atomic::AtomicBool,
-) -> Outcome {
+    cancel: &AtomicBool,
+    max_images: u32,
+) -> Ended {
     tracing::info!(job = %id, steps = request.steps, n = request.n, "job started");
     let mut on_progress = |p: &Progress| {
-        jobs.on_progress(id, p);
+        report(jobs, encoder, id, p);
         if cancel.load(Ordering::SeqCst) {
             Control::Cancel
         } else {
             Control::Continue
         }
     };
-    let result = catch_unwind(AssertUnwindSafe(|| engine.generate(request, &mut on_progress)));
-    let outcome = match result {
-        Ok(Ok(output)) => encode_all(output),
-        // The images finished before the stop are kept: A1111's interrupted requests answer with them.
-        Ok(Err(EngineError::Cancelled { done })) => match encode_images(done) {
-            Ok(images) => Outcome::Cancelled(images),
-            Err(e) => {
-                tracing::warn!(job = %id, "the images finished before the cancel are lost: {}", e.message);
-                Outcome::Cancelled(Vec::new())
-            }
-        },
-        Ok(Err(EngineError::Invalid(v))) => Outcome::Failed(JobError {
-            kind: JobErrorKind::InvalidRequest,
-            message: v.to_string(),
-            param: Some(v.field.to_string()),
-        }),
-        // The plan refused the job: the request (its size) is what does not fit, so it is the client's to change.
-        Ok(Err(EngineError::InsufficientMemory(m))) => Outcome::Failed(JobError {
-            kind: JobErrorKind::InvalidRequest,
-            message: m.to_string(),
-            param: Some("width".into()),
-        }),
-        Ok(Err(EngineError::OutOfMemory(m))) => {
-            Outcome::Failed(JobError { kind: JobErrorKind::OutOfMemory, message: m, param: None })
+    // A1111's `batch_size` and OpenAI's `n` denoise their images together where the engine batches.
+    let batched = max_images > 1 && request.n > 1 && request.batch_key().is_some();
+    jobs.metrics().observe_batch(if batched { request.n.min(max_images) } else { 1 });
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        if batched {
+            let mut indexed = |_: usize, p: &Progress| on_progress(p);
+            engine.generate_batch(&[request], max_images, &mut indexed).pop().unwrap_or_else(|| {
+                Err(EngineError::Failed("the engine returned no result for the request".into()))
+            })
+        } else {
+            engine.generate(request, &mut on_progress)
         }
-        Ok(Err(e)) => {
-            Outcome::Failed(JobError { kind: JobErrorKind::EngineError, message: e.to_string(), param: None })
-        }
+    }));
+    match result {
+        Ok(result) => ended(id, result, request.output),
         Err(payload) => {
             let message = panic_message(payload.as_ref());
             tracing::error!(job = %id, "engine panicked: {message}");
-            Outcome::Failed(JobError {
+            Ended::Final(Outcome::Failed(JobError {
                 kind: JobErrorKind::EnginePanic,
                 message: format!("the engine panicked: {message}"),
                 param: None,
-            })
+            }))
         }
+    }
+}
+
+/// A generation's engine result as the job's end: images to encode, or the failure as the API reports it.
+fn ended(id: &JobId, result: Result<GenerateOutput, EngineError>, output: OutputFormat) -> Ended {
+    let ended = match result {
+        Ok(done) => Ended::Succeeded(done.images, output),
+        // The images finished before the stop are kept: A1111's interrupted requests answer with them.
+        Err(EngineError::Cancelled { done }) => Ended::Cancelled(done, output),
+        Err(EngineError::Invalid(v)) => Ended::Final(Outcome::Failed(JobError {
+            kind: JobErrorKind::InvalidRequest,
+            message: v.to_string(),
+            param: Some(v.field.to_string()),
+        })),
+        // The plan refused the job: the request (its size) is what does not fit, so it is the client's to change.
+        Err(EngineError::InsufficientMemory(m)) => Ended::Final(Outcome::Failed(JobError {
+            kind: JobErrorKind::InvalidRequest,
+            message: m.to_string(),
+            param: Some("width".into()),
+        })),
+        Err(EngineError::OutOfMemory(m)) => Ended::Final(Outcome::Failed(JobError {
+            kind: JobErrorKind::OutOfMemory,
+            message: m,
+            param: None,
+        })),
+        Err(e) => Ended::Final(Outcome::Failed(JobError {
+            kind: JobErrorKind::EngineError,
+            message: e.to_string(),
+            param: None,
+        })),
     };
-    match &outcome {
-        Outcome::Succeeded(_) => tracing::info!(job = %id, "job succeeded"),
-        Outcome::Failed(e) => {
+    match &ended {
+        Ended::Succeeded(images, _) => tracing::info!(job = %id, images = images.len(), "job succeeded"),
+        Ended::Final(Outcome::Failed(e)) => {
             tracing::warn!(job = %id, kind = e.kind.as_str(), "job failed: {}", e.message)
         }
-        Outcome::Cancelled(done) => tracing::info!(job = %id, finished = done.len(), "job cancelled"),
+        Ended::Cancelled(done, _) => tracing::info!(job = %id, finished = done.len(), "job cancelled"),
+        Ended::Final(_) => {}
     }
-    outcome
+    ended
 }
 
 /// An extras job on the engine: its images as PNGs (no parameters chunk: A1111's extras write none of their own).
-fn upscale(engine: &mut dyn Engine, request: &UpscaleRequest) -> Outcome {
+fn upscale(engine: &mut dyn Engine, request: &UpscaleRequest) -> Ended {
     let result = catch_unwind(AssertUnwindSafe(|| engine.upscale(request)));
-    match result {
-        Ok(Ok(images)) => encode_upscaled(images),
+    let failure = match result {
+        Ok(Ok(images)) => return encoder::upscaled(images),
         Ok(Err(EngineError::Invalid(v))) => Outcome::Failed(JobError {
             kind: JobErrorKind::InvalidRequest,
             message: v.to_string(),
@@ -215,19 +349,20 @@ fn upscale(engine: &mut dyn Engine, request: &UpscaleRequest) -> Outcome {
             message: format!("the engine panicked: {}", panic_message(payload.as_ref())),
             param: None,
         }),
-    }
+    };
+    Ended::Final(failure)
 }
 
 /// Extras with no model loaded: the resampling upscalers, computed here; upscaler models need an engine.
-fn upscale_without_engine(request: &UpscaleRequest) -> Outcome {
+fn upscale_without_engine(request: &UpscaleRequest) -> Ended {
     let model = |u: &HiresUpscaler| matches!(u, HiresUpscaler::Model { .. } | HiresUpscaler::Latent(_));
     if model(&request.upscaler) || request.second.as_ref().is_some_and(|(u, _)| model(u)) {
-        return Outcome::Failed(JobError {
+        return Ended::Final(Outcome::Failed(JobError {
             kind: JobErrorKind::InvalidRequest,
             message: "upscaler models run on the loaded checkpoint's device, and no checkpoint is loaded"
                 .into(),
             param: Some("upscaler_1".into()),
-        });
+        }));
     }
     let passes = a1111::extras(request, |upscaler, scale, img| match a1111::builtin_for(upscaler, scale) {
         Some(mut builtin) => builtin(img).map_err(|e| e.to_string()),
@@ -236,50 +371,14 @@ fn upscale_without_engine(request: &UpscaleRequest) -> Outcome {
     let out = match passes {
         Ok(images) => images,
         Err(message) => {
-            return Outcome::Failed(JobError {
+            return Ended::Final(Outcome::Failed(JobError {
                 kind: JobErrorKind::InvalidRequest,
                 message,
                 param: Some("upscaling_resize".into()),
-            })
+            }))
         }
     };
-    encode_upscaled(out)
-}
-
-fn encode_upscaled(images: Vec<RgbImage>) -> Outcome {
-    let generated =
-        images.into_iter().map(|image| GeneratedImage { image, seed: 0, infotext: String::new() }).collect();
-    match encode_images(generated) {
-        Ok(images) => Outcome::Succeeded(images),
-        Err(e) => Outcome::Failed(e),
-    }
-}
-
-fn encode_all(output: GenerateOutput) -> Outcome {
-    match encode_images(output.images) {
-        Ok(images) => Outcome::Succeeded(images),
-        Err(e) => Outcome::Failed(e),
-    }
-}
-
-fn encode_images(generated: Vec<GeneratedImage>) -> Result<Vec<FinishedImage>, JobError> {
-    let mut images = Vec::with_capacity(generated.len());
-    for generated in generated {
-        let png = encode_png(&generated.image, Some(generated.infotext.as_str()).filter(|t| !t.is_empty()))
-            .map_err(|e| JobError {
-            kind: JobErrorKind::EngineError,
-            message: format!("cannot encode the image: {e}"),
-            param: None,
-        })?;
-        images.push(FinishedImage {
-            png: Bytes::from(png),
-            seed: generated.seed,
-            infotext: generated.infotext,
-            width: generated.image.width,
-            height: generated.image.height,
-        });
-    }
-    Ok(images)
+    encoder::upscaled(out)
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {

@@ -9,7 +9,7 @@ use crate::models::{ModelError, ModelLibrary};
 use crate::{unix_secs, ServerConfig};
 use base64::Engine as _;
 use bytes::Bytes;
-use sdhive_engine::{GenerateRequest, ModelHost, ModelSpec, Progress};
+use sdhive_engine::{GenerateRequest, ImageFormat, ModelHost, ModelSpec, OutputFormat, Progress};
 use sdhive_protocol::{
     JobError, JobErrorKind, JobEvent, JobId, JobImage, JobLinks, JobSnapshot, JobState, RequestSummary,
     RunningJob,
@@ -74,8 +74,10 @@ pub enum RunError {
 /// One generated image, encoded once when the job finishes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FinishedImage {
-    /// PNG with the A1111 `parameters` chunk.
-    pub png: Bytes,
+    /// The encoded image, with the A1111 infotext in it (a PNG's `parameters` chunk, a JPEG's or WebP's EXIF).
+    pub bytes: Bytes,
+    /// Its format (and JPEG quality): the request's `output`.
+    pub output: OutputFormat,
     pub seed: u64,
     pub infotext: String,
     pub width: u32,
@@ -84,13 +86,20 @@ pub struct FinishedImage {
 
 impl FinishedImage {
     pub fn to_wire(&self, index: u32) -> JobImage {
+        let image_base64 = base64::engine::general_purpose::STANDARD.encode(&self.bytes);
         JobImage {
             index,
             seed: self.seed,
             width: self.width,
             height: self.height,
             infotext: self.infotext.clone(),
-            png_base64: base64::engine::general_purpose::STANDARD.encode(&self.png),
+            format: self.output.format.name().into(),
+            png_base64: if self.output.format == ImageFormat::Png {
+                image_base64.clone()
+            } else {
+                String::new()
+            },
+            image_base64,
         }
     }
 }
@@ -278,7 +287,9 @@ impl Job {
 struct Inner {
     jobs: HashMap<JobId, Job>,
     queue: VecDeque<JobId>,
-    running: Option<JobId>,
+    /// Jobs taken by the engine thread and not finished yet, oldest first: the batch it denoises, and jobs whose
+    /// images are still being encoded.
+    running: Vec<JobId>,
     tombstones: VecDeque<JobId>,
     tombstone_set: HashSet<JobId>,
     accepting: bool,
@@ -366,9 +377,18 @@ pub(crate) struct StartedJob {
     pub cancel: Arc<AtomicBool>,
 }
 
+/// A generation's batch key, model and image count, if it can join a batch.
+fn batch_of(work: &Work) -> Option<(sdhive_engine::BatchKey, ModelSpec, u32)> {
+    match work {
+        Work::Generate { request, model } => request.batch_key().map(|key| (key, model.clone(), request.n)),
+        _ => None,
+    }
+}
+
 /// What the engine thread should do next.
 pub(crate) enum Next {
-    Job(Box<StartedJob>),
+    /// One job, or several generations to run as one batch (oldest first).
+    Jobs(Vec<StartedJob>),
     /// Nothing queued yet; ask again.
     Idle,
     Stop,
@@ -458,7 +478,7 @@ impl JobManager {
             inner: Mutex::new(Inner {
                 jobs: HashMap::new(),
                 queue: VecDeque::new(),
-                running: None,
+                running: Vec::new(),
                 tombstones: VecDeque::new(),
                 tombstone_set: HashSet::new(),
                 accepting: true,
@@ -495,6 +515,14 @@ impl JobManager {
     pub fn submit(&self, req: GenerateRequest) -> Result<JobId, SubmitError> {
         let model = self.shared.library.resolve(None, None)?;
         self.submit_for(req, model)
+    }
+
+    pub fn config(&self) -> &ServerConfig {
+        &self.shared.config
+    }
+
+    pub(crate) fn metrics(&self) -> &Metrics {
+        &self.shared.metrics
     }
 
     pub fn library(&self) -> &Arc<ModelLibrary> {
@@ -649,21 +677,28 @@ impl JobManager {
         Ok(inner.view_of(job))
     }
 
-    /// The running job, if any.
+    /// The running job (the oldest, when a batch runs), if any.
     pub fn current(&self) -> Option<JobView> {
         let inner = self.lock();
-        let job = inner.jobs.get(inner.running.as_ref()?)?;
+        let job = inner.jobs.get(inner.running.first()?)?;
         Some(inner.view_of(job))
     }
 
-    /// Flags the running job for cancellation and returns its id.
+    /// Flags the running jobs (the whole batch: A1111's interrupt stops what is generating) for cancellation and
+    /// returns the oldest one's id.
     pub fn cancel_current(&self) -> Option<JobId> {
         let inner = self.lock();
-        let id = inner.running.clone()?;
-        if let Some(job) = inner.jobs.get(&id) {
-            job.cancel.store(true, Ordering::SeqCst);
+        for id in &inner.running {
+            if let Some(job) = inner.jobs.get(id) {
+                job.cancel.store(true, Ordering::SeqCst);
+            }
         }
-        Some(id)
+        inner.running.first().cloned()
+    }
+
+    /// Jobs taken by the engine and not finished (a batch's, and those whose images are being encoded).
+    pub fn running_count(&self) -> usize {
+        self.lock().running.len()
     }
 
     /// Jobs waiting (not counting the running one).
@@ -684,7 +719,7 @@ impl JobManager {
     /// The running job's progress, for heartbeats.
     pub fn running_job(&self) -> Option<RunningJob> {
         let inner = self.lock();
-        let job = inner.jobs.get(inner.running.as_ref()?)?;
+        let job = inner.jobs.get(inner.running.first()?)?;
         Some(RunningJob {
             id: job.id.clone(),
             step: job.step,
@@ -749,16 +784,18 @@ impl JobManager {
         }
     }
 
-    /// Flags the running job to stop because the worker is shutting down; it then ends `failed` with kind
-    /// `shutting_down`.
+    /// Flags the running jobs to stop because the worker is shutting down; they then end `failed` with kind
+    /// `shutting_down`. Returns the oldest one's id.
     pub fn cancel_current_for_shutdown(&self) -> Option<JobId> {
         let mut inner = self.lock();
-        let id = inner.running.clone()?;
-        if let Some(job) = inner.jobs.get_mut(&id) {
-            job.stopped_by_shutdown = true;
-            job.cancel.store(true, Ordering::SeqCst);
+        let running = inner.running.clone();
+        for id in &running {
+            if let Some(job) = inner.jobs.get_mut(id) {
+                job.stopped_by_shutdown = true;
+                job.cancel.store(true, Ordering::SeqCst);
+            }
         }
-        Some(id)
+        running.first().cloned()
     }
 
     /// Waits (blocking) up to `timeout` for the running job to end; true if nothing runs any more.
@@ -767,9 +804,9 @@ impl JobManager {
         let (inner, _) = self
             .shared
             .idle
-            .wait_timeout_while(inner, timeout, |i| i.running.is_some() || !i.queue.is_empty())
+            .wait_timeout_while(inner, timeout, |i| !i.running.is_empty() || !i.queue.is_empty())
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        inner.running.is_none() && inner.queue.is_empty()
+        inner.running.is_empty() && inner.queue.is_empty()
     }
 
     /// Tells the engine thread to exit once idle and waits for it.
@@ -777,7 +814,7 @@ impl JobManager {
         let still_running = {
             let mut inner = self.lock();
             inner.stop = true;
-            inner.running.is_some()
+            !inner.running.is_empty()
         };
         self.shared.work.notify_all();
         if still_running {
@@ -793,10 +830,12 @@ impl JobManager {
 
     // ---- engine-thread side ----
 
-    /// Waits up to a second for a job (→ `Next::Job`, now running). Sweeps expired jobs while idle, so memory
-    /// is returned without any request arriving; the short wait lets the engine thread notice when every
-    /// handle to this manager is gone.
-    pub(crate) fn next_job(&self) -> Next {
+    /// Waits up to a second for work (→ `Next::Jobs`, now running). The oldest queued job comes first; a
+    /// generation that can join a batch takes along the queued generations of the same model and
+    /// [`sdhive_engine::BatchKey`], oldest first, while their images fit `max_images`. Sweeps expired jobs while
+    /// idle, so memory is returned without any request arriving; the short wait lets the engine thread notice when
+    /// every handle to this manager is gone.
+    pub(crate) fn next_jobs(&self, max_images: u32) -> Next {
         let mut inner = self.lock();
         let mut waited = false;
         loop {
@@ -805,22 +844,34 @@ impl JobManager {
                 return Next::Stop;
             }
             if let Some(id) = inner.queue.pop_front() {
-                let started = inner.jobs.get_mut(&id).and_then(|job| {
-                    let work = job.work.take()?;
-                    let now = (SystemTime::now(), Instant::now());
-                    job.state = JobState::Running;
-                    job.started = Some(now);
-                    job.last_step = Some(now.1);
-                    job.emit(JobEvent::Started { id: id.clone(), started_at: unix_secs(now.0) });
-                    Some(StartedJob { id: id.clone(), work, cancel: Arc::clone(&job.cancel) })
-                });
-                if let Some(started) = started {
-                    inner.running = Some(id);
-                    inner.announce_positions();
-                    self.shared.metrics.job_entered(JobState::Running);
-                    return Next::Job(Box::new(started));
+                let Some(first) = self.start_job(&mut inner, &id) else { continue };
+                let mut started = vec![first];
+                if let Some((key, model, mut images)) = batch_of(&started[0].work).filter(|_| max_images > 1)
+                {
+                    let mut at = 0;
+                    while at < inner.queue.len() && images < max_images {
+                        let candidate = inner.queue[at].clone();
+                        let joins = inner
+                            .jobs
+                            .get(&candidate)
+                            .and_then(|j| j.work.as_ref())
+                            .and_then(batch_of)
+                            .filter(|(k, m, n)| *k == key && *m == model && images + n <= max_images)
+                            .map(|(_, _, n)| n);
+                        match joins {
+                            Some(n) => {
+                                inner.queue.remove(at);
+                                if let Some(job) = self.start_job(&mut inner, &candidate) {
+                                    images += n;
+                                    started.push(job);
+                                }
+                            }
+                            None => at += 1,
+                        }
+                    }
                 }
-                continue;
+                inner.announce_positions();
+                return Next::Jobs(started);
             }
             if waited {
                 return Next::Idle;
@@ -835,7 +886,21 @@ impl JobManager {
         }
     }
 
-    /// A handle that does not keep the manager alive (for the engine thread).
+    /// Marks queued job `id` (already out of the queue) running; `None` if it has no work left to run.
+    fn start_job(&self, inner: &mut Inner, id: &JobId) -> Option<StartedJob> {
+        let job = inner.jobs.get_mut(id)?;
+        let work = job.work.take()?;
+        let now = (SystemTime::now(), Instant::now());
+        job.state = JobState::Running;
+        job.started = Some(now);
+        job.last_step = Some(now.1);
+        job.emit(JobEvent::Started { id: id.clone(), started_at: unix_secs(now.0) });
+        let started = StartedJob { id: id.clone(), work, cancel: Arc::clone(&job.cancel) };
+        inner.running.push(id.clone());
+        self.shared.metrics.job_entered(JobState::Running);
+        Some(started)
+    }
+
     pub(crate) fn downgrade(&self) -> Weak<Shared> {
         Arc::downgrade(&self.shared)
     }
@@ -866,17 +931,21 @@ impl JobManager {
             eta_seconds: job.eta_seconds(),
         };
         job.emit(event);
-        if let Some(png) = p.preview.as_ref().and_then(|img| sdhive_engine::encode_png(img, None).ok()) {
-            use base64::Engine as _;
-            let png = Bytes::from(png);
-            job.emit(JobEvent::Preview {
-                id: id.clone(),
-                step: p.step,
-                image: p.image,
-                png_base64: base64::engine::general_purpose::STANDARD.encode(&png),
-            });
-            job.preview = Some(png);
-        }
+    }
+
+    /// A running job's latest preview, encoded off the engine thread (see `encoder`); one that arrives after the
+    /// job ended is dropped.
+    pub(crate) fn publish_preview(&self, id: &JobId, step: u32, image: u32, png: Bytes) {
+        use base64::Engine as _;
+        let mut inner = self.lock();
+        let Some(job) = inner.jobs.get_mut(id).filter(|j| j.state == JobState::Running) else { return };
+        job.emit(JobEvent::Preview {
+            id: id.clone(),
+            step,
+            image,
+            png_base64: base64::engine::general_purpose::STANDARD.encode(&png),
+        });
+        job.preview = Some(png);
     }
 
     /// Says what a running job does besides denoising (`None` once it denoises).
@@ -896,7 +965,7 @@ impl JobManager {
 
     pub(crate) fn finish(&self, id: &JobId, outcome: Outcome) {
         let mut inner = self.lock();
-        inner.running = None;
+        inner.running.retain(|r| r != id);
         if let Some(job) = inner.jobs.get_mut(id) {
             let now = (SystemTime::now(), Instant::now());
             job.finished = Some(now);
@@ -950,7 +1019,7 @@ impl JobManager {
     pub(crate) fn mark_engine_dead(&self) {
         let mut inner = self.lock();
         inner.engine_alive = false;
-        inner.running = None;
+        inner.running.clear();
         drop(inner);
         self.shared.idle.notify_all();
     }

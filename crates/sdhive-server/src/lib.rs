@@ -4,6 +4,7 @@
 //! ties these to a listener, the model load, hive `registration` and graceful shutdown.
 
 pub mod auth;
+mod encoder;
 pub mod error;
 pub mod extract;
 pub mod hires;
@@ -54,6 +55,9 @@ pub struct ServerConfig {
     pub limits: Limits,
     /// Jobs waiting behind the running one; one more is refused with 429.
     pub max_queue: usize,
+    /// The most images of compatible queued generations denoised together (`--max-batch`); 1 runs one job at a
+    /// time.
+    pub max_batch: u32,
     /// How long a finished job's result stays retrievable; afterwards its id answers 410.
     pub job_ttl: Duration,
     /// When set, every route but `/health` needs `Authorization: Bearer <key>` (or one of `api_auth`).
@@ -98,6 +102,7 @@ impl Default for ServerConfig {
         ServerConfig {
             limits: Limits::default(),
             max_queue: 64,
+            max_batch: 1,
             job_ttl: Duration::from_secs(600),
             api_key: None,
             max_body_bytes: 32 * 1024 * 1024,
@@ -269,6 +274,7 @@ impl AppState {
             img2img: info.supports_img2img,
             inpaint: info.supports_inpaint,
             preview: true,
+            max_batch: self.config.max_batch,
         }
     }
 }

@@ -8,6 +8,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 const STEP_BUCKETS: [f64; 12] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+const BATCH_BUCKETS: [f64; 7] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0];
 const GENERATION_BUCKETS: [f64; 12] = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0];
 
 struct Histogram {
@@ -47,6 +48,7 @@ pub struct Metrics {
     jobs_by_state: [AtomicU64; 5],
     step_seconds: Mutex<Histogram>,
     generation_seconds: Mutex<Histogram>,
+    batch_images: Mutex<Histogram>,
     /// f64 bits; written once after the load.
     model_load_seconds: AtomicU64,
 }
@@ -71,6 +73,7 @@ impl Metrics {
             jobs_by_state: Default::default(),
             step_seconds: Mutex::new(Histogram::new(&STEP_BUCKETS)),
             generation_seconds: Mutex::new(Histogram::new(&GENERATION_BUCKETS)),
+            batch_images: Mutex::new(Histogram::new(&BATCH_BUCKETS)),
             model_load_seconds: AtomicU64::new(0f64.to_bits()),
         }
     }
@@ -88,6 +91,11 @@ impl Metrics {
         lock(&self.step_seconds).observe(d.as_secs_f64());
     }
 
+    /// One engine call's images: a batch of queued jobs, or one job's.
+    pub fn observe_batch(&self, images: u32) {
+        lock(&self.batch_images).observe(f64::from(images));
+    }
+
     pub fn observe_generation(&self, d: Duration) {
         lock(&self.generation_seconds).observe(d.as_secs_f64());
     }
@@ -101,7 +109,7 @@ impl Metrics {
     }
 
     /// The text exposition format (version 0.0.4).
-    pub fn render(&self, queue_depth: usize, running: bool, ready: bool) -> String {
+    pub fn render(&self, queue_depth: usize, running: usize, ready: bool) -> String {
         let mut out = String::new();
         out.push_str(
             "# HELP sdhive_jobs_total Jobs that entered each state.\n# TYPE sdhive_jobs_total counter\n",
@@ -115,8 +123,7 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
-            "# HELP sdhive_jobs_running Jobs running now (0 or 1).\n# TYPE sdhive_jobs_running gauge\nsdhive_jobs_running {}",
-            u8::from(running)
+            "# HELP sdhive_jobs_running Jobs running now (a batch's, and those being encoded).\n# TYPE sdhive_jobs_running gauge\nsdhive_jobs_running {running}"
         );
         let _ = writeln!(
             out,
@@ -134,6 +141,11 @@ impl Metrics {
             "sdhive_generation_seconds",
             "Run time of successful jobs (all images).",
         );
+        lock(&self.batch_images).render(
+            &mut out,
+            "sdhive_batch_images",
+            "Images denoised together per engine call (--max-batch).",
+        );
         out
     }
 }
@@ -149,7 +161,7 @@ mod tests {
         m.observe_step(Duration::from_millis(70));
         m.observe_step(Duration::from_secs(100));
         m.job_entered(JobState::Queued);
-        let text = m.render(2, true, true);
+        let text = m.render(2, 1, true);
         assert!(text.contains("sdhive_step_seconds_bucket{le=\"0.005\"} 1\n"), "{text}");
         assert!(text.contains("sdhive_step_seconds_bucket{le=\"0.1\"} 2\n"), "{text}");
         assert!(text.contains("sdhive_step_seconds_bucket{le=\"+Inf\"} 3\n"), "{text}");

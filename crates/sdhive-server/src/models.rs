@@ -5,7 +5,7 @@
 //! queued; the engine thread records every load and unload here.
 
 use crate::locks::{lock, read, write};
-use sdhive_catalog::{Catalog, CatalogConfig, Checkpoint, CheckpointFormat, Refused};
+use sdhive_catalog::{Catalog, CatalogConfig, Checkpoint, CheckpointFormat};
 use sdhive_engine::{EngineInfo, ModelSpec};
 use sdhive_protocol::{file_stem, is_openai_model_name, ListedModel};
 use std::path::{Path, PathBuf};
@@ -101,6 +101,8 @@ struct Selection {
 
 pub struct ModelLibrary {
     config: CatalogConfig,
+    /// The checkpoint formats the worker's engine loads, and that engine's name for the refusal of the others.
+    loadable: (Vec<CheckpointFormat>, String),
     catalog: RwLock<Catalog>,
     extra: Mutex<Option<Extra>>,
     selection: Mutex<Selection>,
@@ -110,14 +112,28 @@ pub struct ModelLibrary {
 }
 
 impl ModelLibrary {
-    /// A library over `config`'s folders, scanned now (headers only: nothing is hashed).
+    /// A library over `config`'s folders, scanned now (headers only: nothing is hashed), for an engine that loads
+    /// diffusers folders and `.safetensors` files.
     pub fn scan(config: CatalogConfig) -> Result<ModelLibrary, ModelError> {
-        let catalog = scan(&config)?;
+        let formats = [CheckpointFormat::Diffusers, CheckpointFormat::SafeTensors];
+        ModelLibrary::scan_loading(config, &formats, "this worker's engine")
+    }
+
+    /// As [`ModelLibrary::scan`], for an engine (`engine` names it) that loads `formats`: checkpoints of other
+    /// formats are listed as refused, saying where they load.
+    pub fn scan_loading(
+        config: CatalogConfig,
+        formats: &[CheckpointFormat],
+        engine: &str,
+    ) -> Result<ModelLibrary, ModelError> {
+        let loadable = (formats.to_vec(), engine.to_string());
+        let catalog = scan(&config, &loadable)?;
         for refused in &catalog.refused {
             tracing::warn!(file = %refused.path.display(), "not listed: {}", refused.reason);
         }
         Ok(ModelLibrary {
             config,
+            loadable,
             catalog: RwLock::new(catalog),
             extra: Mutex::new(None),
             selection: Mutex::new(Selection { checkpoint: None, vae: VaeChoice::Automatic }),
@@ -132,6 +148,7 @@ impl ModelLibrary {
         let aliases = vec![name.to_string(), info.model.clone()];
         ModelLibrary {
             config: CatalogConfig { models_dirs: vec![], vae_dirs: vec![], hash_cache: None },
+            loadable: (Vec::new(), String::new()),
             catalog: RwLock::new(Catalog::default()),
             extra: Mutex::new(Some(Extra { spec: spec.clone(), aliases })),
             selection: Mutex::new(Selection { checkpoint: Some(spec.clone()), vae: VaeChoice::Automatic }),
@@ -384,7 +401,7 @@ impl ModelLibrary {
 
     /// Rescans the folders; what was loaded or selected stays as it is.
     pub fn refresh(&self) -> Result<(), ModelError> {
-        let fresh = scan(&self.config)?;
+        let fresh = scan(&self.config, &self.loadable)?;
         *write(&self.catalog) = fresh;
         Ok(())
     }
@@ -442,23 +459,14 @@ impl ModelLibrary {
     }
 }
 
-/// The catalogue of `config`'s folders, less what no engine here loads: GGUF files are moved to the refused
-/// list (the model sources resolve safetensors and diffusers folders only), so nothing listed fails for its
-/// format.
-fn scan(config: &CatalogConfig) -> Result<Catalog, ModelError> {
+/// The catalogue of `config`'s folders, less what the engine here does not load (`loadable`): those are moved to
+/// the refused list, so nothing listed fails for its format.
+fn scan(
+    config: &CatalogConfig,
+    (formats, engine): &(Vec<CheckpointFormat>, String),
+) -> Result<Catalog, ModelError> {
     let mut catalog = Catalog::scan(config).map_err(|e| ModelError::Catalog(e.to_string()))?;
-    let (gguf, kept): (Vec<Checkpoint>, Vec<Checkpoint>) =
-        catalog.checkpoints.drain(..).partition(|c| c.format == CheckpointFormat::Gguf);
-    catalog.checkpoints = kept;
-    catalog.refused.extend(gguf.into_iter().map(|c| {
-        Refused {
-            name: c.name,
-            path: c.path,
-            reason:
-                "GGUF checkpoints are not loaded by the workers yet: use the .safetensors or diffusers form"
-                    .into(),
-        }
-    }));
+    catalog.retain_loadable(formats, engine);
     Ok(catalog)
 }
 
@@ -481,5 +489,33 @@ mod tests {
             assert_eq!(VaeChoice::parse(v).as_option(), v);
         }
         assert_eq!(VaeChoice::parse(""), VaeChoice::Automatic);
+    }
+
+    #[test]
+    fn gguf_checkpoints_are_listed_only_for_an_engine_that_loads_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let tensors = sdhive_catalog::gguf::sd_tensors_for_tests("sdxl", 4);
+        let refs: Vec<(&str, &[u64], u32)> =
+            tensors.iter().map(|(n, d, t)| (n.as_str(), d.as_slice(), *t)).collect();
+        sdhive_catalog::gguf::write_for_tests(&dir.path().join("xl-q8_0.gguf"), None, &refs).unwrap();
+        let config = CatalogConfig { models_dirs: vec![dir.path().into()], ..Default::default() };
+        let all = [CheckpointFormat::Diffusers, CheckpointFormat::SafeTensors, CheckpointFormat::Gguf];
+        let sdcpp = ModelLibrary::scan_loading(config.clone(), &all, "stable-diffusion.cpp").unwrap();
+        let spec = sdcpp.find("xl-q8_0").unwrap();
+        assert!(spec.source.ends_with("xl-q8_0.gguf"), "{spec:?}");
+        assert_eq!(sdcpp.list("w")[0].format, "gguf");
+        assert!(sdcpp.refused().is_empty());
+
+        let candle = ModelLibrary::scan(config).unwrap();
+        assert!(candle.list("w").is_empty());
+        assert!(matches!(candle.find("xl-q8_0"), Err(ModelError::UnknownCheckpoint { .. })));
+        let refused = candle.refused();
+        assert!(
+            refused[0].0.ends_with("xl-q8_0.gguf") && refused[0].1.contains("stable-diffusion.cpp"),
+            "{refused:?}"
+        );
+        // A rescan keeps to the engine's formats.
+        sdcpp.refresh().unwrap();
+        assert_eq!(sdcpp.list("w").len(), 1);
     }
 }

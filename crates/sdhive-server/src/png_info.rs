@@ -562,6 +562,30 @@ mod tests {
         assert_eq!(read_image_info(&jpeg, 1 << 20).unwrap().parameters.as_deref(), Some(comment));
     }
 
+    #[test]
+    fn our_images_carry_their_infotext_in_every_format() {
+        use sdhive_engine::{encode_image, ImageFormat, OutputFormat, RgbImage};
+        let img =
+            RgbImage { width: 24, height: 16, data: (0..24 * 16 * 3).map(|v| (v * 7 % 256) as u8).collect() };
+        let text =
+            "a cat, caf\u{e9} 猫 🐱\nNegative prompt: dog\nSteps: 3, Sampler: Euler, CFG scale: 7, Seed: 4, \
+                    Size: 24x16, Version: sdhive 0.1.0";
+        for format in ImageFormat::ALL {
+            let bytes = encode_image(&img, Some(text), OutputFormat::new(format, 75)).unwrap();
+            let info = read_image_info(&bytes, 1 << 20).unwrap();
+            assert_eq!(info.parameters.as_deref(), Some(text), "{format}");
+            assert!(info.items.is_empty(), "{format}: {:?}", info.items);
+            let parsed = parse(info.parameters.as_deref().unwrap_or_default());
+            assert_eq!(
+                (parsed["Steps"].as_str(), parsed["Size-1"].as_str()),
+                (Some("3"), Some("24")),
+                "{format}"
+            );
+            let bare = encode_image(&img, None, OutputFormat::new(format, 75)).unwrap();
+            assert_eq!(read_image_info(&bare, 1 << 20).unwrap(), ImageInfo::default(), "{format}");
+        }
+    }
+
     /// A TIFF block: IFD0 with an Exif pointer, the Exif IFD with a UserComment.
     fn exif_block(comment: &str, big: bool) -> Vec<u8> {
         let mut body: Vec<u8> = b"UNICODE\0".to_vec();

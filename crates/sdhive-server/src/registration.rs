@@ -1,15 +1,19 @@
 //! The worker's side of the hive protocol (`docs/protocol.md`): register once the model is loaded (retrying
 //! with capped exponential backoff until the hive answers 2xx), heartbeat at the interval the hive asked for,
-//! register again when a heartbeat is answered 404/410, and deregister on shutdown.
+//! register again when a heartbeat is answered 404/410, and deregister on shutdown. The registration carries the
+//! model library (every checkpoint the worker can load); when it changes (a refresh found other files, a
+//! checkpoint was hashed) a heartbeat carries it again at once, so the hive routes requests for it here.
 
+use crate::locks::lock;
 use crate::{unix_secs, AppState};
 use reqwest::{StatusCode, Url};
 use sdhive_protocol::{
-    Deregister, Heartbeat, RegisterRequest, RegisterResponse, WorkerState, DEFAULT_HEARTBEAT_INTERVAL_SECS,
-    PROTOCOL_VERSION,
+    Deregister, Heartbeat, LibraryModel, RegisterRequest, RegisterResponse, WorkerState,
+    DEFAULT_HEARTBEAT_INTERVAL_SECS, PROTOCOL_VERSION,
 };
+use std::hash::{Hash, Hasher};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use thiserror::Error;
 use tokio::sync::watch;
 
@@ -54,6 +58,9 @@ struct Registered {
     deregister_url: Option<Url>,
 }
 
+/// How often the library is looked at between heartbeats: a change reaches the hive within this.
+const LIBRARY_POLL: Duration = Duration::from_secs(1);
+
 /// This worker's connection to its hive.
 pub struct HiveLink {
     client: reqwest::Client,
@@ -62,6 +69,8 @@ pub struct HiveLink {
     base_url: String,
     state: AppState,
     registered: Mutex<Option<Registered>>,
+    /// Digest of the library the hive last accepted (in a registration or a heartbeat).
+    library_sent: Mutex<Option<u64>>,
 }
 
 enum Beat {
@@ -85,10 +94,32 @@ impl HiveLink {
             .timeout(config.request_timeout)
             .build()
             .map_err(|e| RegistrationError::Client(e.to_string()))?;
-        Ok(HiveLink { client, callback_url, config, base_url, state, registered: Mutex::new(None) })
+        Ok(HiveLink {
+            client,
+            callback_url,
+            config,
+            base_url,
+            state,
+            registered: Mutex::new(None),
+            library_sent: Mutex::new(None),
+        })
     }
 
-    fn registration(&self) -> RegisterRequest {
+    /// Every checkpoint this worker can load, and a digest of the list to tell whether the hive has it.
+    fn library(&self) -> (Vec<LibraryModel>, u64) {
+        let listed = self.state.library.list(&self.state.config.worker_id);
+        let library: Vec<LibraryModel> = listed.iter().map(LibraryModel::from).collect();
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        library.hash(&mut hasher);
+        (library, hasher.finish())
+    }
+
+    fn library_changed(&self) -> bool {
+        let sent = *lock(&self.library_sent);
+        sent != Some(self.library().1)
+    }
+
+    fn registration(&self, library: Vec<LibraryModel>) -> RegisterRequest {
         let state = &self.state;
         let loaded = state.library.current();
         RegisterRequest {
@@ -101,6 +132,7 @@ impl HiveLink {
             model: loaded.as_ref().map(|(_, info)| info.model.clone()).unwrap_or_default(),
             model_source: loaded.as_ref().map(|(spec, _)| spec.source.clone()),
             switchable: state.library.switchable(),
+            library: Some(library),
             model_family: state.info().family.clone(),
             capabilities: state.capabilities(),
             version: state.config.version.clone(),
@@ -137,6 +169,7 @@ impl HiveLink {
             jobs_failed: m.jobs_entered(sdhive_protocol::JobState::Failed),
             jobs_cancelled: m.jobs_entered(sdhive_protocol::JobState::Cancelled),
             uptime_secs: state.started_at.elapsed().map(|d| d.as_secs_f64()).unwrap_or(0.0),
+            library: None,
         }
     }
 
@@ -149,9 +182,10 @@ impl HiveLink {
     }
 
     async fn try_register(&self) -> Result<Registered, String> {
+        let (library, digest) = self.library();
         let response = self
             .post(self.callback_url.clone())
-            .json(&self.registration())
+            .json(&self.registration(library))
             .send()
             .await
             .map_err(|e| format!("cannot reach {}: {e}", self.callback_url))?;
@@ -169,6 +203,7 @@ impl HiveLink {
             .map_err(|e| format!("the hive's registration answer is not understood: {e}"))?;
         let join =
             |u: &str| self.callback_url.join(u).map_err(|e| format!("the hive gave a bad URL `{u}`: {e}"));
+        *lock(&self.library_sent) = Some(digest);
         Ok(Registered {
             heartbeat_url: join(&answer.heartbeat_url)?,
             interval: Duration::from_secs(
@@ -202,8 +237,20 @@ impl HiveLink {
     }
 
     async fn beat(&self, url: &Url) -> Beat {
-        match self.post(url.clone()).json(&self.heartbeat()).send().await {
-            Ok(r) if r.status().is_success() => Beat::Ok,
+        let mut heartbeat = self.heartbeat();
+        let (library, digest) = self.library();
+        let changed = *lock(&self.library_sent) != Some(digest);
+        if changed {
+            tracing::info!(models = library.len(), "the model library changed; telling the hive");
+            heartbeat.library = Some(library);
+        }
+        match self.post(url.clone()).json(&heartbeat).send().await {
+            Ok(r) if r.status().is_success() => {
+                if changed {
+                    *lock(&self.library_sent) = Some(digest);
+                }
+                Beat::Ok
+            }
             Ok(r) if matches!(r.status(), StatusCode::NOT_FOUND | StatusCode::GONE) => Beat::Unknown,
             Ok(r) => {
                 tracing::warn!(status = %r.status(), "heartbeat refused");
@@ -221,8 +268,16 @@ impl HiveLink {
         'register: loop {
             let Some(registered) = self.register(&mut stop).await else { return };
             loop {
-                if sleep_or_stop(registered.interval, &mut stop).await {
-                    return;
+                // The next heartbeat goes out after the interval, or at once when the library changed.
+                let due = Instant::now() + registered.interval;
+                loop {
+                    let left = due.saturating_duration_since(Instant::now());
+                    if sleep_or_stop(left.min(LIBRARY_POLL), &mut stop).await {
+                        return;
+                    }
+                    if Instant::now() >= due || self.library_changed() {
+                        break;
+                    }
                 }
                 match self.beat(&registered.heartbeat_url).await {
                     Beat::Ok | Beat::Failed => {}
@@ -248,7 +303,7 @@ impl HiveLink {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<Registered>> {
-        self.registered.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.registered)
     }
 }
 

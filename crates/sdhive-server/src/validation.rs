@@ -4,8 +4,8 @@
 
 use base64::Engine as _;
 use sdhive_engine::{
-    decode_image, decode_mask, GenerateRequest, GrayImage, ImageError, Limits, RgbImage, Sampler, Schedule,
-    ValidationError,
+    decode_image, decode_mask, GenerateRequest, GrayImage, ImageError, ImageFormat, Limits, OutputFormat,
+    RgbImage, Sampler, Schedule, ValidationError,
 };
 use sdhive_protocol::JobRequest;
 
@@ -101,6 +101,29 @@ pub fn parse_sampler(
     Ok((sampler, schedule))
 }
 
+/// An output format and JPEG quality from a request's fields (`fields` are their names): a format name
+/// ([`ImageFormat::parse`]; absent = PNG) and a quality of 0–100 (absent = `default_quality`).
+pub fn parse_output(
+    format: Option<&str>,
+    quality: Option<u32>,
+    default_quality: u8,
+    fields: (&'static str, &'static str),
+) -> Result<OutputFormat, ValidationError> {
+    let format = match format {
+        None => ImageFormat::Png,
+        Some(name) => ImageFormat::parse(name)
+            .ok_or_else(|| invalid(fields.0, format!("must be {}, got `{name}`", ImageFormat::EXPECTED)))?,
+    };
+    let quality = match quality {
+        None => default_quality,
+        Some(q) => u8::try_from(q)
+            .ok()
+            .filter(|q| *q <= 100)
+            .ok_or_else(|| invalid(fields.1, format!("must be between 0 and 100, got {q}")))?,
+    };
+    Ok(OutputFormat::new(format, quality))
+}
+
 /// The native job request, with defaults, decoded images and every limit checked.
 pub fn build_request(
     req: &JobRequest,
@@ -131,6 +154,12 @@ pub fn build_request(
         loras: Vec::new(),
         embeddings: Vec::new(),
         hires: None,
+        output: parse_output(
+            req.output_format.as_deref(),
+            req.output_quality,
+            OutputFormat::DEFAULT_QUALITY,
+            ("output_format", "output_quality"),
+        )?,
     };
     out.validate(limits)?;
     if req.mask.is_some() && req.init_image.is_none() {
@@ -193,6 +222,19 @@ mod tests {
         assert_eq!(field(&JobRequest { init_image: Some("aGVsbG8=".into()), ..req() }), "init_image");
         assert_eq!(field(&JobRequest { strength: Some(0.5), ..req() }), "strength");
         assert_eq!(field(&JobRequest { preview_every: Some(0), ..req() }), "preview_every");
+        assert_eq!(field(&JobRequest { output_format: Some("gif".into()), ..req() }), "output_format");
+        assert_eq!(field(&JobRequest { output_quality: Some(101), ..req() }), "output_quality");
+        assert_eq!(field(&JobRequest { output_quality: Some(u32::MAX), ..req() }), "output_quality");
+    }
+
+    #[test]
+    fn output_format_and_quality_reach_the_request() {
+        let build = |r: &JobRequest| build_request(r, &Limits::default(), 1 << 20).unwrap().output;
+        assert_eq!(build(&req()), OutputFormat::PNG);
+        let jpeg = JobRequest { output_format: Some("JPG".into()), output_quality: Some(0), ..req() };
+        assert_eq!(build(&jpeg), OutputFormat::new(ImageFormat::Jpeg, 0));
+        let webp = JobRequest { output_format: Some("webp".into()), ..req() };
+        assert_eq!(build(&webp), OutputFormat::new(ImageFormat::Webp, OutputFormat::DEFAULT_QUALITY));
     }
 
     #[test]

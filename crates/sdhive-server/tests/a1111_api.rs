@@ -7,7 +7,8 @@ use base64::Engine as _;
 use candle_core::{DType, Device};
 use sdhive_candle::{CandleEngine, LoadOptions};
 use sdhive_engine::{
-    decode_image, decode_mask, Control, Engine, GenerateRequest, GrayImage, RgbImage, Sampler, Schedule,
+    decode_image, decode_mask, encode_image, Control, Engine, GenerateRequest, GrayImage, ImageFormat,
+    OutputFormat, RgbImage, Sampler, Schedule,
 };
 use sdhive_protocol::JobState;
 use sdhive_server::{AppState, ServerConfig};
@@ -335,7 +336,103 @@ async fn bad_input_is_a_400_naming_the_field() {
     assert_field_error(status, &got, "CLIP_stop_at_last_layers");
     let (status, got) = server.post("/sdapi/v1/options", &json!({"sd_model_checkpoint": "sdxl-base"})).await;
     assert_field_error(status, &got, "sd_model_checkpoint");
+    for (options, field) in [
+        (json!({"samples_format": "gif"}), "samples_format"),
+        (json!({"samples_format": 3}), "samples_format"),
+        (json!({"jpeg_quality": 101}), "jpeg_quality"),
+        (json!({"jpeg_quality": 7.5}), "jpeg_quality"),
+        (json!({"webp_lossless": "yes"}), "webp_lossless"),
+        // A bad value refuses the whole request: the valid clip skip beside it is not stored either.
+        (json!({"CLIP_stop_at_last_layers": 3, "samples_format": "tiff"}), "samples_format"),
+    ] {
+        let (status, got) = server.post("/sdapi/v1/options", &options).await;
+        assert_field_error(status, &got, field);
+        let (status, got) =
+            server.post("/sdapi/v1/txt2img", &json!({"prompt": "a", "override_settings": options})).await;
+        assert_field_error(status, &got, &format!("override_settings.{field}"));
+    }
+    let (_, options) = server.get("/sdapi/v1/options").await;
+    assert_eq!(
+        (&options["samples_format"], &options["CLIP_stop_at_last_layers"]),
+        (&json!("png"), &json!(1))
+    );
+    // The infotext of prompts this long cannot fit a JPEG's EXIF.
+    let long = json!({"prompt": "x".repeat(20_000), "negative_prompt": "y".repeat(10_000),
+                      "override_settings": {"samples_format": "jpg"}});
+    let (status, got) = server.post("/sdapi/v1/txt2img", &long).await;
+    assert_field_error(status, &got, "samples_format");
     assert_eq!(server.state.metrics.jobs_entered(JobState::Queued), 0);
+}
+
+fn image_bytes(value: &Value) -> Vec<u8> {
+    base64::engine::general_purpose::STANDARD
+        .decode(value.as_str().expect("a base64 string"))
+        .expect("base64")
+}
+
+/// `samples_format` (with `jpeg_quality`) picks the format of the response's images, as A1111's API encodes them,
+/// from the options or a request's `override_settings`; the infotext is in every format.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn samples_format_picks_the_image_format() {
+    let server = start(ServerConfig::default()).await;
+    let (_, options) = server.get("/sdapi/v1/options").await;
+    assert_eq!(
+        (&options["samples_format"], &options["jpeg_quality"], &options["webp_lossless"]),
+        (&json!("png"), &json!(80), &json!(false))
+    );
+    let body = json!({"prompt": "p", "steps": 2, "seed": 5});
+    let want = &reference(&GenerateRequest {
+        prompt: "p".into(),
+        steps: 2,
+        seed: Some(5),
+        sampler: Sampler::Euler,
+        ..Default::default()
+    })[0];
+    let (status, got) =
+        server.post("/sdapi/v1/options", &json!({"samples_format": "jpg", "jpeg_quality": 60})).await;
+    assert_eq!((status, got), (200, Value::Null));
+    let (_, options) = server.get("/sdapi/v1/options").await;
+    assert_eq!((&options["samples_format"], &options["jpeg_quality"]), (&json!("jpg"), &json!(60)));
+    // Clients that send the whole options object back (Open WebUI) set what they got.
+    let (status, _) = server.post("/sdapi/v1/options", &options).await;
+    assert_eq!(status, 200);
+
+    let (status, got) = server.post("/sdapi/v1/txt2img", &body).await;
+    assert_eq!(status, 200, "{got}");
+    let jpeg = image_bytes(&got["images"][0]);
+    assert_eq!(image::guess_format(&jpeg).expect("a known format"), image::ImageFormat::Jpeg);
+    // The engine's image, as JPEG at quality 60 (the EXIF beside the pixels changes none of them).
+    let expected = encode_image(want, None, OutputFormat::new(ImageFormat::Jpeg, 60)).expect("a JPEG");
+    assert_eq!(
+        decode_image(&jpeg, 1 << 24).expect("a decodable JPEG"),
+        decode_image(&expected, 1 << 24).unwrap()
+    );
+    let infotext = info(&got)["infotexts"][0].as_str().expect("an infotext").to_string();
+    let (status, read) = server.post("/sdapi/v1/png-info", &json!({"image": got["images"][0]})).await;
+    assert_eq!((status, read["info"].as_str()), (200, Some(infotext.as_str())), "{read}");
+
+    // A request's overrides: for that request only, unless it says not to restore them.
+    let with = |overrides: Value, restore: bool| {
+        let mut body = body.clone();
+        body["override_settings"] = overrides;
+        body["override_settings_restore_afterwards"] = json!(restore);
+        body
+    };
+    let (_, got) = server.post("/sdapi/v1/txt2img", &with(json!({"jpeg_quality": 95}), true)).await;
+    assert!(image_bytes(&got["images"][0]).len() > jpeg.len(), "quality 95 is larger than 60");
+    let (_, got) = server.post("/sdapi/v1/txt2img", &with(json!({"samples_format": "webp"}), true)).await;
+    let webp = image_bytes(&got["images"][0]);
+    assert_eq!(image::guess_format(&webp).expect("a known format"), image::ImageFormat::WebP);
+    assert_eq!(&decode_image(&webp, 1 << 24).expect("a decodable WebP"), want, "WebP is lossless");
+    let (_, read) = server.post("/sdapi/v1/png-info", &json!({"image": got["images"][0]})).await;
+    assert_eq!(read["info"].as_str(), Some(infotext.as_str()), "{read}");
+    let (_, options) = server.get("/sdapi/v1/options").await;
+    assert_eq!((&options["samples_format"], &options["jpeg_quality"]), (&json!("jpg"), &json!(60)));
+
+    let (_, got) = server.post("/sdapi/v1/txt2img", &with(json!({"samples_format": "PNG"}), false)).await;
+    assert_eq!(images(&got), std::slice::from_ref(want));
+    let (_, options) = server.get("/sdapi/v1/options").await;
+    assert_eq!(options["samples_format"], "PNG", "kept, as A1111 keeps it, when not restored");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -371,15 +468,14 @@ async fn listings_and_options() {
     let (status, got) = server
         .post(
             "/sdapi/v1/options",
-            &json!({"CLIP_stop_at_last_layers": 2, "sd_model_checkpoint": title, "show_progressbar": false,
-                    "samples_format": "jpg"}),
+            &json!({"CLIP_stop_at_last_layers": 2, "sd_model_checkpoint": title, "show_progressbar": false}),
         )
         .await;
     assert_eq!((status, got), (200, Value::Null));
     let (_, options) = server.get("/sdapi/v1/options").await;
     assert_eq!(options["CLIP_stop_at_last_layers"], 2);
     assert_eq!(options["show_progressbar"], false);
-    assert_eq!(options["samples_format"], "png", "only PNG is produced");
+    assert_eq!(options["samples_format"], "png");
     let (status, got) =
         server.post("/sdapi/v1/txt2img", &json!({"prompt": "p", "steps": 2, "seed": 5})).await;
     assert_eq!(status, 200, "{got}");

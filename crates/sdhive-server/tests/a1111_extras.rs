@@ -1,8 +1,8 @@
 //! The rest of the A1111 API over loopback HTTP, on a fast stand-in engine that writes real infotexts: PNG Info
 //! (our PNGs, A1111-style text, corrupt uploads), `memory`, `cmd-flags`, the empty listings, prompt styles (listed,
 //! applied to A1111 and native requests, unknown ones refused), `--api-auth` Basic credentials beside the bearer
-//! key, an interrupted batch answering with the images it finished, and the same through the real `webuiapi`
-//! client (`tests/clients/a1111_extras_client.py`).
+//! key, an interrupted batch answering with the images it finished, and the same (with `samples_format`) through the
+//! real `webuiapi` client (`tests/clients/a1111_extras_client.py`).
 
 mod common;
 mod pyclients;
@@ -434,13 +434,15 @@ async fn the_webuiapi_client_uses_the_extra_routes() {
         eprintln!("SDHIVE_SKIP_PYTHON_TESTS is set: skipping the webuiapi test");
         return;
     }
-    let python = tokio::task::spawn_blocking(|| pyclients::python_with(&["webuiapi"], "lora-clients-venv"))
+    // piexif: how A1111 reads the infotext of a JPEG or WebP.
+    let setup = || pyclients::python_with(&["webuiapi", "piexif"], "lora-clients-venv");
+    let python = tokio::task::spawn_blocking(setup)
         .await
         .expect("setup thread")
         .unwrap_or_else(|e| {
             panic!(
-                "cannot set up Python with `webuiapi` ({e}). Install it, point SDHIVE_TEST_PYTHON at a Python \
-                 that has it, or set SDHIVE_SKIP_PYTHON_TESTS=1 to skip this test."
+                "cannot set up Python with `webuiapi` and `piexif` ({e}). Install them, point \
+                 SDHIVE_TEST_PYTHON at a Python that has them, or set SDHIVE_SKIP_PYTHON_TESTS=1 to skip this test."
             )
         });
     // The key is the harness's (it polls `/ready` with it); the client uses the Basic credentials.

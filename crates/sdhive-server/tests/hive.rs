@@ -1,6 +1,7 @@
 //! Registration and heartbeats against a mock hive (a small axum server in the test): the bearer token, retry
 //! after a refused registration, heartbeats with the worker's state, re-registration after a 404 heartbeat,
-//! and deregistration on shutdown.
+//! deregistration on shutdown, and the model library in the registration and again in a heartbeat once a
+//! refresh changed it.
 
 mod common;
 
@@ -8,8 +9,9 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use axum::{Json, Router};
-use common::{config, slow_loader, start_with};
-use sdhive_server::RegistrationConfig;
+use common::{config, slow_loader, start_with, SlowEngine};
+use sdhive_engine::{BoxError, Engine, ModelSpec};
+use sdhive_server::{serve, LibraryStartup, ModelLibrary, RegistrationConfig};
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -117,6 +119,10 @@ async fn registers_heartbeats_reregisters_and_deregisters() {
         assert!(body["capabilities"]["samplers"].as_array().is_some_and(|s| !s.is_empty()));
         assert_eq!(body["capabilities"]["preview"], true);
         assert!(body["version"].is_string() && body["started_at"].is_number());
+        // A worker with one fixed model lists just that one as its library.
+        let library = body["library"].as_array().expect("a library");
+        assert_eq!(library.len(), 1, "{body}");
+        assert!(library[0]["filename"].is_string() && library[0]["title"].is_string(), "{body}");
     }
 
     // Second heartbeat to registration 1 is answered 404 → the worker registers again.
@@ -151,4 +157,109 @@ async fn registers_heartbeats_reregisters_and_deregisters() {
     assert_eq!(token.as_deref(), Some("Bearer hive-token"));
     assert_eq!(body["worker_id"], "test-worker");
     assert_eq!(body["reason"], "shutdown");
+}
+
+/// A header-only safetensors file the catalogue lists as a checkpoint.
+fn fake_checkpoint(path: &std::path::Path) {
+    let header =
+        br#"{"model.diffusion_model.out.2.weight":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header);
+    bytes.extend_from_slice(&[0u8; 4]);
+    std::fs::write(path, bytes).unwrap();
+}
+
+async fn accept_registration(
+    State(hive): State<Shared>,
+    Json(body): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    hive.lock().unwrap().registrations.push((None, body));
+    (StatusCode::CREATED, Json(json!({"heartbeat_url": "heartbeat/1", "heartbeat_interval_secs": 30})))
+}
+
+async fn accept_heartbeat(
+    State(hive): State<Shared>,
+    Path(n): Path<String>,
+    Json(body): Json<Value>,
+) -> StatusCode {
+    hive.lock().unwrap().heartbeats.push((None, n, body));
+    StatusCode::OK
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_library_is_registered_and_sent_again_when_it_changes() {
+    let hive: Shared = Arc::default();
+    let app = Router::new()
+        .route("/hive/register", post(accept_registration))
+        .route("/hive/heartbeat/{n}", post(accept_heartbeat))
+        .with_state(Arc::clone(&hive));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hive_url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["a.safetensors", "b.safetensors"] {
+        fake_checkpoint(&dir.path().join(name));
+    }
+    let library = Arc::new(
+        ModelLibrary::scan(sdhive_catalog::CatalogConfig {
+            models_dirs: vec![dir.path().to_path_buf()],
+            vae_dirs: vec![],
+            hash_cache: None,
+        })
+        .unwrap(),
+    );
+    let factory = |_: &ModelSpec| -> Result<Box<dyn Engine>, BoxError> {
+        Ok(Box::new(SlowEngine { per_step: Duration::from_millis(1) }))
+    };
+    let initial = library.find("a").ok();
+    let startup = LibraryStartup { library, factory: Box::new(factory), initial, initial_required: true };
+    let worker = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", worker.local_addr().unwrap());
+    let reg = RegistrationConfig::new(format!("{hive_url}/hive/register"), None);
+    tokio::spawn(serve(worker, config(), startup, Some(reg), std::future::pending::<()>()));
+
+    wait_for(&hive, "the registration", |h| !h.registrations.is_empty()).await;
+    let filenames = |library: &Value| -> Vec<String> {
+        let mut names: Vec<String> = library
+            .as_array()
+            .map(|l| l.iter().filter_map(|m| m["filename"].as_str().map(String::from)).collect())
+            .unwrap_or_default();
+        names.sort();
+        names
+    };
+    let canonical = std::fs::canonicalize(dir.path()).unwrap();
+    let path = |name: &str| canonical.join(name).display().to_string();
+    {
+        let h = hive.lock().unwrap();
+        let body = &h.registrations[0].1;
+        assert_eq!(filenames(&body["library"]), [path("a.safetensors"), path("b.safetensors")], "{body}");
+        assert_eq!(body["library"][0]["name"], "a.safetensors");
+    }
+
+    // A new file, a refresh: a heartbeat carries the new library at once (the interval asked is 30 s).
+    fake_checkpoint(&dir.path().join("c.safetensors"));
+    let refreshed =
+        reqwest::Client::new().post(format!("{base}/sdapi/v1/refresh-checkpoints")).send().await.unwrap();
+    assert!(refreshed.status().is_success());
+    // (An earlier one may carry the loaded checkpoint's hash, computed after loading: its title changed.)
+    let has_c =
+        |b: &Value| b["library"].as_array().is_some_and(|l| l.iter().any(|m| m["name"] == "c.safetensors"));
+    wait_for(&hive, "a heartbeat with the new library", |h| h.heartbeats.iter().any(|(_, _, b)| has_c(b)))
+        .await;
+    let sent = |h: &Hive| h.heartbeats.iter().filter(|(_, _, b)| b["library"].is_array()).count();
+    let before = {
+        let h = hive.lock().unwrap();
+        let (_, n, beat) = h.heartbeats.iter().find(|(_, _, b)| has_c(b)).unwrap();
+        assert_eq!(n, "1");
+        assert_eq!(
+            filenames(&beat["library"]),
+            [path("a.safetensors"), path("b.safetensors"), path("c.safetensors")],
+            "{beat}"
+        );
+        sent(&h)
+    };
+    // An unchanged library is not sent again (it is looked at every second).
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(sent(&hive.lock().unwrap()), before);
 }

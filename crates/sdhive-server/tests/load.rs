@@ -167,6 +167,8 @@ async fn mixed_load_stays_correct_and_flat() {
     let mut cfg = config();
     // Small enough that 16 clients overflow it and see 429s.
     cfg.max_queue = 6;
+    // Batching on, as GPU workers run: compatible queued jobs share engine calls.
+    cfg.max_batch = 4;
     let server = Arc::new(start(cfg).await);
     let counters = Arc::new(Counters::default());
 

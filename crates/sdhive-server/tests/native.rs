@@ -48,10 +48,70 @@ async fn submitted_job_matches_the_engine_output() {
     };
     let reference = engine.generate(&req, &mut |_| Control::Continue).unwrap();
     for (got, want) in job.images.iter().zip(&reference.images) {
+        assert_eq!((got.format.as_str(), &got.image_base64), ("png", &got.png_base64));
         let img = decode_png_b64(&got.png_base64);
         assert_eq!((img.width, img.height), (got.width, got.height));
         assert_eq!(img, want.image, "pixels differ from the engine's own output");
         assert_eq!((got.seed, &got.infotext), (want.seed, &want.infotext));
+    }
+    server.shutdown().await.unwrap();
+}
+
+/// `output_format` / `output_quality`: the job's images come in that format (`format`, `image_base64`; the
+/// old `png_base64` only for PNG), with the infotext inside, in the poll and in the `completed` event alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_deliver_the_output_format_asked_for() {
+    let server = start(config()).await;
+    let request = json!({"prompt": "a red cube", "steps": 2, "seed": 7});
+    let want = {
+        let req =
+            GenerateRequest { prompt: "a red cube".into(), steps: 2, seed: Some(7), ..Default::default() };
+        fixture_engine().generate(&req, &mut |_| Control::Continue).unwrap().images.remove(0)
+    };
+    let bytes_of = |image: &Value| {
+        base64::Engine::decode(
+            &base64::engine::general_purpose::STANDARD,
+            image["image_base64"].as_str().expect("image_base64"),
+        )
+        .expect("base64")
+    };
+    for (format, quality, kind) in
+        [("webp", None, image::ImageFormat::WebP), ("JPG", Some(40), image::ImageFormat::Jpeg)]
+    {
+        let mut body = request.clone();
+        body["output_format"] = json!(format);
+        if let Some(q) = quality {
+            body["output_quality"] = json!(q);
+        }
+        let id = server.submit(&body).await;
+        server.wait_done(&id).await;
+        let job: Value = server.get(&format!("/v1/jobs/{id}")).await.json().await.unwrap();
+        let image = &job["images"][0];
+        let name = if format == "webp" { "webp" } else { "jpeg" };
+        assert_eq!(image["format"], name, "{job}");
+        assert!(image.get("png_base64").is_none(), "no PNG field for {format}: {image}");
+        let bytes = bytes_of(image);
+        assert_eq!(image::guess_format(&bytes).unwrap(), kind);
+        let got = sdhive_engine::decode_image(&bytes, 1 << 24).unwrap();
+        if kind == image::ImageFormat::WebP {
+            assert_eq!(got, want.image, "WebP is lossless");
+        } else {
+            assert_eq!((got.width, got.height), (want.image.width, want.image.height));
+        }
+        let info = server.post_json("/sdapi/v1/png-info", &json!({"image": image["image_base64"]})).await;
+        let info: Value = info.json().await.unwrap();
+        assert_eq!(info["info"], want.infotext, "{format}");
+
+        // The completed event of a late subscriber carries the same image.
+        let mut sse = SseReader::new(server.get(&format!("/v1/jobs/{id}/events")).await);
+        let mut completed = None;
+        while let Some(e) = sse.next().await {
+            if e.event == "completed" {
+                completed = Some(e.data["images"][0].clone());
+            }
+        }
+        let completed = completed.expect("a completed event");
+        assert_eq!((&completed["format"], bytes_of(&completed)), (&image["format"], bytes));
     }
     server.shutdown().await.unwrap();
 }
@@ -319,6 +379,10 @@ async fn bad_input_is_400_naming_the_field_and_huge_bodies_413() {
         (json!({"prompt": "a", "init_image": "aGVsbG8="}), "init_image"),
         (json!({"prompt": "a", "mask": "aGVsbG8="}), "mask"),
         (json!({"prompt": "a", "clip_skip": 0}), "clip_skip"),
+        (json!({"prompt": "a", "output_format": "gif"}), "output_format"),
+        (json!({"prompt": "a", "output_format": 1}), "output_format"),
+        (json!({"prompt": "a", "output_quality": 101}), "output_quality"),
+        (json!({"prompt": "a", "output_quality": "high"}), "output_quality"),
         (json!({"prompt": "a", "stepz": 3}), "stepz"),
     ] {
         let r = server.post_json("/v1/jobs", &request).await;

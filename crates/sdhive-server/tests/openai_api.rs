@@ -8,7 +8,10 @@ mod pyclients;
 use base64::Engine as _;
 use candle_core::{DType, Device};
 use sdhive_candle::{CandleEngine, LoadOptions};
-use sdhive_engine::{decode_image, encode_png, Control, Engine, GenerateRequest, RgbImage, Sampler};
+use sdhive_engine::{
+    decode_image, encode_image, encode_png, Control, Engine, GenerateRequest, ImageFormat, OutputFormat,
+    RgbImage, Sampler,
+};
 use sdhive_protocol::JobState;
 use sdhive_server::{AppState, ServerConfig};
 use serde_json::{json, Value};
@@ -278,6 +281,7 @@ async fn output_formats_and_url_responses() {
         .expect("base64");
     assert_eq!(image::guess_format(&bytes).expect("a known format"), image::ImageFormat::WebP);
     assert_eq!(decode_image(&bytes, 1 << 24).expect("webp decodes"), *want, "webp output is lossless");
+    assert_infotext(&server, &bytes, "Steps: 3").await;
 
     let (status, got) = server
         .post_json(
@@ -286,10 +290,57 @@ async fn output_formats_and_url_responses() {
         )
         .await;
     assert_eq!(status, 200, "{got}");
+    assert_eq!(got["output_format"], "jpeg");
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(got["data"][0]["b64_json"].as_str().expect("b64"))
         .expect("base64");
     assert_eq!(image::guess_format(&bytes).expect("a known format"), image::ImageFormat::Jpeg);
+    let expected = encode_image(want, None, OutputFormat::new(ImageFormat::Jpeg, 50)).expect("a JPEG");
+    let jpeg = decode_image(&bytes, 1 << 24).expect("jpeg decodes");
+    assert_eq!(jpeg, decode_image(&expected, 1 << 24).unwrap(), "the engine's image as JPEG at quality 50");
+    assert_infotext(&server, &bytes, "Seed: 5").await;
+    // `output_compression` is the JPEG quality (OpenAI's default 100 is the largest file).
+    let (_, best) = server.post_json("/v1/images/generations", &with(json!({"output_format": "jpeg"}))).await;
+    let best = best["data"][0]["b64_json"].as_str().expect("b64").len();
+    assert!(best > got["data"][0]["b64_json"].as_str().expect("b64").len(), "quality 100 is larger than 50");
+
+    // An edit's form field works the same.
+    let form = Multipart::default()
+        .file("image", "i.png", init_png())
+        .text("prompt", "a lighthouse")
+        .text("steps", "2")
+        .text("output_format", "webp");
+    let (status, got) = server.post_multipart("/v1/images/edits", &form).await;
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(got["output_format"], "webp");
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(got["data"][0]["b64_json"].as_str().expect("b64"))
+        .expect("base64");
+    assert_eq!(image::guess_format(&bytes).expect("a known format"), image::ImageFormat::WebP);
+
+    // `url` with a format: the stored JPEG as it is, and other extensions converted with the infotext kept.
+    let (status, got) = server
+        .post_json(
+            "/v1/images/generations",
+            &with(json!({"output_format": "jpeg", "output_compression": 70, "response_format": "url"})),
+        )
+        .await;
+    assert_eq!(status, 200, "{got}");
+    let url = got["data"][0]["url"].as_str().expect("a url");
+    assert!(url.ends_with("/0.jpeg?compression=70"), "{url}");
+    let response = server.http.get(url).send().await.expect("GET the image url");
+    assert_eq!(response.headers()["content-type"], "image/jpeg");
+    let stored = response.bytes().await.expect("image bytes");
+    assert_infotext(&server, &stored, "Seed: 5").await;
+    let png_url = url.replace("/0.jpeg?compression=70", "/0.png");
+    let response = server.http.get(&png_url).send().await.expect("GET the png url");
+    assert_eq!(response.headers()["content-type"], "image/png");
+    let converted = response.bytes().await.expect("image bytes");
+    assert_eq!(
+        decode_image(&converted, 1 << 24).expect("png"),
+        decode_image(&stored, 1 << 24).expect("jpeg")
+    );
+    assert_infotext(&server, &converted, "Seed: 5").await;
 
     // `url`: an absolute URL built from the Host header, serving the image while the job is retained.
     let (status, got) =
@@ -309,6 +360,15 @@ async fn output_formats_and_url_responses() {
     assert_eq!(status, 404);
 }
 
+/// `bytes` carries an infotext holding `needle`, as A1111's PNG Info reads it.
+async fn assert_infotext(server: &Server, bytes: &[u8], needle: &str) {
+    let image = base64::engine::general_purpose::STANDARD.encode(bytes);
+    let (status, got) = server.post_json("/sdapi/v1/png-info", &json!({"image": image})).await;
+    assert_eq!(status, 200, "{got}");
+    let info = got["info"].as_str().expect("info");
+    assert!(info.starts_with("a lighthouse") && info.contains(needle), "{info}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_a_400_naming_the_param() {
     let server = start(ServerConfig::default()).await;
@@ -324,7 +384,15 @@ async fn bad_input_is_a_400_naming_the_param() {
         (json!({"prompt": "a", "seed": -7}), "seed"),
         (json!({"prompt": "a", "response_format": "gif"}), "response_format"),
         (json!({"prompt": "a", "output_format": "gif"}), "output_format"),
+        (json!({"prompt": "a", "output_format": "svg"}), "output_format"),
+        (json!({"prompt": "a", "output_format": 5}), "output_format"),
         (json!({"prompt": "a", "output_compression": 101}), "output_compression"),
+        (json!({"prompt": "a", "output_compression": -1}), "output_compression"),
+        // The infotext of prompts this long cannot fit a JPEG's EXIF.
+        (
+            json!({"prompt": "x".repeat(20_000), "negative_prompt": "y".repeat(10_000), "output_format": "jpeg"}),
+            "output_format",
+        ),
         (json!({"prompt": "a", "strength": 0.5}), "strength"),
         (json!({"prompt": "a", "stream": true}), "stream"),
         (json!({"prompt": ""}), "prompt"),
@@ -520,7 +588,15 @@ async fn the_official_openai_python_sdk_works() {
     let read = |name: &str| {
         decode_image(&std::fs::read(dir.join(name)).expect("client output"), 1 << 24).expect("a PNG")
     };
-    assert_eq!(read("generated-0.png"), reference(&txt2img("a watercolor lighthouse", 4, 42, 1))[0]);
+    let generated = reference(&txt2img("a watercolor lighthouse", 4, 42, 1)).remove(0);
+    assert_eq!(read("generated-0.png"), generated);
+    // `output_format="webp"`: lossless, the same pixels, and the infotext where A1111 keeps it for WebP.
+    let webp = std::fs::read(dir.join("generated-0.webp")).expect("client output");
+    assert_eq!(image::guess_format(&webp).expect("a known format"), image::ImageFormat::WebP);
+    assert_eq!(read("generated-0.webp"), generated);
+    let info = sdhive_server::png_info::read_image_info(&webp, 1 << 24).expect("readable");
+    let text = info.parameters.expect("an infotext");
+    assert!(text.starts_with("a watercolor lighthouse\n") && text.contains("Seed: 42"), "{text}");
     let init = decode_image(&init_png(), 1 << 24).expect("init.png");
     let mask = sdhive_engine::decode_mask(&std::fs::read(fixture("images/mask.png")).expect("mask"), 1 << 24)
         .expect("mask");

@@ -6,6 +6,7 @@
 use anyhow::{bail, Context};
 use candle_core::DType;
 use sdhive_candle::{ModuleTarget, Targets};
+use sdhive_catalog::CheckpointFormat;
 use sdhive_engine::{BoxError, Engine, EngineFactory, Limits, ModelSpec, Module, Placement};
 use sdhive_modelsource::{ResolveOptions, ResolvedModel};
 use shared_worker::{Backend, DeviceHandle, DeviceInfo};
@@ -40,6 +41,16 @@ pub struct Factory {
     opts: EngineOptions,
     resolve: ResolveOptions,
     cache: sdhive_candle::HostCache,
+}
+
+/// The checkpoint formats the engine of `backend` loads: the library lists the others as refused, and a GGUF
+/// `--model` on a candle worker is refused before anything loads.
+pub fn checkpoint_formats(backend: Backend) -> Vec<CheckpointFormat> {
+    let mut formats = vec![CheckpointFormat::Diffusers, CheckpointFormat::SafeTensors];
+    if backend.engine().loads_gguf() {
+        formats.push(CheckpointFormat::Gguf);
+    }
+    formats
 }
 
 impl Factory {
@@ -100,6 +111,15 @@ fn load_with(
     cache: Option<&mut sdhive_candle::HostCache>,
 ) -> anyhow::Result<Box<dyn Engine>> {
     let context = || format!("cannot load model {} from {}", model.name, model.location.path().display());
+    if model.location.is_gguf() && !backend.engine().loads_gguf() {
+        bail!(
+            "{}: GGUF checkpoints load on the stable-diffusion.cpp engine (sd-worker-vulkan, sd-worker-rocm), not on \
+             {}, which {} runs: use the model's .safetensors or diffusers form",
+            model.location.path().display(),
+            backend.engine().name(),
+            backend.binary_name()
+        );
+    }
     match device {
         DeviceHandle::Candle(device) => {
             let dtype = opts.dtype.unwrap_or_else(|| backend.default_dtype());
@@ -179,4 +199,44 @@ fn load_sdcpp(
     _opts: EngineOptions,
 ) -> anyhow::Result<Box<dyn Engine>> {
     bail!("this binary was built without the stable-diffusion.cpp engine that {backend} needs")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sdhive_modelsource::ModelLocation;
+
+    #[test]
+    fn only_the_stable_diffusion_cpp_backends_load_gguf() {
+        for backend in Backend::ALL {
+            let gguf = checkpoint_formats(backend).contains(&CheckpointFormat::Gguf);
+            assert_eq!(gguf, matches!(backend, Backend::Vulkan | Backend::Rocm), "{backend}");
+        }
+    }
+
+    #[test]
+    fn a_candle_worker_refuses_a_gguf_checkpoint_naming_the_file_and_where_it_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v1-5-q8_0.gguf");
+        let tensors = sdhive_catalog::gguf::sd_tensors_for_tests("sd1", 4);
+        let refs: Vec<(&str, &[u64], u32)> =
+            tensors.iter().map(|(n, d, t)| (n.as_str(), d.as_slice(), *t)).collect();
+        sdhive_catalog::gguf::write_for_tests(&path, None, &refs).unwrap();
+        let model =
+            ResolvedModel { name: "v1-5-q8_0".into(), location: ModelLocation::SingleFile(path), vae: None };
+        let info = DeviceInfo {
+            backend: Backend::Cpu,
+            index: 0,
+            name: "cpu".into(),
+            memory_total_bytes: None,
+            memory_free_bytes: None,
+            driver: None,
+            threads: None,
+        };
+        let device = DeviceHandle::Candle(candle_core::Device::Cpu);
+        let err = load(Backend::Cpu, device, &info, &model, EngineOptions::default()).err().expect("refused");
+        let message = format!("{err:#}");
+        assert!(message.contains("v1-5-q8_0.gguf") && message.contains("stable-diffusion.cpp"), "{message}");
+        assert!(message.contains("sd-worker-cpu"), "{message}");
+    }
 }

@@ -125,6 +125,8 @@ pub fn build_request(args: &GenerateArgs) -> Result<GenerateRequest, ArgsError> 
         loras: Vec::new(),
         embeddings: Vec::new(),
         hires: None,
+        // `generate` writes PNG files itself.
+        output: Default::default(),
     };
     req.validate(&Limits::default())?;
     Ok(req)

@@ -53,7 +53,11 @@ fn models_dir() -> tempfile::TempDir {
     copy_dir(&fixtures().join("VAE"), &root.join("VAE"));
     write_broken_checkpoint(&root.join("zz-broken.safetensors"));
     std::fs::write(root.join("old.ckpt"), b"not unpickled").unwrap();
-    std::fs::write(root.join("q8.gguf"), b"GGUF\x03\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0").unwrap();
+    // A GGUF SD1.5 checkpoint (header only): the stable-diffusion.cpp workers' format, not this CPU worker's.
+    let tensors = sdhive_catalog::gguf::sd_tensors_for_tests("sd1", 4);
+    let refs: Vec<(&str, &[u64], u32)> =
+        tensors.iter().map(|(n, d, t)| (n.as_str(), d.as_slice(), *t)).collect();
+    sdhive_catalog::gguf::write_for_tests(&root.join("q8.gguf"), None, &refs).unwrap();
     dir
 }
 
@@ -152,6 +156,7 @@ fn request(seed: u64) -> GenerateRequest {
         loras: Vec::new(),
         embeddings: Vec::new(),
         hires: None,
+        output: Default::default(),
     }
 }
 
@@ -383,8 +388,12 @@ async fn failed_switches_and_unknown_names_leave_the_previous_model_serving() {
             && r["reason"].as_str().unwrap().contains("safetensors")),
         "{info}"
     );
-    // GGUF files are listed as refused too: no engine here loads them through the library yet.
-    assert!(refused.iter().any(|r| r["file"].as_str().unwrap().ends_with("q8.gguf")), "{info}");
+    // A GGUF checkpoint is refused by this candle worker, saying which workers load it.
+    assert!(
+        refused.iter().any(|r| r["file"].as_str().unwrap().ends_with("q8.gguf")
+            && r["reason"].as_str().unwrap().contains("sd-worker-vulkan")),
+        "{info}"
+    );
     let titles = w.get("/sdapi/v1/sd-models").await;
     assert!(!titles.to_string().contains("old.ckpt") && !titles.to_string().contains("q8.gguf"));
     w.stop().await;

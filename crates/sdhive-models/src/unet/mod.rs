@@ -4,7 +4,6 @@
 mod blocks;
 mod config;
 mod embeddings;
-mod graphed;
 mod tables;
 mod transformer;
 
@@ -15,6 +14,7 @@ pub use embeddings::{TimestepEmbedding, Timesteps};
 pub use transformer::{CrossAttention, Transformer2DModel, TransformerSpec};
 
 use crate::error::{input_err, weights_err, Result, TensorContext};
+use crate::graphed::{Graphs, Refresh};
 use crate::layers::{EdgeConv, GroupNorm};
 use crate::ops::{self, MapLayout};
 use blocks::{BlockCommon, DownBlock, MidBlock, UpBlock};
@@ -58,7 +58,8 @@ pub struct UNet2DConditionModel {
     dtype: DType,
     device: Device,
     layout: MapLayout,
-    graphs: graphed::StepGraphs,
+    /// The step body's recordings; the text context's k/v table is copied in only when it changes.
+    graphs: Graphs<3>,
     context_table: ContextTable,
     schedule: ScheduleTable,
 }
@@ -132,7 +133,7 @@ impl UNet2DConditionModel {
                 dtype: vb.dtype(),
                 device: vb.device().clone(),
                 layout: MapLayout::of(&vb),
-                graphs: graphed::StepGraphs::default(),
+                graphs: Graphs::new(MODEL, [Refresh::Always, Refresh::Always, Refresh::WhenAnotherTensor]),
                 context_table: ContextTable::default(),
                 schedule: ScheduleTable::default(),
             })
@@ -367,9 +368,7 @@ impl UNet2DConditionModel {
     fn run_graphed(&self, sample: &Tensor, temb: &Tensor, context: &Tensor) -> candle_core::Result<Tensor> {
         let prepare = |t: &Tensor| t.to_device(&self.device)?.to_dtype(self.dtype)?.contiguous();
         let (sample, temb, context) = (prepare(sample)?, prepare(temb)?, prepare(context)?);
-        let (_, _, h, w) = sample.dims4()?;
-        let out_shape = [context.dim(0)?, self.config.out_channels, h, w];
-        self.graphs.run([&sample, &temb, &context], &out_shape, |s, t, c| self.run(s, t, c))
+        self.graphs.run([&sample, &temb, &context], |[s, t, c]| self.run(s, t, c))
     }
 
     /// The network on `sample`, the ResNets' table of the activated time embedding's projections `temb` `(B, ΣC)`

@@ -1,12 +1,16 @@
 //! The engine the ignored tests share: the full-size SD1.5 with deterministic random weights (written by `cargo
 //! xtask random-model`; its folder in `SDHIVE_SD15_RANDOM`) at f16, on ggml's CPU backend so that any machine can
 //! run it, or on the ggml device `SDHIVE_STOP_TEST_DEVICE` names (`Vulkan0` in a build with the `vulkan` feature,
-//! on a GPU: docs/gpu.md).
+//! on a GPU: docs/gpu.md); and the golden cases of that model (diffusers' images, xtask/fixtures/gen_sd15_random.py)
+//! with the image comparison `cargo xtask vulkan` uses.
 
-use sdhive_engine::{GenerateRequest, Placement, Sampler};
+// Each test binary includes this module and uses part of it.
+#![allow(dead_code)]
+
+use sdhive_engine::{Control, Engine, GenerateRequest, Placement, RgbImage, Sampler};
 use sdhive_modelsource::{ModelLocation, ResolvedModel};
 use sdhive_sdcpp::{LoadOptions, SdCppEngine, WeightType};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// The random SD1.5's folder.
 pub fn model_dir() -> PathBuf {
@@ -22,6 +26,11 @@ pub fn engine() -> SdCppEngine {
         location: ModelLocation::DiffusersDir(dir.clone()),
         vae: None,
     };
+    SdCppEngine::load(&model, load_options()).unwrap_or_else(|e| panic!("cannot load {}: {e}", dir.display()))
+}
+
+/// f16 weights on the test's ggml device (see the module doc); sets up logging.
+pub fn load_options() -> LoadOptions {
     // stable-diffusion.cpp's own log (why a load failed, which device it took) at RUST_LOG=sdcpp=info.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -37,7 +46,7 @@ pub fn engine() -> SdCppEngine {
         }
         Err(_) => "CPU".into(),
     };
-    let opts = LoadOptions {
+    LoadOptions {
         backend_name: device.to_lowercase(),
         device_name: device.to_lowercase(),
         ggml_device: device,
@@ -45,8 +54,7 @@ pub fn engine() -> SdCppEngine {
         placement: Placement::default(),
         threads: None,
         memory_budget: None,
-    };
-    SdCppEngine::load(&model, opts).unwrap_or_else(|e| panic!("cannot load {}: {e}", dir.display()))
+    }
 }
 
 /// The golden case `tests/fixtures/golden/sd15_random_euler.json` as a request: 64², 4 Euler steps, seed 42.
@@ -60,5 +68,54 @@ pub fn golden_request(prompt: String) -> GenerateRequest {
         seed: Some(42),
         sampler: Sampler::Euler,
         ..GenerateRequest::default()
+    }
+}
+
+/// The golden case `tests/fixtures/golden/<name>.{json,png}` (written by xtask/fixtures/gen_sd15_random.py) as a
+/// request, and diffusers' image for it.
+pub fn golden_case(name: &str) -> (GenerateRequest, RgbImage) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/golden");
+    let text = std::fs::read_to_string(dir.join(format!("{name}.json"))).expect("golden case");
+    let case: serde_json::Value = serde_json::from_str(&text).expect("golden case JSON");
+    let num = |k: &str| case[k].as_f64().unwrap_or_else(|| panic!("golden case {name} lacks {k}"));
+    assert_eq!(case["sampler"], "Euler", "{name}");
+    let req = GenerateRequest {
+        prompt: case["prompt"].as_str().expect("prompt").into(),
+        negative_prompt: case["negative_prompt"].as_str().expect("negative_prompt").into(),
+        steps: num("steps") as u32,
+        cfg_scale: num("cfg_scale") as f32,
+        width: Some(num("width") as u32),
+        height: Some(num("height") as u32),
+        seed: Some(num("seed") as u64),
+        sampler: Sampler::Euler,
+        ..GenerateRequest::default()
+    };
+    let png = std::fs::read(dir.join(format!("{name}.png"))).expect("golden image");
+    (req, sdhive_engine::decode_image(&png, 1 << 20).expect("golden PNG"))
+}
+
+/// The one image of `req`.
+pub fn image(engine: &mut dyn Engine, req: &GenerateRequest) -> RgbImage {
+    let out = engine.generate(req, &mut |_| Control::Continue).unwrap_or_else(|e| panic!("{e}"));
+    out.images.into_iter().next().expect("one image").image
+}
+
+/// How far apart two images are, in 8-bit levels, as `cargo xtask vulkan` measures it.
+#[derive(Debug)]
+pub struct Comparison {
+    pub mean_abs: f64,
+    pub max_abs: u8,
+    pub psnr_db: f64,
+}
+
+pub fn compare(a: &RgbImage, b: &RgbImage) -> Comparison {
+    assert_eq!((a.width, a.height), (b.width, b.height), "image sizes differ");
+    let n = a.data.len() as f64;
+    let diffs: Vec<u8> = a.data.iter().zip(&b.data).map(|(x, y)| x.abs_diff(*y)).collect();
+    let mse = diffs.iter().map(|d| f64::from(*d).powi(2)).sum::<f64>() / n;
+    Comparison {
+        mean_abs: diffs.iter().map(|d| f64::from(*d)).sum::<f64>() / n,
+        max_abs: diffs.iter().copied().max().unwrap_or(0),
+        psnr_db: if mse == 0.0 { f64::INFINITY } else { 10.0 * (255.0f64.powi(2) / mse).log10() },
     }
 }

@@ -3,8 +3,8 @@
 //! `samplers`, `schedulers` and `options`. Request fields, defaults and the `info` JSON string follow A1111;
 //! where we differ (errors are 400 `{"error", "detail", "field"}` rather than 422, `inpainting_fill` is always
 //! "original") `docs/api-a1111.md` says so; an interrupted request answers with the images finished before it, as
-//! A1111's does. The few settings A1111 keeps server-side (`CLIP_stop_at_last_layers`) live in this router's own
-//! state.
+//! A1111's does. The few settings A1111 keeps server-side (`CLIP_stop_at_last_layers`, and the image format its
+//! API encodes responses in: `samples_format`, `jpeg_quality`, `webp_lossless`) live in this router's own state.
 
 use crate::error::ApiError;
 use crate::extract::parse_json;
@@ -21,7 +21,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use base64::Engine as _;
-use sdhive_engine::{GenerateRequest, GrayImage, ModelSpec, Sampler, Schedule, ValidationError};
+use sdhive_engine::{
+    GenerateRequest, GrayImage, ImageFormat, ModelSpec, OutputFormat, Sampler, Schedule, ValidationError,
+};
 use sdhive_protocol::{HiresRequest, JobId, LoraRequest, Seed};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
@@ -69,10 +71,77 @@ const MAX_MASK_BLUR: u32 = 64;
 struct Settings {
     /// `CLIP_stop_at_last_layers` from `POST /options`: the clip skip of requests that do not override it.
     clip_skip: Option<u32>,
+    /// The format responses' images are encoded in.
+    samples: SampleOptions,
     /// Options we do not act on, echoed back by `GET /options` so clients see what they set.
     other: Map<String, Value>,
     /// The job `/interrupt` last cancelled, so `/progress` can say `interrupted`.
     interrupted: Option<JobId>,
+}
+
+/// A1111's image-saving options, which its API also encodes response images with (`encode_pil_to_base64`).
+#[derive(Debug, Clone, PartialEq)]
+struct SampleOptions {
+    /// `samples_format` as set: A1111 keeps the name it is given (`jpg` stays `jpg`).
+    format: String,
+    jpeg_quality: u8,
+    /// Accepted and shown; WebP is always written lossless (no pure-Rust encoder writes lossy WebP).
+    webp_lossless: bool,
+}
+
+impl Default for SampleOptions {
+    fn default() -> Self {
+        SampleOptions { format: "png".into(), jpeg_quality: 80, webp_lossless: false }
+    }
+}
+
+/// A1111's names for `samples_format` (its `jpg` included).
+const SAMPLES_FORMATS: &str = "`png`, `jpg`, `jpeg` or `webp`";
+
+impl SampleOptions {
+    const KEYS: [&'static str; 3] = ["samples_format", "jpeg_quality", "webp_lossless"];
+
+    fn output(&self) -> OutputFormat {
+        OutputFormat::new(ImageFormat::parse(&self.format).unwrap_or_default(), self.jpeg_quality)
+    }
+
+    /// These options with the ones `map` sets (absent or null keys keep theirs). Errors name the key after
+    /// `prefix` (`override_settings.` for a request's overrides).
+    fn updated(&self, map: Option<&Map<String, Value>>, prefix: &str) -> Result<SampleOptions, A1111Error> {
+        let get = |key: &str| map.and_then(|m| m.get(key)).filter(|v| !v.is_null());
+        let field = |key: &str| format!("{prefix}{key}");
+        let mut out = self.clone();
+        if let Some(value) = get("samples_format") {
+            let name = string_option(&field("samples_format"), value)?;
+            if ImageFormat::parse(name).is_none() {
+                return Err(invalid(
+                    &field("samples_format"),
+                    format!("must be {SAMPLES_FORMATS}, got `{name}`"),
+                ));
+            }
+            out.format = name.trim().to_string();
+        }
+        if let Some(value) = get("jpeg_quality") {
+            // A slider value: an integer, which some clients send as 80.0.
+            let quality = value
+                .as_u64()
+                .or_else(|| value.as_f64().filter(|v| v.fract() == 0.0 && *v >= 0.0).map(|v| v as u64))
+                .filter(|q| *q <= 100);
+            out.jpeg_quality = match quality {
+                Some(q) => q as u8,
+                None => {
+                    return Err(invalid(
+                        &field("jpeg_quality"),
+                        format!("must be an integer between 0 and 100, got {value}"),
+                    ))
+                }
+            };
+        }
+        if let Some(value) = get("webp_lossless") {
+            out.webp_lossless = flag(&field("webp_lossless"), Some(value))?;
+        }
+        Ok(out)
+    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -132,6 +201,7 @@ impl Spelling {
             "strength" => "denoising_strength",
             "init_image" => "init_images",
             "clip_skip" => "override_settings.CLIP_stop_at_last_layers",
+            "output_format" => "samples_format",
             "model" => "override_settings.sd_model_checkpoint",
             "sampler" => self.sampler,
             other => other,
@@ -236,6 +306,8 @@ struct Prepared {
     model: ModelSpec,
     /// `override_settings_restore_afterwards: false`: the overriding model and VAE stay selected afterwards.
     keep_override: Option<(ModelSpec, Option<VaeChoice>)>,
+    /// The same for overridden image options.
+    keep_samples: Option<SampleOptions>,
     spelling: Spelling,
     batch_size: u32,
     n_iter: u32,
@@ -389,6 +461,17 @@ fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<
         Some(c) => c,
         None => local.lock().clip_skip.unwrap_or(1),
     };
+    // A1111 itself restores overrides before its API encodes the response, so there they only change the
+    // response's format when kept (`override_settings_restore_afterwards: false`); here they apply to their
+    // request too, which is what a client sending them means.
+    let samples = local.lock().samples.clone();
+    let overrides_samples = body
+        .override_settings
+        .as_ref()
+        .is_some_and(|m| SampleOptions::KEYS.iter().any(|k| m.get(*k).is_some_and(|v| !v.is_null())));
+    let samples = samples.updated(body.override_settings.as_ref(), "override_settings.")?;
+    let keep_samples = (overrides_samples && body.override_settings_restore_afterwards == Some(false))
+        .then(|| samples.clone());
 
     let mut req = GenerateRequest {
         prompt: body.prompt.clone().unwrap_or_default(),
@@ -411,6 +494,7 @@ fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<
         loras: Vec::new(),
         embeddings: Vec::new(),
         hires: None,
+        output: samples.output(),
     };
     // A1111's img2img has no hires fix; its clients may still send the txt2img switches.
     if mode == Mode::Txt2Img && body.enable_hr == Some(true) {
@@ -492,6 +576,7 @@ fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<
         req,
         model,
         keep_override,
+        keep_samples,
         spelling,
         batch_size,
         n_iter,
@@ -736,7 +821,7 @@ async fn generate(
     let bytes = read_body(body)?;
     // Decoding uploads and blurring a large mask take real CPU time: keep them off the async workers.
     let prepared = tokio::task::spawn_blocking({
-        let state = state.clone();
+        let (state, local) = (state.clone(), local.clone());
         move || prepare(&state, &local, &bytes, mode)
     })
     .await
@@ -757,9 +842,13 @@ async fn generate(
             state.library.select_vae(vae.clone());
         }
     }
+    if let Some(samples) = &prepared.keep_samples {
+        local.lock().samples = samples.clone();
+    }
     let info = info_json(&state, &prepared, &view, &images);
+    // The job encoded its images in the request's format.
     let encoded: Vec<String> = if prepared.send_images {
-        images.iter().map(|i| base64::engine::general_purpose::STANDARD.encode(&i.png)).collect()
+        images.iter().map(|i| base64::engine::general_purpose::STANDARD.encode(&i.bytes)).collect()
     } else {
         Vec::new()
     };
@@ -969,13 +1058,15 @@ async fn schedulers() -> Json<Value> {
     ]))
 }
 
-/// Options we answer for ourselves; a POST cannot change them (except `CLIP_stop_at_last_layers`).
+/// Options we answer for ourselves; a POST sets the model, VAE, clip skip and image options, not the others.
 const OWN_OPTIONS: &[&str] = &[
     "sd_model_checkpoint",
     "sd_checkpoint_hash",
     "sd_vae",
     "CLIP_stop_at_last_layers",
     "samples_format",
+    "jpeg_quality",
+    "webp_lossless",
     "eta_noise_seed_delta",
 ];
 
@@ -987,15 +1078,18 @@ async fn get_options(State(state): State<AppState>, Extension(local): Extension<
     out.insert("sd_checkpoint_hash".into(), json!(hash));
     out.insert("sd_vae".into(), json!(state.library.selected_vae().as_option()));
     out.insert("CLIP_stop_at_last_layers".into(), json!(settings.clip_skip.unwrap_or(1)));
-    out.insert("samples_format".into(), json!("png"));
+    out.insert("samples_format".into(), json!(settings.samples.format));
+    out.insert("jpeg_quality".into(), json!(settings.samples.jpeg_quality));
+    out.insert("webp_lossless".into(), json!(settings.samples.webp_lossless));
     out.insert("eta_noise_seed_delta".into(), json!(0));
     Json(Value::Object(out))
 }
 
-/// Stores `CLIP_stop_at_last_layers`, switches to `sd_model_checkpoint` and `sd_vae` (answering once the model is
-/// loaded, after the jobs queued before), and keeps any other key to echo back. Like A1111, answers `null`. A
-/// name that matches no model, or a model that fails to load, is a 400 naming the option; the previous model
-/// then stays selected and loaded.
+/// Stores `CLIP_stop_at_last_layers` and the image options (`samples_format`, `jpeg_quality`, `webp_lossless`),
+/// switches to `sd_model_checkpoint` and `sd_vae` (answering once the model is loaded, after the jobs queued
+/// before), and keeps any other key to echo back. Like A1111, answers `null`. A name that matches no model, or a
+/// model that fails to load, is a 400 naming the option; the previous model then stays selected and loaded. A bad
+/// value of any option changes nothing.
 async fn set_options(
     State(state): State<AppState>,
     Extension(local): Extension<Local>,
@@ -1013,6 +1107,8 @@ async fn set_options(
         .get("CLIP_stop_at_last_layers")
         .map(|v| parse_clip_skip(v).map_err(|m| invalid("CLIP_stop_at_last_layers", m)))
         .transpose()?;
+    // Checked against the options as they are now; stored (over what they are then) with the rest below.
+    local.lock().samples.updated(Some(&given), "")?;
     let options = ModelOptions::read(&state, Some(&given), "")?;
     let (checkpoint, vae) = (options.checkpoint, options.vae.clone());
     let switch = if checkpoint.is_some() || vae.as_ref().is_some_and(|v| *v != state.library.selected_vae()) {
@@ -1038,6 +1134,7 @@ async fn set_options(
     if let Some(c) = clip_skip {
         settings.clip_skip = Some(c);
     }
+    settings.samples = settings.samples.updated(Some(&given), "")?;
     for (key, value) in given {
         if !OWN_OPTIONS.contains(&key.as_str()) {
             settings.other.insert(key, value);

@@ -223,7 +223,7 @@ fn request(
     Ok(UpscaleRequest { images, upscaler, size, second })
 }
 
-/// Runs the extras job and returns its PNGs as base64.
+/// Runs the extras job and returns its PNGs as base64 (extras answer PNG whatever `samples_format` says).
 async fn run(state: &AppState, req: UpscaleRequest) -> Result<Vec<String>, A1111Error> {
     let view = state.jobs.upscale(req).await.map_err(ApiError::from)?;
     let (_, images) = job_outcome(view).map_err(|f| {
@@ -238,7 +238,7 @@ async fn run(state: &AppState, req: UpscaleRequest) -> Result<Vec<String>, A1111
         };
         failure(renamed, Spelling { sampler: "sampler_name" })
     })?;
-    Ok(images.iter().map(|i| base64::engine::general_purpose::STANDARD.encode(&i.png)).collect())
+    Ok(images.iter().map(|i| base64::engine::general_purpose::STANDARD.encode(&i.bytes)).collect())
 }
 
 async fn decode(state: &AppState, images: Vec<(&'static str, String)>) -> Result<Vec<RgbImage>, A1111Error> {

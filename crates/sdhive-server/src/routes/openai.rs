@@ -2,8 +2,9 @@
 //! or inpainting with an OpenAI-style mask), `GET /v1/models[/{id}]`, and `GET /v1/files/{job}/{index}.{ext}`,
 //! which serves finished images for `response_format: "url"` while the job is retained. Requests are
 //! synchronous: each becomes a queued job that the handler awaits, and a client that disconnects cancels it.
-//! Errors are OpenAI's `{"error": {...}}` body ([`ApiError`]). Also home of the job-outcome mapping and the
-//! image re-encoding that the A1111 routes share.
+//! `output_format` and `output_compression` (gpt-image-1's) travel with the job, so its images are encoded once,
+//! off the request's path, in the format asked for. Errors are OpenAI's `{"error": {...}}` body ([`ApiError`]).
+//! Also home of the job-outcome mapping that the A1111 routes share.
 
 use crate::error::ApiError;
 use crate::extract::{parse_json, ApiJson};
@@ -17,8 +18,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine as _;
+use bytes::Bytes;
 use image::ImageReader;
-use sdhive_engine::{decode_image, GenerateRequest, GrayImage, ModelSpec, RgbImage, ValidationError};
+use sdhive_engine::{
+    decode_image, GenerateRequest, GrayImage, ImageFormat, ModelSpec, OutputFormat, RgbImage, ValidationError,
+};
 use sdhive_protocol::{JobErrorKind, JobId, JobState, LoraRequest, Seed};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
@@ -94,40 +98,6 @@ const STRING_FIELDS: &[&str] = &[
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum OutputFormat {
-    Png,
-    Jpeg,
-    Webp,
-}
-
-impl OutputFormat {
-    fn parse(name: &str) -> Option<OutputFormat> {
-        match name.trim().to_ascii_lowercase().as_str() {
-            "png" => Some(OutputFormat::Png),
-            "jpeg" | "jpg" => Some(OutputFormat::Jpeg),
-            "webp" => Some(OutputFormat::Webp),
-            _ => None,
-        }
-    }
-
-    fn extension(self) -> &'static str {
-        match self {
-            OutputFormat::Png => "png",
-            OutputFormat::Jpeg => "jpeg",
-            OutputFormat::Webp => "webp",
-        }
-    }
-
-    fn mime(self) -> &'static str {
-        match self {
-            OutputFormat::Png => "image/png",
-            OutputFormat::Jpeg => "image/jpeg",
-            OutputFormat::Webp => "image/webp",
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ResponseFormat {
     B64Json,
     Url,
@@ -137,9 +107,15 @@ enum ResponseFormat {
 #[derive(Debug, Clone, Copy)]
 struct Delivery {
     response: ResponseFormat,
-    format: OutputFormat,
-    /// JPEG quality, 0–100 (WebP is always lossless: the encoder we have has no lossy mode).
+    format: ImageFormat,
+    /// JPEG quality, 0–100 (WebP is always lossless: no pure-Rust encoder writes lossy WebP).
     compression: u8,
+}
+
+impl Delivery {
+    fn output(&self) -> OutputFormat {
+        OutputFormat::new(self.format, self.compression)
+    }
 }
 
 fn delivery(p: &ImageParams) -> Result<Delivery, ApiError> {
@@ -154,8 +130,8 @@ fn delivery(p: &ImageParams) -> Result<Delivery, ApiError> {
         }
     };
     let format = match p.output_format.as_deref() {
-        None => OutputFormat::Png,
-        Some(name) => OutputFormat::parse(name).ok_or_else(|| {
+        None => ImageFormat::Png,
+        Some(name) => ImageFormat::parse(name).ok_or_else(|| {
             ApiError::invalid("output_format", format!("must be `png`, `jpeg` or `webp`, got `{name}`"))
         })?,
     };
@@ -203,6 +179,7 @@ fn openai_invalid(e: ValidationError) -> ApiError {
 fn build_request(
     p: &ImageParams,
     state: &AppState,
+    output: OutputFormat,
     init: Option<RgbImage>,
     mask: Option<GrayImage>,
 ) -> Result<GenerateRequest, ApiError> {
@@ -243,6 +220,7 @@ fn build_request(
         loras: Vec::new(),
         embeddings: Vec::new(),
         hires: None,
+        output,
     };
     req.validate(&state.config.limits).map_err(openai_invalid)?;
     if let Some(hr) = &p.hires {
@@ -346,26 +324,18 @@ fn failure_response(f: JobFailure) -> Response {
     }
 }
 
-/// Re-encodes a finished PNG (which carries the A1111 `parameters` chunk) into `format`; PNG passes through.
-pub(crate) fn encode_as(png: &[u8], format: OutputFormat, compression: u8) -> Result<Vec<u8>, String> {
-    let decode = || {
-        image::load_from_memory_with_format(png, image::ImageFormat::Png)
-            .map(|img| img.to_rgb8())
-            .map_err(|e| format!("cannot read the finished image: {e}"))
-    };
-    let mut out = Vec::new();
-    let written = match format {
-        OutputFormat::Png => return Ok(png.to_vec()),
-        // The encoder takes 1–100; OpenAI allows 0, which means "smallest".
-        OutputFormat::Jpeg => decode()?.write_with_encoder(
-            image::codecs::jpeg::JpegEncoder::new_with_quality(&mut out, compression.clamp(1, 100)),
-        ),
-        OutputFormat::Webp => {
-            decode()?.write_with_encoder(image::codecs::webp::WebPEncoder::new_lossless(&mut out))
-        }
-    };
-    written.map_err(|e| format!("cannot encode {}: {e}", format.extension()))?;
-    Ok(out)
+/// A finished image as `output` asks: its own bytes when they already are (JPEG at the same quality), else
+/// decoded and encoded again, infotext included.
+pub(crate) fn encode_as(img: &FinishedImage, output: OutputFormat) -> Result<Bytes, String> {
+    let same = img.output.format == output.format
+        && (output.format != ImageFormat::Jpeg || img.output.quality == output.quality);
+    if same {
+        return Ok(img.bytes.clone());
+    }
+    let pixels = decode_image(&img.bytes, u64::from(img.width) * u64::from(img.height))
+        .map_err(|e| format!("cannot read the finished image: {e}"))?;
+    let infotext = Some(img.infotext.as_str()).filter(|t| !t.is_empty());
+    sdhive_engine::encode_image(&pixels, infotext, output).map(Bytes::from).map_err(|e| e.to_string())
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -410,8 +380,8 @@ fn base_url(headers: &HeaderMap, uri: &Uri) -> String {
 }
 
 fn file_url(base: &str, job: &JobId, index: usize, d: &Delivery) -> String {
-    let mut url = format!("{base}/v1/files/{job}/{index}.{}", d.format.extension());
-    if d.format == OutputFormat::Jpeg && d.compression != DEFAULT_COMPRESSION {
+    let mut url = format!("{base}/v1/files/{job}/{index}.{}", d.format.name());
+    if d.format == ImageFormat::Jpeg && d.compression != DEFAULT_COMPRESSION {
         url.push_str(&format!("?compression={}", d.compression));
     }
     url
@@ -436,7 +406,7 @@ async fn run_and_respond(
     let created = unix_secs(view.finished_at.unwrap_or_else(SystemTime::now)) as u64;
     let size = images.first().map(|i| format!("{}x{}", i.width, i.height)).unwrap_or_default();
     let job = view.id.clone();
-    // Encoding (and base64 of large images) is CPU work: keep it off the async workers.
+    // The job encoded its images as asked; base64 of large images is still CPU work to keep off the async workers.
     let data = tokio::task::spawn_blocking(move || -> Result<Vec<ImageData>, String> {
         images
             .iter()
@@ -446,7 +416,7 @@ async fn run_and_respond(
                     Ok(ImageData { b64_json: None, url: Some(file_url(&base, &job, index, &d)) })
                 }
                 ResponseFormat::B64Json => {
-                    let bytes = encode_as(&img.png, d.format, d.compression)?;
+                    let bytes = encode_as(img, d.output())?;
                     let b64 = base64::engine::general_purpose::STANDARD.encode(bytes);
                     Ok(ImageData { b64_json: Some(b64), url: None })
                 }
@@ -456,7 +426,7 @@ async fn run_and_respond(
     .await;
     match data {
         Ok(Ok(data)) => {
-            Json(ImagesResponse { created, data, output_format: d.format.extension(), size }).into_response()
+            Json(ImagesResponse { created, data, output_format: d.format.name(), size }).into_response()
         }
         Ok(Err(message)) => no_retry(ApiError::internal(message)),
         Err(e) => no_retry(ApiError::internal(format!("image encoding failed: {e}"))),
@@ -473,8 +443,9 @@ async fn generations(
     uri: Uri,
     ApiJson(params): ApiJson<ImageParams>,
 ) -> Response {
-    let prepared = delivery(&params)
-        .and_then(|d| Ok((d, model_of(&params, &state)?, build_request(&params, &state, None, None)?)));
+    let prepared = delivery(&params).and_then(|d| {
+        Ok((d, model_of(&params, &state)?, build_request(&params, &state, d.output(), None, None)?))
+    });
     let prepared = match prepared {
         Ok((d, model, req)) => {
             let loras = params.loras.clone().unwrap_or_default();
@@ -608,7 +579,7 @@ async fn prepare_edit(
     let state = state.clone();
     let job_model = model.clone();
     let req = tokio::task::spawn_blocking(move || {
-        let mut req = decode_edit(&params, &state, &image_bytes, mask_bytes.as_deref())?;
+        let mut req = decode_edit(&params, &state, d.output(), &image_bytes, mask_bytes.as_deref())?;
         let loras = params.loras.clone().unwrap_or_default();
         state.resolve_networks(&mut req, &loras, &job_model).map_err(openai_invalid)?;
         Ok::<_, ApiError>(req)
@@ -622,6 +593,7 @@ async fn prepare_edit(
 fn decode_edit(
     params: &ImageParams,
     state: &AppState,
+    output: OutputFormat,
     image_bytes: &[u8],
     mask_bytes: Option<&[u8]>,
 ) -> Result<GenerateRequest, ApiError> {
@@ -644,7 +616,7 @@ fn decode_edit(
         }
         None => None,
     };
-    build_request(params, state, Some(init), mask)
+    build_request(params, state, output, Some(init), mask)
 }
 
 async fn list_models(State(state): State<AppState>) -> Json<Value> {
@@ -682,7 +654,7 @@ async fn get_file(
     };
     let parsed = file
         .split_once('.')
-        .and_then(|(index, ext)| Some((index.parse::<usize>().ok()?, OutputFormat::parse(ext)?)));
+        .and_then(|(index, ext)| Some((index.parse::<usize>().ok()?, ImageFormat::parse(ext)?)));
     let Some((index, format)) = parsed else {
         return ApiError::not_found(format!("no file `{file}`: expected `<index>.png`, `.jpeg` or `.webp`"))
             .into_response();
@@ -691,11 +663,12 @@ async fn get_file(
         Ok(view) => view,
         Err(e) => return ApiError::from(e).into_response(),
     };
-    let Some(png) = view.images.get(index).map(|img| img.png.clone()) else {
+    let Some(img) = view.images.get(index).cloned() else {
         return ApiError::not_found(format!("job {} has no image {index} (state: {})", view.id, view.state))
             .into_response();
     };
-    let encoded = tokio::task::spawn_blocking(move || encode_as(&png, format, compression)).await;
+    let encoded =
+        tokio::task::spawn_blocking(move || encode_as(&img, OutputFormat::new(format, compression))).await;
     match encoded {
         Ok(Ok(bytes)) => ([(header::CONTENT_TYPE, format.mime())], bytes).into_response(),
         Ok(Err(message)) => ApiError::internal(message).into_response(),
@@ -752,20 +725,39 @@ mod tests {
     }
 
     #[test]
-    fn reencoding_keeps_size_and_format() {
-        let img = RgbImage { width: 16, height: 8, data: vec![90; 16 * 8 * 3] };
-        let png = encode_png(&img, Some("p")).unwrap();
-        assert_eq!(encode_as(&png, OutputFormat::Png, 100).unwrap(), png);
-        for (format, expected) in
-            [(OutputFormat::Jpeg, image::ImageFormat::Jpeg), (OutputFormat::Webp, image::ImageFormat::WebP)]
-        {
-            let bytes = encode_as(&png, format, 80).unwrap();
-            assert_eq!(image::guess_format(&bytes).unwrap(), expected);
-            let back = image::load_from_memory(&bytes).unwrap();
-            assert_eq!((back.width(), back.height()), (16, 8));
+    fn reencoding_passes_matching_bytes_through_and_keeps_the_infotext() {
+        let img = RgbImage { width: 16, height: 8, data: (0..16 * 8 * 3).map(|v| (v % 251) as u8).collect() };
+        let finished = |output: OutputFormat| FinishedImage {
+            bytes: Bytes::from(sdhive_engine::encode_image(&img, Some("p"), output).unwrap()),
+            output,
+            seed: 1,
+            infotext: "p".into(),
+            width: 16,
+            height: 8,
+        };
+        let jpeg = OutputFormat::new(ImageFormat::Jpeg, 80);
+        for stored in [OutputFormat::PNG, jpeg, OutputFormat::new(ImageFormat::Webp, 80)] {
+            let stored = finished(stored);
+            // Same format (and JPEG quality): the very bytes.
+            assert_eq!(encode_as(&stored, stored.output).unwrap(), stored.bytes);
+            for (format, expected) in [
+                (ImageFormat::Png, image::ImageFormat::Png),
+                (ImageFormat::Jpeg, image::ImageFormat::Jpeg),
+                (ImageFormat::Webp, image::ImageFormat::WebP),
+            ] {
+                let bytes = encode_as(&stored, OutputFormat::new(format, 50)).unwrap();
+                assert_eq!(image::guess_format(&bytes).unwrap(), expected);
+                let info = crate::png_info::read_image_info(&bytes, 1 << 20).unwrap();
+                assert_eq!(info.parameters.as_deref(), Some("p"), "{format} from {}", stored.output.format);
+                let back = decode_image(&bytes, 1 << 20).unwrap();
+                assert_eq!((back.width, back.height), (16, 8));
+                if stored.output.format != ImageFormat::Jpeg && format != ImageFormat::Jpeg {
+                    assert_eq!(back, img, "lossless to lossless keeps the pixels");
+                }
+            }
         }
-        let lossless = image::load_from_memory(&encode_as(&png, OutputFormat::Webp, 0).unwrap()).unwrap();
-        assert_eq!(lossless.to_rgb8().into_raw(), img.data);
+        let other_quality = encode_as(&finished(jpeg), OutputFormat::new(ImageFormat::Jpeg, 20)).unwrap();
+        assert!(other_quality.len() < finished(jpeg).bytes.len());
     }
 
     #[test]

@@ -36,7 +36,7 @@ async fn ready(State(state): State<AppState>) -> Response {
 
 async fn metrics(State(state): State<AppState>) -> Response {
     let ready = state.jobs.engine_alive() && state.jobs.is_accepting();
-    let text = state.metrics.render(state.jobs.queue_depth(), state.jobs.current().is_some(), ready);
+    let text = state.metrics.render(state.jobs.queue_depth(), state.jobs.running_count(), ready);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Drives a running sdhive worker (or hive) with `webuiapi` (PyPI, the A1111 client) through the A1111 routes
 besides generation: HTTP Basic auth as `WebUIApi(username=..., password=...)` sends it, png_info, get_memory,
-get_cmd_flags, the empty listings, get_prompt_styles and txt2img with styles. The server must have --api-auth
-USER:PASSWORD and the styles file of a1111_extras.rs (`film` and `tail`). Exits non-zero on the first mismatch.
+get_cmd_flags, the empty listings, get_prompt_styles, txt2img with styles, and the `samples_format` option (set
+with set_options and per request in override_settings) with the infotext read back as A1111 reads it (piexif).
+The server must have --api-auth USER:PASSWORD and the styles file of a1111_extras.rs (`film` and `tail`). Exits
+non-zero on the first mismatch.
 
     python a1111_extras_client.py --base-url http://127.0.0.1:7860 --user alice --password pw
 """
@@ -11,8 +13,16 @@ import argparse
 import json
 import sys
 
+import piexif
+import piexif.helper
 import requests
 import webuiapi
+
+
+def exif_infotext(image) -> str:
+    """The infotext of a JPEG or WebP, as A1111's `read_info_from_image` reads it."""
+    exif = piexif.load(image.info["exif"])
+    return piexif.helper.UserComment.load(exif["Exif"][piexif.ExifIFD.UserComment])
 
 
 def main() -> int:
@@ -73,7 +83,35 @@ def main() -> int:
         status, text = e.args
         assert status == 400 and json.loads(text)["field"] == "styles", (status, text)
 
-    print("webuiapi: auth, png_info, memory, cmd-flags, listings, styles OK")
+    # samples_format: the images' format, from the options or a request's override_settings.
+    options = api.get_options()
+    assert (options["samples_format"], options["jpeg_quality"]) == ("png", 80), options
+    api.set_options({"samples_format": "jpg", "jpeg_quality": 90})
+    assert api.get_options()["samples_format"] == "jpg"
+    fox = dict(prompt="a fox", steps=2, width=8, height=8, seed=9)
+    result = api.txt2img(**fox)
+    assert result.image.format == "JPEG", result.image.format
+    assert result.image.size == (8, 8), result.image.size
+    assert exif_infotext(result.image) == result.info["infotexts"][0], result.info
+    result = api.txt2img(**fox, override_settings={"samples_format": "webp"})
+    assert result.image.format == "WEBP", result.image.format
+    assert exif_infotext(result.image) == result.info["infotexts"][0], result.info
+    assert api.get_options()["samples_format"] == "jpg", "an override lasts its request"
+    api.set_options({"samples_format": "png"})
+    result = api.txt2img(**fox)
+    assert result.image.format == "PNG" and result.image.info["parameters"] == result.info["infotexts"][0]
+    # set_options returns the body whatever the status: check the status itself.
+    auth = (args.user, args.password)
+    r = requests.post(f"{args.base_url}/sdapi/v1/options", json={"samples_format": "gif"}, auth=auth)
+    assert r.status_code == 400 and r.json()["field"] == "samples_format", r.text
+    try:
+        api.txt2img(**fox, override_settings={"samples_format": "bmp"})
+        raise AssertionError("samples_format bmp was accepted")
+    except RuntimeError as e:
+        status, text = e.args
+        assert status == 400 and json.loads(text)["field"] == "override_settings.samples_format", (status, text)
+
+    print("webuiapi: auth, png_info, memory, cmd-flags, listings, styles, samples_format OK")
     return 0
 
 

@@ -2,7 +2,8 @@
 """Drives a running sdhive worker with the official `openai` Python SDK, as an OpenAI user would.
 
 Checks the shapes the SDK parses (models list, images response, typed errors) and writes the decoded images
-to --dir (generated-0.png, edited-0.png) so the Rust test can compare them with the engine's own output.
+to --dir (generated-0.png, edited-0.png, and generated-0.webp from `output_format="webp"`) so the Rust test can
+compare them with the engine's own output.
 --dir must hold init.png and mask.png (RGBA; transparent = edit). The key comes from OPENAI_API_KEY.
 
     python openai_sdk_client.py --base-url http://127.0.0.1:7860/v1 --dir /tmp/client
@@ -59,6 +60,29 @@ def main() -> int:
     )
     save_b64_image(generated, args.dir, "generated", (64, 64))
 
+    # gpt-image-1's output_format / output_compression, as the SDK sends them.
+    webp = client.images.generate(
+        model=model,
+        prompt="a watercolor lighthouse",
+        size="64x64",
+        output_format="webp",
+        extra_body={"steps": 4, "seed": 42},
+    )
+    assert webp.output_format == "webp", webp.output_format
+    data = base64.b64decode(webp.data[0].b64_json)
+    assert data[:4] == b"RIFF" and data[8:12] == b"WEBP", data[:16]
+    with open(os.path.join(args.dir, "generated-0.webp"), "wb") as f:
+        f.write(data)
+    jpeg = client.images.generate(
+        model=model,
+        prompt="a watercolor lighthouse",
+        size="64x64",
+        output_format="jpeg",
+        output_compression=60,
+        extra_body={"steps": 1, "seed": 42},
+    )
+    assert jpeg.output_format == "jpeg" and base64.b64decode(jpeg.data[0].b64_json)[:2] == b"\xff\xd8", jpeg
+
     with open(os.path.join(args.dir, "init.png"), "rb") as image, open(
         os.path.join(args.dir, "mask.png"), "rb"
     ) as mask:
@@ -90,6 +114,11 @@ def main() -> int:
         raise AssertionError("n=0 was accepted")
     except openai.BadRequestError as e:
         assert e.body["param"] == "n", e.body
+    try:
+        client.images.generate(prompt="x", output_format="gif", extra_body={"steps": 1})
+        raise AssertionError("output_format gif was accepted")
+    except openai.BadRequestError as e:
+        assert e.body["param"] == "output_format", e.body
     wrong = openai.OpenAI(base_url=args.base_url, api_key="not-the-key", max_retries=0)
     try:
         wrong.models.list()
@@ -97,7 +126,7 @@ def main() -> int:
     except openai.AuthenticationError as e:
         assert e.status_code == 401, e
 
-    print(f"openai {openai.__version__}: models {ids}, generate, edit, url and errors OK")
+    print(f"openai {openai.__version__}: models {ids}, generate (png, webp, jpeg), edit, url and errors OK")
     return 0
 
 

@@ -1,0 +1,183 @@
+//! A network call replayed as a CUDA graph, shared by the UNet step and the VAE decode. Both are called again and
+//! again with the same shapes and issue hundreds of small launches whose host-side cost (candle's bookkeeping per
+//! op, one driver call each) is as long as their GPU time, so run kernel by kernel they follow the host's load.
+//! The first call of a shape runs as usual (it also sizes the libraries' workspaces and plans), the second records
+//! the call into a graph on buffers of its own, and later ones copy their inputs into the recorded input buffers
+//! and replay it with one launch.
+//!
+//! A recording allocates its activations from the driver's graph memory, which stays reserved between replays (the
+//! driver may back the graphs launched on one stream with the same physical memory, since they never run at the
+//! same time); dropping a recording gives that memory back to the driver.
+
+use candle_core::{DType, Result, Tensor, TensorId};
+use sdhive_cuda_kernels::Graph;
+use std::sync::{Arc, Mutex};
+
+/// Recorded graphs kept per network: one per input shape; the least recently used goes when another shape
+/// arrives. Each keeps its call's activation memory reserved (SDXL at 1024²: ~1.7 GB for the UNet step), so few.
+const KEPT: usize = 2;
+
+/// Calls whose first input has a larger batch run kernel by kernel and leave the recordings alone. A batch of
+/// several images keeps the GPU busy long enough per kernel that launches hide behind it, while recording every
+/// batch size a busy server sees would evict the single image's recording and reserve memory per size.
+const GRAPHED_BATCH: usize = 2;
+
+/// How a replay brings a recorded input up to date.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Refresh {
+    /// Copied in at every replay.
+    Always,
+    /// Copied in only when the call passes another tensor than last time (a table made once and reused).
+    WhenAnotherTensor,
+}
+
+/// What selects a recording: the input shapes (a network has one dtype and device) and the settings of this
+/// thread that change which kernels a call issues.
+#[derive(Clone, PartialEq, Eq, Debug)]
+struct Key {
+    shapes: Vec<Vec<usize>>,
+    /// f32 convolutions on TF32 tensor cores (the upcast SDXL VAE's).
+    tf32: bool,
+    /// The attention-score chunk limit (attention slicing), which changes how many products the attention makes.
+    score_limit: usize,
+}
+
+impl Key {
+    fn of(inputs: &[&Tensor]) -> Self {
+        Key {
+            shapes: inputs.iter().map(|t| t.dims().to_vec()).collect(),
+            tf32: sdhive_cuda_kernels::tf32_convolutions_on(),
+            score_limit: crate::ops::attention_score_limit(),
+        }
+    }
+}
+
+struct Recorded {
+    graph: Graph,
+    /// The buffers the recording reads its inputs from.
+    inputs: Vec<Tensor>,
+    /// The tensors whose values `inputs` hold.
+    from: Vec<TensorId>,
+    out: Tensor,
+}
+
+enum Slot {
+    /// Ran once kernel by kernel, returning this shape and dtype: the next call records.
+    Warm(Vec<usize>, DType),
+    Ready(Box<Recorded>),
+    /// Recording failed for this shape (why); it runs kernel by kernel.
+    Off(String),
+}
+
+/// The recordings of one network (shared by its clones: they hold the same weights).
+#[derive(Clone)]
+pub(crate) struct Graphs<const N: usize> {
+    /// The network, for the log.
+    network: &'static str,
+    refresh: [Refresh; N],
+    /// Least recently used first.
+    slots: Arc<Mutex<Vec<(Key, Slot)>>>,
+}
+
+impl<const N: usize> std::fmt::Debug for Graphs<N> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Graphs({})", self.network)
+    }
+}
+
+impl<const N: usize> Graphs<N> {
+    pub(crate) fn new(network: &'static str, refresh: [Refresh; N]) -> Self {
+        Graphs { network, refresh, slots: Arc::default() }
+    }
+
+    /// How many shapes replay from a recording now, and why the others could not be recorded.
+    pub(crate) fn status(&self) -> (usize, Vec<String>) {
+        let slots = self.slots.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let recorded = slots.iter().filter(|(_, s)| matches!(s, Slot::Ready(_))).count();
+        let refused =
+            slots.iter().filter_map(|(_, s)| if let Slot::Off(why) = s { Some(why.clone()) } else { None });
+        (recorded, refused.collect())
+    }
+
+    /// `body(inputs)` on prepared inputs (contiguous, on the network's device, in its dtype), kernel by kernel or
+    /// from a recording of it. `body` must return a tensor of the same shape for inputs of the same shapes.
+    pub(crate) fn run(
+        &self,
+        inputs: [&Tensor; N],
+        body: impl Fn([&Tensor; N]) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        if inputs[0].dim(0)? > GRAPHED_BATCH {
+            return body(inputs);
+        }
+        let key = Key::of(&inputs);
+        let mut slots = self.slots.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let Some(at) = slots.iter().position(|(k, _)| *k == key) else {
+            if slots.len() >= KEPT {
+                let (_, gone) = slots.remove(0);
+                if matches!(gone, Slot::Ready(_)) {
+                    drop(gone);
+                    let _ = sdhive_cuda_kernels::trim_graph_memory(inputs[0].device());
+                }
+            }
+            let y = body(inputs)?;
+            slots.push((key, Slot::Warm(y.dims().to_vec(), y.dtype())));
+            return Ok(y);
+        };
+        let entry = slots.remove(at);
+        slots.push(entry);
+        let (key, slot) = slots.last_mut().expect("the entry just pushed");
+        if let Slot::Warm(shape, dtype) = slot {
+            let warm = (std::mem::take(shape), *dtype);
+            *slot = match record(inputs, (&warm.0, warm.1), &body) {
+                Ok(recorded) => Slot::Ready(Box::new(recorded)),
+                Err(e) => {
+                    // The first line: candle appends a backtrace to some errors.
+                    let e = e.to_string().lines().next().unwrap_or_default().to_string();
+                    tracing::warn!(
+                        "{}: recording a call as a CUDA graph failed for inputs {:?} ({e}); this shape runs \
+                         kernel by kernel",
+                        self.network,
+                        key.shapes
+                    );
+                    Slot::Off(format!("inputs {:?}: {e}", key.shapes))
+                }
+            };
+        }
+        match slot {
+            Slot::Ready(r) if r.graph.replays_here() => r.replay(inputs, &self.refresh),
+            _ => body(inputs),
+        }
+    }
+}
+
+/// Records `body` on buffers of its own: copies of this call's inputs and an output allocated beforehand. Every
+/// tensor `body` makes is dropped inside the recording, so the graph owns no memory after it ends.
+fn record<const N: usize>(
+    inputs: [&Tensor; N],
+    (shape, dtype): (&[usize], DType),
+    body: &impl Fn([&Tensor; N]) -> Result<Tensor>,
+) -> Result<Recorded> {
+    let device = inputs[0].device().clone();
+    let out = Tensor::zeros(shape, dtype, &device)?;
+    let from = inputs.iter().map(|t| t.id()).collect();
+    let copies = inputs.iter().map(|t| t.copy()).collect::<Result<Vec<_>>>()?;
+    let (graph, ()) = sdhive_cuda_kernels::capture_graph(&device, || {
+        let y = body(std::array::from_fn(|i| &copies[i]))?;
+        out.slice_set(&y, 0, 0)
+    })?;
+    Ok(Recorded { graph, inputs: copies, from, out })
+}
+
+impl Recorded {
+    fn replay<const N: usize>(&mut self, inputs: [&Tensor; N], refresh: &[Refresh; N]) -> Result<Tensor> {
+        for (i, input) in inputs.iter().enumerate() {
+            if refresh[i] == Refresh::Always || input.id() != self.from[i] {
+                self.inputs[i].slice_set(input, 0, 0)?;
+                self.from[i] = input.id();
+            }
+        }
+        self.graph.launch()?;
+        // The next replay overwrites the recorded output.
+        self.out.copy()
+    }
+}
