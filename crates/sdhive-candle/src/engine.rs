@@ -91,6 +91,16 @@ fn failed(message: String) -> EngineError {
     }
 }
 
+/// A LoRA the request names that cannot be applied: the request's `loras` when the file is at fault.
+fn lora_error(e: &LoraApplyError) -> EngineError {
+    match e {
+        LoraApplyError::Invalid { .. } => {
+            EngineError::Invalid(ValidationError { field: "loras", message: e.to_string() })
+        }
+        LoraApplyError::Failed { .. } => failed(e.to_string()),
+    }
+}
+
 /// Whether an error message is an allocation failure of the device: the CUDA driver's, cuBLAS', cuBLASLt's or
 /// cuDNN's wording, or Metal's.
 fn is_out_of_memory(message: &str) -> bool {
@@ -186,6 +196,13 @@ impl CandleEngine {
         self
     }
 
+    /// Makes `req`'s textual-inversion embeddings the text encoders' (before its prompts are encoded).
+    fn set_embeddings(&mut self, req: &GenerateRequest) -> Result<(), EngineError> {
+        self.model.set_embeddings(&req.embeddings).map_err(|e| {
+            EngineError::Invalid(ValidationError { field: "embeddings", message: e.to_string() })
+        })
+    }
+
     /// An image of `req` with its infotext. A1111's `Size` is the first pass's (`size`); a hires size follows from
     /// the `Hires` fields.
     fn finished(
@@ -256,15 +273,8 @@ impl Engine for CandleEngine {
         req.validate(&self.limits)?;
         let (width, height) = req.output_size(self.model.native_size);
         self.check_model_fit(req, width, height)?;
-        self.model.set_loras(&req.loras).map_err(|e| match e {
-            LoraApplyError::Invalid { .. } => {
-                EngineError::Invalid(ValidationError { field: "loras", message: e.to_string() })
-            }
-            LoraApplyError::Failed { .. } => failed(e.to_string()),
-        })?;
-        self.model.set_embeddings(&req.embeddings).map_err(|e| {
-            EngineError::Invalid(ValidationError { field: "embeddings", message: e.to_string() })
-        })?;
+        self.model.set_loras(&req.loras).map_err(|e| lora_error(&e))?;
+        self.set_embeddings(req)?;
         // Hires fix: the UNet's largest call is the second pass's, at the output size.
         let hires = match &req.hires {
             Some(h) => Some((h, h.validate(width, height, &self.limits)?)),

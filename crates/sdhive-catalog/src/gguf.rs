@@ -401,6 +401,15 @@ pub fn write_for_tests(
     std::fs::write(path, out)
 }
 
+/// Test support: writes a header-sized GGUF SD checkpoint of `family` ([`sd_tensors_for_tests`]) to `path`.
+#[doc(hidden)]
+pub fn write_sd_for_tests(path: &Path, family: &str, in_channels: u64) -> std::io::Result<()> {
+    let tensors = sd_tensors_for_tests(family, in_channels);
+    let refs: Vec<(&str, &[u64], u32)> =
+        tensors.iter().map(|(n, d, t)| (n.as_str(), d.as_slice(), *t)).collect();
+    write_for_tests(path, None, &refs)
+}
+
 /// Test support: the tensors that make a GGUF an SD checkpoint of `family` (`sd1`, `sd2`, `sdxl`) to
 /// [`GgufHeader::sd_checkpoint`], with sd.cpp's names; `in_channels` 9 for an inpainting UNet.
 #[doc(hidden)]

@@ -46,10 +46,7 @@ const LORA_KEYS: &[&str] = &["lora_unet_down_blocks_0_attentions_0_proj_in.lora_
 
 /// A GGUF with the tensors that make it a checkpoint of `family` (header-sized: zero data).
 fn write_sd_gguf(path: &Path, family: &str) {
-    let tensors = gguf::sd_tensors_for_tests(family, 4);
-    let refs: Vec<(&str, &[u64], u32)> =
-        tensors.iter().map(|(n, d, t)| (n.as_str(), d.as_slice(), *t)).collect();
-    gguf::write_for_tests(path, None, &refs).unwrap();
+    gguf::write_sd_for_tests(path, family, 4).unwrap();
 }
 
 fn write_file(path: &Path, bytes: &[u8]) {

@@ -152,10 +152,7 @@ mod tests {
     fn gguf_files() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("xl-inpaint.gguf");
-        let tensors = sdhive_catalog::gguf::sd_tensors_for_tests("sdxl", 9);
-        let refs: Vec<(&str, &[u64], u32)> =
-            tensors.iter().map(|(n, d, t)| (n.as_str(), d.as_slice(), *t)).collect();
-        sdhive_catalog::gguf::write_for_tests(&path, None, &refs).unwrap();
+        sdhive_catalog::gguf::write_sd_for_tests(&path, "sdxl", 9).unwrap();
         let info = from_gguf(&path).unwrap();
         assert_eq!((info.family.as_str(), info.native_width, info.inpainting), ("sdxl", 1024, true));
         let gguf = info.gguf.clone().unwrap();

@@ -147,15 +147,7 @@ fn run_batch(
     let Some(model) = model else { return };
     let fail_all = |outcome: Outcome| {
         for id in &ids {
-            let copy = match &outcome {
-                Outcome::Failed(e) => Outcome::Failed(e.clone()),
-                _ => Outcome::Failed(JobError {
-                    kind: JobErrorKind::EngineError,
-                    message: "failed".into(),
-                    param: None,
-                }),
-            };
-            encoder.finish(id.clone(), Ended::Final(copy));
+            encoder.finish(id.clone(), Ended::Final(outcome.clone()));
         }
     };
     if let Err(failure) = switch(jobs, host, &ids[0], &model) {
@@ -170,14 +162,7 @@ fn run_batch(
     tracing::info!(jobs = ids.len(), images, steps = requests[0].steps, "batch started");
     jobs.metrics().observe_batch(images.min(max_images));
     let refs: Vec<&GenerateRequest> = requests.iter().map(|r| r.as_ref()).collect();
-    let mut on_progress = |i: usize, p: &Progress| {
-        report(jobs, encoder, &ids[i], p);
-        if cancels[i].load(Ordering::SeqCst) {
-            Control::Cancel
-        } else {
-            Control::Continue
-        }
-    };
+    let mut on_progress = |i: usize, p: &Progress| report(jobs, encoder, &ids[i], &cancels[i], p);
     let results =
         catch_unwind(AssertUnwindSafe(|| engine.generate_batch(&refs, max_images, &mut on_progress)));
     match results {
@@ -189,11 +174,7 @@ fn run_batch(
         Err(payload) => {
             let message = panic_message(payload.as_ref());
             tracing::error!(jobs = ids.len(), "engine panicked in a batch: {message}");
-            fail_all(Outcome::Failed(JobError {
-                kind: JobErrorKind::EnginePanic,
-                message: format!("the engine panicked: {message}"),
-                param: None,
-            }));
+            fail_all(engine_panic(&message));
         }
     }
 }
@@ -236,12 +217,26 @@ fn switch(jobs: &JobManager, host: &mut ModelHost, id: &JobId, model: &ModelSpec
     }
 }
 
-/// A step's report: progress now, the preview (if any) to the encoding threads.
-fn report(jobs: &JobManager, encoder: &Encoder, id: &JobId, p: &Progress) {
+/// A step's report: progress now, the preview (if any) to the encoding threads; the answer is the job's cancel
+/// flag.
+fn report(jobs: &JobManager, encoder: &Encoder, id: &JobId, cancel: &AtomicBool, p: &Progress) -> Control {
     jobs.on_progress(id, p);
     if let Some(preview) = &p.preview {
         encoder.preview(id.clone(), p.step, p.image, preview.clone());
     }
+    if cancel.load(Ordering::SeqCst) {
+        Control::Cancel
+    } else {
+        Control::Continue
+    }
+}
+
+fn engine_panic(message: &str) -> Outcome {
+    Outcome::Failed(JobError {
+        kind: JobErrorKind::EnginePanic,
+        message: format!("the engine panicked: {message}"),
+        param: None,
+    })
 }
 
 fn run_one(
@@ -254,14 +249,7 @@ fn run_one(
     max_images: u32,
 ) -> Ended {
     tracing::info!(job = %id, steps = request.steps, n = request.n, "job started");
-    let mut on_progress = |p: &Progress| {
-        report(jobs, encoder, id, p);
-        if cancel.load(Ordering::SeqCst) {
-            Control::Cancel
-        } else {
-            Control::Continue
-        }
-    };
+    let mut on_progress = |p: &Progress| report(jobs, encoder, id, cancel, p);
     // A1111's `batch_size` and OpenAI's `n` denoise their images together where the engine batches.
     let batched = max_images > 1 && request.n > 1 && request.batch_key().is_some();
     jobs.metrics().observe_batch(if batched { request.n.min(max_images) } else { 1 });
@@ -280,11 +268,7 @@ fn run_one(
         Err(payload) => {
             let message = panic_message(payload.as_ref());
             tracing::error!(job = %id, "engine panicked: {message}");
-            Ended::Final(Outcome::Failed(JobError {
-                kind: JobErrorKind::EnginePanic,
-                message: format!("the engine panicked: {message}"),
-                param: None,
-            }))
+            Ended::Final(engine_panic(&message))
         }
     }
 }
@@ -344,11 +328,7 @@ fn upscale(engine: &mut dyn Engine, request: &UpscaleRequest) -> Ended {
         Ok(Err(e)) => {
             Outcome::Failed(JobError { kind: JobErrorKind::EngineError, message: e.to_string(), param: None })
         }
-        Err(payload) => Outcome::Failed(JobError {
-            kind: JobErrorKind::EnginePanic,
-            message: format!("the engine panicked: {}", panic_message(payload.as_ref())),
-            param: None,
-        }),
+        Err(payload) => engine_panic(&panic_message(payload.as_ref())),
     };
     Ended::Final(failure)
 }

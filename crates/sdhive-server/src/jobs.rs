@@ -395,6 +395,7 @@ pub(crate) enum Next {
 }
 
 /// How a run ended, as the engine thread reports it.
+#[derive(Clone)]
 pub(crate) enum Outcome {
     Succeeded(Vec<FinishedImage>),
     Failed(JobError),

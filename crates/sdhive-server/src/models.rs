@@ -494,10 +494,7 @@ mod tests {
     #[test]
     fn gguf_checkpoints_are_listed_only_for_an_engine_that_loads_them() {
         let dir = tempfile::tempdir().unwrap();
-        let tensors = sdhive_catalog::gguf::sd_tensors_for_tests("sdxl", 4);
-        let refs: Vec<(&str, &[u64], u32)> =
-            tensors.iter().map(|(n, d, t)| (n.as_str(), d.as_slice(), *t)).collect();
-        sdhive_catalog::gguf::write_for_tests(&dir.path().join("xl-q8_0.gguf"), None, &refs).unwrap();
+        sdhive_catalog::gguf::write_sd_for_tests(&dir.path().join("xl-q8_0.gguf"), "sdxl", 4).unwrap();
         let config = CatalogConfig { models_dirs: vec![dir.path().into()], ..Default::default() };
         let all = [CheckpointFormat::Diffusers, CheckpointFormat::SafeTensors, CheckpointFormat::Gguf];
         let sdcpp = ModelLibrary::scan_loading(config.clone(), &all, "stable-diffusion.cpp").unwrap();

@@ -9,9 +9,9 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use axum::{Json, Router};
-use common::{config, slow_loader, start_with, SlowEngine};
+use common::{config, fake_checkpoint, fake_library, slow_loader, start_with, SlowEngine};
 use sdhive_engine::{BoxError, Engine, ModelSpec};
-use sdhive_server::{serve, LibraryStartup, ModelLibrary, RegistrationConfig};
+use sdhive_server::{serve, LibraryStartup, RegistrationConfig};
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -159,16 +159,6 @@ async fn registers_heartbeats_reregisters_and_deregisters() {
     assert_eq!(body["reason"], "shutdown");
 }
 
-/// A header-only safetensors file the catalogue lists as a checkpoint.
-fn fake_checkpoint(path: &std::path::Path) {
-    let header =
-        br#"{"model.diffusion_model.out.2.weight":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#;
-    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-    bytes.extend_from_slice(header);
-    bytes.extend_from_slice(&[0u8; 4]);
-    std::fs::write(path, bytes).unwrap();
-}
-
 async fn accept_registration(
     State(hive): State<Shared>,
     Json(body): Json<Value>,
@@ -197,18 +187,7 @@ async fn the_library_is_registered_and_sent_again_when_it_changes() {
     let hive_url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });
 
-    let dir = tempfile::tempdir().unwrap();
-    for name in ["a.safetensors", "b.safetensors"] {
-        fake_checkpoint(&dir.path().join(name));
-    }
-    let library = Arc::new(
-        ModelLibrary::scan(sdhive_catalog::CatalogConfig {
-            models_dirs: vec![dir.path().to_path_buf()],
-            vae_dirs: vec![],
-            hash_cache: None,
-        })
-        .unwrap(),
-    );
+    let (dir, library) = fake_library(&["a.safetensors", "b.safetensors"]);
     let factory = |_: &ModelSpec| -> Result<Box<dyn Engine>, BoxError> {
         Ok(Box::new(SlowEngine { per_step: Duration::from_millis(1) }))
     };

@@ -5,13 +5,12 @@
 
 mod common;
 
-use common::SlowEngine;
+use common::{fake_library, SlowEngine};
 use sdhive_engine::{
     BoxError, Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest, ModelSpec, Progress,
 };
-use sdhive_server::{serve, LibraryStartup, ModelLibrary};
+use sdhive_server::{serve, LibraryStartup};
 use serde_json::{json, Value};
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
@@ -35,15 +34,6 @@ impl Engine for Named {
     }
 }
 
-fn fake_checkpoint(path: &Path) {
-    let header =
-        br#"{"model.diffusion_model.out.2.weight":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#;
-    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-    bytes.extend_from_slice(header);
-    bytes.extend_from_slice(&[0u8; 4]);
-    std::fs::write(path, bytes).unwrap();
-}
-
 struct Setup {
     base: String,
     client: reqwest::Client,
@@ -52,18 +42,7 @@ struct Setup {
 }
 
 async fn start() -> Setup {
-    let dir = tempfile::tempdir().unwrap();
-    for name in ["a.safetensors", "b.safetensors"] {
-        fake_checkpoint(&dir.path().join(name));
-    }
-    let library = Arc::new(
-        ModelLibrary::scan(sdhive_catalog::CatalogConfig {
-            models_dirs: vec![dir.path().to_path_buf()],
-            vae_dirs: vec![],
-            hash_cache: None,
-        })
-        .unwrap(),
-    );
+    let (dir, library) = fake_library(&["a.safetensors", "b.safetensors"]);
     let loads = Arc::new(Mutex::new(Vec::new()));
     let log = Arc::clone(&loads);
     let factory = move |spec: &ModelSpec| -> Result<Box<dyn Engine>, BoxError> {

@@ -218,10 +218,7 @@ mod tests {
     fn a_candle_worker_refuses_a_gguf_checkpoint_naming_the_file_and_where_it_loads() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("v1-5-q8_0.gguf");
-        let tensors = sdhive_catalog::gguf::sd_tensors_for_tests("sd1", 4);
-        let refs: Vec<(&str, &[u64], u32)> =
-            tensors.iter().map(|(n, d, t)| (n.as_str(), d.as_slice(), *t)).collect();
-        sdhive_catalog::gguf::write_for_tests(&path, None, &refs).unwrap();
+        sdhive_catalog::gguf::write_sd_for_tests(&path, "sd1", 4).unwrap();
         let model =
             ResolvedModel { name: "v1-5-q8_0".into(), location: ModelLocation::SingleFile(path), vae: None };
         let info = DeviceInfo {

@@ -54,10 +54,7 @@ fn models_dir() -> tempfile::TempDir {
     write_broken_checkpoint(&root.join("zz-broken.safetensors"));
     std::fs::write(root.join("old.ckpt"), b"not unpickled").unwrap();
     // A GGUF SD1.5 checkpoint (header only): the stable-diffusion.cpp workers' format, not this CPU worker's.
-    let tensors = sdhive_catalog::gguf::sd_tensors_for_tests("sd1", 4);
-    let refs: Vec<(&str, &[u64], u32)> =
-        tensors.iter().map(|(n, d, t)| (n.as_str(), d.as_slice(), *t)).collect();
-    sdhive_catalog::gguf::write_for_tests(&root.join("q8.gguf"), None, &refs).unwrap();
+    sdhive_catalog::gguf::write_sd_for_tests(&root.join("q8.gguf"), "sd1", 4).unwrap();
     dir
 }
 

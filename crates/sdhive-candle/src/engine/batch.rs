@@ -3,8 +3,7 @@
 //! memory plan admits at once; a cancelled request stops reporting and keeps the images it finished, while the
 //! other rows run on.
 
-use super::{encode, failed, CandleEngine, CFG_BATCH};
-use crate::lora::LoraApplyError;
+use super::{encode, failed, lora_error, CandleEngine, CFG_BATCH};
 use crate::pipeline::UnetConditioning;
 use crate::pipeline::{decode, denoise_batch, latent_preview, BatchRow, ImageJob, PipelineError, StepReport};
 use sdhive_engine::extra_networks::strip_networks;
@@ -85,22 +84,14 @@ impl CandleEngine {
         let loras = members.iter().find(|m| m.ended.is_none()).map(|m| m.req.loras.clone())?;
         if let Err(e) = self.model.set_loras(&loras) {
             for m in members.iter_mut().filter(|m| m.ended.is_none()) {
-                m.ended = Some(match &e {
-                    LoraApplyError::Invalid { .. } => {
-                        EngineError::Invalid(ValidationError { field: "loras", message: e.to_string() })
-                    }
-                    LoraApplyError::Failed { .. } => failed(e.to_string()),
-                });
+                m.ended = Some(lora_error(&e));
             }
             return None;
         }
         for m in members.iter_mut().filter(|m| m.ended.is_none()) {
             let req = m.req;
-            if let Err(e) = self.model.set_embeddings(&req.embeddings) {
-                m.ended = Some(EngineError::Invalid(ValidationError {
-                    field: "embeddings",
-                    message: e.to_string(),
-                }));
+            if let Err(e) = self.set_embeddings(req) {
+                m.ended = Some(e);
                 continue;
             }
             let guided = f64::from(req.cfg_scale) > 1.0;

@@ -243,3 +243,29 @@ impl SseReader {
         }
     }
 }
+
+/// A header-only safetensors file the catalogue lists as a checkpoint.
+pub fn fake_checkpoint(path: &Path) {
+    let header =
+        br#"{"model.diffusion_model.out.2.weight":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header);
+    bytes.extend_from_slice(&[0u8; 4]);
+    std::fs::write(path, bytes).expect("writing a fake checkpoint");
+}
+
+/// A model library over a temporary folder of fake checkpoints named `names` (the folder lives as long as the
+/// returned guard).
+pub fn fake_library(names: &[&str]) -> (tempfile::TempDir, std::sync::Arc<sdhive_server::ModelLibrary>) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    for name in names {
+        fake_checkpoint(&dir.path().join(name));
+    }
+    let library = sdhive_server::ModelLibrary::scan(sdhive_catalog::CatalogConfig {
+        models_dirs: vec![dir.path().to_path_buf()],
+        vae_dirs: vec![],
+        hash_cache: None,
+    })
+    .expect("scanning the fake library");
+    (dir, std::sync::Arc::new(library))
+}
