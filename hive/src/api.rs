@@ -205,6 +205,8 @@ pub fn router(hive: Arc<Hive>) -> Router {
         .merge(registration)
         .merge(admin)
         .merge(public)
+        // No credentials for the page itself: it asks for the key and sends it with its API calls.
+        .merge(sdhive_webui::router())
         .fallback(|| async { error(StatusCode::NOT_FOUND, "not_found_error", "not_found", "no such route") })
         // Forwarded img2img bodies carry base64 images; the workers enforce their own (smaller) limit.
         .layer(DefaultBodyLimit::max(64 * 1024 * 1024))
@@ -349,22 +351,34 @@ async fn get_worker(State(hive): H, Path(id): Path<String>) -> Response {
     }
 }
 
-/// The device table, with the workers on each device now (planned and on demand) and what they hold.
+/// The device table, with the workers on each device now (planned and on demand) and what they hold. Free
+/// memory is read again per call (the node view polls it), else taken from the workers' last heartbeats, else
+/// what detection saw.
 async fn devices(State(hive): H) -> Response {
     let rows = hive.devices.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let mut fresh = Vec::with_capacity(rows.len());
+    for r in &rows {
+        fresh.push(crate::detect::free_memory(r.device.backend, r.device.index).await);
+    }
     let state = hive.lock();
     let rows: Vec<Value> = rows
         .iter()
-        .map(|r| {
+        .zip(fresh)
+        .map(|(r, fresh)| {
+            let on_device = |w: &&crate::registry::WorkerEntry| {
+                w.backend == r.device.backend.name() && w.device_index == Some(r.device.index)
+            };
+            let reported = state
+                .workers
+                .values()
+                .filter(on_device)
+                .filter_map(|w| w.heartbeat.as_ref()?.memory_free_bytes);
             let mut v = serde_json::to_value(r).unwrap_or(Value::Null);
+            v["memory_free_bytes"] = json!(fresh.or(reported.min()).or(r.device.memory_free_bytes));
             let here: Vec<Value> = state
                 .workers
                 .values()
-                .filter(|w| {
-                    w.managed
-                        && w.backend == r.device.backend.name()
-                        && w.device_index == Some(r.device.index)
-                })
+                .filter(|w| w.managed && on_device(w))
                 .map(|w| {
                     json!({
                         "id": w.id,
@@ -528,11 +542,31 @@ async fn ready(State(hive): H) -> Response {
 
 async fn info(State(hive): H) -> Response {
     let state = hive.lock();
+    // The native size of the selected model, as a worker holding it reported it (the web page's default size).
+    let holding = |w: &&crate::registry::WorkerEntry| {
+        w.registration.is_some() && state.selected.is_some() && w.loaded == state.selected
+    };
+    let native = state
+        .workers
+        .values()
+        .find(holding)
+        .or_else(|| state.workers.values().find(|w| w.registration.is_some()))
+        .and_then(|w| w.registration.as_ref())
+        .map(|r| (r.capabilities.native_width, r.capabilities.native_height));
     Json(json!({
+        "native_width": native.map(|n| n.0),
+        "native_height": native.map(|n| n.1),
         "role": "hive",
         "version": env!("CARGO_PKG_VERSION"),
         "workers": state.workers.len(),
         "queue": {"depth": state.queue.len(), "max": hive.config.queue_size},
+        // Counters since start: the node view turns them into jobs per second.
+        "jobs": {
+            "submitted": state.metrics.jobs_submitted,
+            "succeeded": state.metrics.jobs_succeeded,
+            "failed": state.metrics.jobs_failed,
+            "cancelled": state.metrics.jobs_cancelled,
+        },
         "models": models::list(&state).into_iter().map(|m| m.model.name).collect::<Vec<_>>(),
         "selected_model": state.selected.as_deref().map(|m| models::title_of(&state, m)),
         "auth_required": hive.config.credentials().required(),

@@ -780,6 +780,7 @@ mod tests {
             memory_free_bytes: Some(free),
             driver: None,
             software: false,
+            arch: None,
         }
     }
 
@@ -805,7 +806,7 @@ mod tests {
             catalog.checkpoints.iter().map(|c| c.path.to_string_lossy().into_owned()).collect();
         let devices =
             [device(Backend::Cuda, 0, 80 * GIB, free[0]), device(Backend::Cuda, 1, 80 * GIB, free[1])];
-        let rows = plan::plan(&devices, &config, |_| true).rows;
+        let rows = plan::plan(&devices, &config, |_: &std::path::Path| true).rows;
         let hive = Hive::new(config, "t".into(), "http://hive".into()).unwrap();
         *hive.devices.lock().unwrap() = rows;
         {

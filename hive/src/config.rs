@@ -76,6 +76,9 @@ pub struct HiveConfig {
     /// A1111's prompt styles (a `styles.csv` or a folder of them): listed by the hive, passed to every worker as
     /// `--styles-file`.
     pub styles_file: Option<PathBuf>,
+    /// Live previews, passed to every worker as `--preview`: `auto` (TAESD on GPUs where its weights are found,
+    /// else latent), `taesd`, `latent` or `off`.
+    pub preview: sdhive_engine::PreviewMode,
     /// Key the workers require (`--api-key` of spawned workers, and what the hive sends to any worker that
     /// registers with `api_key_required`).
     pub worker_api_key: Option<String>,
@@ -85,6 +88,12 @@ pub struct HiveConfig {
     pub pin: Vec<String>,
     /// `backend:index` (that physical device) or `backend` (never use that backend).
     pub exclude: Vec<String>,
+    /// AMD gfx targets ROCm must not serve (they get the Vulkan worker); default: the APUs known to crash under
+    /// ROCm (`crate::amd::DEFAULT_DENY`).
+    pub rocm_deny: Vec<String>,
+    /// AMD gfx targets ROCm serves even when denied or missing from the ROCm worker's build (e.g. with
+    /// `HSA_OVERRIDE_GFX_VERSION` set for it).
+    pub rocm_allow: Vec<String>,
     pub cpu: CpuPolicy,
     /// How many workers the CPU gets when it serves (each uses every core; more than one helps only to keep
     /// several models loaded at once, and tests).
@@ -147,10 +156,13 @@ impl Default for HiveConfig {
             api_key: None,
             api_auth: None,
             styles_file: None,
+            preview: sdhive_engine::PreviewMode::Auto,
             worker_api_key: None,
             backend: None,
             pin: Vec::new(),
             exclude: Vec::new(),
+            rocm_deny: crate::amd::DEFAULT_DENY.iter().map(|(gfx, _)| gfx.to_string()).collect(),
+            rocm_allow: Vec::new(),
             cpu: CpuPolicy::Auto,
             cpu_workers: 1,
             max_workers_per_device: 2,
@@ -190,9 +202,12 @@ pub struct CliOverrides {
     pub api_key: Option<String>,
     pub api_auth: Option<String>,
     pub styles_file: Option<PathBuf>,
+    pub preview: Option<sdhive_engine::PreviewMode>,
     pub backend: Option<String>,
     pub pin: Vec<String>,
     pub exclude: Vec<String>,
+    pub rocm_deny: Vec<String>,
+    pub rocm_allow: Vec<String>,
     pub cpu: Option<CpuPolicy>,
     pub cpu_workers: Option<usize>,
     pub max_workers_per_device: Option<usize>,
@@ -300,10 +315,13 @@ impl HiveConfig {
                 "API_KEY" => self.api_key = Some(value),
                 "API_AUTH" => self.api_auth = Some(value),
                 "STYLES_FILE" => self.styles_file = Some(PathBuf::from(value)),
+                "PREVIEW" => self.preview = parse(&var, &value)?,
                 "WORKER_API_KEY" => self.worker_api_key = Some(value),
                 "BACKEND" => self.backend = Some(value),
                 "PIN" => self.pin = list(&value),
                 "EXCLUDE" => self.exclude = list(&value),
+                "ROCM_DENY" => self.rocm_deny = list(&value),
+                "ROCM_ALLOW" => self.rocm_allow = list(&value),
                 "CPU" => self.cpu = parse(&var, &value)?,
                 "CPU_WORKERS" => self.cpu_workers = parse(&var, &value)?,
                 "MAX_WORKERS_PER_DEVICE" => self.max_workers_per_device = parse(&var, &value)?,
@@ -364,11 +382,14 @@ impl HiveConfig {
         if cli.styles_file.is_some() {
             self.styles_file = cli.styles_file.clone();
         }
+        set(&mut self.preview, &cli.preview);
         if cli.backend.is_some() {
             self.backend = cli.backend.clone();
         }
         set_list(&mut self.pin, &cli.pin);
         set_list(&mut self.exclude, &cli.exclude);
+        set_list(&mut self.rocm_deny, &cli.rocm_deny);
+        set_list(&mut self.rocm_allow, &cli.rocm_allow);
         set(&mut self.cpu, &cli.cpu);
         set(&mut self.cpu_workers, &cli.cpu_workers);
         set(&mut self.max_workers_per_device, &cli.max_workers_per_device);
@@ -439,6 +460,14 @@ impl HiveConfig {
         }
         for spec in self.pin.iter().chain(&self.exclude) {
             crate::plan::DeviceSpec::parse(spec).map_err(ConfigError::Invalid)?;
+        }
+        for gfx in self.rocm_deny.iter().chain(&self.rocm_allow) {
+            let name = crate::amd::normalize(gfx);
+            if name.len() < 6 || !name[3..].bytes().all(|b| b.is_ascii_alphanumeric()) {
+                return Err(ConfigError::Invalid(format!(
+                    "rocm_deny/rocm_allow: `{gfx}` is not a gfx target such as gfx1100 or gfx90c"
+                )));
+            }
         }
         Ok(())
     }
@@ -604,6 +633,23 @@ mod tests {
         assert!(err.contains("max_cpu_workers"), "{err}");
         let cli = CliOverrides { max_workers_per_device: Some(0), ..Default::default() };
         assert!(HiveConfig::load(None, Vec::new(), &cli).is_err());
+    }
+
+    #[test]
+    fn the_preview_mode_layers_like_the_others() {
+        use sdhive_engine::PreviewMode;
+        assert_eq!(HiveConfig::default().preview, PreviewMode::Auto);
+        let mut c = HiveConfig::from_toml("preview = \"taesd\"\n").unwrap();
+        assert_eq!(c.preview, PreviewMode::Taesd);
+        c.apply_env(env(&[("SDHIVE_PREVIEW", "latent")])).unwrap();
+        assert_eq!(c.preview, PreviewMode::Latent);
+        c.apply_cli(&CliOverrides { preview: Some(PreviewMode::Off), ..Default::default() });
+        assert_eq!(c.preview, PreviewMode::Off);
+        assert!(c.redacted_toml().contains("preview = \"off\""), "{}", c.redacted_toml());
+        let err =
+            HiveConfig::load(None, env(&[("SDHIVE_PREVIEW", "vae")]), &CliOverrides::default()).unwrap_err();
+        assert!(err.to_string().contains("SDHIVE_PREVIEW"), "{err}");
+        assert!(HiveConfig::from_toml("preview = \"sharp\"").is_err());
     }
 
     #[test]

@@ -21,6 +21,9 @@ pub struct Device {
     pub driver: Option<String>,
     /// A CPU rasteriser posing as a GPU (llvmpipe, SwiftShader): never worth a worker.
     pub software: bool,
+    /// An AMD GPU's gfx target (`gfx1100`), from KFD's topology or rocm-smi: which ROCm builds can serve it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arch: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -63,6 +66,7 @@ fn device(backend: Backend, index: usize, vendor: Vendor, name: impl Into<String
         memory_free_bytes: None,
         driver: None,
         software: false,
+        arch: None,
     }
 }
 
@@ -96,8 +100,12 @@ pub fn parse_rocm_smi(out: &str) -> Vec<Device> {
         .iter()
         .filter_map(|(key, card)| {
             let index: usize = key.strip_prefix("card")?.parse().ok()?;
-            let text =
-                |k: &str| card.get(k).and_then(|v| v.as_str()).map(str::trim).filter(|s| !s.is_empty());
+            // rocm-smi versions differ in capitals ("Card series", "Card Series").
+            let text = |k: &str| {
+                let card = card.as_object()?;
+                let v = card.iter().find(|(key, _)| key.eq_ignore_ascii_case(k)).map(|(_, v)| v)?;
+                v.as_str().map(str::trim).filter(|s| !s.is_empty())
+            };
             let bytes = |k: &str| text(k).and_then(|v| v.parse::<u64>().ok());
             let name = text("Card series").or(text("Card SKU")).or(text("Card model")).unwrap_or("AMD GPU");
             let mut d = device(Backend::Rocm, index, Vendor::Amd, name);
@@ -107,6 +115,7 @@ pub fn parse_rocm_smi(out: &str) -> Vec<Device> {
                 .zip(bytes("VRAM Total Used Memory (B)"))
                 .map(|(t, u)| t.saturating_sub(u));
             d.driver = driver.clone();
+            d.arch = text("GFX Version").map(crate::amd::normalize);
             Some(d)
         })
         .collect();
@@ -114,9 +123,17 @@ pub fn parse_rocm_smi(out: &str) -> Vec<Device> {
     devices
 }
 
-/// One `properties` file of `/sys/class/kfd/kfd/topology/nodes/N/`: CPU nodes have `simd_count 0`. Returns
-/// `(vendor_id, device_id)` for GPU nodes.
-pub fn parse_kfd_properties(text: &str) -> Option<(u32, u32)> {
+/// A GPU node of KFD's topology (`/sys/class/kfd/kfd/topology/nodes/N/properties`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KfdGpu {
+    pub vendor_id: u32,
+    pub device_id: u32,
+    /// From `gfx_target_version`.
+    pub arch: Option<String>,
+}
+
+/// One `properties` file of a KFD topology node; `None` for CPU nodes (`simd_count 0`).
+pub fn parse_kfd_properties(text: &str) -> Option<KfdGpu> {
     let get = |key: &str| {
         text.lines().find_map(|l| {
             let mut parts = l.split_whitespace();
@@ -126,11 +143,15 @@ pub fn parse_kfd_properties(text: &str) -> Option<(u32, u32)> {
     if get("simd_count").unwrap_or(0) == 0 {
         return None;
     }
-    Some((get("vendor_id").unwrap_or(0), get("device_id").unwrap_or(0)))
+    Some(KfdGpu {
+        vendor_id: get("vendor_id").unwrap_or(0),
+        device_id: get("device_id").unwrap_or(0),
+        arch: get("gfx_target_version").and_then(crate::amd::gfx_name),
+    })
 }
 
-/// Without rocm-smi: the GPU nodes of the KFD topology, in node order (HIP's order).
-fn rocm_from_sysfs(root: &Path) -> Vec<Device> {
+/// The GPU nodes of a KFD topology folder, in node order (HIP's order).
+pub fn kfd_gpus(root: &Path) -> Vec<KfdGpu> {
     let Ok(entries) = std::fs::read_dir(root) else { return Vec::new() };
     let mut nodes: Vec<(u32, std::path::PathBuf)> = entries
         .filter_map(|e| e.ok())
@@ -140,11 +161,38 @@ fn rocm_from_sysfs(root: &Path) -> Vec<Device> {
     nodes
         .iter()
         .filter_map(|(_, p)| parse_kfd_properties(&std::fs::read_to_string(p.join("properties")).ok()?))
+        .collect()
+}
+
+/// Without rocm-smi: the GPU nodes of the KFD topology as ROCm devices.
+pub fn rocm_from_kfd(gpus: &[KfdGpu]) -> Vec<Device> {
+    gpus.iter()
         .enumerate()
-        .map(|(i, (_, device_id))| {
-            device(Backend::Rocm, i, Vendor::Amd, format!("AMD GPU 0x{device_id:04x}"))
+        .map(|(i, g)| {
+            let name = match &g.arch {
+                Some(arch) => format!("AMD GPU 0x{:04x} ({arch})", g.device_id),
+                None => format!("AMD GPU 0x{:04x}", g.device_id),
+            };
+            let mut d = device(Backend::Rocm, i, Vendor::Amd, name);
+            d.arch = g.arch.clone();
+            d
         })
         .collect()
+}
+
+/// The ROCm devices from rocm-smi when it answered, else from KFD; architectures rocm-smi left out are taken
+/// from KFD by position (both number GPUs as HIP does).
+pub fn amd_devices(rocm_smi: Vec<Device>, kfd: &[KfdGpu]) -> Vec<Device> {
+    if rocm_smi.is_empty() {
+        return rocm_from_kfd(kfd);
+    }
+    let mut devices = rocm_smi;
+    for (i, d) in devices.iter_mut().enumerate() {
+        if d.arch.is_none() {
+            d.arch = kfd.get(i).and_then(|g| g.arch.clone());
+        }
+    }
+    devices
 }
 
 /// `vulkaninfo --summary`: the `GPUn:` blocks of `key = value` lines under `Devices:`.
@@ -291,11 +339,7 @@ pub async fn detect() -> Vec<Device> {
     let (nvidia, rocm, vulkan) = tokio::join!(nvidia, rocm, vulkan);
     devices.extend(nvidia.as_deref().map(parse_nvidia_smi).unwrap_or_default());
     let amd = rocm.as_deref().map(parse_rocm_smi).unwrap_or_default();
-    if amd.is_empty() {
-        devices.extend(rocm_from_sysfs(Path::new("/sys/class/kfd/kfd/topology/nodes")));
-    } else {
-        devices.extend(amd);
-    }
+    devices.extend(amd_devices(amd, &kfd_gpus(Path::new("/sys/class/kfd/kfd/topology/nodes"))));
     devices.extend(vulkan.as_deref().map(parse_vulkaninfo_summary).unwrap_or_default());
     if cfg!(target_os = "macos") {
         let out = run_tool("system_profiler", &["SPDisplaysDataType"]).await;
@@ -344,8 +388,10 @@ mod tests {
     #[test]
     fn kfd_topology_skips_cpu_nodes() {
         assert_eq!(parse_kfd_properties("cpu_cores_count 64\nsimd_count 0\nvendor_id 0\n"), None);
-        let gpu = "cpu_cores_count 0\nsimd_count 416\nvendor_id 4098\ndevice_id 29631\n";
-        assert_eq!(parse_kfd_properties(gpu), Some((4098, 29631)));
+        let gpu =
+            "cpu_cores_count 0\nsimd_count 416\ngfx_target_version 90010\nvendor_id 4098\ndevice_id 29631\n";
+        let want = KfdGpu { vendor_id: 4098, device_id: 29631, arch: Some("gfx90a".into()) };
+        assert_eq!(parse_kfd_properties(gpu), Some(want));
         assert_eq!(Vendor::from_pci("4098"), Vendor::Amd);
     }
 

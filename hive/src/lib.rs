@@ -7,6 +7,7 @@
 //! All mutable state (worker table, job table, hive queue) sits behind one mutex in [`State`], so a worker's
 //! death and the jobs it held are handled in one step; nothing awaits while holding it.
 
+pub mod amd;
 pub mod api;
 pub mod capacity;
 pub mod config;
@@ -184,7 +185,7 @@ pub async fn serve(
     }
 
     let devices = detect::detect().await;
-    let planned = plan::plan(&devices, &hive.config, |p| p.is_file());
+    let planned = plan::plan(&devices, &hive.config, plan::Probe::read(&hive.config).await);
     for row in &planned.rows {
         if let plan::Status::MissingBinary { binary } = &row.status {
             tracing::warn!(

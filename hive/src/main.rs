@@ -78,6 +78,10 @@ struct Flags {
     /// A1111's prompt styles: a styles.csv or a folder of .csv files (passed to every worker).
     #[arg(long, value_name = "PATH")]
     styles_file: Option<PathBuf>,
+    /// Live previews in the workers: auto (TAESD on GPUs where its weights are found, else latent), taesd,
+    /// latent, off (passed to every worker as --preview).
+    #[arg(long, value_name = "MODE")]
+    preview: Option<sdhive_engine::PreviewMode>,
     /// Use only this backend.
     #[arg(long)]
     backend: Option<String>,
@@ -87,6 +91,13 @@ struct Flags {
     /// Leave out a device (BACKEND:INDEX) or a whole backend (repeatable).
     #[arg(long, value_name = "BACKEND[:INDEX]")]
     exclude: Vec<String>,
+    /// AMD gfx targets ROCm must not serve; they get the Vulkan worker (repeatable; replaces the default list of
+    /// APUs known to crash under ROCm, shown by `hive config`).
+    #[arg(long, value_name = "GFX")]
+    rocm_deny: Vec<String>,
+    /// AMD gfx targets ROCm serves even when denied or not in the ROCm worker's build (repeatable).
+    #[arg(long, value_name = "GFX")]
+    rocm_allow: Vec<String>,
     /// Whether the CPU gets a worker: auto (only without GPU workers), always, never.
     #[arg(long)]
     cpu: Option<CpuPolicy>,
@@ -129,9 +140,12 @@ impl Flags {
             api_key: self.api_key.clone(),
             api_auth: self.api_auth.clone(),
             styles_file: self.styles_file.clone(),
+            preview: self.preview,
             backend: self.backend.clone(),
             pin: self.pin.clone(),
             exclude: self.exclude.clone(),
+            rocm_deny: self.rocm_deny.clone(),
+            rocm_allow: self.rocm_allow.clone(),
             cpu: self.cpu,
             cpu_workers: self.cpu_workers,
             max_workers_per_device: self.max_workers_per_device,
@@ -183,7 +197,8 @@ fn main() -> anyhow::Result<()> {
         Command::Devices { flags, json } => {
             let config = flags.load()?;
             let devices = runtime.block_on(sdhive_hive::detect::detect());
-            let plan = sdhive_hive::plan::plan(&devices, &config, |p| p.is_file());
+            let installed = runtime.block_on(sdhive_hive::plan::Probe::read(&config));
+            let plan = sdhive_hive::plan::plan(&devices, &config, installed);
             if json {
                 println!("{}", serde_json::to_string_pretty(&plan.rows)?);
                 return Ok(());

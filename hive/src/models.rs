@@ -519,8 +519,9 @@ mod tests {
             memory_free_bytes: None,
             driver: None,
             software: false,
+            arch: None,
         }];
-        let plan = crate::plan::plan(&devices, &config, |_| true);
+        let plan = crate::plan::plan(&devices, &config, |_: &std::path::Path| true);
         let notes: Vec<String> = preload_notes(&plan, &catalog).into_iter().map(|n| n.text).collect();
         let notes = notes.join("\n");
         assert!(notes.contains(&format!("preloads {sd1}")), "{notes}");

@@ -78,6 +78,13 @@ pub enum Status {
     NotChosen,
     /// A software rasteriser; the CPU backend covers the CPU.
     Software,
+    /// ROCm may not serve this AMD GPU (`rocm_deny`, or a gfx target the installed ROCm worker lacks); the
+    /// next backend of the device does.
+    RocmRefused {
+        reason: String,
+        /// The view serving the device instead (`vulkan:0`), if any.
+        served_by: Option<String>,
+    },
     /// The CPU is left alone because GPUs are serving (`cpu = "auto"`).
     CpuNotNeeded,
 }
@@ -206,8 +213,47 @@ fn physical_groups(devices: &[Device]) -> Vec<Vec<usize>> {
     groups
 }
 
-/// Decides every device's fate. `binary_exists` is injected so tests need no files.
-pub fn plan(devices: &[Device], config: &HiveConfig, binary_exists: impl Fn(&Path) -> bool) -> Plan {
+/// What is installed where the hive looks for worker binaries. Closures `Fn(&Path) -> bool` answer `exists`
+/// (and know no ROCm targets), so tests need no files.
+pub trait Installed {
+    fn exists(&self, path: &Path) -> bool;
+    /// The gfx targets the installed ROCm worker carries; `None`: unknown (not installed, or it does not say).
+    fn rocm_targets(&self) -> Option<&[String]> {
+        None
+    }
+}
+
+impl<F: Fn(&Path) -> bool> Installed for F {
+    fn exists(&self, path: &Path) -> bool {
+        self(path)
+    }
+}
+
+/// The real file system, and the ROCm worker's targets read from its `--version`.
+#[derive(Debug, Clone, Default)]
+pub struct Probe {
+    pub rocm_targets: Option<Vec<String>>,
+}
+
+impl Probe {
+    pub async fn read(config: &HiveConfig) -> Probe {
+        let rocm = binary_path(&workers_dir(config), Backend::Rocm);
+        Probe { rocm_targets: crate::amd::installed_targets(&rocm).await }
+    }
+}
+
+impl Installed for Probe {
+    fn exists(&self, path: &Path) -> bool {
+        path.is_file()
+    }
+    fn rocm_targets(&self) -> Option<&[String]> {
+        self.rocm_targets.as_deref()
+    }
+}
+
+/// Decides every device's fate.
+pub fn plan(devices: &[Device], config: &HiveConfig, installed: impl Installed) -> Plan {
+    let binary_exists = |p: &Path| installed.exists(p);
     let dir = workers_dir(config);
     let forced: Option<Backend> = config.backend.as_deref().and_then(|b| b.parse().ok());
     let pins: Vec<DeviceSpec> = config.pin.iter().filter_map(|s| DeviceSpec::parse(s).ok()).collect();
@@ -225,6 +271,7 @@ pub fn plan(devices: &[Device], config: &HiveConfig, binary_exists: impl Fn(&Pat
         let pinned: Option<Backend> =
             members.iter().find_map(|&i| pins.iter().find(|p| p.matches(&devices[i])).map(|p| p.backend));
         let mut served_by: Option<String> = None;
+        let mut refused_rows = Vec::new();
         for &i in &members {
             let d = &devices[i];
             let missing = missing_file(&binary_path(&dir, d.backend), d.backend, &binary_exists);
@@ -238,6 +285,9 @@ pub fn plan(devices: &[Device], config: &HiveConfig, binary_exists: impl Fn(&Pat
                 Status::NotChosen
             } else if let Some(by) = &served_by {
                 Status::Shadowed { by: by.clone() }
+            } else if let Some(reason) = rocm_refusal(d, config, &installed) {
+                refused_rows.push(rows.len());
+                Status::RocmRefused { reason, served_by: None }
             } else if let Some(binary) = missing {
                 Status::MissingBinary { binary }
             } else {
@@ -250,6 +300,11 @@ pub fn plan(devices: &[Device], config: &HiveConfig, binary_exists: impl Fn(&Pat
                 Status::Idle
             };
             rows.push(Row { physical, device: d.clone(), binary_present: present, status });
+        }
+        for r in refused_rows {
+            if let Status::RocmRefused { served_by: by, .. } = &mut rows[r].status {
+                by.clone_from(&served_by);
+            }
         }
     }
     match config.cpu {
@@ -298,6 +353,13 @@ pub fn plan(devices: &[Device], config: &HiveConfig, binary_exists: impl Fn(&Pat
     Plan { rows, workers, on_demand }
 }
 
+fn rocm_refusal(d: &Device, config: &HiveConfig, installed: &impl Installed) -> Option<String> {
+    if d.backend != Backend::Rocm {
+        return None;
+    }
+    crate::amd::refusal(d.arch.as_deref(), installed.rocm_targets(), &config.rocm_deny, &config.rocm_allow)
+}
+
 /// The `hive devices` table.
 pub fn render_table(plan: &Plan) -> String {
     let mut out = format!(
@@ -343,6 +405,10 @@ pub fn render_table(plan: &Plan) -> String {
             Status::Excluded => "excluded".into(),
             Status::NotChosen => "not the chosen backend".into(),
             Status::Software => "software renderer, skipped".into(),
+            Status::RocmRefused { reason, served_by } => match served_by {
+                Some(by) => format!("{reason}, served by {by}"),
+                None => format!("{reason}; no other backend serves it (install sd-worker-vulkan)"),
+            },
             Status::CpuNotNeeded => "not used (GPUs serve; cpu = \"auto\")".into(),
         };
         let vendor = serde_json::to_value(d.vendor).ok().and_then(|v| v.as_str().map(String::from));
@@ -376,6 +442,7 @@ mod tests {
             memory_free_bytes: None,
             driver: None,
             software,
+            arch: None,
         }
     }
 

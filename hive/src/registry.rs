@@ -440,6 +440,7 @@ pub(crate) mod tests {
                 inpaint: false,
                 preview: false,
                 max_batch: 1,
+                gfx_targets: Vec::new(),
             },
             version: "0".into(),
             pid,

@@ -161,6 +161,8 @@ fn command(hive: &Hive, spec: &Spec) -> Command {
     if let Some(styles) = &hive.config.styles_file {
         cmd.arg("--styles-file").arg(styles);
     }
+    // Always passed, so that a PREVIEW variable in the hive's environment cannot change it behind its back.
+    cmd.arg("--preview").arg(hive.config.preview.name());
     // Secrets go through the environment: argv is readable by every user in /proc/<pid>/cmdline.
     cmd.env("WORKER_TOKEN", &hive.token);
     match &hive.config.worker_api_key {
@@ -423,6 +425,26 @@ mod tests {
         for i in 0..10 {
             assert!(!spread.record(t0 + Duration::from_secs(40 * i), w, 3), "failure {i}");
         }
+    }
+
+    #[test]
+    fn workers_get_the_hives_preview_mode() {
+        let config = crate::config::HiveConfig {
+            preview: sdhive_engine::PreviewMode::Off,
+            ..crate::config::HiveConfig::default()
+        };
+        let hive = Hive::new(config, "t".into(), "http://hive".into()).unwrap();
+        let worker = PlannedWorker {
+            worker_id: "w".into(),
+            backend: shared_worker::Backend::Cpu,
+            device_index: 0,
+            model: None,
+            binary: "sd-worker-cpu".into(),
+        };
+        let cmd = command(&hive, &Spec::planned(worker, 0));
+        let args: Vec<String> = cmd.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
+        let at = args.iter().position(|a| a == "--preview").expect("--preview passed");
+        assert_eq!(args.get(at + 1).map(String::as_str), Some("off"), "{args:?}");
     }
 
     #[test]

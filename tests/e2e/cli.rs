@@ -194,6 +194,33 @@ fn generates_a_png_with_infotext() {
 }
 
 #[test]
+fn the_output_extension_picks_jpeg_or_webp_with_the_infotext() {
+    let tmp = tempfile::tempdir().unwrap();
+    let jpg = tmp.path().join("cat.jpg");
+    let o = generate(&jpg, &[]);
+    assert!(o.status.success(), "generate failed:\n{}", stderr(&o));
+    let bytes = std::fs::read(&jpg).unwrap();
+    assert_eq!(&bytes[..3], [0xff, 0xd8, 0xff], "not a JPEG");
+    // A1111's EXIF UserComment: `UNICODE\0` then the infotext in UTF-16BE.
+    let utf16: Vec<u8> = "Seed: 42".encode_utf16().flat_map(|u| u.to_be_bytes()).collect();
+    assert!(bytes.windows(8).any(|w| w == b"UNICODE\0"), "no EXIF UserComment");
+    assert!(bytes.windows(utf16.len()).any(|w| w == utf16), "the infotext is not in the EXIF");
+    let webp = tmp.path().join("cat.webp");
+    let o = generate(&webp, &[]);
+    assert!(o.status.success(), "generate failed:\n{}", stderr(&o));
+    let bytes = std::fs::read(&webp).unwrap();
+    assert!(&bytes[..4] == b"RIFF" && &bytes[8..12] == b"WEBP", "not a WebP");
+}
+
+#[test]
+fn an_unknown_output_extension_is_refused_before_loading() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = generate(&tmp.path().join("cat.gif"), &[]);
+    assert_fails_with(&o, &["cat.gif", ".gif", ".png, .jpg"]);
+    assert!(!tmp.path().join("cat.gif").exists());
+}
+
+#[test]
 fn batches_write_numbered_files_with_consecutive_seeds() {
     let tmp = tempfile::tempdir().unwrap();
     let o = generate(&tmp.path().join("batch.png"), &["-n", "2", "--steps", "2"]);

@@ -10,6 +10,7 @@ mod fixtures;
 mod random_model;
 mod util;
 mod vulkan;
+mod webui;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -58,6 +59,9 @@ enum Task {
     },
     /// Build and lint sd-worker-vulkan, then check it on lavapipe against diffusers' image for the random SD1.5.
     Vulkan,
+    /// The web page: npm ci, rebuild web/dist and check it matches what is committed, type-check, then the
+    /// browser tests (Playwright + Debian's chromium) against a real hive on the fixture models.
+    Webui,
     /// Benchmarks against diffusers, run in the same invocation.
     Bench {
         #[command(subcommand)]
@@ -75,6 +79,7 @@ fn main() -> Result<()> {
         Task::Fixtures { python } => fixtures::run(&python),
         Task::Bench { which } => bench::run(which),
         Task::Vulkan => vulkan::run(),
+        Task::Webui => webui::run(),
         Task::RandomModel { manifest, out } => random_model::write(
             &manifest
                 .unwrap_or_else(|| util::workspace_root().join("tests/fixtures/sd15-random/manifest.json")),

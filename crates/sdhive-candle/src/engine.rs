@@ -10,9 +10,8 @@ use crate::conditioning::{encode_pair, encode_positive, Conditioning};
 use crate::hires::{hires_image, SecondPass};
 use crate::lora::LoraApplyError;
 use crate::model::{LoadError, SdModel};
-use crate::pipeline::{
-    generate_image, latent_preview, ImageJob, PipelineError, StepReport, UnetConditioning,
-};
+use crate::pipeline::{generate_image, ImageJob, PipelineError, StepReport, UnetConditioning};
+use crate::preview::{Preview, Previews};
 use crate::residency::Targets;
 use crate::upscalers::Upscalers;
 use candle_core::DType;
@@ -73,6 +72,7 @@ pub struct CandleEngine {
     memory_budget: Option<u64>,
     report: MemoryReport,
     upscalers: Upscalers,
+    preview: Preview,
 }
 
 /// Images per UNet call with classifier-free guidance (the negative and positive halves of one batch).
@@ -173,7 +173,14 @@ impl CandleEngine {
             memory_budget: opts.memory_budget,
             report,
             upscalers: Upscalers::default(),
+            preview: Preview::Latent,
         }
+    }
+
+    /// Makes the previews of `preview_every` as `previews` says for this model's family.
+    pub fn with_previews(mut self, previews: &Previews) -> Self {
+        self.preview = Preview::for_family(previews, self.model.family);
+        self
     }
 
     /// The memory plan for a job at `width`×`height` (CFG batch), against the device's free memory now.
@@ -262,6 +269,7 @@ impl Engine for CandleEngine {
             supports_inpaint: true,
             memory: Some(self.report.clone()),
             text_widths: self.model.text_widths(),
+            preview: self.preview.decoder(),
         }
     }
 
@@ -348,10 +356,12 @@ impl Engine for CandleEngine {
                 vae_tiling: plan.vae_tiling,
             };
             let model = &self.model;
+            let previews = &self.preview;
             let mut on_step = |r: StepReport<'_>| {
                 let wants_preview =
                     req.preview_every > 0 && r.step.is_multiple_of(req.preview_every as usize);
-                let preview = if wants_preview { latent_preview(model, r.estimate) } else { None };
+                let preview =
+                    if wants_preview { previews.render(model, r.estimate, !plan.vae_tiling) } else { None };
                 let p = Progress {
                     image: index,
                     images: req.n,

@@ -14,6 +14,7 @@ mod hires;
 mod lora;
 mod model;
 mod pipeline;
+mod preview;
 mod residency;
 mod tensor_image;
 mod upscalers;
@@ -23,6 +24,7 @@ pub use embeddings::{ActiveEmbeddings, EmbeddingError};
 pub use engine::{CandleEngine, LoadOptions, MemoryQuery};
 pub use lora::{AppliedLoras, ChangeTimes, LoraApplyError};
 pub use model::{Family, LoadError, SdModel};
+pub use preview::{latent_preview, taesd_preview, Previews, TaesdDecoders};
 pub use residency::{ModuleTarget, Resident, Targets};
 
 #[cfg(test)]
@@ -31,5 +33,7 @@ mod hires_tests;
 mod lora_tests;
 #[cfg(test)]
 mod parity_tests;
+#[cfg(test)]
+mod preview_tests;
 #[cfg(test)]
 mod test_device;

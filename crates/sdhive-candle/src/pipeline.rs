@@ -34,45 +34,6 @@ pub struct StepReport<'a> {
     pub estimate: &'a Tensor,
 }
 
-/// Published linear approximations of the VAE decoder (latent channel → RGB in [-1, 1]), good enough for a
-/// progress thumbnail at a tiny fraction of a decode's cost. Rows are latent channels.
-const SD_LATENT_RGB: [[f32; 3]; 4] = [
-    [0.3512, 0.2297, 0.3227],
-    [0.3250, 0.4974, 0.2350],
-    [-0.2829, 0.1762, 0.2721],
-    [-0.2120, -0.2616, -0.7177],
-];
-const SD_LATENT_RGB_BIAS: [f32; 3] = [0.0, 0.0, 0.0];
-const SDXL_LATENT_RGB: [[f32; 3]; 4] = [
-    [0.3651, 0.4232, 0.4341],
-    [-0.2533, -0.0042, 0.1068],
-    [0.1076, 0.1111, -0.0362],
-    [-0.3165, -0.2492, -0.2188],
-];
-const SDXL_LATENT_RGB_BIAS: [f32; 3] = [0.1084, -0.0175, -0.0011];
-
-/// A latent-resolution RGB preview of `[1, 4, h, w]` latents; `None` for latent layouts without known factors.
-pub fn latent_preview(model: &SdModel, latents: &Tensor) -> Option<RgbImage> {
-    let (factors, bias) = match model.family {
-        crate::model::Family::Sd => (&SD_LATENT_RGB, &SD_LATENT_RGB_BIAS),
-        crate::model::Family::Sdxl => (&SDXL_LATENT_RGB, &SDXL_LATENT_RGB_BIAS),
-    };
-    let (_, c, h, w) = latents.dims4().ok()?;
-    if c != 4 {
-        return None;
-    }
-    let values = latents.get(0).ok()?.to_dtype(DType::F32).ok()?.flatten_all().ok()?.to_vec1::<f32>().ok()?;
-    let plane = h * w;
-    let mut data = Vec::with_capacity(plane * 3);
-    for p in 0..plane {
-        for (rgb, b) in bias.iter().enumerate() {
-            let v: f32 = (0..4).map(|ch| values[ch * plane + p] * factors[ch][rgb]).sum::<f32>() + b;
-            data.push((((v + 1.0) / 2.0).clamp(0.0, 1.0) * 255.0).round() as u8);
-        }
-    }
-    Some(RgbImage { width: w as u32, height: h as u32, data })
-}
-
 /// Everything one image needs beyond the model.
 pub struct ImageJob<'a> {
     pub width: usize,

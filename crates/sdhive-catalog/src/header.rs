@@ -86,6 +86,10 @@ pub(crate) fn classify(names: &[String], file_name: &str) -> Kind {
     if names.iter().any(|n| n.starts_with("model.diffusion_model.")) {
         return Kind::Checkpoint;
     }
+    // diffusers' `AutoencoderTiny` (TAESD, a preview decoder) numbers its layers; an `AutoencoderKL` does not.
+    if names.iter().any(|n| n.starts_with("decoder.layers.") || n.starts_with("encoder.layers.")) {
+        return Kind::Other;
+    }
     let vae_keys = names.iter().any(|n| {
         n.starts_with("encoder.") || n.starts_with("decoder.") || n.starts_with("first_stage_model.")
     });
@@ -113,5 +117,11 @@ mod tests {
         assert_eq!(classify(&names(&["odd.weight"]), "a.vae.safetensors"), Kind::Vae);
         assert_eq!(classify(&names(&["lora_unet_down.lora_down.weight"]), "l.safetensors"), Kind::Other);
         assert_eq!(classify(&[], "empty.safetensors"), Kind::Other);
+        let taesd = names(&["decoder.layers.0.weight", "encoder.layers.0.weight"]);
+        assert_eq!(classify(&taesd, "diffusion_pytorch_model.safetensors"), Kind::Other);
+        assert_eq!(
+            classify(&names(&["1.weight", "3.conv.0.weight"]), "taesd_decoder.safetensors"),
+            Kind::Other
+        );
     }
 }

@@ -12,8 +12,21 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 /// Folders of other model kinds in an A1111 `models/` tree (lower-cased); their safetensors are not checkpoints.
-const SKIPPED_DIRS: [&str; 7] =
-    ["lora", "lycoris", "embeddings", "esrgan", "realesrgan", "hypernetworks", "controlnet"];
+/// `VAE-taesd` (ComfyUI: `vae_approx`) and the `taesd`/`taesdxl` diffusers folders hold the preview decoders
+/// (`serve --preview`).
+const SKIPPED_DIRS: [&str; 11] = [
+    "lora",
+    "lycoris",
+    "embeddings",
+    "esrgan",
+    "realesrgan",
+    "hypernetworks",
+    "controlnet",
+    "vae-taesd",
+    "vae_approx",
+    "taesd",
+    "taesdxl",
+];
 
 /// Pickle formats: refused by extension, never opened.
 const PICKLE_EXTENSIONS: [&str; 3] = ["ckpt", "pt", "pth"];

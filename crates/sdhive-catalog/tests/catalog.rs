@@ -153,6 +153,32 @@ fn scan_lists_checkpoints_vaes_and_refusals() {
     assert!(reason("llm.gguf").contains("`llama` model"), "{}", reason("llm.gguf"));
 }
 
+/// The TAESD preview decoders (`serve --preview`) where A1111, ComfyUI and diffusers keep them are neither
+/// checkpoints nor VAEs, nor refused: A1111's `VAE-taesd/` and ComfyUI's `vae_approx/` (taesd.py's keys, and
+/// `.pth` downloads), diffusers' `taesd/` folder, and an `AutoencoderTiny` weights file anywhere
+/// (`decoder.layers.N`).
+#[test]
+fn taesd_decoders_are_not_listed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let models = tmp.path().join("models");
+    write_safetensors(&models.join("a.safetensors"), CKPT_KEYS);
+    write_safetensors(&models.join("VAE-taesd/taesd_decoder.safetensors"), &["1.weight", "3.conv.0.weight"]);
+    write_file(&models.join("VAE-taesd/taesdxl_decoder.pth"), b"\x80\x02 pickle");
+    write_safetensors(
+        &models.join("vae_approx/taesdxl_decoder.safetensors"),
+        &["1.weight", "3.conv.0.weight"],
+    );
+    write_file(&models.join("vae_approx/taesd_decoder.pth"), b"\x80\x02 pickle");
+    let tiny = &["encoder.layers.0.weight", "decoder.layers.0.weight", "decoder.layers.2.conv.0.weight"];
+    write_safetensors(&models.join("taesdxl/diffusion_pytorch_model.safetensors"), tiny);
+    write_file(&models.join("taesdxl/config.json"), br#"{"_class_name":"AutoencoderTiny"}"#);
+    write_safetensors(&models.join("previews/tiny_vae.safetensors"), tiny);
+    let catalog = Catalog::scan(&config(&[&models])).unwrap();
+    assert_eq!(names(&catalog), ["a.safetensors"]);
+    assert!(catalog.vaes.is_empty(), "{:?}", catalog.vaes);
+    assert!(catalog.refused.is_empty(), "{:?}", catalog.refused);
+}
+
 #[test]
 fn truncated_safetensors_is_refused() {
     let tmp = tempfile::tempdir().unwrap();

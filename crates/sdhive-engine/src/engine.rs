@@ -16,8 +16,9 @@ pub struct Progress {
     /// 1-based count of finished steps for this image.
     pub step: u32,
     pub steps: u32,
-    /// Present on every `preview_every`-th step when the request asked for previews: the current estimate of
-    /// the final image at latent resolution (a linear map of the latents, not a VAE decode).
+    /// Present on every `preview_every`-th step when the request asked for previews and the engine makes them:
+    /// the current estimate of the final image, by the engine's [`PreviewDecoder`](crate::PreviewDecoder) (a
+    /// linear map of the latents at latent resolution, or TAESD's decode at the output size).
     #[serde(skip)]
     pub preview: Option<RgbImage>,
 }
@@ -62,6 +63,8 @@ pub struct EngineInfo {
     /// embeddings fit it. Empty where the engine cannot tell.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub text_widths: Vec<u32>,
+    /// How this engine makes the previews of `preview_every` for the loaded model.
+    pub preview: crate::PreviewDecoder,
 }
 
 #[derive(Debug, Error)]

@@ -11,6 +11,7 @@ pub mod image_io;
 pub mod infotext;
 pub mod memory;
 pub mod placement;
+pub mod preview;
 pub mod request;
 pub mod sampler;
 pub mod upscale;
@@ -27,6 +28,7 @@ pub use image_io::{
 pub use infotext::{infotext, InfotextContext};
 pub use memory::{budgeted_free, InsufficientMemory, JobPlan, MemoryReport, ModelShape};
 pub use placement::{DeviceRef, Module, Placement, PlacementError};
+pub use preview::{PreviewDecoder, PreviewMode};
 pub use request::{random_seed, EmbeddingUse, GenerateRequest, Limits, LoraUse, ValidationError};
 pub use sampler::{Sampler, Schedule};
 pub use upscale::{UpscaleRequest, UpscaleSize};

@@ -20,4 +20,6 @@ pub struct UpscaleRequest {
     pub size: UpscaleSize,
     /// A1111's `upscaler_2` and `extras_upscaler_2_visibility` (0–1): its result blended over the first's.
     pub second: Option<(HiresUpscaler, f32)>,
+    /// What the server encodes the results in (A1111's `samples_format`).
+    pub output: crate::OutputFormat,
 }

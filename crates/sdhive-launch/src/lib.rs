@@ -74,9 +74,27 @@ pub fn engine_path(launcher: &Path) -> PathBuf {
     launcher.with_file_name(name)
 }
 
-/// The `--version` line of a worker binary, shared by the launcher and the engine so they print the same.
+/// The AMD gfx targets compiled into the ROCm engine: `GFX_NAME` when the workspace was built (what
+/// stable-diffusion.cpp's build hands to ggml as `AMDGPU_TARGETS`; launcher and engine are built together, so
+/// they agree). Empty when it was not set (ggml then picks the build machine's GPUs, unknown here).
+pub fn rocm_targets() -> Vec<String> {
+    parse_targets(option_env!("GFX_NAME").unwrap_or(""))
+}
+
+/// `gfx1030;gfx1100` (CMake's list), `gfx1030,gfx1100` or space-separated.
+pub fn parse_targets(list: &str) -> Vec<String> {
+    list.split([';', ',', ' ']).map(str::trim).filter(|t| !t.is_empty()).map(String::from).collect()
+}
+
+/// The `--version` line of a worker binary, shared by the launcher and the engine so they print the same. The
+/// ROCm worker's names its gfx targets (`gfx: gfx1030,gfx1100`), which the hive reads before planning.
 pub fn version_line(backend: &str) -> String {
-    format!("{} (backend: {backend})", env!("CARGO_PKG_VERSION"))
+    let targets = rocm_targets();
+    if backend == ROCM.backend && !targets.is_empty() {
+        format!("{} (backend: {backend}, gfx: {})", env!("CARGO_PKG_VERSION"), targets.join(","))
+    } else {
+        format!("{} (backend: {backend})", env!("CARGO_PKG_VERSION"))
+    }
 }
 
 /// The libraries the dynamic loader reports as not found in its trace output (`\tlibcuda.so.1 => not found`).
@@ -148,6 +166,15 @@ pub fn launch(engine: &'static Engine) -> Result<(), LaunchError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gfx_target_lists() {
+        assert_eq!(parse_targets("gfx1030;gfx1100"), ["gfx1030", "gfx1100"]);
+        assert_eq!(parse_targets(" gfx90a, gfx942 "), ["gfx90a", "gfx942"]);
+        assert!(parse_targets("").is_empty());
+        // Only the ROCm worker names targets.
+        assert!(!version_line("cuda").contains("gfx"));
+    }
 
     #[test]
     fn the_engine_sits_beside_the_launcher() {

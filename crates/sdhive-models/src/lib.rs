@@ -1,7 +1,7 @@
-//! The Stable Diffusion networks in candle: the CLIP text encoders, the denoising UNet and the
-//! KL autoencoder, each configured from its diffusers/transformers `config.json` and loaded
-//! through a `candle_nn::VarBuilder` holding diffusers-named tensors (a diffusers folder, or a
-//! renamed single-file checkpoint).
+//! The Stable Diffusion networks in candle: the CLIP text encoders, the denoising UNet, the
+//! KL autoencoder and the tiny TAESD decoder of live previews, each configured from its
+//! diffusers/transformers `config.json` and loaded through a `candle_nn::VarBuilder` holding
+//! diffusers-named tensors (a diffusers folder, or a renamed single-file checkpoint).
 
 pub mod clip;
 pub mod config;
@@ -12,6 +12,7 @@ mod layers;
 pub mod loading;
 pub mod ops;
 pub mod params;
+pub mod taesd;
 pub mod unet;
 pub mod vae;
 
@@ -22,6 +23,7 @@ pub use loading::{
     find_weight_files, load_component, open_safetensors, random_var_builder, recording_random_var_builder,
     RecordedWeights,
 };
+pub use taesd::{AutoencoderTinyConfig, TaesdDecoder, TaesdLayout};
 pub use unet::{
     sd15_inpaint_unet_config, sd15_unet_config, sd21_unet_config, sdxl_unet_config, SdxlConditioning,
     UNet2DConditionConfig, UNet2DConditionModel,

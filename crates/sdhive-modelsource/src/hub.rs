@@ -35,7 +35,7 @@ pub(crate) fn resolve_repo(repo: &RepoRef, opts: &ResolveOptions) -> Result<Reso
 
 /// The snapshot folder `revision` points at, if the cache has one. A ref whose content is not a commit hash is
 /// ignored rather than joined to a path.
-fn cached_snapshot(repo_dir: &Path, revision: &str) -> Option<PathBuf> {
+pub(crate) fn cached_snapshot(repo_dir: &Path, revision: &str) -> Option<PathBuf> {
     let snapshots = repo_dir.join("snapshots");
     let commit = match std::fs::read_to_string(repo_dir.join("refs").join(revision)) {
         Ok(content) => content.trim().to_string(),

@@ -1,6 +1,7 @@
 //! Owns the meaning of the one `--model` argument: turning a local diffusers folder, a `.safetensors` or `.gguf`
 //! file or a Hugging Face repo id into a checked, canonical location an engine can load, without letting the argument
 //! reach files it should not (model roots, repo-id validation) and without ever loading pickle checkpoints.
+//! Also finds the TAESD preview decoders in the models dirs and the hub cache (`taesd`).
 
 mod diffusers;
 mod error;
@@ -8,11 +9,13 @@ mod hub;
 mod local;
 mod options;
 mod repo_id;
+mod taesd;
 
 pub use diffusers::{find_weights, Component, ComponentKind, ModelIndex, WeightsFiles};
 pub use error::SourceError;
 pub use options::{default_hub_cache, ResolveOptions};
 pub use repo_id::RepoRef;
+pub use taesd::{find_taesd, TaesdKind, TaesdNotFound};
 
 use std::path::{Path, PathBuf};
 

@@ -165,7 +165,8 @@ pub struct JobRequest {
     /// Base64 image, white = repaint; needs `init_image`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mask: Option<String>,
-    /// Accepted for forward compatibility; previews are not produced yet (`capabilities.preview` is false).
+    /// A `preview` event every k-th step; accepted and ignored where the worker makes no previews
+    /// (`capabilities.preview` false).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preview_every: Option<u32>,
     /// The checkpoint, by any name A1111 accepts (title, name, file name, hash); default: the selected one.
@@ -359,8 +360,8 @@ pub enum JobEvent {
         images: u32,
         eta_seconds: Option<f64>,
     },
-    /// Every `preview_every`-th step: the current estimate of the image at latent resolution (1/8 of the
-    /// output size), as a base64 PNG.
+    /// Every `preview_every`-th step: the current estimate of the image as a base64 PNG, at 1/8 of the output
+    /// size (latent previews) or at the output size (TAESD; `/v1/info` `preview` says which).
     Preview {
         id: JobId,
         step: u32,

@@ -75,12 +75,16 @@ pub struct Capabilities {
     pub max_body_bytes: usize,
     pub img2img: bool,
     pub inpaint: bool,
-    /// Low-resolution previews during denoising; not produced yet.
+    /// Previews during denoising (`preview_every`); false with `--preview off` and on engines that make none.
     pub preview: bool,
     /// The most images of queued jobs the worker denoises together (`--max-batch`); a hive keeps that many jobs
     /// queued on it so batches can form. Older workers: 1.
     #[serde(default = "one")]
     pub max_batch: u32,
+    /// The AMD gfx targets a ROCm worker was built for (`gfx1030`, `gfx1100`); empty for other backends, or
+    /// when the build did not record them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gfx_targets: Vec<String>,
 }
 
 fn one() -> u32 {

@@ -210,6 +210,8 @@ impl SdCppEngine {
             memory: Some(memory),
             // sd.cpp takes no textual-inversion embeddings per request.
             text_widths: Vec::new(),
+            // The shim's step callback gets no latents, so this engine sends no preview events.
+            preview: sdhive_engine::PreviewDecoder::Off,
         };
         Ok(SdCppEngine {
             ctx,

@@ -107,6 +107,7 @@ fn extras_run_the_upscaler_model(engine: &mut sdhive_sdcpp::SdCppEngine) {
     let png = std::fs::read(fixtures.join("input.png")).expect("input.png");
     let input = sdhive_engine::decode_image(&png, 1 << 20).expect("input image");
     let request = |upscaler| sdhive_engine::UpscaleRequest {
+        output: sdhive_engine::OutputFormat::PNG,
         images: vec![input.clone()],
         upscaler,
         size: sdhive_engine::UpscaleSize::By(4.0),

@@ -124,11 +124,12 @@ fn encode(id: &JobId, ended: Ended) -> Outcome {
     }
 }
 
-/// Extras results: PNGs without a parameters chunk (A1111's extras write none of their own).
-pub(crate) fn upscaled(images: Vec<RgbImage>) -> Ended {
+/// Extras results, in the format asked (A1111's `samples_format`), without infotext (A1111's extras write
+/// none of their own).
+pub(crate) fn upscaled(images: Vec<RgbImage>, output: OutputFormat) -> Ended {
     Ended::Succeeded(
         images.into_iter().map(|image| GeneratedImage { image, seed: 0, infotext: String::new() }).collect(),
-        OutputFormat::PNG,
+        output,
     )
 }
 

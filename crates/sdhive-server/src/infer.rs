@@ -312,11 +312,11 @@ fn ended(id: &JobId, result: Result<GenerateOutput, EngineError>, output: Output
     ended
 }
 
-/// An extras job on the engine: its images as PNGs (no parameters chunk: A1111's extras write none of their own).
+/// An extras job on the engine: its images in the request's format (no infotext: A1111's extras write none).
 fn upscale(engine: &mut dyn Engine, request: &UpscaleRequest) -> Ended {
     let result = catch_unwind(AssertUnwindSafe(|| engine.upscale(request)));
     let failure = match result {
-        Ok(Ok(images)) => return encoder::upscaled(images),
+        Ok(Ok(images)) => return encoder::upscaled(images, request.output),
         Ok(Err(EngineError::Invalid(v))) => Outcome::Failed(JobError {
             kind: JobErrorKind::InvalidRequest,
             message: v.to_string(),
@@ -358,7 +358,7 @@ fn upscale_without_engine(request: &UpscaleRequest) -> Ended {
             }))
         }
     };
-    encoder::upscaled(out)
+    encoder::upscaled(out, request.output)
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {

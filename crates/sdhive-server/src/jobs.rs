@@ -126,7 +126,7 @@ pub struct JobView {
     pub error: Option<JobErrorView>,
     pub images: Vec<FinishedImage>,
     pub request: RequestSummary,
-    /// The latest latent preview (PNG at latent resolution) of a running job that asked for previews.
+    /// The latest preview PNG (TAESD's or the latent one) of a running job that asked for previews.
     pub preview: Option<Bytes>,
     /// What the job is doing besides denoising (`loading model X`), while it does it.
     pub activity: Option<String>,

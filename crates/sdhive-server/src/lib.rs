@@ -58,6 +58,8 @@ pub struct ServerConfig {
     /// The most images of compatible queued generations denoised together (`--max-batch`); 1 runs one job at a
     /// time.
     pub max_batch: u32,
+    /// `--preview`: with `off` no engine makes previews and `capabilities.preview` is false.
+    pub preview: sdhive_engine::PreviewMode,
     /// How long a finished job's result stays retrievable; afterwards its id answers 410.
     pub job_ttl: Duration,
     /// When set, every route but `/health` needs `Authorization: Bearer <key>` (or one of `api_auth`).
@@ -103,6 +105,7 @@ impl Default for ServerConfig {
             limits: Limits::default(),
             max_queue: 64,
             max_batch: 1,
+            preview: sdhive_engine::PreviewMode::Auto,
             job_ttl: Duration::from_secs(600),
             api_key: None,
             max_body_bytes: 32 * 1024 * 1024,
@@ -250,6 +253,14 @@ impl AppState {
         device
     }
 
+    /// How previews are made now: the loaded engine's decoder (`off` throughout with `--preview off`).
+    pub fn preview_decoder(&self) -> sdhive_engine::PreviewDecoder {
+        match self.config.preview {
+            sdhive_engine::PreviewMode::Off => sdhive_engine::PreviewDecoder::Off,
+            _ => self.info().preview,
+        }
+    }
+
     /// What this worker can run, for `/v1/info` and the hive registration.
     pub fn capabilities(&self) -> Capabilities {
         let limits = &self.config.limits;
@@ -273,8 +284,12 @@ impl AppState {
             max_body_bytes: self.config.max_body_bytes,
             img2img: info.supports_img2img,
             inpaint: info.supports_inpaint,
-            preview: true,
+            preview: self.preview_decoder() != sdhive_engine::PreviewDecoder::Off,
             max_batch: self.config.max_batch,
+            gfx_targets: match self.config.device.backend.as_str() {
+                "rocm" => sdhive_launch::rocm_targets(),
+                _ => Vec::new(),
+            },
         }
     }
 }
@@ -288,9 +303,10 @@ pub fn router(state: AppState) -> axum::Router {
         .merge(routes::openai::router())
         .merge(routes::a1111::router())
         .merge(routes::a1111_info::router())
-        .merge(routes::a1111_upscale::router())
         .fallback(routes::not_found)
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_credentials))
+        // After the credentials layer: the page loads without a key and asks for it.
+        .merge(sdhive_webui::router())
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(state)
 }

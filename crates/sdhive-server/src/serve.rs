@@ -189,6 +189,8 @@ fn loading_router(credentials: sdhive_protocol::Credentials) -> Router {
             let credentials = Arc::clone(&credentials);
             async move { auth::check(&credentials, req, next).await }
         }))
+        // The page answers while the model loads; it shows the loading state from `/ready`.
+        .merge(sdhive_webui::router())
 }
 
 /// Serves on `listener` until `shutdown` resolves, then drains and returns. Registration (if configured) starts

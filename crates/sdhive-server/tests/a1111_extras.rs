@@ -41,6 +41,7 @@ impl Engine for InfotextEngine {
             supports_inpaint: false,
             memory: None,
             text_widths: Vec::new(),
+            preview: Default::default(),
         }
     }
 
@@ -69,6 +70,11 @@ impl Engine for InfotextEngine {
             });
         }
         Ok(GenerateOutput { images })
+    }
+
+    /// The extras' stand-in: the images as they came.
+    fn upscale(&mut self, req: &sdhive_engine::UpscaleRequest) -> Result<Vec<RgbImage>, EngineError> {
+        Ok(req.images.clone())
     }
 }
 
@@ -460,4 +466,33 @@ async fn the_webuiapi_client_uses_the_extra_routes() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "the webuiapi client failed:\n--- stdout\n{stdout}\n--- stderr\n{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extras_answer_in_the_samples_format() {
+    let server = start(config(None), Duration::ZERO).await;
+    let client = reqwest::Client::new();
+    let url = |path: &str| format!("{}{path}", server.base);
+    let png =
+        sdhive_engine::encode_png(&RgbImage { width: 4, height: 2, data: vec![200; 24] }, None).unwrap();
+    let extras = |body: Value| {
+        let (client, url) = (client.clone(), url("/sdapi/v1/extra-single-image"));
+        async move { json_of(client.post(url).json(&body).send().await.unwrap()).await }
+    };
+    let body = json!({"image": b64(&png), "upscaler_1": "None", "upscaling_resize": 1});
+    let (status, got) = extras(body.clone()).await;
+    assert_eq!(status, 200, "{got}");
+    assert!(png_bytes(&got["image"]).starts_with(b"\x89PNG"), "PNG by default");
+    for (format, magic) in [("jpg", &b"\xff\xd8\xff"[..]), ("webp", &b"RIFF"[..])] {
+        let r = client.post(url("/sdapi/v1/options")).json(&json!({"samples_format": format})).send().await;
+        assert_eq!(r.unwrap().status(), 200);
+        let (status, got) = extras(body.clone()).await;
+        assert_eq!(status, 200, "{got}");
+        assert!(png_bytes(&got["image"]).starts_with(magic), "{format}");
+        let batch = json!({"imageList": [{"data": b64(&png), "name": "a"}], "upscaler_1": "None"});
+        let r = client.post(url("/sdapi/v1/extra-batch-images")).json(&batch).send().await.unwrap();
+        let (status, got) = json_of(r).await;
+        assert_eq!(status, 200, "{got}");
+        assert!(png_bytes(&got["images"][0]).starts_with(magic), "batch {format}");
+    }
 }

@@ -148,6 +148,7 @@ impl Engine for NullEngine {
             supports_inpaint: true,
             memory: None,
             text_widths: Vec::new(),
+            preview: Default::default(),
         }
     }
 

@@ -300,6 +300,17 @@ async fn api_key_guards_everything_but_health() {
     assert_eq!(r.status(), 401);
     let body: Value = r.json().await.unwrap();
     assert_eq!(body["error"]["type"], "authentication_error");
+    // The web page loads without the key (it asks for it); its API calls need it.
+    for path in ["/", "/index.html", "/assets/app.js", "/assets/app.css"] {
+        let r = anon.get(server.url(path)).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+        if path == "/" {
+            assert!(r.headers().contains_key("content-security-policy"), "the page has no CSP");
+        }
+    }
+    let page = anon.get(server.url("/")).send().await.unwrap().text().await.unwrap();
+    assert!(page.contains("/assets/app.js"), "{page}");
+    assert_eq!(anon.get(server.url("/assets/nope.js")).send().await.unwrap().status(), 401);
     // `server.client` sends the right key.
     assert_eq!(server.get("/ready").await.status(), 200);
     assert_eq!(server.get("/v1/info").await.status(), 200);
@@ -425,6 +436,7 @@ impl Engine for FlakyEngine {
             supports_inpaint: false,
             memory: None,
             text_widths: Vec::new(),
+            preview: Default::default(),
         }
     }
 

@@ -129,6 +129,27 @@ pub struct GenerateArgs {
     pub output: PathBuf,
 }
 
+/// `serve --preview`, as clap lists it; see [`sdhive_engine::PreviewMode`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PreviewArg {
+    Auto,
+    Taesd,
+    Latent,
+    Off,
+}
+
+impl From<PreviewArg> for sdhive_engine::PreviewMode {
+    fn from(p: PreviewArg) -> Self {
+        use sdhive_engine::PreviewMode;
+        match p {
+            PreviewArg::Auto => PreviewMode::Auto,
+            PreviewArg::Taesd => PreviewMode::Taesd,
+            PreviewArg::Latent => PreviewMode::Latent,
+            PreviewArg::Off => PreviewMode::Off,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DTypeArg {
     F32,

@@ -21,6 +21,8 @@ pub struct EngineOptions {
     pub limits: Limits,
     /// The most device memory the candle engine may plan for, weights included.
     pub memory_budget: Option<u64>,
+    /// How the candle engine makes `preview_every` previews (`serve --preview`).
+    pub previews: sdhive_candle::Previews,
 }
 
 pub fn load(
@@ -158,7 +160,7 @@ fn load_with(
                 None => sdhive_candle::CandleEngine::load(model, load_opts),
             }
             .with_context(context)?;
-            Ok(Box::new(engine.with_limits(opts.limits)))
+            Ok(Box::new(engine.with_limits(opts.limits).with_previews(&opts.previews)))
         }
         DeviceHandle::Ggml(name) => load_sdcpp(backend, name, info, model, opts).with_context(context),
     }

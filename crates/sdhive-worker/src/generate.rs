@@ -3,11 +3,11 @@
 
 use crate::cli::GenerateArgs;
 use crate::engine::EngineOptions;
-use crate::output::{check_output_path, output_paths};
+use crate::output::{check_output_path, output_format, output_paths};
 use crate::request::{build_request, flag_for_field};
 use anyhow::{anyhow, bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
-use sdhive_engine::{encode_png, Control, EngineError, Placement, Progress};
+use sdhive_engine::{encode_image, Control, EngineError, Placement, Progress};
 use sdhive_modelsource::ResolveOptions;
 use shared_worker::Backend;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -71,10 +71,11 @@ pub fn run(backend: Backend, args: &GenerateArgs) -> anyhow::Result<()> {
     if output.images.len() != paths.len() {
         bail!("the engine returned {} images, expected {}", output.images.len(), paths.len());
     }
+    let format = sdhive_engine::OutputFormat::new(output_format(&args.output)?, 90);
     for (image, path) in output.images.iter().zip(&paths) {
-        let png = encode_png(&image.image, Some(&image.infotext))
+        let bytes = encode_image(&image.image, Some(&image.infotext), format)
             .with_context(|| format!("cannot encode {}", path.display()))?;
-        std::fs::write(path, png).with_context(|| format!("cannot write {}", path.display()))?;
+        std::fs::write(path, bytes).with_context(|| format!("cannot write {}", path.display()))?;
         println!("{} (seed {})", path.display(), image.seed);
     }
     Ok(())

@@ -5,6 +5,7 @@ pub mod cli;
 pub mod engine;
 mod generate;
 pub mod output;
+pub mod preview;
 pub mod request;
 pub mod serve;
 

@@ -3,7 +3,7 @@
 //! scanning the model library, and handing the first model's load to the server, which runs it while `/health`
 //! already answers; later switches go through the same engine factory.
 
-use crate::cli::DTypeArg;
+use crate::cli::{DTypeArg, PreviewArg};
 use crate::engine::EngineOptions;
 use anyhow::Context;
 use clap::Args;
@@ -127,6 +127,14 @@ pub struct ServeArgs {
     #[arg(long, env = "MAX_BATCH", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub max_batch: u32,
 
+    /// Live previews of jobs with `preview_every`: `taesd` decodes them with TAESD at the output size (its
+    /// weights must be found: `VAE-taesd/` or `vae_approx/` `taesd_decoder.safetensors` and
+    /// `taesdxl_decoder.safetensors`, or a `taesd`/`taesdxl` diffusers folder, in a models dir; else
+    /// madebyollin/taesd and madebyollin/taesdxl in the Hugging Face cache), `latent` maps latents to RGB at 1/8
+    /// of the size, `off` sends none; `auto`: TAESD on GPUs where found, else latent.
+    #[arg(long, env = "PREVIEW", value_enum, default_value_t = PreviewArg::Auto)]
+    pub preview: PreviewArg,
+
     /// How long finished results stay retrievable (e.g. 600s, 10m, 1h).
     #[arg(long, env = "JOB_TTL", default_value = "600s", value_parser = parse_duration)]
     pub job_ttl: Duration,
@@ -203,6 +211,7 @@ fn cmd_flags(args: &ServeArgs) -> serde_json::Map<String, serde_json::Value> {
         "placement": args.placement,
         "offload": args.offload,
         "memory_budget": args.memory_budget,
+        "preview": sdhive_engine::PreviewMode::from(args.preview).name(),
         "offline": args.offline,
         "callback_url": args.callback_url,
         "public_url": args.public_url,
@@ -287,6 +296,7 @@ pub fn prepare(backend: Backend, args: &ServeArgs) -> anyhow::Result<Prepared> {
         limits: limits.clone(),
         max_queue: args.max_queue,
         max_batch: args.max_batch,
+        preview: args.preview.into(),
         job_ttl: args.job_ttl,
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         max_body_bytes: args.max_body_bytes,
@@ -356,7 +366,15 @@ pub fn prepare(backend: Backend, args: &ServeArgs) -> anyhow::Result<Prepared> {
     }
     let initial = first.map(|spec| library.with_selected_vae(spec));
     tracing::info!(device = %info.name, %placement, first = ?initial.as_ref().map(|s| &s.source), "serving");
-    let opts = EngineOptions { dtype, placement, limits, memory_budget };
+    let previews = crate::preview::setup(
+        backend,
+        args.preview.into(),
+        &args.models_dirs,
+        &resolve_opts.hub_cache,
+        &device,
+        dtype,
+    )?;
+    let opts = EngineOptions { dtype, placement, limits, memory_budget, previews };
     let factory =
         crate::engine::Factory::new(backend, device, info, opts, resolve_opts, args.checkpoint_cache);
     let initial_required = args.model.is_some();

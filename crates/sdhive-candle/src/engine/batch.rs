@@ -5,7 +5,7 @@
 
 use super::{encode, failed, lora_error, CandleEngine, CFG_BATCH};
 use crate::pipeline::UnetConditioning;
-use crate::pipeline::{decode, denoise_batch, latent_preview, BatchRow, ImageJob, PipelineError, StepReport};
+use crate::pipeline::{decode, denoise_batch, BatchRow, ImageJob, PipelineError, StepReport};
 use sdhive_engine::extra_networks::strip_networks;
 use sdhive_engine::{
     random_seed, Control, EngineError, GenerateOutput, GenerateRequest, GeneratedImage, JobPlan, Progress,
@@ -211,6 +211,7 @@ impl CandleEngine {
             vae_tiling: plan.vae_tiling,
         };
         let model = &self.model;
+        let previews = &self.preview;
         let batch: Vec<BatchRow<'_>> = rows
             .iter()
             .filter_map(|r| {
@@ -241,7 +242,8 @@ impl CandleEngine {
                     let wants_preview =
                         req.preview_every > 0 && s.step.is_multiple_of(req.preview_every as usize);
                     let preview = if wants_preview {
-                        s.estimate.narrow(0, at, 1).ok().and_then(|row| latent_preview(model, &row))
+                        let row = s.estimate.narrow(0, at, 1).ok();
+                        row.and_then(|row| previews.render(model, &row, !plan.vae_tiling))
                     } else {
                         None
                     };

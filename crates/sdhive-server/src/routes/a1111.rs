@@ -50,6 +50,8 @@ pub fn router() -> Router<AppState> {
         .route("/sdapi/v1/samplers", get(samplers))
         .route("/sdapi/v1/schedulers", get(schedulers))
         .route("/sdapi/v1/options", get(get_options).post(set_options))
+        // The extras encode their images as `samples_format` says, so they share these options.
+        .merge(crate::routes::a1111_upscale::router())
         // One per router (so per server): tests run several servers in one process.
         .layer(Extension(Local::default()))
 }
@@ -145,12 +147,17 @@ impl SampleOptions {
 }
 
 #[derive(Debug, Clone, Default)]
-struct Local(Arc<Mutex<Settings>>);
+pub(crate) struct Local(Arc<Mutex<Settings>>);
 
 impl Local {
     fn lock(&self) -> MutexGuard<'_, Settings> {
         // Every update is a plain field write, so a poisoned lock still holds consistent data.
         self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The format the options say response images are encoded in.
+    pub(crate) fn samples_output(&self) -> OutputFormat {
+        self.lock().samples.output()
     }
 }
 

@@ -4,7 +4,7 @@
 
 use crate::error::ApiError;
 use crate::extract::parse_json;
-use crate::routes::a1111::{failure, invalid, read_body, A1111Error, Spelling};
+use crate::routes::a1111::{failure, invalid, read_body, A1111Error, Local, Spelling};
 use crate::routes::a1111_info::{realesrgan_models, RealesrganModel};
 use crate::routes::openai::job_outcome;
 use crate::validation::decode_base64_image;
@@ -13,6 +13,7 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::routing::{get, post};
+use axum::Extension;
 use axum::{Json, Router};
 use base64::Engine as _;
 use sdhive_engine::hires::{BUILTIN_IMAGE_UPSCALERS, LATENT_UPSCALERS};
@@ -220,11 +221,13 @@ fn request(
         }
         _ => None,
     };
-    Ok(UpscaleRequest { images, upscaler, size, second })
+    Ok(UpscaleRequest { images, upscaler, size, second, output: sdhive_engine::OutputFormat::PNG })
 }
 
-/// Runs the extras job and returns its PNGs as base64 (extras answer PNG whatever `samples_format` says).
-async fn run(state: &AppState, req: UpscaleRequest) -> Result<Vec<String>, A1111Error> {
+/// Runs the extras job and returns its images as base64, encoded as the options' `samples_format` says (A1111's
+/// API encodes every image it returns so).
+async fn run(state: &AppState, local: &Local, mut req: UpscaleRequest) -> Result<Vec<String>, A1111Error> {
+    req.output = local.samples_output();
     let view = state.jobs.upscale(req).await.map_err(ApiError::from)?;
     let (_, images) = job_outcome(view).map_err(|f| {
         let renamed = match f {
@@ -257,6 +260,7 @@ async fn decode(state: &AppState, images: Vec<(&'static str, String)>) -> Result
 
 async fn extra_single_image(
     State(state): State<AppState>,
+    Extension(local): Extension<Local>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, A1111Error> {
     let bytes = read_body(body)?;
@@ -268,12 +272,13 @@ async fn extra_single_image(
         .ok_or_else(|| invalid("image", "an image is required"))?;
     let images = decode(&state, vec![("image", data)]).await?;
     let req = request(&state, &body, images)?;
-    let mut out = run(&state, req).await?;
+    let mut out = run(&state, &local, req).await?;
     Ok(Json(json!({"html_info": "", "image": out.pop().unwrap_or_default()})))
 }
 
 async fn extra_batch_images(
     State(state): State<AppState>,
+    Extension(local): Extension<Local>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, A1111Error> {
     let bytes = read_body(body)?;
@@ -284,6 +289,6 @@ async fn extra_batch_images(
     }
     let images = decode(&state, list.iter().map(|i| ("imageList", i.data.clone())).collect()).await?;
     let req = request(&state, &body, images)?;
-    let out = run(&state, req).await?;
+    let out = run(&state, &local, req).await?;
     Ok(Json(json!({"html_info": "", "images": out})))
 }

@@ -74,6 +74,7 @@ async fn info(State(state): State<AppState>) -> Json<serde_json::Value> {
             "networks_refused": listed(state.networks.refused()),
         },
         "capabilities": state.capabilities(),
+        "preview": state.preview_decoder(),
         "queue": {"depth": state.jobs.queue_depth(), "max": state.config.max_queue},
         "job_ttl_secs": state.config.job_ttl.as_secs_f64(),
         "auth_required": state.config.credentials().required(),

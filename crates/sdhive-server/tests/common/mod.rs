@@ -55,6 +55,7 @@ impl Engine for SlowEngine {
             supports_inpaint: false,
             memory: None,
             text_widths: Vec::new(),
+            preview: Default::default(),
         }
     }
 

@@ -1,0 +1,53 @@
+// The API key flow against a hive started with --api-key: the page loads without a key, asks for one on the
+// first 401, says when a key is refused, keeps the key in the browser, sends it with every call (the event
+// stream included), and forgets it on request.
+
+import { expect, shot, test } from './fixtures';
+
+test('asks for the key, refuses a wrong one, works with the right one', async ({ page, srv }) => {
+  await page.goto(`${srv.keyedHive}/`);
+  const dialog = page.getByRole('dialog', { name: 'API key' });
+  await expect(dialog).toBeVisible();
+  await expect(dialog).toContainText('This server needs an API key.');
+  await expect(dialog.getByLabel('API key')).toBeFocused();
+  await shot(page, 'key-prompt');
+
+  await dialog.getByLabel('API key').fill('not-the-key');
+  await dialog.getByRole('button', { name: 'Use key' }).click();
+  await expect(dialog).toBeVisible();
+  await expect(dialog).toContainText('The server refused this key');
+  await shot(page, 'key-refused');
+
+  await dialog.getByLabel('API key').fill(srv.key);
+  await dialog.getByLabel('API key').press('Enter');
+  await expect(dialog).toBeHidden();
+  await expect(page.locator('#server-summary')).toContainText('hive');
+  await expect(page.locator('#sampler option')).not.toHaveCount(0);
+  expect(await page.evaluate(() => localStorage.getItem('sdhive.apiKey'))).toBe(srv.key);
+
+  const authorized: string[] = [];
+  page.on('request', (r) => {
+    if (new URL(r.url()).pathname.startsWith('/v1/jobs')) authorized.push(r.headers().authorization ?? '');
+  });
+  await page.getByLabel('Prompt', { exact: true }).fill('a keyed cat');
+  await page.getByLabel('Steps', { exact: true }).fill('4');
+  await page.getByLabel('Width').fill('64');
+  await page.getByLabel('Height').fill('64');
+  await page.getByRole('button', { name: 'Generate', exact: true }).click();
+  await expect(page.locator('#job-status')).toHaveText(/^Done/, { timeout: 30_000 });
+  expect(authorized.length).toBeGreaterThanOrEqual(3);
+  expect(authorized.every((a) => a === `Bearer ${srv.key}`), authorized.join(', ')).toBe(true);
+
+  // The node view's admin routes take the same key.
+  await page.getByRole('tab', { name: 'Node' }).click();
+  await expect(page.locator('#workers-table [data-col=state]').first()).toHaveText(/ready|busy/);
+
+  // Forgotten: the next load asks again.
+  await page.getByRole('button', { name: 'Forget API key' }).click();
+  expect(await page.evaluate(() => localStorage.getItem('sdhive.apiKey'))).toBeNull();
+  await page.reload();
+  await expect(dialog).toBeVisible();
+  await dialog.getByRole('button', { name: 'Cancel' }).click();
+  await expect(page.locator('#global-error')).toContainText('API key');
+  await shot(page, 'key-dismissed');
+});
