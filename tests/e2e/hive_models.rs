@@ -476,11 +476,10 @@ fn a_model_wanted_while_the_only_worker_is_busy_gets_a_worker_of_its_own() {
     assert!(stopped["on_demand"]["stopped"].as_str().unwrap().contains("idle for"), "{stopped}");
     wait_for("its process to exit", Duration::from_secs(10), || is_dead(pid).then_some(()));
     assert_eq!(metric(&addr, "sdhive_hive_on_demand_workers_stopped_total"), 1);
-    assert_eq!(
-        workers(&addr).iter().filter(|w| w["state"] == "ready").count(),
-        1,
-        "the planned worker stays"
-    );
+    // The planned worker stays (on a loaded machine a late heartbeat can show it unhealthy for a moment).
+    wait_for("the planned worker to be ready", Duration::from_secs(15), || {
+        (workers(&addr).iter().filter(|w| w["state"] == "ready").count() == 1).then_some(())
+    });
 }
 
 #[test]

@@ -109,7 +109,8 @@ def measure(bundle: str, out: str, o: dict) -> dict:
         for args in configs:
             name = " ".join(args) or "default"
             print(f"{f['label']}: sdhive {name} ...", flush=True)
-            log = f"serve_{fam}_{'_'.join(a.strip('-') for a in args) or 'default'}.log"
+            tag = '_'.join(a.strip('-').replace('/', '_') for a in args) or 'default'
+            log = f"serve_{fam}_{tag}.log"
             row = attempt(f"{f['label']} sdhive {name}", log, lambda: run_json(out, [
                 bench, "--serve-bench", worker, "--serve-model", f["model"], "--size", str(f["size"]), "--steps",
                 str(steps), "--dtype", dtype, "--warmup", str(f["warmup"]), "--latency-requests", str(f["latency"]),

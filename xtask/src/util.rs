@@ -22,14 +22,20 @@ pub fn target_dir() -> PathBuf {
 
 pub fn cargo(root: &Path, args: &[&str]) -> Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    eprintln!("xtask: cargo {}", args.join(" "));
-    let status = Command::new(&cargo)
+    run(root, &cargo, args)
+}
+
+/// Runs `program args…` in `dir`, echoing the command; fails naming it when it fails.
+pub fn run(dir: &Path, program: &str, args: &[&str]) -> Result<()> {
+    let name = Path::new(program).file_name().map_or(program.into(), |n| n.to_string_lossy());
+    eprintln!("xtask: {name} {}", args.join(" "));
+    let status = Command::new(program)
         .args(args)
-        .current_dir(root)
+        .current_dir(dir)
         .status()
-        .with_context(|| format!("running cargo {}", args.join(" ")))?;
+        .with_context(|| format!("running {name} {}", args.join(" ")))?;
     if !status.success() {
-        bail!("cargo {} failed ({status})", args.join(" "));
+        bail!("{name} {} failed ({status})", args.join(" "));
     }
     Ok(())
 }

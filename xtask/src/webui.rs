@@ -3,7 +3,7 @@
 //! builds the hive and the CPU worker, then runs the browser tests (Playwright driving Debian's Chromium against a
 //! real hive on the fixture models).
 
-use crate::util::{cargo, target_dir, workspace_root};
+use crate::util::{self, cargo, target_dir, workspace_root};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 use std::process::Command;
@@ -23,8 +23,8 @@ pub fn run() -> Result<()> {
             .output()
             .with_context(|| format!("`{tool}` not found: the web page's build needs Node.js and npm"))?;
     }
-    npm(&web, &["ci", "--no-audit", "--no-fund"])?;
-    npm(&web, &["run", "build"])?;
+    util::run(&web, "npm", &["ci", "--no-audit", "--no-fund"])?;
+    util::run(&web, "npm", &["run", "build"])?;
     let changed = Command::new("git")
         .args(["status", "--porcelain", "--", "web/dist"])
         .current_dir(&root)
@@ -34,7 +34,7 @@ pub fn run() -> Result<()> {
     if !changed.trim().is_empty() {
         bail!("web/dist differs from a fresh build of web/: commit the output of `npm run build`\n{changed}");
     }
-    npm(&web, &["run", "check"])?;
+    util::run(&web, "npm", &["run", "check"])?;
     // The profile the end-to-end tests of `cargo test` build their binaries with, so CI compiles them once.
     cargo(&root, &["build", "--quiet", "-p", "sdhive-hive", "-p", "sd-worker-cpu", "--profile", "test"])?;
     let hive = target_dir().join("debug").join("hive");
@@ -47,19 +47,6 @@ pub fn run() -> Result<()> {
         .context("running npx playwright test")?;
     if !status.success() {
         bail!("browser tests failed ({status}); screenshots and traces are in web/test-results");
-    }
-    Ok(())
-}
-
-fn npm(dir: &Path, args: &[&str]) -> Result<()> {
-    eprintln!("xtask: npm {} (in {})", args.join(" "), dir.display());
-    let status = Command::new("npm")
-        .args(args)
-        .current_dir(dir)
-        .status()
-        .with_context(|| format!("running npm {}", args.join(" ")))?;
-    if !status.success() {
-        bail!("npm {} failed ({status})", args.join(" "));
     }
     Ok(())
 }

@@ -360,8 +360,10 @@ impl Engine for CandleEngine {
             let mut on_step = |r: StepReport<'_>| {
                 let wants_preview =
                     req.preview_every > 0 && r.step.is_multiple_of(req.preview_every as usize);
-                let preview =
-                    if wants_preview { previews.render(model, r.estimate, !plan.vae_tiling) } else { None };
+                let preview = match wants_preview {
+                    true => previews.render(model, r.estimate, !plan.vae_tiling, req.preview_approx),
+                    false => None,
+                };
                 let p = Progress {
                     image: index,
                     images: req.n,

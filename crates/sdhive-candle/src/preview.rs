@@ -70,17 +70,19 @@ impl Preview {
 
     /// The preview of one image's `[1, C, h, w]` estimate; `None` when previews are off (or the latents have no
     /// known RGB map). `full_size_fits`: whether the job's memory plan leaves room for a full-size decode (not
-    /// when it tiles the VAE); otherwise, or when TAESD fails, the latent preview.
+    /// when it tiles the VAE); otherwise, when the request asks for the approximation (`preview_approx`), or
+    /// when TAESD fails, the latent preview.
     pub(crate) fn render(
         &self,
         model: &SdModel,
         estimate: &Tensor,
         full_size_fits: bool,
+        approx: bool,
     ) -> Option<RgbImage> {
         match self {
             Preview::Off => None,
             Preview::Latent => latent_preview(model, estimate),
-            Preview::Taesd(_) if !full_size_fits => latent_preview(model, estimate),
+            Preview::Taesd(_) if !full_size_fits || approx => latent_preview(model, estimate),
             Preview::Taesd(decoder) => match taesd_preview(decoder, estimate) {
                 Ok(image) => Some(image),
                 Err(e) => {

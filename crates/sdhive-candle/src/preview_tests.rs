@@ -118,6 +118,10 @@ fn a_family_without_its_decoder_gets_latent_previews_and_off_gets_none() {
     assert_eq!(xl.info().preview, PreviewDecoder::Taesd);
     let got = previews_of(&mut xl, &request(4));
     assert_eq!(got.iter().map(|(s, i)| (*s, i.width, i.height)).collect::<Vec<_>>(), [(4, 64, 64)]);
+    // A request for the approximation (A1111's `/progress`) gets the latent preview where TAESD is set up.
+    let approx = GenerateRequest { preview_approx: true, ..request(4) };
+    let got = previews_of(&mut xl, &approx);
+    assert_eq!(got.iter().map(|(s, i)| (*s, i.width, i.height)).collect::<Vec<_>>(), [(4, 8, 8)]);
 
     let mut off = engine("sd1", &Previews::Off);
     assert_eq!(off.info().preview, PreviewDecoder::Off);

@@ -29,8 +29,11 @@ pub struct GenerateRequest {
     pub strength: f32,
     /// White = repaint, black = keep. Requires `init_image`.
     pub mask: Option<GrayImage>,
-    /// Attach a cheap low-resolution preview to every k-th progress report; 0 = never.
+    /// Attach a preview to every k-th progress report; 0 = never.
     pub preview_every: u32,
+    /// The latent approximation for those previews even where the worker decodes them with TAESD: A1111's
+    /// default live preview ("Approx"), which its API's `/progress` serves.
+    pub preview_approx: bool,
     /// LoRA / LyCORIS networks to apply, resolved to their files (from the prompt's `<lora:…>` tags, which stay
     /// in `prompt` for the infotext and are removed before tokenising, and from structured `loras` fields).
     pub loras: Vec<LoraUse>,
@@ -84,6 +87,7 @@ impl Default for GenerateRequest {
             strength: 0.75,
             mask: None,
             preview_every: 0,
+            preview_approx: false,
             loras: Vec::new(),
             embeddings: Vec::new(),
             hires: None,

@@ -92,3 +92,13 @@ pub(crate) fn invalid(origin: &str, field: &str, reason: impl Into<String>) -> M
 pub(crate) fn input_err(model: &'static str, reason: impl Into<String>) -> ModelError {
     ModelError::Input { model, reason: reason.into() }
 }
+
+/// Refuses latents that are not `(B, channels, h, w)`, before a decoder runs on them.
+pub(crate) fn check_latent(model: &'static str, z: &candle_core::Tensor, channels: usize) -> Result<()> {
+    let (_, c, _, _) =
+        z.dims4().map_err(|e| input_err(model, format!("latent must be (B, C, h, w): {e}")))?;
+    if c != channels {
+        return Err(input_err(model, format!("latent has {c} channels, expected {channels}")));
+    }
+    Ok(())
+}

@@ -8,7 +8,7 @@
 //! there). Without a `config.json` the architecture is read from the tensors' names and shapes.
 
 use crate::config::read_json;
-use crate::error::{input_err, invalid, weights_err, ModelError, Result, TensorContext};
+use crate::error::{check_latent, invalid, weights_err, ModelError, Result, TensorContext};
 use crate::layers::{conv2d, Conv2d, EdgeConv};
 use crate::loading::{find_weight_files, open_safetensors};
 use crate::ops::{self, ConvExtras, MapLayout};
@@ -393,14 +393,7 @@ impl TaesdDecoder {
     /// `scaling_factor`, as the pipeline does) to images `(B, out_channels, h·f, w·f)` in about [-1, 1], not
     /// clamped; in the decoder's dtype.
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
-        let (_, c, _, _) =
-            z.dims4().map_err(|e| input_err(MODEL, format!("latent must be (B, C, h, w): {e}")))?;
-        if c != self.config.latent_channels {
-            return Err(input_err(
-                MODEL,
-                format!("latent has {c} channels, expected {}", self.config.latent_channels),
-            ));
-        }
+        check_latent(MODEL, z, self.config.latent_channels)?;
         let run = || -> candle_core::Result<Tensor> {
             let z = z.to_device(&self.device)?.to_dtype(self.dtype)?.contiguous()?;
             let z = ((z / 3.0)?.tanh()? * 3.0)?;

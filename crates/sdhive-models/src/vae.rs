@@ -2,7 +2,7 @@
 //! back to pixels) built from `vae/config.json` and diffusers weight names.
 
 use crate::config::{check_act, check_divides, read_json, IntOrList};
-use crate::error::{input_err, invalid, weights_err, Result, TensorContext};
+use crate::error::{check_latent, input_err, invalid, weights_err, Result, TensorContext};
 use crate::graphed::{Graphs, Refresh};
 use crate::layers::{
     conv2d_nchw, linear, Conv2d, Downsample2D, EdgeConv, GroupNorm, ResnetBlock2D, ResnetSpec, Upsample2D,
@@ -545,14 +545,7 @@ impl AutoencoderKL {
 
     /// Latents `(B, latent_channels, h, w)` → images `(B, out_channels, 8h, 8w)`-ish.
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
-        let (_, c, _, _) =
-            z.dims4().map_err(|e| input_err(MODEL, format!("latent must be (B, C, h, w): {e}")))?;
-        if c != self.config.latent_channels {
-            return Err(input_err(
-                MODEL,
-                format!("latent has {c} channels, expected {}", self.config.latent_channels),
-            ));
-        }
+        check_latent(MODEL, z, self.config.latent_channels)?;
         let run = || -> candle_core::Result<Tensor> {
             // Contiguous either way (a tile of `decode_tiled` is a view), so that the fused kernels take it and a
             // recorded decode computes what the kernel-by-kernel one does.

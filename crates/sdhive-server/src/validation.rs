@@ -150,6 +150,7 @@ pub fn build_request(
         strength: req.strength.unwrap_or(defaults.strength),
         mask: None,
         preview_every: req.preview_every.unwrap_or(0),
+        preview_approx: false,
 
         loras: Vec::new(),
         embeddings: Vec::new(),

@@ -19,6 +19,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+/// Requests with this prompt record their `preview_approx` in [`PROBED`].
+const PROBE: &str = "preview-kind probe";
+static PROBED: std::sync::Mutex<Vec<bool>> = std::sync::Mutex::new(Vec::new());
+
 /// 8×8 images, one colour per seed, with the infotext the real engines write; `per_step` per denoising step;
 /// a cancel returns the images already finished, as both engines do.
 struct InfotextEngine {
@@ -50,6 +54,9 @@ impl Engine for InfotextEngine {
         req: &GenerateRequest,
         progress: &mut dyn FnMut(&Progress) -> Control,
     ) -> Result<GenerateOutput, EngineError> {
+        if req.prompt == PROBE {
+            PROBED.lock().unwrap().push(req.preview_approx);
+        }
         let mut images = Vec::new();
         let (width, height) = req.output_size((8, 8));
         for image in 0..req.n {
@@ -495,4 +502,24 @@ async fn extras_answer_in_the_samples_format() {
         assert_eq!(status, 200, "{got}");
         assert!(png_bytes(&got["images"][0]).starts_with(magic), "batch {format}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a1111_progress_previews_are_the_approximation_unless_the_options_ask_for_taesd() {
+    let server = start(config(None), Duration::ZERO).await;
+    let client = reqwest::Client::new();
+    let txt2img = || {
+        let body = json!({"prompt": PROBE, "steps": 2, "width": 8, "height": 8});
+        client.post(format!("{}/sdapi/v1/txt2img", server.base)).json(&body).send()
+    };
+    assert_eq!(txt2img().await.unwrap().status(), 200);
+    let options = |kind: &str| {
+        let body = json!({"show_progress_type": kind});
+        client.post(format!("{}/sdapi/v1/options", server.base)).json(&body).send()
+    };
+    assert_eq!(options("TAESD").await.unwrap().status(), 200);
+    assert_eq!(txt2img().await.unwrap().status(), 200);
+    assert_eq!(options("Approx NN").await.unwrap().status(), 200);
+    assert_eq!(txt2img().await.unwrap().status(), 200);
+    assert_eq!(*PROBED.lock().unwrap(), [true, false, true]);
 }

@@ -121,6 +121,7 @@ pub fn build_request(args: &GenerateArgs) -> Result<GenerateRequest, ArgsError> 
         mask,
         // The CLI shows a progress bar, not pictures.
         preview_every: 0,
+        preview_approx: false,
         // Filled from the prompt once the model is known (`generate::resolve_networks`).
         loras: Vec::new(),
         embeddings: Vec::new(),

@@ -4,33 +4,18 @@
 //! previous model serving, unknown names, lazy hashes, refresh, unload/reload, and memory that does not grow
 //! as models come and go.
 
+mod common;
+
 use base64::Engine as _;
-use clap::Parser;
+use common::{copy_dir, Worker};
 use sdhive_candle::{CandleEngine, LoadOptions};
 use sdhive_engine::{Control, Engine, GenerateRequest, RgbImage, Sampler, Schedule};
-use sdhive_worker::cli::{Cli, Command};
 use serde_json::{json, Value};
-use shared_worker::Backend;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use tokio::net::TcpListener;
-use tokio::sync::oneshot;
 
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models")
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), &target).unwrap();
-        }
-    }
+    common::fixtures().join("models")
 }
 
 /// A safetensors file that the catalogue takes for a checkpoint (a UNet tensor name) but no engine can load.
@@ -58,68 +43,11 @@ fn models_dir() -> tempfile::TempDir {
     dir
 }
 
-struct Worker {
-    base: String,
-    client: reqwest::Client,
-    stop: Option<oneshot::Sender<()>>,
-    handle: tokio::task::JoinHandle<Result<(), sdhive_server::ServeError>>,
-    _hashes: tempfile::TempDir,
-}
-
 impl Worker {
-    async fn start(models: &Path, extra: &[&str]) -> Worker {
-        let hashes = tempfile::tempdir().unwrap();
-        let hash_file = hashes.path().join("hashes.json");
-        let mut argv: Vec<String> =
-            ["sd-worker-cpu", "serve", "--port", "0", "--models-dir"].iter().map(|s| s.to_string()).collect();
-        argv.push(models.display().to_string());
-        argv.extend(["--hash-cache".to_string(), hash_file.display().to_string()]);
-        argv.extend(extra.iter().map(|s| s.to_string()));
-        let Command::Serve(args) = Cli::try_parse_from(argv).unwrap().command else { panic!("serve") };
-        let prepared = sdhive_worker::serve::prepare(Backend::Cpu, &args).expect("prepare");
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let base = format!("http://{}", listener.local_addr().unwrap());
-        let (tx, rx) = oneshot::channel::<()>();
-        let handle =
-            tokio::spawn(sdhive_server::serve(listener, prepared.config, prepared.startup, None, async {
-                let _ = rx.await;
-            }));
-        let worker = Worker { base, client: reqwest::Client::new(), stop: Some(tx), handle, _hashes: hashes };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Ok(r) = worker.client.get(worker.url("/ready")).send().await {
-                if r.status() == 200 {
-                    break;
-                }
-            }
-            assert!(!worker.handle.is_finished(), "the worker stopped while loading");
-            assert!(Instant::now() < deadline, "never ready");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        worker
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    async fn get(&self, path: &str) -> Value {
-        let r = self.client.get(self.url(path)).send().await.unwrap();
-        assert_eq!(r.status(), 200, "GET {path}");
-        r.json().await.unwrap()
-    }
-
     async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
         let r = self.client.post(self.url(path)).json(body).send().await.unwrap();
         let status = r.status().as_u16();
         (status, r.json().await.unwrap_or(Value::Null))
-    }
-
-    async fn stop(mut self) {
-        if let Some(tx) = self.stop.take() {
-            let _ = tx.send(());
-        }
-        let _ = tokio::time::timeout(Duration::from_secs(60), self.handle).await;
     }
 
     async fn loaded_source(&self) -> Option<String> {
@@ -150,6 +78,7 @@ fn request(seed: u64) -> GenerateRequest {
         strength: 0.75,
         mask: None,
         preview_every: 0,
+        preview_approx: false,
         loras: Vec::new(),
         embeddings: Vec::new(),
         hires: None,

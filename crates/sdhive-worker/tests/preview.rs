@@ -6,18 +6,14 @@
 //! The Hugging Face cache is pointed at a missing folder (`HF_HUB_CACHE`, set once before any test reads the
 //! environment) so that a cache on the machine running the tests cannot change what is found.
 
-use clap::Parser;
+mod common;
+
+use common::{copy_dir, fixtures, Worker};
 use serde_json::{json, Value};
 use shared_worker::Backend;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
-use tokio::net::TcpListener;
-use tokio::sync::oneshot;
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
+use std::time::Duration;
 
 /// The (absent, so empty) hub cache every test sees; every test calls this before anything reads the
 /// environment.
@@ -31,19 +27,6 @@ fn empty_hub_cache() -> &'static Path {
         std::env::remove_var("HF_HOME");
         dir
     })
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), &target).unwrap();
-        }
-    }
 }
 
 /// sd1 and sdxl (diffusers folders) and, in A1111's `VAE-taesd/`, the TAESD decoders named.
@@ -60,55 +43,15 @@ fn models_dir(decoders: &[&str]) -> tempfile::TempDir {
 }
 
 fn args(models: &Path, preview: &str) -> sdhive_worker::serve::ServeArgs {
-    let argv =
-        ["sd-worker-cpu", "serve", "--port", "0", "--model", "sd1", "--preview", preview, "--models-dir"];
-    let mut argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
-    argv.push(models.display().to_string());
-    argv.extend(["--hash-cache".into(), models.join("hashes.json").display().to_string()]);
-    match sdhive_worker::cli::Cli::try_parse_from(argv).unwrap().command {
-        sdhive_worker::cli::Command::Serve(args) => args,
-        other => panic!("expected serve, got {other:?}"),
-    }
+    common::serve_args(models, &models.join("hashes.json"), &["--model", "sd1", "--preview", preview])
 }
 
-struct Worker {
-    base: String,
-    client: reqwest::Client,
-    stop: Option<oneshot::Sender<()>>,
-    handle: tokio::task::JoinHandle<Result<(), sdhive_server::ServeError>>,
+async fn start(models: &Path, preview: &str) -> Worker {
+    empty_hub_cache();
+    Worker::start(models, &["--model", "sd1", "--preview", preview]).await
 }
 
 impl Worker {
-    async fn start(models: &Path, preview: &str) -> Worker {
-        empty_hub_cache();
-        let prepared = sdhive_worker::serve::prepare(Backend::Cpu, &args(models, preview)).expect("prepare");
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let base = format!("http://{}", listener.local_addr().unwrap());
-        let (tx, rx) = oneshot::channel::<()>();
-        let handle =
-            tokio::spawn(sdhive_server::serve(listener, prepared.config, prepared.startup, None, async {
-                let _ = rx.await;
-            }));
-        let worker = Worker { base, client: reqwest::Client::new(), stop: Some(tx), handle };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !matches!(worker.client.get(worker.url("/ready")).send().await, Ok(r) if r.status() == 200) {
-            assert!(!worker.handle.is_finished(), "the worker stopped while loading");
-            assert!(Instant::now() < deadline, "never ready");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        worker
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    async fn get(&self, path: &str) -> Value {
-        let r = self.client.get(self.url(path)).send().await.unwrap();
-        assert_eq!(r.status(), 200, "GET {path}");
-        r.json().await.unwrap()
-    }
-
     async fn submit(&self, body: Value) -> String {
         let r = self.client.post(self.url("/v1/jobs")).json(&body).send().await.unwrap();
         assert_eq!(r.status(), 202);
@@ -146,19 +89,12 @@ impl Worker {
         assert!(text.contains("event: completed"), "{text}");
         out
     }
-
-    async fn stop(mut self) {
-        if let Some(tx) = self.stop.take() {
-            let _ = tx.send(());
-        }
-        let _ = tokio::time::timeout(Duration::from_secs(60), self.handle).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn taesd_previews_follow_the_model_family() {
     let dir = models_dir(&["taesd", "taesdxl"]);
-    let w = Worker::start(dir.path(), "taesd").await;
+    let w = start(dir.path(), "taesd").await;
     let info = w.get("/v1/info").await;
     assert_eq!(
         (info["preview"].clone(), info["capabilities"]["preview"].clone()),
@@ -175,7 +111,7 @@ async fn taesd_previews_follow_the_model_family() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_family_without_its_decoder_previews_its_latents() {
     let dir = models_dir(&["taesd"]);
-    let w = Worker::start(dir.path(), "taesd").await;
+    let w = start(dir.path(), "taesd").await;
     assert_eq!(w.previews("sdxl").await, [(2, 8, 8), (4, 8, 8)], "no taesdxl: latent previews at 1/8");
     assert_eq!(w.get("/v1/info").await["preview"], "latent");
     assert_eq!(w.previews("sd1").await, [(2, 64, 64), (4, 64, 64)]);
@@ -186,7 +122,7 @@ async fn a_family_without_its_decoder_previews_its_latents() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn off_sends_no_previews_and_auto_on_the_cpu_is_latent() {
     let dir = models_dir(&["taesd", "taesdxl"]);
-    let w = Worker::start(dir.path(), "off").await;
+    let w = start(dir.path(), "off").await;
     let info = w.get("/v1/info").await;
     assert_eq!(
         (info["preview"].clone(), info["capabilities"]["preview"].clone()),
@@ -195,7 +131,7 @@ async fn off_sends_no_previews_and_auto_on_the_cpu_is_latent() {
     assert_eq!(w.previews("sd1").await, [], "preview_every is accepted and ignored");
     w.stop().await;
 
-    let w = Worker::start(dir.path(), "auto").await;
+    let w = start(dir.path(), "auto").await;
     assert_eq!(w.get("/v1/info").await["preview"], "latent");
     assert_eq!(w.previews("sd1").await, [(2, 8, 8), (4, 8, 8)]);
     w.stop().await;

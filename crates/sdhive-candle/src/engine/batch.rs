@@ -243,7 +243,7 @@ impl CandleEngine {
                         req.preview_every > 0 && s.step.is_multiple_of(req.preview_every as usize);
                     let preview = if wants_preview {
                         let row = s.estimate.narrow(0, at, 1).ok();
-                        row.and_then(|row| previews.render(model, &row, !plan.vae_tiling))
+                        row.and_then(|row| previews.render(model, &row, !plan.vae_tiling, req.preview_approx))
                     } else {
                         None
                     };

@@ -495,8 +495,13 @@ fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<
         init_image: None,
         strength: body.denoising_strength.unwrap_or(DEFAULT_DENOISING),
         mask: None,
-        // A1111's default "show_progress_every_n_steps" is 10: its clients poll /progress for current_image.
+        // A1111's default "show_progress_every_n_steps" is 10: its clients poll /progress for current_image,
+        // by default its cheap approximation ("Approx NN"); TAESD (or "Full") only when its options say so.
         preview_every: 10,
+        preview_approx: !matches!(
+            local.lock().other.get("show_progress_type").and_then(|v| v.as_str()),
+            Some("TAESD" | "Full")
+        ),
 
         loras: Vec::new(),
         embeddings: Vec::new(),

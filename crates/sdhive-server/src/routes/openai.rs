@@ -216,6 +216,7 @@ fn build_request(
         mask,
         // Synchronous calls return only the final images: nobody would see a preview.
         preview_every: 0,
+        preview_approx: false,
 
         loras: Vec::new(),
         embeddings: Vec::new(),
