@@ -51,3 +51,25 @@ test('asks for the key, refuses a wrong one, works with the right one', async ({
   await expect(page.locator('#global-error')).toContainText('API key');
   await shot(page, 'key-dismissed');
 });
+
+test('with only Basic credentials (--api-auth) the browser answers the challenge and the page asks nothing', async ({ browser, srv }) => {
+  const context = await browser.newContext({ httpCredentials: srv.basic });
+  const page = await context.newPage();
+  const sent: string[] = [];
+  page.on('request', (r) => {
+    if (new URL(r.url()).pathname.startsWith('/v1/jobs')) sent.push(r.url());
+  });
+  await page.goto(`${srv.basicWorker}/`);
+  await expect(page.locator('#server-summary')).toContainText('worker');
+  await page.getByLabel('Prompt', { exact: true }).fill('a basic cat');
+  await page.getByLabel('Steps', { exact: true }).fill('4');
+  await page.getByLabel('Width').fill('64');
+  await page.getByLabel('Height').fill('64');
+  await page.getByRole('button', { name: 'Generate', exact: true }).click();
+  await expect(page.locator('#job-status')).toHaveText(/^Done/, { timeout: 30_000 });
+  await expect(page.locator('#results figure img')).toHaveCount(1);
+  await expect(page.getByRole('dialog', { name: 'API key' })).toBeHidden();
+  expect(sent.length).toBeGreaterThanOrEqual(2);
+  await shot(page, 'basic-auth');
+  await context.close();
+});

@@ -14,6 +14,8 @@ const repo = resolve(here, '../..');
 const fixtures = join(repo, 'tests/fixtures/models');
 const logs = resolve(here, '../test-results/logs');
 const KEY = 'web-test-key-0d5c';
+/** A1111's `--api-auth` credentials of the Basic-only worker. */
+const BASIC = { username: 'alice', password: 's3cret-pw' };
 
 function prepareModels(root: string): { models: string; loras: string; embeddings: string } {
   const models = join(root, 'models');
@@ -148,7 +150,7 @@ export default async function globalSetup(): Promise<() => Promise<void>> {
     rmSync(root, { recursive: true, force: true });
   };
   try {
-    const [hive, keyed, node, worker, openHive] = await Promise.all([
+    const [hive, keyed, node, worker, openHive, basicWorker] = await Promise.all([
       start(children, 'hive', hiveBin, hiveArgs, env, 'hive listening on '),
       start(children, 'hive-keyed', hiveBin, [...hiveArgs, '--api-key', KEY], env, 'hive listening on '),
       // Restarts wait 3 s, so the node view has time to show the killed worker as not ready.
@@ -163,12 +165,23 @@ export default async function globalSetup(): Promise<() => Promise<void>> {
       ),
       // No worker and no models: only its answers matter (403 on admin routes, 503 no_workers on jobs).
       start(children, 'hive-open', hiveBin, ['serve', '--bind', '0.0.0.0:0', '--token', 'web-test-token', '--cpu', 'never'], env, 'hive listening on '),
+      // A1111's Basic credentials only (no API key): the browser answers the challenge, the page asks nothing.
+      start(
+        children,
+        'worker-basic',
+        workerBin,
+        ['serve', '--port', '0', '--models-dir', dirs.models, '--api-auth', `${BASIC.username}:${BASIC.password}`],
+        { HASH_CACHE: join(root, 'hashes.json') },
+        'listening on ',
+      ),
     ]);
+    const basicHeader = `Basic ${Buffer.from(`${BASIC.username}:${BASIC.password}`).toString('base64')}`;
     await Promise.all([
       waitFor('the hive’s worker', () => readyWorkers(hive)),
       waitFor('the keyed hive’s worker', () => readyWorkers(keyed, KEY)),
       waitFor('the node hive’s worker', () => readyWorkers(node)),
       waitFor('the lone worker', async () => (await fetch(`${worker}/ready`)).ok),
+      waitFor('the Basic-auth worker', async () => (await fetch(`${basicWorker}/ready`, { headers: { Authorization: basicHeader } })).ok),
     ]);
     await checkEmbedded(hive);
     process.env.SDHIVE_TEST_HIVE = hive;
@@ -176,6 +189,9 @@ export default async function globalSetup(): Promise<() => Promise<void>> {
     process.env.SDHIVE_TEST_KEY = KEY;
     process.env.SDHIVE_TEST_NODE_HIVE = node;
     process.env.SDHIVE_TEST_WORKER = worker;
+    process.env.SDHIVE_TEST_BASIC_WORKER = basicWorker;
+    process.env.SDHIVE_TEST_BASIC_USER = BASIC.username;
+    process.env.SDHIVE_TEST_BASIC_PASSWORD = BASIC.password;
     process.env.SDHIVE_TEST_OPEN_HIVE = openHive.replace('0.0.0.0', '127.0.0.1');
   } catch (e) {
     await stop();

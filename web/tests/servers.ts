@@ -11,6 +11,9 @@ export interface Servers {
   nodeHive: string;
   /** A lone `sd-worker-cpu serve`. */
   worker: string;
+  /** A lone worker with A1111's `--api-auth` (HTTP Basic) and no API key. */
+  basicWorker: string;
+  basic: { username: string; password: string };
   /** A hive without workers listening beyond loopback without a key: its admin routes answer 403. */
   openHive: string;
 }
@@ -27,6 +30,8 @@ export function servers(): Servers {
     key: need('SDHIVE_TEST_KEY'),
     nodeHive: need('SDHIVE_TEST_NODE_HIVE'),
     worker: need('SDHIVE_TEST_WORKER'),
+    basicWorker: need('SDHIVE_TEST_BASIC_WORKER'),
+    basic: { username: need('SDHIVE_TEST_BASIC_USER'), password: need('SDHIVE_TEST_BASIC_PASSWORD') },
     openHive: need('SDHIVE_TEST_OPEN_HIVE'),
   };
 }
