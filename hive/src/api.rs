@@ -352,33 +352,40 @@ async fn get_worker(State(hive): H, Path(id): Path<String>) -> Response {
 }
 
 /// The device table, with the workers on each device now (planned and on demand) and what they hold. Free
-/// memory is read again per call (the node view polls it), else taken from the workers' last heartbeats, else
-/// what detection saw.
+/// memory is what the device's workers reported in their last heartbeats; a device without a reporting worker is
+/// asked of its tool (`nvidia-smi`, `rocm-smi`, `/proc/meminfo`) per call, else detection's figure stands.
 async fn devices(State(hive): H) -> Response {
     let rows = hive.devices.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let mut fresh = Vec::with_capacity(rows.len());
-    for r in &rows {
-        fresh.push(crate::detect::free_memory(r.device.backend, r.device.index).await);
+    let on_device = |w: &crate::registry::WorkerEntry, r: &crate::plan::Row| {
+        w.backend == r.device.backend.name() && w.device_index == Some(r.device.index)
+    };
+    let reported: Vec<Option<u64>> = {
+        let state = hive.lock();
+        rows.iter()
+            .map(|r| {
+                let free = state.workers.values().filter(|w| on_device(w, r));
+                free.filter_map(|w| w.heartbeat.as_ref()?.memory_free_bytes).min()
+            })
+            .collect()
+    };
+    let mut free = Vec::with_capacity(rows.len());
+    for (r, reported) in rows.iter().zip(reported) {
+        free.push(match reported {
+            Some(bytes) => Some(bytes),
+            None => crate::detect::free_memory(r.device.backend, r.device.index).await,
+        });
     }
     let state = hive.lock();
     let rows: Vec<Value> = rows
         .iter()
-        .zip(fresh)
-        .map(|(r, fresh)| {
-            let on_device = |w: &&crate::registry::WorkerEntry| {
-                w.backend == r.device.backend.name() && w.device_index == Some(r.device.index)
-            };
-            let reported = state
-                .workers
-                .values()
-                .filter(on_device)
-                .filter_map(|w| w.heartbeat.as_ref()?.memory_free_bytes);
+        .zip(free)
+        .map(|(r, free)| {
             let mut v = serde_json::to_value(r).unwrap_or(Value::Null);
-            v["memory_free_bytes"] = json!(fresh.or(reported.min()).or(r.device.memory_free_bytes));
+            v["memory_free_bytes"] = json!(free.or(r.device.memory_free_bytes));
             let here: Vec<Value> = state
                 .workers
                 .values()
-                .filter(|w| w.managed && on_device(w))
+                .filter(|w| w.managed && on_device(w, r))
                 .map(|w| {
                     json!({
                         "id": w.id,

@@ -797,13 +797,7 @@ mod tests {
             workers_dir: Some(dir.path().join("no-workers-here")),
             ..Default::default()
         };
-        let catalog = sdhive_catalog::Catalog::scan(&sdhive_catalog::CatalogConfig {
-            hash_cache: None,
-            ..models::catalog_config(&config)
-        })
-        .unwrap();
-        let sources: Vec<String> =
-            catalog.checkpoints.iter().map(|c| c.path.to_string_lossy().into_owned()).collect();
+        let (catalog, sources) = models::scan_for_tests(&config);
         let devices =
             [device(Backend::Cuda, 0, 80 * GIB, free[0]), device(Backend::Cuda, 1, 80 * GIB, free[1])];
         let rows = plan::plan(&devices, &config, |_: &std::path::Path| true).rows;

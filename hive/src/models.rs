@@ -370,6 +370,19 @@ pub fn not_found_message(e: &NotFound) -> String {
     }
 }
 
+/// The catalogue of `config`'s models dirs without a hash cache, and its checkpoints' sources (the paths a
+/// worker reports): the library the routing tests put their workers on.
+#[cfg(test)]
+pub(crate) fn scan_for_tests(config: &HiveConfig) -> (sdhive_catalog::Catalog, Vec<String>) {
+    let catalog = sdhive_catalog::Catalog::scan(&sdhive_catalog::CatalogConfig {
+        hash_cache: None,
+        ..catalog_config(config)
+    })
+    .expect("the test library scans");
+    let sources = catalog.checkpoints.iter().map(|c| c.path.to_string_lossy().into_owned()).collect();
+    (catalog, sources)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1178,13 +1178,7 @@ mod tests {
         }
         let config =
             HiveConfig { worker_slots: slots, models_dirs: vec![dir.path().into()], ..Default::default() };
-        let catalog = sdhive_catalog::Catalog::scan(&sdhive_catalog::CatalogConfig {
-            hash_cache: None,
-            ..models::catalog_config(&config)
-        })
-        .unwrap();
-        let sources: Vec<String> =
-            catalog.checkpoints.iter().map(|c| c.path.to_string_lossy().into_owned()).collect();
+        let (catalog, sources) = models::scan_for_tests(&config);
         let hive = Hive::new(config, "t".into(), "http://hive".into()).unwrap();
         {
             let mut state = hive.lock();

@@ -57,6 +57,15 @@ impl Backend {
         }
     }
 
+    /// The GPU targets this worker binary was compiled for, where the backend's build chooses them: the ROCm
+    /// worker's AMD gfx targets (`sdhive_launch::rocm_targets`, which its `--version` names too); empty elsewhere.
+    pub fn gfx_targets(self) -> Vec<String> {
+        match self {
+            Backend::Rocm => sdhive_launch::rocm_targets(),
+            _ => Vec::new(),
+        }
+    }
+
     /// f32 on CPU, where half precision has no fast kernels; f16 on GPUs, where it halves memory and time.
     pub fn default_dtype(self) -> DType {
         match self {

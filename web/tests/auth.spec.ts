@@ -2,7 +2,7 @@
 // first 401, says when a key is refused, keeps the key in the browser, sends it with every call (the event
 // stream included), and forgets it on request.
 
-import { expect, shot, test } from './fixtures';
+import { expect, fill, generate, shot, test } from './fixtures';
 
 test('asks for the key, refuses a wrong one, works with the right one', async ({ page, srv }) => {
   await page.goto(`${srv.keyedHive}/`);
@@ -29,12 +29,8 @@ test('asks for the key, refuses a wrong one, works with the right one', async ({
   page.on('request', (r) => {
     if (new URL(r.url()).pathname.startsWith('/v1/jobs')) authorized.push(r.headers().authorization ?? '');
   });
-  await page.getByLabel('Prompt', { exact: true }).fill('a keyed cat');
-  await page.getByLabel('Steps', { exact: true }).fill('4');
-  await page.getByLabel('Width').fill('64');
-  await page.getByLabel('Height').fill('64');
-  await page.getByRole('button', { name: 'Generate', exact: true }).click();
-  await expect(page.locator('#job-status')).toHaveText(/^Done/, { timeout: 30_000 });
+  await fill(page, { prompt: 'a keyed cat', steps: 4 });
+  await generate(page);
   expect(authorized.length).toBeGreaterThanOrEqual(3);
   expect(authorized.every((a) => a === `Bearer ${srv.key}`), authorized.join(', ')).toBe(true);
 
@@ -61,12 +57,8 @@ test('with only Basic credentials (--api-auth) the browser answers the challenge
   });
   await page.goto(`${srv.basicWorker}/`);
   await expect(page.locator('#server-summary')).toContainText('worker');
-  await page.getByLabel('Prompt', { exact: true }).fill('a basic cat');
-  await page.getByLabel('Steps', { exact: true }).fill('4');
-  await page.getByLabel('Width').fill('64');
-  await page.getByLabel('Height').fill('64');
-  await page.getByRole('button', { name: 'Generate', exact: true }).click();
-  await expect(page.locator('#job-status')).toHaveText(/^Done/, { timeout: 30_000 });
+  await fill(page, { prompt: 'a basic cat', steps: 4 });
+  await generate(page);
   await expect(page.locator('#results figure img')).toHaveCount(1);
   await expect(page.getByRole('dialog', { name: 'API key' })).toBeHidden();
   expect(sent.length).toBeGreaterThanOrEqual(2);

@@ -1,7 +1,7 @@
 // The node view of a hive: devices and workers as /v1/devices and /v1/workers give them, jobs per second, and
 // live updates when a worker is killed with SIGKILL and restarted by the hive.
 
-import { expect, shot, test } from './fixtures';
+import { expect, fill, generate, shot, test } from './fixtures';
 
 test('shows devices and workers and follows a killed worker’s restart', async ({ page, request, srv }) => {
   test.setTimeout(120_000);
@@ -60,12 +60,8 @@ test('a lone worker shows its own panel and generates', async ({ page, srv }) =>
   await expect(page.locator('#stat-memory meter')).toHaveCount(1);
   await shot(page, 'worker-panel');
   await page.getByRole('tab', { name: 'Generate' }).click();
-  await page.getByLabel('Prompt', { exact: true }).fill('a lone worker');
-  await page.getByLabel('Steps', { exact: true }).fill('4');
-  await page.getByLabel('Width').fill('64');
-  await page.getByLabel('Height').fill('64');
-  await page.getByRole('button', { name: 'Generate', exact: true }).click();
-  await expect(page.locator('#job-status')).toHaveText(/^Done/, { timeout: 30_000 });
+  await fill(page, { prompt: 'a lone worker', steps: 4 });
+  await generate(page);
   await expect(page.locator('#results figure img')).toHaveCount(1);
 });
 

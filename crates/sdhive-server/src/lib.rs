@@ -58,6 +58,8 @@ pub struct ServerConfig {
     /// The most images of compatible queued generations denoised together (`--max-batch`); 1 runs one job at a
     /// time.
     pub max_batch: u32,
+    /// The AMD gfx targets a ROCm worker was built for (`capabilities.gfx_targets`); empty elsewhere.
+    pub gfx_targets: Vec<String>,
     /// `--preview`: with `off` no engine makes previews and `capabilities.preview` is false.
     pub preview: sdhive_engine::PreviewMode,
     /// How long a finished job's result stays retrievable; afterwards its id answers 410.
@@ -105,6 +107,7 @@ impl Default for ServerConfig {
             limits: Limits::default(),
             max_queue: 64,
             max_batch: 1,
+            gfx_targets: Vec::new(),
             preview: sdhive_engine::PreviewMode::Auto,
             job_ttl: Duration::from_secs(600),
             api_key: None,
@@ -286,10 +289,7 @@ impl AppState {
             inpaint: info.supports_inpaint,
             preview: self.preview_decoder() != sdhive_engine::PreviewDecoder::Off,
             max_batch: self.config.max_batch,
-            gfx_targets: match self.config.device.backend.as_str() {
-                "rocm" => sdhive_launch::rocm_targets(),
-                _ => Vec::new(),
-            },
+            gfx_targets: self.config.gfx_targets.clone(),
         }
     }
 }

@@ -141,6 +141,13 @@ fn b64_png(data: &Value) -> RgbImage {
     decode_image(&bytes, 1 << 24).expect("a decodable PNG")
 }
 
+/// The first image of an images answer, as the bytes it was encoded to.
+fn first_image_bytes(answer: &Value) -> Vec<u8> {
+    base64::engine::general_purpose::STANDARD
+        .decode(answer["data"][0]["b64_json"].as_str().expect("b64"))
+        .expect("base64")
+}
+
 fn init_png() -> Vec<u8> {
     std::fs::read(fixture("images/init.png")).expect("init.png fixture")
 }
@@ -276,9 +283,7 @@ async fn output_formats_and_url_responses() {
         server.post_json("/v1/images/generations", &with(json!({"output_format": "webp"}))).await;
     assert_eq!(status, 200, "{got}");
     assert_eq!(got["output_format"], "webp");
-    let bytes = base64::engine::general_purpose::STANDARD
-        .decode(got["data"][0]["b64_json"].as_str().expect("b64"))
-        .expect("base64");
+    let bytes = first_image_bytes(&got);
     assert_eq!(image::guess_format(&bytes).expect("a known format"), image::ImageFormat::WebP);
     assert_eq!(decode_image(&bytes, 1 << 24).expect("webp decodes"), *want, "webp output is lossless");
     assert_infotext(&server, &bytes, "Steps: 3").await;
@@ -291,9 +296,7 @@ async fn output_formats_and_url_responses() {
         .await;
     assert_eq!(status, 200, "{got}");
     assert_eq!(got["output_format"], "jpeg");
-    let bytes = base64::engine::general_purpose::STANDARD
-        .decode(got["data"][0]["b64_json"].as_str().expect("b64"))
-        .expect("base64");
+    let bytes = first_image_bytes(&got);
     assert_eq!(image::guess_format(&bytes).expect("a known format"), image::ImageFormat::Jpeg);
     let expected = encode_image(want, None, OutputFormat::new(ImageFormat::Jpeg, 50)).expect("a JPEG");
     let jpeg = decode_image(&bytes, 1 << 24).expect("jpeg decodes");
@@ -313,9 +316,7 @@ async fn output_formats_and_url_responses() {
     let (status, got) = server.post_multipart("/v1/images/edits", &form).await;
     assert_eq!(status, 200, "{got}");
     assert_eq!(got["output_format"], "webp");
-    let bytes = base64::engine::general_purpose::STANDARD
-        .decode(got["data"][0]["b64_json"].as_str().expect("b64"))
-        .expect("base64");
+    let bytes = first_image_bytes(&got);
     assert_eq!(image::guess_format(&bytes).expect("a known format"), image::ImageFormat::WebP);
 
     // `url` with a format: the stored JPEG as it is, and other extensions converted with the infotext kept.

@@ -296,6 +296,7 @@ pub fn prepare(backend: Backend, args: &ServeArgs) -> anyhow::Result<Prepared> {
         limits: limits.clone(),
         max_queue: args.max_queue,
         max_batch: args.max_batch,
+        gfx_targets: backend.gfx_targets(),
         preview: args.preview.into(),
         job_ttl: args.job_ttl,
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
