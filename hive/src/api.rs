@@ -121,10 +121,12 @@ fn authorization(req: &Request) -> Option<&str> {
     req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok())
 }
 
-/// The API key (bearer) or the `--api-auth` users (Basic), whichever are configured; `/health` stays open.
+/// The API key (bearer) or the `--api-auth` users (Basic), whichever are configured. `/health` and `/ready` stay
+/// open: probes (Kubernetes', a load balancer's) carry no credentials, and they say no more than up or not.
 async fn public_auth(State(hive): H, req: Request, next: Next) -> Response {
     let credentials = hive.config.credentials();
-    if req.uri().path() != "/health" && !credentials.accepts(authorization(&req)) {
+    let probe = matches!(req.uri().path(), "/health" | "/ready");
+    if !probe && !credentials.accepts(authorization(&req)) {
         return unauthorized(&credentials);
     }
     next.run(req).await
@@ -322,23 +324,61 @@ fn worker_view(state: &crate::State, w: &crate::registry::WorkerEntry, now: Inst
 
 async fn list_workers(State(hive): H) -> Response {
     let now = Instant::now();
-    let state = hive.lock();
-    let workers: Vec<Value> = state.workers.values().map(|w| worker_view(&state, w, now)).collect();
-    // Configured models no worker preloads: said here so that none is silently dropped.
-    let preloaded: Vec<&str> = state.workers.values().filter_map(|w| w.planned_model.as_deref()).collect();
-    let on_demand: Vec<&String> =
-        hive.config.models.iter().filter(|m| !preloaded.contains(&m.as_str())).collect();
-    Json(json!({
-        "workers": workers,
-        "selected_model": state.selected.as_deref().map(|m| models::title_of(&state, m)),
-        "on_demand_models": on_demand,
-        "on_demand": "a request for a model no worker has loaded goes to an idle worker, which switches to it; \
-                      when none can switch without thrashing, another worker is started for it on a device with \
-                      room (max_workers_per_device, max_cpu_workers, its free memory), and stopped again after \
-                      idle_worker_secs without work",
-        "on_demand_last_decision": state.on_demand_note,
-    }))
-    .into_response()
+    let (mut body, below) = {
+        let state = hive.lock();
+        let workers: Vec<Value> = state.workers.values().map(|w| worker_view(&state, w, now)).collect();
+        // Node hives answer for their own workers: asked below, outside the lock.
+        let below: Vec<(usize, String, Option<String>)> = state
+            .workers
+            .values()
+            .enumerate()
+            .filter(|(_, w)| w.is_hive())
+            .filter_map(|(i, w)| {
+                let reg = w.registration.as_ref()?;
+                let bearer = if reg.api_key_required { hive.config.worker_api_key.clone() } else { None };
+                Some((i, reg.base_url.clone(), bearer))
+            })
+            .collect();
+        // Configured models no worker preloads: said here so that none is silently dropped.
+        let preloaded: Vec<&str> =
+            state.workers.values().filter_map(|w| w.planned_model.as_deref()).collect();
+        let on_demand: Vec<&String> =
+            hive.config.models.iter().filter(|m| !preloaded.contains(&m.as_str())).collect();
+        let body = json!({
+            "workers": workers,
+            "selected_model": state.selected.as_deref().map(|m| models::title_of(&state, m)),
+            "on_demand_models": on_demand,
+            "on_demand": "a request for a model no worker has loaded goes to an idle worker, which switches to it; \
+                          when none can switch without thrashing, another worker is started for it on a device with \
+                          room (max_workers_per_device, max_cpu_workers, its free memory), and stopped again after \
+                          idle_worker_secs without work",
+            "on_demand_last_decision": state.on_demand_note,
+        });
+        (body, below)
+    };
+    let asked = below.into_iter().map(|(i, base, bearer)| {
+        let hive = hive.clone();
+        async move {
+            let mut req = hive.client.get(format!("{base}/v1/workers")).timeout(Duration::from_secs(3));
+            if let Some(k) = bearer {
+                req = req.bearer_auth(k);
+            }
+            let answer = match req.send().await {
+                Ok(r) if r.status().is_success() => r.json::<Value>().await.map_err(|e| e.to_string()),
+                Ok(r) => Err(format!("the node answered {}", r.status())),
+                Err(e) => Err(e.to_string()),
+            };
+            (i, answer)
+        }
+    });
+    for (i, answer) in futures::future::join_all(asked).await {
+        let entry = &mut body["workers"][i];
+        match answer {
+            Ok(v) => entry["workers"] = v["workers"].clone(),
+            Err(e) => entry["workers_error"] = json!(e),
+        }
+    }
+    Json(body).into_response()
 }
 
 async fn get_worker(State(hive): H, Path(id): Path<String>) -> Response {
@@ -399,7 +439,14 @@ async fn devices(State(hive): H) -> Response {
             v
         })
         .collect();
-    Json(json!({"devices": rows, "on_demand_last_decision": state.on_demand_note})).into_response()
+    // A gateway's devices are its node hives': each node's as its last heartbeat gave them.
+    let nodes: Vec<Value> = state
+        .workers
+        .values()
+        .filter_map(|w| Some(json!({"id": w.id, "state": w.status, "devices": w.node.as_ref()?.devices})))
+        .collect();
+    Json(json!({"devices": rows, "nodes": nodes, "on_demand_last_decision": state.on_demand_note}))
+        .into_response()
 }
 
 #[derive(Debug, Deserialize)]
@@ -896,29 +943,59 @@ fn job_not_found(id: &str) -> Response {
 }
 
 /// Where a job currently lives on a worker: (base URL, bearer, worker job id).
-fn on_worker(hive: &Hive, state: &crate::State, id: &str) -> Option<(String, Option<String>, String)> {
+/// Where a job runs now: the worker's URL, the key it wants, the worker's job id, and the worker's life.
+struct OnWorker {
+    base: String,
+    bearer: Option<String>,
+    worker_job: String,
+    worker: String,
+    epoch: u64,
+}
+
+fn on_worker(hive: &Hive, state: &crate::State, id: &str) -> Option<OnWorker> {
     let job = state.jobs.get(id)?;
-    let router::Phase::OnWorker { worker, worker_job, .. } = &job.phase else { return None };
+    let router::Phase::OnWorker { worker, worker_job, epoch, .. } = &job.phase else { return None };
     let w = state.workers.get(worker)?;
     let bearer =
         if w.registration.as_ref()?.api_key_required { hive.config.worker_api_key.clone() } else { None };
-    Some((w.base_url()?.to_string(), bearer, worker_job.clone()))
+    Some(OnWorker {
+        base: w.base_url()?.to_string(),
+        bearer,
+        worker_job: worker_job.clone(),
+        worker: worker.clone(),
+        epoch: *epoch,
+    })
+}
+
+/// Sends a request about a job to its worker; `None` when the worker's life ends first (the job then moved on:
+/// back to the hive queue, or to another worker).
+async fn ask_worker(
+    hive: &Hive,
+    at: &OnWorker,
+    req: reqwest::RequestBuilder,
+) -> Option<reqwest::Result<reqwest::Response>> {
+    let req = match &at.bearer {
+        Some(k) => req.bearer_auth(k),
+        None => req,
+    };
+    tokio::select! {
+        r = req.send() => Some(r),
+        () = router::life_ended(hive, &at.worker, at.epoch) => None,
+    }
 }
 
 async fn get_job(State(hive): H, Path(id): Path<String>) -> Response {
-    let (target, local) = {
+    let target = {
         let state = hive.lock();
-        let Some(job) = state.jobs.get(&id) else { return job_not_found(&id) };
-        let local = job.local_view(router::queue_position(&state, &id));
-        (on_worker(&hive, &state, &id), local)
-    };
-    if let Some((base, bearer, worker_job)) = target {
-        let mut req =
-            hive.client.get(format!("{base}/v1/jobs/{worker_job}")).timeout(Duration::from_secs(30));
-        if let Some(k) = bearer {
-            req = req.bearer_auth(k);
+        if !state.jobs.contains_key(&id) {
+            return job_not_found(&id);
         }
-        if let Ok(r) = req.send().await {
+        on_worker(&hive, &state, &id)
+    };
+    if let Some(at) = target {
+        let url = format!("{}/v1/jobs/{}", at.base, at.worker_job);
+        let asked = ask_worker(&hive, &at, hive.client.get(url).timeout(Duration::from_secs(30))).await;
+        if let Some(Ok(r)) = asked {
             if r.status().is_success() {
                 if let Ok(v) = r.json::<Value>().await {
                     return Json(router::rewrite_snapshot(v, &id)).into_response();
@@ -926,46 +1003,58 @@ async fn get_job(State(hive): H, Path(id): Path<String>) -> Response {
             }
         }
     }
-    let snapshot =
-        hive.lock().jobs.get(&id).and_then(|j| j.snapshot.clone().filter(|_| j.phase == router::Phase::Done));
-    Json(snapshot.unwrap_or(local)).into_response()
+    let state = hive.lock();
+    let Some(job) = state.jobs.get(&id) else { return job_not_found(&id) };
+    let done = job.snapshot.clone().filter(|_| job.phase == router::Phase::Done);
+    Json(done.unwrap_or_else(|| job.local_view(router::queue_position(&state, &id)))).into_response()
 }
 
 async fn cancel_job(State(hive): H, Path(id): Path<String>) -> Response {
-    let target = {
-        let mut state = hive.lock();
-        if !state.jobs.contains_key(&id) {
-            return job_not_found(&id);
-        }
-        if let Some(view) = router::cancel_local(&mut state, &id) {
-            return Json(view).into_response();
-        }
-        on_worker(&hive, &state, &id)
-    };
-    let Some((base, bearer, worker_job)) = target else { return job_not_found(&id) };
-    let mut req =
-        hive.client.post(format!("{base}/v1/jobs/{worker_job}/cancel")).timeout(Duration::from_secs(30));
-    if let Some(k) = bearer {
-        req = req.bearer_auth(k);
+    // Twice at most: a worker lost while the cancel is on its way leaves the job in the hive (or on another
+    // worker), where the second attempt finds it.
+    for _ in 0..2 {
+        let target = {
+            let mut state = hive.lock();
+            if !state.jobs.contains_key(&id) {
+                return job_not_found(&id);
+            }
+            if let Some(view) = router::cancel_local(&mut state, &id) {
+                return Json(view).into_response();
+            }
+            on_worker(&hive, &state, &id)
+        };
+        let Some(at) = target else { return job_not_found(&id) };
+        let url = format!("{}/v1/jobs/{}/cancel", at.base, at.worker_job);
+        let answer =
+            match ask_worker(&hive, &at, hive.client.post(url).timeout(Duration::from_secs(30))).await {
+                Some(answer) => answer,
+                None => continue,
+            };
+        return match answer {
+            Ok(r) if r.status().is_success() => match r.json::<Value>().await {
+                Ok(v) => Json(router::rewrite_snapshot(v, &id)).into_response(),
+                Err(e) => error(StatusCode::BAD_GATEWAY, "server_error", "worker_error", e.to_string()),
+            },
+            Ok(r) => error(
+                StatusCode::BAD_GATEWAY,
+                "server_error",
+                "worker_error",
+                format!("the worker answered {}", r.status()),
+            ),
+            Err(e) => error(
+                StatusCode::BAD_GATEWAY,
+                "server_error",
+                "worker_lost",
+                format!("cannot reach the worker: {e}"),
+            ),
+        };
     }
-    match req.send().await {
-        Ok(r) if r.status().is_success() => match r.json::<Value>().await {
-            Ok(v) => Json(router::rewrite_snapshot(v, &id)).into_response(),
-            Err(e) => error(StatusCode::BAD_GATEWAY, "server_error", "worker_error", e.to_string()),
-        },
-        Ok(r) => error(
-            StatusCode::BAD_GATEWAY,
-            "server_error",
-            "worker_error",
-            format!("the worker answered {}", r.status()),
-        ),
-        Err(e) => error(
-            StatusCode::BAD_GATEWAY,
-            "server_error",
-            "worker_lost",
-            format!("cannot reach the worker: {e}"),
-        ),
-    }
+    error(
+        StatusCode::BAD_GATEWAY,
+        "server_error",
+        "worker_lost",
+        "the job's workers were lost while the cancel was on its way; try again",
+    )
 }
 
 async fn job_events(State(hive): H, Path(id): Path<String>) -> Response {
@@ -1080,7 +1169,7 @@ async fn run_sync(
         };
         let guard = SlotGuard { hive: hive.clone(), slot };
         let slot = &guard.slot;
-        let sent = send_to(
+        let send = send_to(
             &hive,
             &slot.base_url,
             slot.bearer.as_deref(),
@@ -1088,11 +1177,22 @@ async fn run_sync(
             &uri,
             &headers,
             body.clone(),
-        )
-        .await;
+        );
+        // A cut link sends nothing back: the request is given up once the health sweep ends that worker's life.
+        let sent = tokio::select! {
+            sent = send => sent.map_err(|e| (e.is_connect(), e.to_string())),
+            () = router::slot_lost(&hive, slot) => Err((false, "it stopped heartbeating".to_string())),
+        };
         let e = match sent {
             Ok(r) => return r,
-            Err(e) => e,
+            Err((refused, e)) => {
+                if refused {
+                    let starts =
+                        router::connection_refused(&hive, &mut hive.lock(), &slot.worker, slot.epoch);
+                    router::start_dispatches(&hive, starts);
+                }
+                e
+            }
         };
         let rerun = avoid.is_none();
         {
@@ -1208,7 +1308,7 @@ async fn ensure_loaded(
     let held = {
         let now = Instant::now();
         let state = hive.lock();
-        state.workers.values().any(|w| w.routable(now) && w.loaded.as_deref() == Some(model))
+        state.workers.values().any(|w| w.routable(now) && w.holds(model))
     };
     if held {
         return None;

@@ -831,6 +831,7 @@ mod tests {
                     model: None,
                     model_source: Some(sources[0].clone()),
                     library: None,
+                    node: None,
                 });
             }
         }

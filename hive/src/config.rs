@@ -115,7 +115,7 @@ pub struct HiveConfig {
     /// A worker whose loaded model still has requests waiting is not switched to another model, unless a
     /// request for that other model has waited this long (no thrashing, no starvation).
     pub model_switch_wait_secs: f64,
-    /// Sent to workers in the registration answer; a worker silent for 3 intervals is unhealthy.
+    /// Sent to workers in the registration answer; a worker silent for 2.5 intervals is unhealthy.
     pub heartbeat_interval_secs: u64,
     /// Jobs the hive holds while every worker is full; beyond it submissions get 429.
     pub queue_size: usize,
@@ -138,6 +138,48 @@ pub struct HiveConfig {
     pub stop_grace_secs: f64,
     /// How long finished job results stay readable through the hive.
     pub job_ttl_secs: u64,
+    /// Several hives as one (`[cluster]` in hive.toml): this hive as a gateway, or as a node under a parent.
+    pub cluster: ClusterConfig,
+}
+
+/// A hive's place in a cluster (`docs/operations.md`, "Several nodes"): a node hive registers with its parent as a
+/// worker registers with a hive; a gateway runs no workers of its own and routes to the node hives that register.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// No local workers, whatever the node's devices: only registered node hives (and workers) serve.
+    pub gateway: bool,
+    /// The parent hive's URL (`http://gateway:7833`; `/v1/workers/register` is added when it names no path).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+    /// The parent's registration token (its `token`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent_token: Option<String>,
+    /// The id this hive registers under (default: the host name).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<String>,
+    /// How the parent reaches this hive (default `http://<bind>`; needed when binding all addresses).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub advertise_url: Option<String>,
+}
+
+impl ClusterConfig {
+    /// The parent's registration endpoint.
+    pub fn parent_register_url(&self) -> Option<Result<reqwest::Url, String>> {
+        let parent = self.parent.as_deref()?;
+        let parsed = reqwest::Url::parse(parent.trim())
+            .map_err(|e| format!("cluster.parent `{parent}` is not a URL: {e}"))
+            .and_then(|mut url| {
+                if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+                    return Err(format!("cluster.parent `{parent}` must be an http(s) URL with a host"));
+                }
+                if matches!(url.path(), "" | "/") {
+                    url.set_path("/v1/workers/register");
+                }
+                Ok(url)
+            });
+        Some(parsed)
+    }
 }
 
 impl Default for HiveConfig {
@@ -182,6 +224,7 @@ impl Default for HiveConfig {
             drain_grace_secs: 30.0,
             stop_grace_secs: 15.0,
             job_ttl_secs: 600,
+            cluster: ClusterConfig::default(),
         }
     }
 }
@@ -216,6 +259,11 @@ pub struct CliOverrides {
     pub heartbeat_interval_secs: Option<u64>,
     pub queue_size: Option<usize>,
     pub worker_slots: Option<usize>,
+    pub gateway: bool,
+    pub parent: Option<String>,
+    pub parent_token: Option<String>,
+    pub node_id: Option<String>,
+    pub advertise_url: Option<String>,
 }
 
 /// One `device_memory` entry: `backend:index=SIZE`.
@@ -261,6 +309,16 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 
 fn list(value: &str) -> Vec<String> {
     value.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect()
+}
+
+fn parse_bool(var: &str, value: &str) -> Result<bool, ConfigError> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" | "" => Ok(false),
+        other => {
+            Err(ConfigError::Env { var: var.into(), message: format!("`{other}` is not true or false") })
+        }
+    }
 }
 
 fn parse<T: std::str::FromStr>(var: &str, value: &str) -> Result<T, ConfigError>
@@ -341,6 +399,11 @@ impl HiveConfig {
                 "DRAIN_GRACE_SECS" => self.drain_grace_secs = parse(&var, &value)?,
                 "STOP_GRACE_SECS" => self.stop_grace_secs = parse(&var, &value)?,
                 "JOB_TTL_SECS" => self.job_ttl_secs = parse(&var, &value)?,
+                "CLUSTER_GATEWAY" => self.cluster.gateway = parse_bool(&var, &value)?,
+                "CLUSTER_PARENT" => self.cluster.parent = Some(value),
+                "CLUSTER_PARENT_TOKEN" => self.cluster.parent_token = Some(value),
+                "CLUSTER_NODE_ID" => self.cluster.node_id = Some(value),
+                "CLUSTER_ADVERTISE_URL" => self.cluster.advertise_url = Some(value),
                 // Test harness knobs and future keys share the prefix; they are not ours to refuse.
                 _ => {}
             }
@@ -400,15 +463,37 @@ impl HiveConfig {
         set(&mut self.heartbeat_interval_secs, &cli.heartbeat_interval_secs);
         set(&mut self.queue_size, &cli.queue_size);
         set(&mut self.worker_slots, &cli.worker_slots);
+        self.cluster.gateway |= cli.gateway;
+        for (slot, v) in [
+            (&mut self.cluster.parent, &cli.parent),
+            (&mut self.cluster.parent_token, &cli.parent_token),
+            (&mut self.cluster.node_id, &cli.node_id),
+            (&mut self.cluster.advertise_url, &cli.advertise_url),
+        ] {
+            if v.is_some() {
+                *slot = v.clone();
+            }
+        }
     }
 
     pub fn validate(&mut self) -> Result<(), ConfigError> {
         // Empty strings from an env file mean "unset", not "the empty token".
-        for secret in [&mut self.token, &mut self.api_key, &mut self.api_auth, &mut self.worker_api_key] {
+        let c = &mut self.cluster;
+        for secret in [
+            &mut self.token,
+            &mut self.api_key,
+            &mut self.api_auth,
+            &mut self.worker_api_key,
+            &mut c.parent,
+            &mut c.parent_token,
+            &mut c.node_id,
+            &mut c.advertise_url,
+        ] {
             if secret.as_deref().is_some_and(|s| s.trim().is_empty()) {
                 *secret = None;
             }
         }
+        self.validate_cluster()?;
         if let Some(auth) = &self.api_auth {
             sdhive_protocol::parse_api_auth(auth)
                 .map_err(|e| ConfigError::Invalid(format!("api_auth: {e}")))?;
@@ -472,6 +557,60 @@ impl HiveConfig {
         Ok(())
     }
 
+    fn validate_cluster(&self) -> Result<(), ConfigError> {
+        let c = &self.cluster;
+        let Some(url) = c.parent_register_url() else {
+            if c.parent_token.is_some() || c.node_id.is_some() || c.advertise_url.is_some() {
+                return Err(ConfigError::Invalid(
+                    "cluster.parent_token, node_id and advertise_url need cluster.parent (--parent)".into(),
+                ));
+            }
+            return Ok(());
+        };
+        url.map_err(ConfigError::Invalid)?;
+        if c.parent_token.is_none() {
+            return Err(ConfigError::Invalid(
+                "cluster.parent needs cluster.parent_token (--parent-token): the parent's registration token"
+                    .into(),
+            ));
+        }
+        if let Some(id) = &c.node_id {
+            if !crate::plan::valid_worker_id(id) {
+                return Err(ConfigError::Invalid(format!(
+                    "cluster.node_id `{id}` must match [A-Za-z0-9._-]{{1,64}}"
+                )));
+            }
+        }
+        match &c.advertise_url {
+            Some(u) => {
+                let url = reqwest::Url::parse(u)
+                    .map_err(|e| ConfigError::Invalid(format!("cluster.advertise_url `{u}` is not a URL: {e}")))?;
+                if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+                    return Err(ConfigError::Invalid(format!(
+                        "cluster.advertise_url `{u}` must be an http(s) URL with a host"
+                    )));
+                }
+            }
+            None if self.bind.ip().is_unspecified() => {
+                return Err(ConfigError::Invalid(format!(
+                    "bind {} is every address: set cluster.advertise_url (--advertise-url) to the one the parent \
+                     reaches this hive at",
+                    self.bind
+                )))
+            }
+            None => {}
+        }
+        Ok(())
+    }
+
+    /// The URL the parent reaches this hive at.
+    pub fn advertise_url(&self) -> String {
+        match &self.cluster.advertise_url {
+            Some(u) => u.trim().trim_end_matches('/').to_string(),
+            None => format!("http://{}", self.bind),
+        }
+    }
+
     pub fn model_switch_wait(&self) -> Duration {
         Duration::from_secs_f64(self.model_switch_wait_secs)
     }
@@ -533,7 +672,13 @@ impl HiveConfig {
     /// The configuration with every secret that is set replaced by `<redacted>`.
     pub fn redacted(&self) -> HiveConfig {
         let mut shown = self.clone();
-        for secret in [&mut shown.token, &mut shown.api_key, &mut shown.api_auth, &mut shown.worker_api_key] {
+        for secret in [
+            &mut shown.token,
+            &mut shown.api_key,
+            &mut shown.api_auth,
+            &mut shown.worker_api_key,
+            &mut shown.cluster.parent_token,
+        ] {
             if secret.is_some() {
                 *secret = Some("<redacted>".into());
             }
@@ -686,5 +831,54 @@ mod tests {
         assert!(err.to_string().contains("api_auth") && !err.to_string().contains("no-colon"), "{err}");
         // What `hive config` prints must load back as a config file.
         assert!(HiveConfig::from_toml(&shown).is_ok(), "{shown}");
+    }
+
+    #[test]
+    fn cluster_settings_from_file_env_and_flags_with_their_errors() {
+        let file = HiveConfig::from_toml(
+            "bind = \"0.0.0.0:7833\"\n[cluster]\nparent = \"http://gw:7833\"\nparent_token = \"pt-s3cret\"\n\
+             advertise_url = \"http://10.0.0.2:7833/\"\n",
+        )
+        .unwrap();
+        assert_eq!(file.cluster.parent.as_deref(), Some("http://gw:7833"));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("hive.toml");
+        std::fs::write(&path, toml::to_string(&file).unwrap()).unwrap();
+        let cli = CliOverrides { node_id: Some("gpu-1".into()), ..Default::default() };
+        let c = HiveConfig::load(Some(&path), env(&[("SDHIVE_CLUSTER_GATEWAY", "true")]), &cli).unwrap();
+        assert!(c.cluster.gateway);
+        assert_eq!(c.cluster.node_id.as_deref(), Some("gpu-1"));
+        assert_eq!(c.advertise_url(), "http://10.0.0.2:7833");
+        assert_eq!(
+            c.cluster.parent_register_url().unwrap().unwrap().as_str(),
+            "http://gw:7833/v1/workers/register"
+        );
+        let shown = c.redacted_toml();
+        assert!(!shown.contains("pt-s3cret") && shown.contains("[cluster]"), "{shown}");
+        assert!(HiveConfig::from_toml(&shown).is_ok(), "{shown}");
+        let other = CliOverrides { parent: Some("http://gw:9/hive/register".into()), ..Default::default() };
+        let c = HiveConfig::load(Some(&path), Vec::new(), &other).unwrap();
+        assert_eq!(c.cluster.parent_register_url().unwrap().unwrap().as_str(), "http://gw:9/hive/register");
+
+        let refused = |env_pairs: &[(&str, &str)], cli: CliOverrides, needle: &str| {
+            let err = HiveConfig::load(None, env(env_pairs), &cli).unwrap_err().to_string();
+            assert!(err.contains(needle), "{needle}: {err}");
+        };
+        let parent = |p: &str| CliOverrides { parent: Some(p.into()), ..Default::default() };
+        refused(&[("SDHIVE_CLUSTER_PARENT_TOKEN", "t")], parent("gw:7833"), "cluster.parent");
+        refused(&[("SDHIVE_CLUSTER_PARENT_TOKEN", "t")], parent("ftp://gw"), "http(s)");
+        refused(&[], parent("http://gw:7833"), "parent_token");
+        refused(&[("SDHIVE_CLUSTER_NODE_ID", "n")], CliOverrides::default(), "need cluster.parent");
+        refused(
+            &[("SDHIVE_CLUSTER_PARENT_TOKEN", "t"), ("SDHIVE_CLUSTER_NODE_ID", "a b")],
+            parent("http://gw:7833"),
+            "node_id",
+        );
+        refused(
+            &[("SDHIVE_CLUSTER_PARENT_TOKEN", "t"), ("SDHIVE_BIND", "0.0.0.0:7833")],
+            parent("http://gw:7833"),
+            "advertise_url",
+        );
+        refused(&[("SDHIVE_CLUSTER_GATEWAY", "maybe")], CliOverrides::default(), "SDHIVE_CLUSTER_GATEWAY");
     }
 }

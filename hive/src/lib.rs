@@ -10,6 +10,7 @@
 pub mod amd;
 pub mod api;
 pub mod capacity;
+pub mod cluster;
 pub mod config;
 pub mod detect;
 pub mod models;
@@ -116,6 +117,8 @@ pub enum HiveError {
     Serve(std::io::Error),
     #[error("cannot read the model library: {0}")]
     Catalog(String),
+    #[error("cannot join the parent hive: {0}")]
+    Parent(String),
 }
 
 pub fn unix_now() -> f64 {
@@ -184,8 +187,13 @@ pub async fn serve(
         state.catalog = catalog;
     }
 
-    let devices = detect::detect().await;
-    let planned = plan::plan(&devices, &hive.config, plan::Probe::read(&hive.config).await);
+    let planned = if hive.config.cluster.gateway {
+        tracing::info!("gateway: no workers of its own; node hives and workers register with it");
+        plan::Plan::default()
+    } else {
+        let devices = detect::detect().await;
+        plan::plan(&devices, &hive.config, plan::Probe::read(&hive.config).await)
+    };
     for row in &planned.rows {
         if let plan::Status::MissingBinary { binary } = &row.status {
             tracing::warn!(
@@ -194,7 +202,7 @@ pub async fn serve(
             );
         }
     }
-    if hive.config.models.is_empty() && hive.config.models_dirs.is_empty() {
+    if hive.config.models.is_empty() && hive.config.models_dirs.is_empty() && !hive.config.cluster.gateway {
         tracing::warn!("no model or models dir configured: only externally started workers will serve");
     }
     for note in models::preload_notes(&planned, &hive.lock().catalog) {
@@ -227,8 +235,18 @@ pub async fn serve(
     on_bound(addr);
     tracing::info!(%addr, "hive listening");
     let server = tokio::spawn(async move { server.await });
+    let parent = match cluster::join_parent(&hive, addr) {
+        Ok(link) => link,
+        Err(e) => {
+            let _ = hive.shutdown.send(true);
+            return Err(HiveError::Parent(e));
+        }
+    };
     shutdown.await;
     drain(&hive).await;
+    if let Some(link) = parent {
+        link.leave().await;
+    }
     let _ = hive.shutdown.send(true);
     // Event streams of jobs that outlived the drain may hold connections open; do not wait on them forever.
     match tokio::time::timeout(Duration::from_secs(2), server).await {
@@ -240,7 +258,8 @@ pub async fn serve(
 /// Health sweep, job expiry, and re-pumping the queue once cooldowns pass.
 async fn housekeeping(hive: Arc<Hive>) {
     let interval = hive.config.heartbeat_interval();
-    let tick = (interval / 2).clamp(Duration::from_millis(200), Duration::from_secs(1));
+    // Fine enough that a silent worker is seen within a quarter interval of its deadline.
+    let tick = (interval / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
     let ttl = Duration::from_secs(hive.config.job_ttl_secs);
     let mut stop = hive.shutdown.subscribe();
     loop {

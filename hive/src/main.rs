@@ -122,6 +122,21 @@ struct Flags {
     /// Jobs in flight per worker.
     #[arg(long)]
     worker_slots: Option<usize>,
+    /// Run no workers here: route only to node hives (and workers) that register with this one.
+    #[arg(long)]
+    gateway: bool,
+    /// Register this hive with a parent hive (a gateway) at this URL, as a node of its cluster.
+    #[arg(long, value_name = "URL")]
+    parent: Option<String>,
+    /// The parent's registration token (its --token).
+    #[arg(long, value_name = "TOKEN")]
+    parent_token: Option<String>,
+    /// The id this hive registers under with its parent (default: the host name).
+    #[arg(long, value_name = "ID")]
+    node_id: Option<String>,
+    /// How the parent reaches this hive (default http://<bind>).
+    #[arg(long, value_name = "URL")]
+    advertise_url: Option<String>,
 }
 
 impl Flags {
@@ -154,6 +169,11 @@ impl Flags {
             heartbeat_interval_secs: self.heartbeat_interval,
             queue_size: self.queue_size,
             worker_slots: self.worker_slots,
+            gateway: self.gateway,
+            parent: self.parent.clone(),
+            parent_token: self.parent_token.clone(),
+            node_id: self.node_id.clone(),
+            advertise_url: self.advertise_url.clone(),
         };
         Ok(HiveConfig::load(self.config.as_deref(), std::env::vars(), &cli)?)
     }

@@ -220,7 +220,7 @@ fn loaded_on(state: &State, source: &str) -> Vec<String> {
         .filter(|w| {
             w.registration.is_some() && !matches!(w.status, WorkerStatus::Failed | WorkerStatus::Stopped)
         })
-        .filter(|w| w.loaded.as_deref() == Some(source))
+        .filter(|w| w.holds(source))
         .map(|w| w.id.clone())
         .collect()
 }

@@ -5,7 +5,7 @@
 
 use crate::plan::valid_worker_id;
 use crate::State;
-use sdhive_protocol::{Heartbeat, LibraryModel, RegisterRequest, WorkerState, PROTOCOL_VERSION};
+use sdhive_protocol::{Heartbeat, LibraryModel, NodeSummary, RegisterRequest, WorkerState, PROTOCOL_VERSION};
 use serde::Serialize;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -67,6 +67,9 @@ pub struct WorkerEntry {
     pub on_demand: Option<OnDemand>,
     /// When the hive last gave it a request or got one back: how long an on-demand worker has been idle.
     pub last_active: Option<Instant>,
+    /// A hive registered as this entry (a node under this gateway): its slots, devices and loaded models, as its
+    /// registration and latest heartbeat say.
+    pub node: Option<NodeSummary>,
 }
 
 /// Why a worker was started on demand, and what became of it.
@@ -84,6 +87,9 @@ impl WorkerEntry {
     /// Requests the hive keeps in flight here: `worker_slots`, or enough for the worker to fill a batch
     /// (`--max-batch`) while it runs one.
     pub fn slots(&self, worker_slots: usize) -> usize {
+        if let Some(node) = &self.node {
+            return node.slots as usize;
+        }
         match self.registration.as_ref().map_or(1, |r| r.capabilities.max_batch as usize) {
             batch if batch > 1 => worker_slots.max(batch + 1),
             _ => worker_slots,
@@ -115,7 +121,19 @@ impl WorkerEntry {
             library: Vec::new(),
             on_demand: None,
             last_active: None,
+            node: None,
         }
+    }
+
+    /// A hive under this one: it switches models and spreads requests over its own workers.
+    pub fn is_hive(&self) -> bool {
+        self.node.is_some()
+    }
+
+    /// Whether it has `model` loaded (a worker: once what the hive sent it has run; a hive: on some worker).
+    pub fn holds(&self, model: &str) -> bool {
+        self.loaded.as_deref() == Some(model)
+            || self.node.as_ref().is_some_and(|n| n.loaded.iter().any(|m| m == model))
     }
 
     fn external(req: &RegisterRequest) -> WorkerEntry {
@@ -223,6 +241,8 @@ impl WorkerEntry {
             "last_exit": self.last_exit,
             "stderr_tail": self.stderr_tail,
             "library_models": self.library.len(),
+            "kind": if self.is_hive() { "hive" } else { "worker" },
+            "node": self.node,
             "on_demand": on_demand,
             "idle_secs": self.last_active.filter(|_| self.inflight == 0)
                 .map(|t| now.saturating_duration_since(t).as_secs_f64()),
@@ -310,6 +330,7 @@ impl State {
             }
         };
         entry.library = req.library.clone().unwrap_or_default();
+        entry.node = req.node.clone();
         entry.registration = Some(req);
         entry.status = if entry.stop_requested { WorkerStatus::Draining } else { WorkerStatus::Ready };
         entry.last_seen = Some(now);
@@ -329,6 +350,9 @@ impl State {
             entry.library = library;
         }
         entry.last_seen = Some(now);
+        if let Some(node) = hb.node.take() {
+            entry.node = Some(node);
+        }
         if matches!(
             entry.status,
             WorkerStatus::Ready | WorkerStatus::Busy | WorkerStatus::Unhealthy | WorkerStatus::Draining
@@ -357,9 +381,13 @@ impl State {
         true
     }
 
-    /// Marks workers silent for 3 intervals unhealthy; forgets external ones silent for 6 (their next
-    /// heartbeat gets 404 and they register again). Returns `(id, epoch)` of the forgotten ones.
+    /// Marks workers unhealthy once they missed two heartbeats and half the time of a third (so a loss is seen
+    /// within three intervals of the last heartbeat, sweeps included), and forgets external ones silent for 6
+    /// intervals (their next heartbeat gets 404 and they register again). An external worker or node hive turning unhealthy ends its
+    /// life there and then: nothing tells this hive about it but its heartbeats (a cut link sends no reset), so
+    /// what it held runs again elsewhere rather than waiting on it. Returns `(id, epoch)` of each life ended.
     pub fn sweep(&mut self, now: Instant, interval: Duration) -> Vec<(String, u64)> {
+        let mut ended = Vec::new();
         let mut forgotten = Vec::new();
         for entry in self.workers.values_mut() {
             let Some(seen) = entry.last_seen else { continue };
@@ -367,21 +395,26 @@ impl State {
                 continue;
             }
             let silent = now.saturating_duration_since(seen);
-            if silent > interval * 3
+            if silent > interval * 5 / 2
                 && matches!(entry.status, WorkerStatus::Ready | WorkerStatus::Busy | WorkerStatus::Draining)
             {
                 tracing::warn!(worker = %entry.id, silent_secs = silent.as_secs_f64(), "missed heartbeats: unhealthy");
                 entry.status = WorkerStatus::Unhealthy;
+                if !entry.managed {
+                    ended.push((entry.id.clone(), entry.epoch));
+                    entry.epoch += 1;
+                    entry.inflight = 0;
+                }
             }
             if !entry.managed && silent > interval * 6 {
-                forgotten.push((entry.id.clone(), entry.epoch));
+                forgotten.push(entry.id.clone());
             }
         }
-        for (id, _) in &forgotten {
+        for id in &forgotten {
             tracing::warn!(worker = %id, "external worker silent too long: forgotten");
             self.workers.remove(id);
         }
-        forgotten
+        ended
     }
 
     /// The worker said goodbye; returns the epoch whose jobs are lost.
@@ -445,6 +478,7 @@ pub(crate) mod tests {
             version: "0".into(),
             pid,
             started_at: 0.0,
+            node: None,
         }
     }
 
@@ -532,6 +566,7 @@ pub(crate) mod tests {
             model: None,
             model_source: None,
             library: None,
+            node: None,
         };
         assert!(!s.heartbeat("nobody", hb.clone(), t0), "unknown ids are told to register");
         assert!(s.heartbeat("w1", hb.clone(), t0));
@@ -539,11 +574,22 @@ pub(crate) mod tests {
         let i = Duration::from_secs(1);
         assert!(s.sweep(t0 + i * 2, i).is_empty());
         assert!(s.workers["w1"].routable(t0 + i * 2));
-        assert!(s.sweep(t0 + i * 4, i).is_empty());
-        assert!(!s.workers["w1"].routable(t0 + i * 4), "silent for 3 intervals: not routed");
+        s.workers.get_mut("w1").unwrap().inflight = 2;
+        assert!(s.sweep(t0 + i * 5 / 2, i).is_empty(), "two heartbeats missed: not yet");
+        assert_eq!(
+            s.sweep(t0 + i * 3, i),
+            vec![("w1".to_string(), 0)],
+            "half a third one too: its life ends"
+        );
+        assert!(!s.workers["w1"].routable(t0 + i * 3), "and it is not routed");
+        assert_eq!((s.workers["w1"].epoch, s.workers["w1"].inflight), (1, 0));
+        assert!(s.sweep(t0 + i * 4, i).is_empty(), "once");
         assert!(s.heartbeat("w1", hb.clone(), t0 + i * 5), "a late heartbeat revives it");
         assert_eq!(s.workers["w1"].status, WorkerStatus::Busy);
-        assert_eq!(s.sweep(t0 + i * 12, i), vec![("w1".to_string(), 0)]);
+        assert!(s.workers["w1"].routable(t0 + i * 5));
+        assert_eq!(s.sweep(t0 + i * 9, i), vec![("w1".to_string(), 1)]);
+        assert!(s.sweep(t0 + i * 12, i).is_empty());
+        assert!(!s.workers.contains_key("w1"), "silent for 6 intervals: forgotten");
         assert!(!s.heartbeat("w1", hb, t0 + i * 12), "forgotten external workers get 404");
     }
 }

@@ -136,7 +136,7 @@ pub struct Ticket {
 }
 
 /// Keeps a re-run off the worker life that lost it, for a while: long enough for the hive to see a death (its
-/// supervisor, or three missed heartbeats), short enough that a worker that only dropped a connection is not
+/// supervisor, or missed heartbeats), short enough that a worker that only dropped a connection is not
 /// shunned for good (it may be the only one).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Avoid {
@@ -223,7 +223,7 @@ impl Pass {
         let mut reserved: HashMap<String, String> = HashMap::new();
         for t in state.queue.iter().filter(|t| now.saturating_duration_since(t.since) >= wait) {
             let Some(m) = &t.model else { continue };
-            let held = state.workers.values().any(|w| w.routable(now) && w.loaded.as_deref() == Some(m));
+            let held = state.workers.values().any(|w| w.routable(now) && w.holds(m));
             if held || reserved.values().any(|r| r == m) {
                 continue;
             }
@@ -231,8 +231,12 @@ impl Pass {
             let candidate = state
                 .workers
                 .values()
+                // A node hive needs no draining to take another model: it switches its own workers.
                 .filter(|w| {
-                    w.routable(now) && !reserved.contains_key(&w.id) && !avoided(w, t.avoid.as_ref(), now)
+                    w.routable(now)
+                        && !w.is_hive()
+                        && !reserved.contains_key(&w.id)
+                        && !avoided(w, t.avoid.as_ref(), now)
                 })
                 .filter(|w| w.can_load(m, in_catalog))
                 .min_by_key(|w| (w.inflight, w.last_used, w.id.clone()));
@@ -249,7 +253,9 @@ impl Pass {
 ///    with a free slot when `model` is `None`;
 /// 2. else an idle worker (nothing of the hive's on it) that can load `model`: one with nothing loaded, then the
 ///    one whose model was used least recently; a worker whose model still has requests waiting is left to
-///    them, unless this request has waited `model_switch_wait_secs` (`urgent`);
+///    them, unless this request has waited `model_switch_wait_secs` (`urgent`). A node hive (a child of this
+///    gateway) whose library has `model` counts as idle while it has a free slot: it places the request on its
+///    own workers, by this same policy;
 /// 3. else none: the request waits.
 ///
 /// A worker reserved for an urgent request of another model takes nothing else.
@@ -272,7 +278,7 @@ fn choose(
         .values()
         .filter(usable)
         .filter(|w| w.inflight < w.slots(hive.config.worker_slots))
-        .filter(|w| model.is_none_or(|m| w.loaded.as_deref() == Some(m)))
+        .filter(|w| model.is_none_or(|m| w.holds(m)))
         .min_by_key(|w| (w.load(), w.inflight, w.id.clone()));
     if let Some(w) = hot {
         return Some(w.id.clone());
@@ -284,15 +290,20 @@ fn choose(
         return None;
     }
     let in_catalog = models::in_catalog(&state.catalog, m);
-    let wanted =
-        |w: &WorkerEntry| w.loaded.as_ref().is_some_and(|l| pass.demand.get(l).is_some_and(|&n| n > 0));
+    let wanted = |w: &WorkerEntry| {
+        !w.is_hive() && w.loaded.as_ref().is_some_and(|l| pass.demand.get(l).is_some_and(|&n| n > 0))
+    };
+    let free = |w: &WorkerEntry| match w.is_hive() {
+        true => w.inflight < w.slots(hive.config.worker_slots),
+        false => w.inflight == 0,
+    };
     state
         .workers
         .values()
         .filter(usable)
-        .filter(|w| w.inflight == 0 && w.can_load(m, in_catalog))
+        .filter(|w| free(w) && w.can_load(m, in_catalog))
         .filter(|w| urgent || !wanted(w))
-        .min_by_key(|w| (wanted(w), w.loaded.is_some(), w.last_used, w.id.clone()))
+        .min_by_key(|w| (wanted(w), w.loaded.is_some(), w.load(), w.last_used, w.id.clone()))
         .map(|w| w.id.clone())
 }
 
@@ -330,7 +341,13 @@ fn take_slot(
         w.status = WorkerStatus::Busy;
     }
     let mut switched = false;
-    if let Some(m) = model {
+    if let (Some(m), Some(node)) = (model, w.node.as_mut()) {
+        // Until its next heartbeat says otherwise, the node will have it loaded on some worker.
+        if !node.loaded.iter().any(|l| l == m) {
+            node.loaded.push(m.to_string());
+        }
+        w.last_used = Some(now);
+    } else if let Some(m) = model {
         if w.loaded.as_deref() != Some(m) {
             tracing::info!(worker, from = ?w.loaded, to = m, "switching the worker's model");
             switched = w.loaded.is_some();
@@ -723,6 +740,10 @@ async fn dispatch(hive: Arc<Hive>, job_id: String, slot: Slot, attempt: u32) {
         }
         Err(e) => {
             tracing::warn!(worker = %slot.worker, "cannot submit to the worker: {e}");
+            if e.is_connect() {
+                let starts = connection_refused(&hive, &mut hive.lock(), &slot.worker, slot.epoch);
+                start_dispatches(&hive, starts);
+            }
             Next::Retry(Some(Duration::from_secs(2)))
         }
     };
@@ -808,6 +829,23 @@ async fn dispatch(hive: Arc<Hive>, job_id: String, slot: Slot, attempt: u32) {
     });
 }
 
+/// Resolves once `slot`'s worker life has ended (death, re-registration, or silence seen by the health sweep).
+pub async fn slot_lost(hive: &Hive, slot: &Slot) {
+    life_ended(hive, &slot.worker, slot.epoch).await
+}
+
+/// Resolves once life `epoch` of `worker` has ended: what waits on an answer from it stops waiting, since its
+/// requests are being run elsewhere (a cut link answers nothing, not even an error).
+pub async fn life_ended(hive: &Hive, worker: &str, epoch: u64) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let state = hive.lock();
+        if state.workers.get(worker).is_none_or(|w| w.epoch != epoch) {
+            return;
+        }
+    }
+}
+
 /// Whether the job is still on this attempt (a newer attempt or the end of the job retires the monitor).
 fn still_current(hive: &Hive, job_id: &str, attempt: u32) -> bool {
     hive.lock()
@@ -829,8 +867,14 @@ async fn monitor(hive: Arc<Hive>, job_id: String, slot: Slot, attempt: u32, work
             Ok(r) if r.status().is_success() => {
                 let mut stream = r.bytes_stream();
                 let mut buf = String::new();
-                while let Some(chunk) = stream.next().await {
-                    let Ok(chunk) = chunk else { break };
+                loop {
+                    // A stream from a worker cut off mid-job stays silent: the job moving on (its worker's life
+                    // ended) retires this monitor instead.
+                    let next = tokio::select! {
+                        next = stream.next() => next,
+                        () = slot_lost(&hive, &slot) => return,
+                    };
+                    let Some(Ok(chunk)) = next else { break };
                     buf.push_str(&String::from_utf8_lossy(&chunk));
                     while let Some(end) = buf.find("\n\n") {
                         let block: String = buf.drain(..end + 2).collect();
@@ -854,7 +898,13 @@ async fn monitor(hive: Arc<Hive>, job_id: String, slot: Slot, attempt: u32, work
                 return;
             }
             Ok(r) => tracing::debug!(status = %r.status(), "event stream refused"),
-            Err(e) => tracing::debug!("event stream failed: {e}"),
+            Err(e) => {
+                tracing::debug!("event stream failed: {e}");
+                if e.is_connect() {
+                    let starts = connection_refused(&hive, &mut hive.lock(), &slot.worker, slot.epoch);
+                    start_dispatches(&hive, starts);
+                }
+            }
         }
         reconnects += 1;
         // The worker is probably gone; its supervisor or the health sweep will say so. Poll gently meanwhile.
@@ -1042,6 +1092,25 @@ pub fn worker_lost(
         }
     }
     pump(hive, state)
+}
+
+/// An external worker or node hive whose address refuses connections is gone (its process was killed, or it is
+/// restarting): its life ends at once, rather than after its missed heartbeats, and what it held runs again
+/// elsewhere. A heartbeat from the same process revives it; a new process registers anew. Managed workers are
+/// their supervisor's to judge.
+pub fn connection_refused(
+    hive: &Hive,
+    state: &mut State,
+    worker: &str,
+    epoch: u64,
+) -> Vec<(String, Slot, u32)> {
+    let Some(w) = state.workers.get_mut(worker) else { return Vec::new() };
+    if w.managed || w.epoch != epoch || w.registration.is_none() {
+        return Vec::new();
+    }
+    tracing::warn!(worker, "its address refuses connections: lost");
+    w.status = WorkerStatus::Unhealthy;
+    worker_lost(hive, state, worker, epoch, "its address refuses connections")
 }
 
 /// Shutdown: jobs still waiting in the hive will not run here; they fail `shutting_down` (resubmit elsewhere).
@@ -1361,5 +1430,97 @@ mod tests {
         assert!(parse_sse_block(": keep-alive\n\n", "job_h").is_none());
         let snap = rewrite_snapshot(json!({"id": "job_w", "links": {"self": "/v1/jobs/job_w"}}), "job_h");
         assert_eq!(snap["links"]["events"], "/v1/jobs/job_h/events");
+    }
+
+    fn node(
+        id: &str,
+        port: u16,
+        slots: u32,
+        library: &[&str],
+        loaded: &[&str],
+    ) -> sdhive_protocol::RegisterRequest {
+        let mut req = request(id, &format!("http://n:{port}"), u32::from(port));
+        req.backend = "hive".into();
+        req.switchable = true;
+        req.model = String::new();
+        req.library = Some(
+            library
+                .iter()
+                .map(|m| sdhive_protocol::LibraryModel {
+                    filename: m.to_string(),
+                    name: m.to_string(),
+                    title: m.to_string(),
+                    model_name: m.to_string(),
+                    hash: None,
+                    sha256: None,
+                    format: "diffusers".into(),
+                })
+                .collect(),
+        );
+        req.node = Some(sdhive_protocol::NodeSummary {
+            slots,
+            loaded: loaded.iter().map(|m| m.to_string()).collect(),
+            devices: Vec::new(),
+            workers: 1,
+            workers_ready: 1,
+        });
+        req
+    }
+
+    #[test]
+    fn node_hives_take_requests_up_to_their_slots_and_models_only_where_their_library_has_them() {
+        let hive = Hive::new(HiveConfig::default(), "t".into(), "http://gw".into()).unwrap();
+        let mut state = hive.lock();
+        let now = Instant::now();
+        state.register(node("n1", 1, 3, &["sd1", "sdxl"], &["sd1"]), now).unwrap();
+        state.register(node("n2", 2, 2, &["sd1"], &["sd1"]), now).unwrap();
+        assert!(state.workers["n1"].is_hive() && state.workers["n1"].loaded.is_none());
+        let pass = Pass::new(&hive, &state, now);
+        // sdxl: only n1 has it, and n1 takes it although its workers hold sd1 (it switches its own workers).
+        assert_eq!(choose(&hive, &state, Some("sdxl"), None, false, &pass, now).as_deref(), Some("n1"));
+        let sdxl = take_slot(&hive, &mut state, "n1", Some("sdxl"), now).unwrap();
+        assert!(state.workers["n1"].holds("sdxl"), "until its heartbeat says otherwise");
+        assert_eq!(state.metrics.model_switches, 0, "a node's switches are its own business");
+        // sd1 goes to the least loaded node holding it; each node up to its slots, then the request waits.
+        let mut on = Vec::new();
+        for _ in 0..4 {
+            let pass = Pass::new(&hive, &state, now);
+            let w = choose(&hive, &state, Some("sd1"), None, false, &pass, now).unwrap();
+            take_slot(&hive, &mut state, &w, Some("sd1"), now).unwrap();
+            on.push(w);
+        }
+        on.sort();
+        assert_eq!(on, ["n1", "n1", "n2", "n2"]);
+        let pass = Pass::new(&hive, &state, now);
+        assert_eq!(choose(&hive, &state, Some("sd1"), None, false, &pass, now), None, "every slot taken");
+        // A model no node has is placed nowhere; a node whose heartbeat reports no ready worker gets nothing.
+        release(&mut state, "n1", sdxl.epoch);
+        let pass = Pass::new(&hive, &state, now);
+        assert_eq!(choose(&hive, &state, Some("sd2"), None, false, &pass, now), None);
+        assert_eq!(choose(&hive, &state, Some("sdxl"), None, false, &pass, now).as_deref(), Some("n1"));
+        state.workers.get_mut("n1").unwrap().node.as_mut().unwrap().slots = 0;
+        assert_eq!(choose(&hive, &state, Some("sdxl"), None, false, &pass, now), None);
+    }
+
+    #[test]
+    fn a_silent_node_hive_loses_its_jobs_to_the_other_node_within_three_intervals() {
+        let hive = Hive::new(HiveConfig::default(), "t".into(), "http://gw".into()).unwrap();
+        let mut state = hive.lock();
+        let t0 = Instant::now();
+        state.register(node("n1", 1, 2, &["sd1"], &["sd1"]), t0).unwrap();
+        state.register(node("n2", 2, 2, &["sd1"], &["sd1"]), t0).unwrap();
+        let on_n1 = Phase::OnWorker { worker: "n1".into(), epoch: 0, worker_job: "j".into(), started: true };
+        state.jobs.insert("a".into(), job("a", on_n1, 1.0));
+        state.workers.get_mut("n1").unwrap().inflight = 1;
+        let i = hive.config.heartbeat_interval();
+        // n2 keeps heartbeating (a registration counts as seen); n1 falls silent.
+        state.workers.get_mut("n2").unwrap().last_seen = Some(t0 + i * 5 / 2);
+        assert!(state.sweep(t0 + i * 5 / 2, i).is_empty(), "two missed heartbeats are not yet silence");
+        let ended = state.sweep(t0 + i * 5 / 2 + Duration::from_millis(10), i);
+        assert_eq!(ended, vec![("n1".to_string(), 0)]);
+        let starts = worker_lost(&hive, &mut state, "n1", 0, "stopped heartbeating");
+        assert_eq!(starts.len(), 1);
+        assert_eq!((starts[0].0.as_str(), starts[0].1.worker.as_str()), ("a", "n2"));
+        assert_eq!(state.jobs["a"].reruns, 1);
     }
 }

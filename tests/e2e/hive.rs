@@ -325,7 +325,7 @@ fn sigterm_drains_the_running_job_then_stops_the_workers() {
 }
 
 #[test]
-fn api_key_guards_everything_but_health() {
+fn api_key_guards_everything_but_the_probes() {
     let (_hive_proc, addr) =
         start_hive("127.0.0.1:0", false, &["--api-key", "k3y", "--api-auth", "bob:hunter2"]);
     let key = [("Authorization", "Bearer k3y")];
@@ -349,6 +349,14 @@ fn api_key_guards_everything_but_health() {
     );
     assert_eq!(request(&addr, "GET", "/sdapi/v1/prompt-styles", &basic, None).json(), json!([]));
     assert_eq!(get(&addr, "/health").status, 200);
+    // Probes carry no credentials; `/ready` says only whether a worker is routable (none here yet: 503).
+    let ready = get(&addr, "/ready");
+    assert_eq!(
+        (ready.status, ready.json()["status"].as_str()),
+        (503, Some("no_workers")),
+        "{}",
+        ready.text()
+    );
     for (method, path) in
         [("GET", "/v1/workers"), ("GET", "/v1/devices"), ("GET", "/metrics"), ("POST", "/v1/jobs")]
     {

@@ -37,6 +37,12 @@ pub enum Which {
         #[arg(long, env = "SDHIVE_PYTHON", default_value = "python3")]
         python: String,
     },
+    /// A gateway's cost per request against a node hive, and how fast it re-runs a lost node's jobs (CPU, loopback).
+    Gateway {
+        /// Requests per path, one client, after three warm-ups.
+        #[arg(long, default_value_t = 40)]
+        iters: usize,
+    },
     /// Per-job overhead of the HTTP path over direct engine calls, and SSE progress latency.
     Serve {
         /// Jobs per path after one warm-up each.
@@ -49,6 +55,7 @@ pub fn run(which: Which) -> Result<()> {
     match which {
         Which::Cpu { python, iters } => cpu(python, iters),
         Which::Serve { iters } => crate::bench_serve::run(iters),
+        Which::Gateway { iters } => crate::bench_serve::gateway(iters),
         Which::Cuda { out, python } => crate::bench_cuda::run(out, &python),
     }
 }

@@ -1,11 +1,11 @@
 //! The CI sequence. `.ci/run` calls the README's test command, which is `cargo xtask ci`.
 //!
-//! After the workspace's tests come the web page's checks and browser tests (`cargo xtask webui`). After the CPU
-//! checks it builds `sd-worker-cuda` with the CUDA toolchain (as `cargo xtask build-cuda` does, in
-//! the dev profile: CI proves it builds, the release build is for GPUs) and runs it on this GPU-less machine,
-//! where it must fail naming cuda and the missing driver (with a driver-less libcuda) or the missing libcuda.so.1
-//! (with none); then builds it again with cuDNN. `SDHIVE_CI_SKIP_CUDA=1` skips that part for quick local
-//! iterations only; CI runs it.
+//! After the workspace's tests come the web page's checks and browser tests (`cargo xtask webui`) and the
+//! deployment files' checks (`cargo xtask k8s`). After the CPU checks it builds `sd-worker-cuda` with the
+//! CUDA toolchain (as `cargo xtask build-cuda` does, in the dev profile: CI proves it builds, the release
+//! build is for GPUs) and runs it on this GPU-less machine, where it must fail naming cuda and the missing
+//! driver (with a driver-less libcuda) or the missing libcuda.so.1 (with none); then builds it again with
+//! cuDNN. `SDHIVE_CI_SKIP_CUDA=1` skips that part for quick local iterations only; CI runs it.
 
 use crate::cuda;
 use crate::util::{cargo, workspace_root};
@@ -19,6 +19,7 @@ pub fn run() -> Result<()> {
     cargo(&root, &["clippy", "--workspace", "--exclude", SDCPP, "--all-targets", "--", "-D", "warnings"])?;
     cargo(&root, &["test", "--workspace", "--exclude", SDCPP])?;
     crate::webui::run()?;
+    crate::k8s::run()?;
     crate::vulkan::run()?;
     if std::env::var("SDHIVE_CI_SKIP_CUDA").is_ok_and(|v| !v.is_empty() && v != "0") {
         eprintln!("xtask: SDHIVE_CI_SKIP_CUDA is set: skipping the CUDA build and check");

@@ -7,6 +7,7 @@ mod bench_serve;
 mod ci;
 mod cuda;
 mod fixtures;
+mod k8s;
 mod random_model;
 mod util;
 mod vulkan;
@@ -62,6 +63,9 @@ enum Task {
     /// The web page: npm ci, rebuild web/dist and check it matches what is committed, type-check, then the
     /// browser tests (Playwright + Debian's chromium) against a real hive on the fixture models.
     Webui,
+    /// The Kubernetes manifests and the Dockerfile (deploy/): rendered, schema-validated for the pinned
+    /// Kubernetes versions, checkov and hadolint, plus a self-check that they reject broken files.
+    K8s,
     /// Benchmarks against diffusers, run in the same invocation.
     Bench {
         #[command(subcommand)]
@@ -80,6 +84,7 @@ fn main() -> Result<()> {
         Task::Bench { which } => bench::run(which),
         Task::Vulkan => vulkan::run(),
         Task::Webui => webui::run(),
+        Task::K8s => k8s::run(),
         Task::RandomModel { manifest, out } => random_model::write(
             &manifest
                 .unwrap_or_else(|| util::workspace_root().join("tests/fixtures/sd15-random/manifest.json")),

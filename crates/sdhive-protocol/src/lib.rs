@@ -22,6 +22,7 @@ pub use job::{
 pub use models::{file_stem, is_openai_model_name, ListedModel, OPENAI_MODEL_NAMES};
 pub use networks::{union_loras, EmbeddingList, ListedEmbedding, ListedLora, LoraRequest};
 pub use registration::{
-    Capabilities, Deregister, DeviceDescription, Heartbeat, HeartbeatResponse, LibraryModel, RegisterRequest,
-    RegisterResponse, RunningJob, WorkerState, DEFAULT_HEARTBEAT_INTERVAL_SECS, PROTOCOL_VERSION,
+    Capabilities, Deregister, DeviceDescription, Heartbeat, HeartbeatResponse, LibraryModel, NodeSummary,
+    RegisterRequest, RegisterResponse, RunningJob, WorkerState, DEFAULT_HEARTBEAT_INTERVAL_SECS,
+    PROTOCOL_VERSION,
 };

@@ -45,6 +45,25 @@ pub struct RegisterRequest {
     pub pid: u32,
     /// Unix seconds at which the worker process started serving.
     pub started_at: f64,
+    /// Present when the registrant is a hive joining a parent (a gateway): what it runs and holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<NodeSummary>,
+}
+
+/// What a hive registering with a parent says beyond what a worker says: to its parent it is a worker with
+/// several slots, several devices and several models loaded at once. It comes with the registration and with
+/// every heartbeat (a hive's workers come and go, and switch models).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeSummary {
+    /// Requests it runs at once: the slots of its routable workers together (0: none routable now).
+    pub slots: u32,
+    /// The models its workers hold loaded, as its library names them (`LibraryModel::filename`).
+    pub loaded: Vec<String>,
+    /// The devices its workers serve.
+    pub devices: Vec<DeviceDescription>,
+    /// Its workers, and how many of them are routable now.
+    pub workers: u32,
+    pub workers_ready: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -146,6 +165,9 @@ pub struct Heartbeat {
     /// files, a checkpoint was hashed); absent: unchanged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub library: Option<Vec<LibraryModel>>,
+    /// A hive's summary now (absent from workers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<NodeSummary>,
 }
 
 /// One checkpoint of a worker's library: what a hive needs to route requests for it there and to list it.

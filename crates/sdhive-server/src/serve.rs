@@ -5,7 +5,7 @@
 use crate::auth;
 use crate::error::ApiError;
 use crate::models::ModelLibrary;
-use crate::registration::{HiveLink, RegistrationConfig, RegistrationError};
+use crate::registration::{RegistrationConfig, RegistrationError, Uplink, WorkerRegistrant};
 use crate::{router, AppState, ServerConfig};
 use axum::extract::Request;
 use axum::http::StatusCode;
@@ -259,7 +259,7 @@ pub async fn serve(
     let link = match registration {
         Some(reg) => {
             let base_url = reg.base_url.clone().unwrap_or_else(|| default_base_url(local));
-            let link = Arc::new(HiveLink::new(reg, base_url, state.clone())?);
+            let link = Arc::new(Uplink::new(reg, WorkerRegistrant { state: state.clone(), base_url })?);
             let task = tokio::spawn({
                 let link = Arc::clone(&link);
                 async move { link.run(link_stop_rx).await }

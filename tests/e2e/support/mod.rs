@@ -1,6 +1,7 @@
 //! What the hive's end-to-end tests share: a minimal HTTP/1.1 client (no client library among the test
 //! dependencies), polling with deadlines, child processes killed when a test ends, and the hive API calls
-//! every test makes. Each test binary uses a part of it.
+//! every test makes; `netns`, hosts in network namespaces for the cluster tests. Each test binary uses a part
+//! of it.
 #![allow(dead_code)]
 
 use serde_json::Value;
@@ -9,6 +10,8 @@ use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+pub mod netns;
 
 /// The registration token the tests give their hives.
 pub const TOKEN: &str = "test-token-123";
@@ -64,7 +67,20 @@ pub fn try_request(
     body: Option<&Value>,
     timeout: Duration,
 ) -> std::io::Result<Reply> {
-    let mut s = TcpStream::connect(addr)?;
+    // Bounded like the read (a host cut off from the network never answers the SYN); every address of a name is
+    // tried, as `TcpStream::connect` does.
+    let mut last = std::io::Error::from(std::io::ErrorKind::InvalidInput);
+    let mut stream = None;
+    for to in std::net::ToSocketAddrs::to_socket_addrs(addr)? {
+        match TcpStream::connect_timeout(&to, timeout) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last = e,
+        }
+    }
+    let mut s = stream.ok_or(last)?;
     s.set_read_timeout(Some(timeout))?;
     let body = body.map(|b| b.to_string()).unwrap_or_default();
     let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
