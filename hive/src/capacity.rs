@@ -124,7 +124,8 @@ struct Parts {
     heads: u32,
 }
 
-/// A single-file checkpoint: the LDM/SGM prefixes the engines load (EMA copies and the rest are not loaded).
+/// A single-file checkpoint: the LDM/SGM prefixes the engines load (EMA copies and the rest are not loaded), and
+/// SD3's text encoders (`text_encoders.*`; an SD3.5 file's come from its folder and are not counted here).
 fn single_file(path: &Path) -> Result<Parts, String> {
     let tensors = read_tensors(path)?;
     let family = if tensors.iter().any(|t| t.name.starts_with("conditioner.embedders.1.")) {
@@ -145,7 +146,7 @@ fn single_file(path: &Path) -> Result<Parts, String> {
     for t in tensors {
         if t.name.starts_with("first_stage_model.") {
             parts.vae.push((t.elements, t.dtype));
-        } else if ["model.diffusion_model.", "cond_stage_model.", "conditioner."]
+        } else if ["model.diffusion_model.", "cond_stage_model.", "conditioner.", "text_encoders."]
             .iter()
             .any(|p| t.name.starts_with(p))
         {
@@ -193,7 +194,12 @@ fn diffusers(dir: &Path) -> Result<Parts, String> {
         Family::Sd1
     };
     let (mut native, mut level, mut heads) = family_defaults(family);
-    if let Some(side) = config["sample_size"].as_u64() {
+    // SD3's denoiser is a transformer with its own config; its sample size gives the native size all the same.
+    let transformer: serde_json::Value = std::fs::read_to_string(dir.join("transformer/config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default();
+    if let Some(side) = config["sample_size"].as_u64().or(transformer["sample_size"].as_u64()) {
         native = (side * 8) as u32;
     }
     let kinds = config["down_block_types"].as_array();
@@ -216,7 +222,7 @@ fn diffusers(dir: &Path) -> Result<Parts, String> {
         first_attention_level: level,
         heads,
     };
-    for component in ["unet", "text_encoder", "text_encoder_2", "vae"] {
+    for component in ["unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae"] {
         let folder = dir.join(component);
         if !folder.is_dir() {
             continue;
@@ -233,7 +239,7 @@ fn diffusers(dir: &Path) -> Result<Parts, String> {
         }
     }
     if parts.unet_and_text.is_empty() {
-        return Err(format!("{}: no UNet weights", dir.display()));
+        return Err(format!("{}: no UNet or transformer weights", dir.display()));
     }
     Ok(parts)
 }
@@ -684,6 +690,24 @@ mod tests {
             estimate(&fixture("sdxl.safetensors"), Backend::Cpu).unwrap().weights_bytes,
             (1_377_124 + 236_867 + 81_215) * 4
         );
+
+        // SD3: the transformer and all three text encoders count, in a folder as in its single file (f32 here, so
+        // the same bytes on the CPU); the sample size of the transformer's config gives the native size.
+        let sd3 = estimate(&fixture("sd3"), Backend::Cpu).unwrap();
+        let file_bytes: u64 = std::fs::read_dir(fixture("sd3"))
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.path().is_dir())
+            .flat_map(|e| component_files(&e.path()))
+            .map(|f| std::fs::metadata(f).unwrap().len())
+            .sum();
+        assert!(
+            sd3.weights_bytes > file_bytes * 9 / 10 && sd3.weights_bytes <= file_bytes,
+            "{sd3:?} vs {file_bytes}"
+        );
+        // The single file lacks CLIP-L's 8×8 projection only (SAI files carry none; the identity stands in).
+        let single = estimate(&fixture("sd3.safetensors"), Backend::Cpu).unwrap().weights_bytes;
+        assert_eq!(sd3.weights_bytes - single, 8 * 8 * 4);
 
         // Diffusers folders: their components' weights, the UNet config's native size (64 px here).
         let folder = estimate(&fixture("sdxl"), Backend::Cpu).unwrap();

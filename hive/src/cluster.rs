@@ -106,7 +106,7 @@ impl Registrant for NodeRegistrant {
     fn registration(&self, library: Vec<LibraryModel>) -> RegisterRequest {
         let state = self.hive.lock();
         let node = summary(&self.hive, &state, Instant::now());
-        // What its workers can do; the registration waits for one to be ready, so there is one to ask.
+        // What its workers can do (the first registration waits for one to be ready).
         let now = Instant::now();
         let first = state.workers.values().filter(|w| serving(w, now)).find_map(|w| w.registration.as_ref());
         let capabilities = first.map(|r| r.capabilities.clone());
@@ -163,7 +163,8 @@ impl Registrant for NodeRegistrant {
     }
 }
 
-/// Only while no worker of the node has registered (never sent: the registration waits for one).
+/// Only when no worker of the node is ready at a registration (a re-registration while its workers restart):
+/// its `slots` of 0 keep the parent from routing here meanwhile.
 fn no_capabilities() -> sdhive_protocol::Capabilities {
     sdhive_protocol::Capabilities {
         engine: "hive".into(),

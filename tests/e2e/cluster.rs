@@ -166,19 +166,6 @@ fn finish(
     assert_eq!(wrong, 0, "{wrong} of {} images differ from a node's own", results.len());
 }
 
-fn copy(from: &Path, to: &Path) {
-    if from.is_dir() {
-        std::fs::create_dir_all(to).unwrap();
-        for entry in std::fs::read_dir(from).unwrap() {
-            let entry = entry.unwrap();
-            copy(&entry.path(), &to.join(entry.file_name()));
-        }
-    } else {
-        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
-        std::fs::copy(from, to).unwrap();
-    }
-}
-
 /// The last `n` lines of a process's log, headed by `name`.
 fn tail(name: &str, p: &Proc, n: usize) -> String {
     let lines = p.log.lock().unwrap();
@@ -201,7 +188,7 @@ impl<'n> Cluster<'n> {
         let models = fixtures().join("models");
         for (node, held) in [("n1", &["sd1", "sdxl"][..]), ("n2", &["sd1"][..])] {
             for m in held {
-                copy(&models.join(m), &dir.path().join(node).join("models").join(m));
+                copy_tree(&models.join(m), &dir.path().join(node).join("models").join(m));
             }
         }
         let mut c = Cluster { net, dir, gateway: None, nodes: NODES.iter().map(|&n| (n, None)).collect() };

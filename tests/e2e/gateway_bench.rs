@@ -22,18 +22,6 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-fn copy(from: &std::path::Path, to: &std::path::Path) {
-    if from.is_dir() {
-        std::fs::create_dir_all(to).unwrap();
-        for e in std::fs::read_dir(from).unwrap() {
-            let e = e.unwrap();
-            copy(&e.path(), &to.join(e.file_name()));
-        }
-    } else {
-        std::fs::copy(from, to).unwrap();
-    }
-}
-
 fn node(gateway: &str, id: &str, port: u16, models: &std::path::Path) -> Proc {
     let mut cmd = Command::new(hive());
     cmd.args(["serve", "--bind", &format!("127.0.0.1:{port}"), "--parent", &format!("http://{gateway}")])
@@ -92,7 +80,7 @@ fn per_second(addr: &str, clients: usize, each: usize) -> f64 {
 fn gateway_figures() {
     let iters: usize = std::env::var("SDHIVE_BENCH_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(40);
     let lib = tempfile::tempdir().unwrap();
-    copy(&fixtures().join("models/sd1"), &lib.path().join("models/sd1"));
+    copy_tree(&fixtures().join("models/sd1"), &lib.path().join("models/sd1"));
     let models = lib.path().join("models");
 
     let mut gw_cmd = Command::new(hive());

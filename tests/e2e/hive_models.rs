@@ -16,7 +16,7 @@ mod support;
 use sdhive_tests::{fixtures, hive, run_worker};
 use serde_json::json;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -44,7 +44,7 @@ impl Library {
     fn of(models: &[&str]) -> Library {
         let dir = tempfile::tempdir().unwrap();
         for m in models {
-            copy(&fixtures().join("models").join(m), &dir.path().join("models").join(m));
+            copy_tree(&fixtures().join("models").join(m), &dir.path().join("models").join(m));
         }
         Library { dir }
     }
@@ -55,19 +55,6 @@ impl Library {
 
     fn path(&self, model: &str) -> String {
         self.models_dir().join(model).display().to_string()
-    }
-}
-
-fn copy(from: &Path, to: &Path) {
-    if from.is_dir() {
-        std::fs::create_dir_all(to).unwrap();
-        for entry in std::fs::read_dir(from).unwrap() {
-            let entry = entry.unwrap();
-            copy(&entry.path(), &to.join(entry.file_name()));
-        }
-    } else {
-        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
-        std::fs::copy(from, to).unwrap();
     }
 }
 
@@ -537,7 +524,7 @@ fn an_external_worker_is_routed_every_model_of_its_library() {
     assert_eq!(metric(&addr, "sdhive_hive_model_switches_total"), 1);
 
     // A model added to its folder is routed to it too, once refreshed (through the hive).
-    copy(&fixtures().join("models/sd2v"), &lib.models_dir().join("sd2v"));
+    copy_tree(&fixtures().join("models/sd2v"), &lib.models_dir().join("sd2v"));
     assert_eq!(post(&addr, "/sdapi/v1/refresh-checkpoints", &json!({})).status, 200);
     wait_for("the hive to list sd2v", Duration::from_secs(10), || {
         entry(&get(&addr, "/v1/models").json(), "sd2v")

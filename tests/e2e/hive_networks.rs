@@ -31,18 +31,6 @@ fn write_lora(path: &Path, output_name: &str) {
     std::fs::write(path, bytes).unwrap();
 }
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &to.join(entry.file_name()));
-        } else {
-            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
-        }
-    }
-}
-
 #[test]
 fn hive_lists_the_union_of_its_workers_networks() {
     let tmp = tempfile::tempdir().unwrap();
@@ -50,7 +38,7 @@ fn hive_lists_the_union_of_its_workers_networks() {
     std::fs::create_dir_all(&models).unwrap();
     std::fs::copy(fixtures().join("models/sd1.safetensors"), models.join("sd1.safetensors")).unwrap();
     // Its diffusers folder beside it is its config (the tiny model's own tokenizer), so it can generate.
-    copy_dir(&fixtures().join("models/sd1"), &models.join("sd1"));
+    copy_tree(&fixtures().join("models/sd1"), &models.join("sd1"));
     let loras = tmp.path().join("loras");
     write_lora(&loras.join("style.safetensors"), "style_v2");
     write_lora(&loras.join("sub/detail.safetensors"), "detail");

@@ -16,6 +16,8 @@ mod model;
 mod pipeline;
 mod preview;
 mod residency;
+pub mod sd3;
+mod sd3_engine;
 mod tensor_image;
 mod upscalers;
 
@@ -26,6 +28,8 @@ pub use lora::{AppliedLoras, ChangeTimes, LoraApplyError};
 pub use model::{Family, LoadError, SdModel};
 pub use preview::{latent_preview, taesd_preview, Previews, TaesdDecoders};
 pub use residency::{ModuleTarget, Resident, Targets};
+pub use sd3::{Sd3Error, Sd3Model, Sd3Output, Sd3Request};
+pub use sd3_engine::{is_sd3_folder, Sd3Engine};
 
 #[cfg(test)]
 mod hires_tests;
@@ -35,5 +39,7 @@ mod lora_tests;
 mod parity_tests;
 #[cfg(test)]
 mod preview_tests;
+#[cfg(test)]
+mod sd3_tests;
 #[cfg(test)]
 mod test_device;

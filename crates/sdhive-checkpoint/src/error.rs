@@ -34,6 +34,14 @@ pub enum CheckpointError {
     #[error("{}: checkpoint has no {component} (expected tensors under `{prefix}`)", path.display())]
     MissingComponent { path: PathBuf, component: &'static str, prefix: String },
 
+    /// An SD3 file without its CLIP towers (SD3.5 files ship so) and no config folder that has them.
+    #[error(
+        "{}: the checkpoint has no text encoders (`text_encoders.clip_l.*`, `text_encoders.clip_g.*`), as SD3.5 \
+         files ship: {hint}",
+        path.display()
+    )]
+    MissingTextEncoders { path: PathBuf, hint: String },
+
     #[error("{}: missing tensor `{tensor}` ({context})", path.display())]
     MissingTensor { path: PathBuf, tensor: String, context: String },
 

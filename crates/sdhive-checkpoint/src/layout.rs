@@ -96,6 +96,12 @@ pub(crate) struct Layout {
 pub(crate) fn detect(file: &CheckpointFile) -> Result<Layout> {
     let unsupported =
         |reason: &str| Err(CheckpointError::Unsupported { path: file.path.clone(), reason: reason.into() });
+    if crate::sd3::is_sd3(file) {
+        return unsupported(
+            "an SD3/SD3.5 checkpoint (`model.diffusion_model.joint_blocks.*`), not an SD1/SD2/SDXL UNet: it \
+             converts through `load_sd3_single_file_on`",
+        );
+    }
     if !file.has_prefix(UNET) {
         return Err(explain_foreign(file));
     }

@@ -20,6 +20,9 @@
 //!   or a second rounding. The caller casts to the model's dtype, e.g. through
 //!   `VarBuilder::from_tensors`, which converts each tensor as the model asks for it.
 //!
+//! SD3 / SD3.5 files (an MMDiT under `model.diffusion_model.joint_blocks.*`) convert through
+//! [`load_sd3_single_file_on`] into [`Sd3Converted`]; [`is_sd3_file`] tells them apart from the header.
+//!
 //! EMA copies (`model_ema.*`), LDM schedule buffers and other non-network tensors are skipped
 //! and listed in [`Converted::skipped`]. A name inside a component that the layout does not
 //! explain is an error rather than a silently dropped weight.
@@ -31,6 +34,7 @@ mod file;
 mod layout;
 mod plan;
 mod prediction;
+mod sd3;
 mod unet;
 mod vae;
 
@@ -38,6 +42,7 @@ pub use config::{Component, ConfigDir, Configs};
 pub use error::{CheckpointError, ConfigMismatch, Result};
 pub use layout::{Family, Variant};
 pub use prediction::{Prediction, PredictionSource, PredictionType};
+pub use sd3::{is_sd3_file, load_sd3_single_file_on, Sd3Configs, Sd3Converted};
 
 use candle_core::{Device, Tensor};
 use clip::ClipStructure;

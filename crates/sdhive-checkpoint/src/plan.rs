@@ -19,6 +19,9 @@ pub(crate) enum Op {
     },
     /// 2-D transpose (OpenCLIP multiplies `x @ P`, a transformers Linear computes `x @ W^T`).
     Transpose,
+    /// The two halves along dimension 0 exchanged: SAI's adaLN modulation emits (shift, scale), diffusers'
+    /// `AdaLayerNormContinuous` reads (scale, shift).
+    SwapHalves,
 }
 
 #[derive(Debug, Clone)]
@@ -73,6 +76,17 @@ impl Plan {
             let tensor = match src.op {
                 Op::Copy | Op::SqueezeConv => file.load_part(&src.key, 0, 1, &shape, device)?,
                 Op::Chunk { index, parts } => file.load_part(&src.key, index, parts, &shape, device)?,
+                Op::SwapHalves => {
+                    let mut half = shape.clone();
+                    half[0] /= 2;
+                    let first = file.load_part(&src.key, 0, 2, &half, device)?;
+                    let second = file.load_part(&src.key, 1, 2, &half, device)?;
+                    Tensor::cat(&[second, first], 0).map_err(|e| CheckpointError::Tensor {
+                        path: file.path.clone(),
+                        tensor: src.key.clone(),
+                        reason: format!("{:?} {:?}: swapping halves: {e}", meta.dtype, meta.shape),
+                    })?
+                }
                 Op::Transpose => {
                     let t = file.load_part(&src.key, 0, 1, &meta.shape, device)?;
                     t.t().and_then(|t| t.contiguous()).map_err(|e| CheckpointError::Tensor {
@@ -94,6 +108,7 @@ fn expected_for(op: Op) -> &'static str {
         Op::SqueezeConv => "[C, C, 1, 1] or [C, C]",
         Op::Chunk { .. } => "a first dimension divisible into equal q/k/v parts",
         Op::Transpose => "a 2-D matrix",
+        Op::SwapHalves => "a first dimension of even length (shift and scale halves)",
     }
 }
 
@@ -114,6 +129,10 @@ pub(crate) fn output_shape(shape: &[usize], op: Op) -> Option<Vec<usize>> {
         },
         Op::Transpose => match shape {
             [a, b] => Some(vec![*b, *a]),
+            _ => None,
+        },
+        Op::SwapHalves => match shape.first() {
+            Some(first) if first % 2 == 0 => Some(shape.to_vec()),
             _ => None,
         },
     }

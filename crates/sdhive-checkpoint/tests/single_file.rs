@@ -7,6 +7,9 @@
 //! the loader keeps the stored dtype, so a float16 file is held against the folder's float32
 //! weights rounded to float16, bit for bit.
 
+mod common;
+use common::bits;
+
 use candle_core::{DType, Device, Tensor};
 use sdhive_checkpoint::{
     load_single_file, CheckpointError, Component, ConfigDir, Converted, Family, Prediction, PredictionSource,
@@ -70,17 +73,6 @@ fn cast_floats(tensors: HashMap<String, Tensor>, to: impl Fn(&str) -> DType) -> 
 fn folder_config(folder: &Path, component: Component) -> Value {
     let p = folder.join(component.subfolder()).join(component.config_file());
     serde_json::from_str(&std::fs::read_to_string(&p).expect("fixture config")).expect("fixture config json")
-}
-
-fn bits(t: &Tensor) -> Vec<u64> {
-    // Every dtype here widens to f64 injectively, so equal bit patterns mean equal tensors.
-    t.flatten_all()
-        .and_then(|t| t.to_dtype(DType::F64))
-        .and_then(|t| t.to_vec1::<f64>())
-        .expect("tensor data")
-        .into_iter()
-        .map(f64::to_bits)
-        .collect()
 }
 
 fn assert_same_weights(what: &str, got: &HashMap<String, Tensor>, want: &HashMap<String, Tensor>) {
@@ -663,4 +655,19 @@ fn a_standalone_vae_file_is_inspected_from_its_header() {
     );
     let err = sdhive_checkpoint::inspect_vae_file(models_dir().join("sd1/model_index.json")).unwrap_err();
     assert!(err.to_string().contains("model_index.json"), "{err}");
+}
+
+#[test]
+fn sd3_checkpoints_are_named_and_sent_to_the_sd3_converter() {
+    for name in ["sd3.safetensors", "sd35m.safetensors"] {
+        let path = models_dir().join(name);
+        let e = err_of(&path);
+        assert!(matches!(e, CheckpointError::Unsupported { .. }), "{name}: {e}");
+        assert_msg(&e, &[name, "SD3/SD3.5", "joint_blocks", "load_sd3_single_file_on"]);
+        assert!(sdhive_checkpoint::is_sd3_file(&path).expect("header"), "{name}");
+        let folder = models_dir().join(name.trim_end_matches(".safetensors"));
+        let c = sdhive_checkpoint::load_sd3_single_file_on(&path, Some(&folder), &Device::Cpu).expect(name);
+        assert!(!c.transformer.is_empty() && !c.vae.is_empty(), "{name}");
+    }
+    assert!(!sdhive_checkpoint::is_sd3_file(models_dir().join("sdxl.safetensors")).expect("header"));
 }

@@ -10,8 +10,10 @@ pub mod error;
 mod graphed;
 mod layers;
 pub mod loading;
+pub mod mmdit;
 pub mod ops;
 pub mod params;
+pub mod t5;
 pub mod taesd;
 pub mod unet;
 pub mod vae;
@@ -23,6 +25,8 @@ pub use loading::{
     find_weight_files, load_component, open_safetensors, random_var_builder, recording_random_var_builder,
     RecordedWeights,
 };
+pub use mmdit::{SD3Transformer2DModel, SD3TransformerConfig};
+pub use t5::{T5Activation, T5Config, T5EncoderModel};
 pub use taesd::{AutoencoderTinyConfig, TaesdDecoder, TaesdLayout};
 pub use unet::{
     sd15_inpaint_unet_config, sd15_unet_config, sd21_unet_config, sdxl_unet_config, SdxlConditioning,

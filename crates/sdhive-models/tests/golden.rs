@@ -3,48 +3,19 @@
 //! Fixtures live in `<workspace>/tests/fixtures/{models,golden}` (override the root with
 //! `SDHIVE_FIXTURES`). A missing fixture fails the test: silence would hide a broken setup.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
+use common::{fixtures, get, golden, max_diff};
 use sdhive_models::{AutoencoderKL, ClipTextModel, SdxlConditioning, UNet2DConditionModel};
-use std::collections::HashMap;
 use std::path::PathBuf;
 
 const TOL: f32 = 1e-4;
-
-fn fixtures() -> PathBuf {
-    match std::env::var_os("SDHIVE_FIXTURES") {
-        Some(p) => PathBuf::from(p),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"),
-    }
-}
-
-fn golden(name: &str) -> HashMap<String, Tensor> {
-    let path = fixtures().join("golden").join(name);
-    assert!(path.is_file(), "golden file {} is missing: generate the fixtures first", path.display());
-    candle_core::safetensors::load(&path, &Device::Cpu)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
-}
 
 fn model_dir(model: &str, component: &str) -> PathBuf {
     let dir = fixtures().join("models").join(model).join(component);
     assert!(dir.is_dir(), "fixture model folder {} is missing", dir.display());
     dir
-}
-
-fn get<'a>(g: &'a HashMap<String, Tensor>, key: &str) -> &'a Tensor {
-    g.get(key).unwrap_or_else(|| panic!("golden tensor `{key}` missing"))
-}
-
-/// Max |a − b| after checking the shapes agree.
-fn max_diff(what: &str, ours: &Tensor, want: &Tensor) -> f32 {
-    assert_eq!(ours.dims(), want.dims(), "{what}: shape");
-    let d = (ours.to_dtype(DType::F32).expect("f32") - want.to_dtype(DType::F32).expect("f32"))
-        .and_then(|t| t.abs())
-        .and_then(|t| t.flatten_all())
-        .and_then(|t| t.max(0))
-        .and_then(|t| t.to_scalar::<f32>())
-        .expect("diff");
-    eprintln!("{what}: max abs diff {d:.3e}");
-    d
 }
 
 fn check(results: &[(String, f32)]) {

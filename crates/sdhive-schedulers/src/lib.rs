@@ -42,6 +42,7 @@ mod dpm;
 mod error;
 mod euler;
 mod euler_ancestral;
+mod flow_match;
 mod lcm;
 mod ops;
 mod pndm;
@@ -52,6 +53,7 @@ use serde::{Deserialize, Serialize};
 
 pub use config::SchedulerConfig;
 pub use error::{Result, SchedulerError};
+pub use flow_match::{FlowMatchConfig, FlowMatchEulerDiscrete, TimeShift};
 
 /// A stream of standard-normal float32 samples.
 ///

@@ -12,6 +12,7 @@ pub mod clip;
 mod error;
 mod normalize;
 pub mod prompt;
+pub mod t5;
 
 pub use clip::{ClipTokenizer, PadToken};
 pub use error::TokenizerError;
@@ -20,3 +21,4 @@ pub use prompt::{
     all_unweighted, empty_chunk, pad_chunk_counts, parse_prompt_attention, weighted_chunks,
     weighted_chunks_with, Chunk, ChunkOptions, EmbeddingWord,
 };
+pub use t5::{T5Tokenizer, T5_DEFAULT_MAX_LEN, T5_MAX_LEN};

@@ -110,6 +110,11 @@ pub struct GenerateArgs {
     #[arg(long, value_enum)]
     pub dtype: Option<DTypeArg>,
 
+    /// SD3/SD3.5: leave the T5 text encoder out (its context is zeros, as diffusers' `text_encoder_3=None`;
+    /// saves about 9 GB in f16 for T5-XXL at some cost in prompt following).
+    #[arg(long)]
+    pub no_t5: bool,
+
     /// Per-module devices, e.g. `te=cpu,unet=cuda0,vae=cuda0` (modules: unet, te, vae; devices: cpu or this
     /// binary's backend with an index).
     #[arg(long, default_value = "")]

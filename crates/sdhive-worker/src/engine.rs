@@ -23,6 +23,8 @@ pub struct EngineOptions {
     pub memory_budget: Option<u64>,
     /// How the candle engine makes `preview_every` previews (`serve --preview`).
     pub previews: sdhive_candle::Previews,
+    /// SD3: leave T5 out (its part of the context is zeros, as diffusers' `text_encoder_3=None`).
+    pub no_t5: bool,
 }
 
 pub fn load(
@@ -146,6 +148,15 @@ fn load_with(
                 text: target(Module::TextEncoder)?,
                 vae: target(Module::Vae)?,
             };
+            let sd3 = match &model.location {
+                sdhive_modelsource::ModelLocation::DiffusersDir(dir) => sdhive_candle::is_sd3_folder(dir),
+                sdhive_modelsource::ModelLocation::SingleFile(file) => {
+                    sdhive_checkpoint::is_sd3_file(file).with_context(context)?
+                }
+            };
+            if sd3 {
+                return load_sd3(backend, &device, dtype, info, model, &opts).with_context(context);
+            }
             // Jobs are planned against the memory of the device the UNet runs on.
             let planned = DeviceHandle::Candle(targets.unet.device.clone());
             let load_opts = sdhive_candle::LoadOptions {
@@ -164,6 +175,36 @@ fn load_with(
         }
         DeviceHandle::Ggml(name) => load_sdcpp(backend, name, info, model, opts).with_context(context),
     }
+}
+
+/// An SD3-family diffusers folder or SAI single file: every network on the worker's device (placement, offload, the RAM cache and
+/// memory planning do not cover SD3 yet, and say so rather than being ignored).
+fn load_sd3(
+    backend: Backend,
+    device: &candle_core::Device,
+    dtype: DType,
+    info: &DeviceInfo,
+    model: &ResolvedModel,
+    opts: &EngineOptions,
+) -> anyhow::Result<Box<dyn Engine>> {
+    if model.vae.is_some() {
+        bail!("a standalone VAE is not available for SD3 models yet");
+    }
+    if opts.placement != Placement::default() {
+        bail!("--placement and --offload are not available for SD3 models yet");
+    }
+    let path = model.location.path();
+    let names = (backend.name(), info.name.as_str());
+    let engine = if path.is_file() {
+        // A single file's configs and missing text encoders come from the diffusers folder of its name beside it.
+        let config = Some(path.with_extension("")).filter(|d| d.join("model_index.json").is_file());
+        let sd3 =
+            sdhive_candle::Sd3Model::from_single_file(path, config.as_deref(), dtype, device, !opts.no_t5)?;
+        sdhive_candle::Sd3Engine::from_model(sd3, &model.name, dtype, names)
+    } else {
+        sdhive_candle::Sd3Engine::load(path, &model.name, device, dtype, !opts.no_t5, names)?
+    };
+    Ok(Box::new(engine.with_limits(opts.limits.clone())))
 }
 
 #[cfg(feature = "sdcpp")]

@@ -44,6 +44,7 @@ pub fn run(backend: Backend, args: &GenerateArgs) -> anyhow::Result<()> {
         dtype: args.dtype.map(Into::into),
         placement,
         memory_budget: args.memory_budget,
+        no_t5: args.no_t5,
         ..EngineOptions::default()
     };
     let mut engine = crate::engine::load(backend, device, &info, &model, opts)?;

@@ -196,6 +196,21 @@ impl Drop for Proc {
     }
 }
 
+/// Copies `from` (a file, or a folder with everything below it) to `to`: the fixture models a test's models dir
+/// holds (the catalogue refuses symlinks that lead outside it).
+pub fn copy_tree(from: &std::path::Path, to: &std::path::Path) {
+    if from.is_dir() {
+        std::fs::create_dir_all(to).unwrap();
+        for entry in std::fs::read_dir(from).unwrap() {
+            let entry = entry.unwrap();
+            copy_tree(&entry.path(), &to.join(entry.file_name()));
+        }
+    } else {
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(from, to).unwrap();
+    }
+}
+
 pub fn workers(addr: &str) -> Vec<Value> {
     get(addr, "/v1/workers").json()["workers"].as_array().cloned().unwrap_or_default()
 }
