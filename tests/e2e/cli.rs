@@ -345,7 +345,10 @@ fn png_rgb(path: &Path) -> Vec<u8> {
 fn generate_sd3(out: &Path, model: &str, extra: &[&str]) -> Output {
     let prompt = "a photo of an astronaut riding a horse";
     let mut args = vec!["--model", model, "--prompt", prompt, "--negative-prompt", "blurry"];
-    args.extend(["--steps", "3", "--cfg-scale", "5"]);
+    if !extra.contains(&"--steps") {
+        args.extend(["--steps", "3"]);
+    }
+    args.extend(["--cfg-scale", "5"]);
     args.extend_from_slice(extra);
     generate(out, &args)
 }
@@ -379,6 +382,17 @@ fn an_sd3_folder_and_its_single_file_make_diffusers_image_and_name_what_they_can
     let o = generate_sd3(&without_t5, &model, &["--no-t5"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_ne!(png_rgb(&without_t5), ours, "--no-t5 reached the model");
+    // img2img: diffusers' StableDiffusion3Img2ImgPipeline on the fixture init image (strength 0.6 of 4 steps).
+    let img2img = tmp.path().join("sd3-img2img.png");
+    let init = fixtures().join("images/init.png").display().to_string();
+    let o = generate_sd3(&img2img, &model, &["--init-image", &init, "--strength", "0.6", "--steps", "4"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want = safetensors_u8(&fixtures().join("golden/sd3_img2img_sd3.safetensors"), "image_u8");
+    let worst = png_rgb(&img2img).iter().zip(&want).map(|(a, b)| a.abs_diff(*b)).max().unwrap();
+    assert!(worst <= 1, "img2img is {worst} levels off diffusers'");
+    let mask = fixtures().join("images/mask.png").display().to_string();
+    let o = generate(&tmp.path().join("x.png"), &["--model", &model, "--init-image", &init, "--mask", &mask]);
+    assert_fails_with(&o, &["mask", "inpainting is not available for SD3"]);
     let o = generate(&tmp.path().join("x.png"), &["--model", &model, "--sampler", "DDIM"]);
     assert_fails_with(&o, &["sampler", "flow-matching Euler"]);
     let o = generate(&tmp.path().join("x.png"), &["--model", &model, "--width", "72"]);

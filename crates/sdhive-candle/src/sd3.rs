@@ -9,7 +9,7 @@
 //! This is the pipeline the engine will serve SD3 through; the serving engine (`SdModel`, LoRAs, the RAM cache,
 //! batching) does not route SD3 models here yet.
 
-use crate::tensor_image::tensor_to_image;
+use crate::tensor_image::{image_to_tensor, tensor_to_image};
 use candle_core::{DType, Device, Tensor, D};
 use sdhive_engine::RgbImage;
 use sdhive_models::{
@@ -68,6 +68,9 @@ pub struct Sd3Request {
     pub seed: u64,
     /// T5's tokens (diffusers' `max_sequence_length`, default 256, at most 512).
     pub max_sequence_length: usize,
+    /// img2img: the starting image (resized to `width`×`height`) and how much of it is repainted (0–1).
+    pub init_image: Option<RgbImage>,
+    pub strength: f64,
 }
 
 impl Sd3Request {
@@ -81,6 +84,8 @@ impl Sd3Request {
             guidance_scale: 7.0,
             seed,
             max_sequence_length: T5_DEFAULT_MAX_LEN,
+            init_image: None,
+            strength: 0.75,
         }
     }
 }
@@ -285,7 +290,34 @@ impl Sd3Model {
         Ok((context, pooled))
     }
 
-    /// Text to image.
+    /// img2img's starting latents: `(vae.encode(image).latent_dist.sample(generator) − shift) · scaling`, the
+    /// image resized to `size` first.
+    fn encode_image(
+        &self,
+        image: &RgbImage,
+        size: (usize, usize),
+        rng: &mut TorchGenerator,
+    ) -> Result<Tensor, Sd3Error> {
+        let resized = image.resized(size.0 as u32, size.1 as u32);
+        let x = image_to_tensor(&resized, self.vae.device())
+            .and_then(|x| x.to_dtype(self.vae.dtype()))
+            .map_err(failed("init image"))?;
+        let dist = self.vae.encode(&x).map_err(failed("vae encode"))?;
+        let numel = dist.mean.elem_count();
+        let noise = Tensor::from_vec(rng.randn(numel), dist.mean.dims(), dist.mean.device())
+            .and_then(|n| n.to_dtype(dist.mean.dtype()))
+            .map_err(failed("vae sample"))?;
+        let sample = dist.sample_with(&noise).map_err(failed("vae sample"))?;
+        let vae = self.vae.config();
+        let shift = vae.shift_factor.unwrap_or(0.0);
+        sample
+            .to_dtype(DType::F32)
+            .and_then(|s| s.affine(1.0, -shift)?.affine(vae.scaling_factor, 0.0))
+            .and_then(|s| s.to_device(self.device()))
+            .map_err(failed("vae sample"))
+    }
+
+    /// Text to image (or image to image with `init_image`).
     pub fn generate(&self, req: &Sd3Request) -> Result<Sd3Output, Sd3Error> {
         self.generate_with(req, &mut |_, _| true)
     }
@@ -329,11 +361,37 @@ impl Sd3Model {
         let shape = (1, channels, req.height / 8, req.width / 8);
         let numel = channels * (req.height / 8) * (req.width / 8);
         let mut rng = TorchGenerator::new(req.seed);
+        // img2img draws the VAE's sample before the noise, from the same generator, as diffusers does.
+        let init = match &req.init_image {
+            Some(image) => Some(self.encode_image(image, (req.width, req.height), &mut rng)?),
+            None => None,
+        };
         let noise = Tensor::from_vec(rng.randn(numel), shape, self.device()).map_err(failed("noise"))?;
         let mut scheduler =
             FlowMatchEulerDiscrete::new(&self.scheduler, req.steps).map_err(failed("scheduler"))?;
-        let mut latents = noise.to_dtype(dtype).map_err(failed("noise"))?;
-        for (i, t) in scheduler.timesteps().into_iter().enumerate() {
+        let (start, mut latents) = match init {
+            Some(init) => {
+                if !(0.0..=1.0).contains(&req.strength) {
+                    return Err(Sd3Error::Invalid {
+                        field: "denoising_strength",
+                        message: format!("{} is not between 0 and 1", req.strength),
+                    });
+                }
+                let start = FlowMatchEulerDiscrete::img2img_start(req.steps, req.strength);
+                if start >= req.steps {
+                    return Err(Sd3Error::Invalid {
+                        field: "denoising_strength",
+                        message: format!("{} leaves no step of {} to run", req.strength, req.steps),
+                    });
+                }
+                scheduler.set_begin_index(start);
+                let noised = scheduler.scale_noise(&init, &noise, start).map_err(failed("img2img noise"))?;
+                (start, noised.to_dtype(dtype).map_err(failed("noise"))?)
+            }
+            None => (0, noise.to_dtype(dtype).map_err(failed("noise"))?),
+        };
+        let run = req.steps - start;
+        for (i, t) in scheduler.timesteps().into_iter().enumerate().skip(start) {
             let batch = if cfg { 2 } else { 1 };
             let input = if cfg { Tensor::cat(&[&latents, &latents], 0) } else { Ok(latents.clone()) }
                 .map_err(failed("denoise"))?;
@@ -354,7 +412,7 @@ impl Sd3Model {
                 v
             };
             latents = scheduler.step(&v, i, &latents).map_err(failed("scheduler"))?;
-            if !on_step(i + 1, req.steps) {
+            if !on_step(i + 1 - start, run) {
                 return Err(Sd3Error::Cancelled);
             }
         }

@@ -1,7 +1,7 @@
 //! `Sd3Engine`: the [`Engine`] over [`Sd3Model`], so a worker serves SD3 / SD3.5 diffusers folders through the
-//! same routes as SD1/SDXL. What it runs today: text-to-image with the flow-matching Euler sampler, n images
-//! from seed, seed+1, …, progress after every step and cancellation between steps, A1111 infotext. What it
-//! refuses, naming the field: img2img and inpainting, hires fix, LoRAs and embeddings, and samplers other than
+//! same routes as SD1/SDXL. What it runs today: text-to-image and image-to-image with the flow-matching Euler
+//! sampler, n images from seed, seed+1, …, progress after every step and cancellation between steps, A1111
+//! infotext. What it refuses, naming the field: inpainting, hires fix, LoRAs and embeddings, and samplers other than
 //! Euler (A1111's default `Euler a` runs as Euler: flow models have one sampler here, and the infotext says so).
 
 use crate::sd3::{Sd3Error, Sd3Model, Sd3Request};
@@ -84,9 +84,6 @@ impl Sd3Engine {
 
     /// What this engine cannot do yet, refused before anything runs.
     fn check(&self, req: &GenerateRequest) -> Result<(), EngineError> {
-        if req.init_image.is_some() {
-            return Err(invalid("init_images", "img2img is not available for SD3 models yet"));
-        }
         if req.mask.is_some() {
             return Err(invalid("mask", "inpainting is not available for SD3 models yet"));
         }
@@ -130,7 +127,7 @@ impl Engine for Sd3Engine {
             native_width: size,
             native_height: size,
             samplers: vec![Sampler::Euler.name().to_string()],
-            supports_img2img: false,
+            supports_img2img: true,
             supports_inpaint: false,
             memory: None,
             text_widths: Vec::new(),
@@ -171,6 +168,8 @@ impl Engine for Sd3Engine {
                 guidance_scale: f64::from(req.cfg_scale),
                 seed,
                 max_sequence_length: T5_DEFAULT_MAX_LEN,
+                init_image: req.init_image.clone(),
+                strength: f64::from(req.strength),
             };
             let mut on_step = |step: usize, steps: usize| {
                 let p = Progress {

@@ -34,6 +34,8 @@ fn case(model: &str) {
         guidance_scale: p["guidance_scale"].as_f64().expect("guidance_scale"),
         seed: p["seed"].as_u64().expect("seed"),
         max_sequence_length: number("max_sequence_length"),
+        init_image: None,
+        strength: 0.75,
     };
     let out = sd3.generate(&req).unwrap_or_else(|e| panic!("{model}: {e}"));
     let cpu = |t: &Tensor| t.to_device(&Device::Cpu).and_then(|t| t.to_dtype(DType::F32)).expect("to cpu");
@@ -104,5 +106,58 @@ fn the_joint_context_is_encode_prompts_with_and_without_t5() {
             eprintln!("{key}: context {d:.3e}, pooled {p:.3e}");
             assert!(d <= tol && p <= tol, "{key}: context off by {d}, pooled by {p} (tolerance {tol})");
         }
+    }
+}
+
+/// diffusers' `StableDiffusion3Img2ImgPipeline` on the fixture init image: the VAE's sample and the noise from one
+/// generator in the pipeline's order, the schedule started at `int(n − n·strength)`.
+#[test]
+fn sd3_img2img() {
+    let dev = test_device();
+    let g =
+        candle_core::safetensors::load(fixtures().join("golden/sd3_img2img_sd3.safetensors"), &Device::Cpu)
+            .expect("golden/sd3_img2img_sd3.safetensors (run xtask/fixtures/gen_sd3.py)");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("golden/sd3.json")).expect("sd3.json"))
+            .expect("sd3.json is JSON");
+    let case = &json["goldens"]["sd3_img2img_sd3.safetensors"];
+    let png = std::fs::read(fixtures().join("images/init.png")).expect("init.png");
+    let init = sdhive_engine::decode_image(&png, 1 << 20).expect("init.png decodes");
+    let sd3 = Sd3Model::from_dir(&fixtures().join("models/sd3"), dev.dtype, &dev.device, true).expect("sd3");
+    let req = Sd3Request {
+        prompt: case["prompt"].as_str().expect("prompt").into(),
+        negative_prompt: json["pipeline"]["negative_prompt"].as_str().expect("negative").into(),
+        width: 64,
+        height: 64,
+        steps: case["num_inference_steps"].as_u64().expect("steps") as usize,
+        guidance_scale: json["pipeline"]["guidance_scale"].as_f64().expect("guidance"),
+        seed: json["pipeline"]["seed"].as_u64().expect("seed"),
+        max_sequence_length: json["pipeline"]["max_sequence_length"].as_u64().expect("length") as usize,
+        init_image: Some(init),
+        strength: case["strength"].as_f64().expect("strength"),
+    };
+    let mut reported = Vec::new();
+    let out = sd3.generate_with(&req, &mut |step, steps| {
+        reported.push((step, steps));
+        true
+    });
+    let out = out.expect("img2img");
+    assert_eq!(reported, [(1, 3), (2, 3), (3, 3)], "strength 0.6 of 4 steps runs the last 3");
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu).and_then(|t| t.to_dtype(DType::F32)).expect("to cpu");
+    let want = &g["latents"];
+    let rel = max_abs(&(cpu(&out.latents) - want).expect("diff")) / max_abs(want).max(1.0);
+    let want_u8: Vec<u8> = g["image_u8"].flatten_all().and_then(|t| t.to_vec1()).expect("image_u8");
+    let off = out.image.data.iter().zip(&want_u8).filter(|(a, b)| a.abs_diff(**b) > 1).count();
+    eprintln!("sd3 img2img on {}: final latents rel {rel:.3e}, {off} values off by > 1 level", dev.label);
+    let tol = dev.tolerance;
+    assert!(rel <= tol.latent_rel, "img2img latents differ by {rel}");
+    assert!(
+        off as f32 <= tol.pixels_off * want_u8.len() as f32,
+        "{off} image values off by more than one level"
+    );
+    for strength in [0.0, 1.5] {
+        let bad = Sd3Request { strength, ..req.clone() };
+        let e = sd3.generate(&bad).err().expect("no step to run, or out of range").to_string();
+        assert!(e.contains("denoising_strength"), "{strength}: {e}");
     }
 }
