@@ -37,13 +37,9 @@ pub fn library(state: &State) -> Vec<LibraryModel> {
         .collect()
 }
 
-fn serving(w: &WorkerEntry, now: Instant) -> bool {
-    w.routable(now)
-}
-
 /// Slots, loaded models and devices now.
 pub fn summary(hive: &Hive, state: &State, now: Instant) -> NodeSummary {
-    let ready: Vec<&WorkerEntry> = state.workers.values().filter(|w| serving(w, now)).collect();
+    let ready: Vec<&WorkerEntry> = state.workers.values().filter(|w| w.routable(now)).collect();
     let mut loaded: Vec<String> = Vec::new();
     for w in &ready {
         let held = w.loaded.iter().chain(w.node.iter().flat_map(|n| &n.loaded));
@@ -108,7 +104,7 @@ impl Registrant for NodeRegistrant {
         let node = summary(&self.hive, &state, Instant::now());
         // What its workers can do (the first registration waits for one to be ready).
         let now = Instant::now();
-        let first = state.workers.values().filter(|w| serving(w, now)).find_map(|w| w.registration.as_ref());
+        let first = state.workers.values().filter(|w| w.routable(now)).find_map(|w| w.registration.as_ref());
         let capabilities = first.map(|r| r.capabilities.clone());
         let family = first.map(|r| r.model_family.clone()).unwrap_or_default();
         RegisterRequest {
@@ -232,7 +228,7 @@ pub fn join_parent(hive: &Arc<Hive>, bound: std::net::SocketAddr) -> Result<Opti
                 let ready = {
                     let state = hive.lock();
                     let now = Instant::now();
-                    state.workers.values().any(|w| serving(w, now))
+                    state.workers.values().any(|w| w.routable(now))
                 };
                 if ready {
                     break;

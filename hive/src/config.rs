@@ -142,7 +142,7 @@ pub struct HiveConfig {
     pub cluster: ClusterConfig,
 }
 
-/// A hive's place in a cluster (`docs/operations.md`, "Several nodes"): a node hive registers with its parent as a
+/// A hive's place in a cluster (`docs/cluster.md`): a node hive registers with its parent as a
 /// worker registers with a hive; a gateway runs no workers of its own and routes to the node hives that register.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

@@ -75,6 +75,24 @@ pub struct CandleEngine {
     preview: Preview,
 }
 
+/// An image of `req` made with `model` from `seed`, with its A1111 infotext (`size`: the first pass's).
+pub(crate) fn finished_image(
+    req: &GenerateRequest,
+    image: RgbImage,
+    seed: u64,
+    size: (u32, u32),
+    model: &str,
+) -> GeneratedImage {
+    let ctx = InfotextContext {
+        seed,
+        width: size.0,
+        height: size.1,
+        model,
+        version: concat!("sdhive ", env!("CARGO_PKG_VERSION")),
+    };
+    GeneratedImage { image, seed, infotext: infotext(req, &ctx) }
+}
+
 /// Images per UNet call with classifier-free guidance (the negative and positive halves of one batch).
 const CFG_BATCH: u64 = 2;
 
@@ -219,14 +237,7 @@ impl CandleEngine {
         seed: u64,
         size: (u32, u32),
     ) -> GeneratedImage {
-        let ctx = InfotextContext {
-            seed,
-            width: size.0,
-            height: size.1,
-            model: &self.model.name,
-            version: concat!("sdhive ", env!("CARGO_PKG_VERSION")),
-        };
-        GeneratedImage { image, seed, infotext: infotext(req, &ctx) }
+        finished_image(req, image, seed, size, &self.model.name)
     }
 
     pub fn model(&self) -> &SdModel {

@@ -4,12 +4,13 @@
 //! infotext. What it refuses, naming the field: inpainting, hires fix, LoRAs and embeddings, and samplers other than
 //! Euler (A1111's default `Euler a` runs as Euler: flow models have one sampler here, and the infotext says so).
 
+use crate::engine::finished_image;
 use crate::sd3::{Sd3Error, Sd3Model, Sd3Request};
 use candle_core::{DType, Device};
 use sdhive_engine::extra_networks::strip_networks;
 use sdhive_engine::{
-    infotext, random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest,
-    GeneratedImage, InfotextContext, Limits, PreviewDecoder, Progress, Sampler, ValidationError,
+    random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest, GeneratedImage,
+    Limits, PreviewDecoder, Progress, Sampler, ValidationError,
 };
 use sdhive_tokenizer::T5_DEFAULT_MAX_LEN;
 use std::path::Path;
@@ -187,14 +188,7 @@ impl Engine for Sd3Engine {
                 Err(Sd3Error::Invalid { field, message }) => return Err(invalid(field, message)),
                 Err(e) => return Err(EngineError::Failed(e.to_string())),
             };
-            let ctx = InfotextContext {
-                seed,
-                width,
-                height,
-                model: &self.name,
-                version: concat!("sdhive ", env!("CARGO_PKG_VERSION")),
-            };
-            images.push(GeneratedImage { image: out.image, seed, infotext: infotext(&ran, &ctx) });
+            images.push(finished_image(&ran, out.image, seed, (width, height), &self.name));
         }
         Ok(GenerateOutput { images })
     }

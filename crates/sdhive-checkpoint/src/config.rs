@@ -431,6 +431,15 @@ pub(crate) fn overlay(base: &mut Value, over: &Value) {
     }
 }
 
+/// The VAE config keys an override must agree with the checkpoint on (its shapes decide them).
+pub(crate) const VAE_STRUCTURE: [(&str, Check); 5] = [
+    ("in_channels", Check::Exact),
+    ("out_channels", Check::Exact),
+    ("latent_channels", Check::Exact),
+    ("block_out_channels", Check::Exact),
+    ("layers_per_block", Check::Exact),
+];
+
 /// How to compare one structural key between an override and the checkpoint.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Check {

@@ -268,13 +268,7 @@ impl SingleFile {
         let unet_config =
             self.apply(Component::Unet, unet_inferred, over(Component::Unet), &unet_checks, &mut overridden)?;
 
-        let vae_checks = [
-            ("in_channels", Check::Exact),
-            ("out_channels", Check::Exact),
-            ("latent_channels", Check::Exact),
-            ("block_out_channels", Check::Exact),
-            ("layers_per_block", Check::Exact),
-        ];
+        let vae_checks = config::VAE_STRUCTURE;
         let vae_config = self.apply(
             Component::Vae,
             config::vae_config(&vae, family, v_pred),

@@ -112,15 +112,9 @@ pub fn load_sd3_single_file_on(
         &mut vae_inferred,
         &json!({"sample_size": 1024, "scaling_factor": 1.5305, "shift_factor": 0.0609}),
     );
-    let vae_checks = [
-        ("in_channels", Check::Exact),
-        ("out_channels", Check::Exact),
-        ("latent_channels", Check::Exact),
-        ("block_out_channels", Check::Exact),
-        ("layers_per_block", Check::Exact),
-        ("use_quant_conv", Check::Flag),
-        ("use_post_quant_conv", Check::Flag),
-    ];
+    // SD3's VAE has no quant convs: an override that adds them would not fit the weights.
+    let flags = [("use_quant_conv", Check::Flag), ("use_post_quant_conv", Check::Flag)];
+    let vae_checks: Vec<(&str, Check)> = config::VAE_STRUCTURE.into_iter().chain(flags).collect();
     let vae_cfg = apply(&file, &overrides, "vae", vae_inferred, &vae_checks, &mut overridden)?;
 
     let (has_l, has_g) = (file.has_prefix(CLIP_L), file.has_prefix(CLIP_G));

@@ -5,7 +5,7 @@
 //! `xtask/fixtures/gen_sd3.py` (which checks the same files with diffusers' `from_single_file`).
 
 mod common;
-use common::bits;
+use common::{assert_msg, bits};
 
 use candle_core::{DType, Device, Tensor};
 use sdhive_checkpoint::{load_sd3_single_file_on, CheckpointError, Sd3Converted};
@@ -181,13 +181,6 @@ fn err(file: &Path, config: Option<&Path>) -> CheckpointError {
     match load_sd3_single_file_on(file, config, &Device::Cpu) {
         Ok(_) => panic!("{} converted", file.display()),
         Err(e) => e,
-    }
-}
-
-fn assert_msg(e: &CheckpointError, parts: &[&str]) {
-    let msg = e.to_string();
-    for p in parts {
-        assert!(msg.contains(p), "error `{msg}` lacks `{p}`");
     }
 }
 

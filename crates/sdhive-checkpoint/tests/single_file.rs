@@ -8,7 +8,7 @@
 //! weights rounded to float16, bit for bit.
 
 mod common;
-use common::bits;
+use common::{assert_msg, bits};
 
 use candle_core::{DType, Device, Tensor};
 use sdhive_checkpoint::{
@@ -377,13 +377,6 @@ fn err_of(path: &Path) -> CheckpointError {
     match load_single_file(path, None) {
         Ok(c) => panic!("{} loaded as {:?}", path.display(), c.family),
         Err(e) => e,
-    }
-}
-
-fn assert_msg(e: &CheckpointError, parts: &[&str]) {
-    let msg = e.to_string();
-    for p in parts {
-        assert!(msg.contains(p), "error `{msg}` lacks `{p}`");
     }
 }
 
