@@ -73,6 +73,15 @@ impl Backend {
             _ => DType::F16,
         }
     }
+
+    /// The precision SD3 / SD3.5 models run in when the command line names none: bf16 on CUDA, as diffusers'
+    /// SD3.5 model cards load them (T5-XXL and SD3.5-large's activations overflow f16); otherwise as other models.
+    pub fn default_sd3_dtype(self) -> DType {
+        match self {
+            Backend::Cuda => DType::BF16,
+            other => other.default_dtype(),
+        }
+    }
 }
 
 impl fmt::Display for Backend {

@@ -354,7 +354,7 @@ fn generate_sd3(out: &Path, model: &str, extra: &[&str]) -> Output {
 }
 
 #[test]
-fn an_sd3_folder_and_its_single_file_make_diffusers_image_and_name_what_they_cannot_run() {
+fn an_sd3_folder_and_its_single_file_make_diffusers_images_and_name_what_they_cannot_run() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("sd3.png");
     let model = fixtures().join("models/sd3").display().to_string();
@@ -390,11 +390,45 @@ fn an_sd3_folder_and_its_single_file_make_diffusers_image_and_name_what_they_can
     let want = safetensors_u8(&fixtures().join("golden/sd3_img2img_sd3.safetensors"), "image_u8");
     let worst = png_rgb(&img2img).iter().zip(&want).map(|(a, b)| a.abs_diff(*b)).max().unwrap();
     assert!(worst <= 1, "img2img is {worst} levels off diffusers'");
+    // Inpainting: diffusers' StableDiffusion3InpaintPipeline (strength 0.8 of 5 steps), decoded with the VAE's shift.
+    let inpaint = tmp.path().join("sd3-inpaint.png");
     let mask = fixtures().join("images/mask.png").display().to_string();
-    let o = generate(&tmp.path().join("x.png"), &["--model", &model, "--init-image", &init, "--mask", &mask]);
-    assert_fails_with(&o, &["mask", "inpainting is not available for SD3"]);
+    let o = generate_sd3(
+        &inpaint,
+        &model,
+        &["--init-image", &init, "--mask", &mask, "--strength", "0.8", "--steps", "5"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want = safetensors_u8(&fixtures().join("golden/sd3_pipe_inpaint_sd3.safetensors"), "image_u8");
+    let worst = png_rgb(&inpaint).iter().zip(&want).map(|(a, b)| a.abs_diff(*b)).max().unwrap();
+    assert!(worst <= 1, "inpainting is {worst} levels off diffusers'");
     let o = generate(&tmp.path().join("x.png"), &["--model", &model, "--sampler", "DDIM"]);
-    assert_fails_with(&o, &["sampler", "flow-matching Euler"]);
+    assert_fails_with(&o, &["sampler", "flow-matching samplers"]);
     let o = generate(&tmp.path().join("x.png"), &["--model", &model, "--width", "72"]);
     assert_fails_with(&o, &["width", "multiple of 16"]);
+}
+
+/// `--offload` and `--placement` on an SD3 model (module `te` is CLIP-L, CLIP-G and T5 together): the plain
+/// image, from the folder and from the single file (whose converted weights become the host copies).
+#[test]
+fn sd3_offloaded_and_placed_modules_give_the_same_image() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixtures().join("models/sd3").display().to_string();
+    let file = fixtures().join("models/sd3.safetensors").display().to_string();
+    let plain = tmp.path().join("plain.png");
+    let o = generate_sd3(&plain, &model, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want = png_rgb(&plain);
+    let runs: [(&str, &str, &[&str]); 2] = [
+        ("folder.png", &model, &["--placement", "te=cpu", "--offload", "te,vae"]),
+        ("file.png", &file, &["--offload", "te,unet,vae"]),
+    ];
+    for (name, model, flags) in runs {
+        let out = tmp.path().join(name);
+        let o = generate_sd3(&out, model, flags);
+        assert!(o.status.success(), "{flags:?}: {}", stderr(&o));
+        assert_eq!(png_rgb(&out), want, "{flags:?} changed the image");
+    }
+    let o = generate_sd3(&tmp.path().join("x.png"), &model, &["--placement", "te=cuda0"]);
+    assert_fails_with(&o, &["cuda0", "sd-worker-cpu"]);
 }

@@ -8,6 +8,8 @@
 #   bash BUNDLE/run.sh OUT_DIR --upscale         (the ESRGAN upscaler against spandrel instead: upscale_table.py)
 #   bash BUNDLE/run.sh OUT_DIR --serve [--skip-sdxl|--only-sdxl] [--max-batch 1,8] [--worker-args "ARGS"]
 #                                                (the HTTP serving benchmark instead: serve_table.py)
+#   bash BUNDLE/run.sh OUT_DIR --sd3 [--models sd35m,sd35l] [--skip-compiled]
+#                                                (SD3.5 against diffusers instead: sd3_table.py)
 # BUNDLE is what `cargo xtask bench cuda` wrote. The machine provides the NVIDIA driver, Python with PyTorch
 # (CUDA 13), and through PyTorch's wheels or a CUDA 13 install the cuBLAS, cuRAND, NVRTC and cuDNN 9 libraries.
 set -euo pipefail
@@ -31,6 +33,9 @@ elif [ "${1:-}" = --hires ]; then
 elif [ "${1:-}" = --serve ]; then
     shift
     PYTHONPATH="$B/site:${PYTHONPATH:-}" python3 "$B/serve_table.py" "$B" "$OUT" "$@"
+elif [ "${1:-}" = --sd3 ]; then
+    shift
+    PYTHONPATH="$B/site:${PYTHONPATH:-}" python3 "$B/sd3_table.py" "$B" "$OUT" "$@"
 elif [ "${1:-}" = --upscale ]; then
     PYTHONPATH="$B/site:${PYTHONPATH:-}" python3 "$B/upscale_table.py" "$B" "$OUT"
 else

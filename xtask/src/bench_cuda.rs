@@ -66,6 +66,8 @@ pub fn run(out: Option<PathBuf>, python: &str) -> Result<()> {
         "bench_run.py",
         "serve_table.py",
         "bench_serve_diffusers.py",
+        "bench_sd3_diffusers.py",
+        "sd3_table.py",
     ] {
         copy(&root.join("xtask/bench").join(f), &out.join(f))?;
     }

@@ -15,6 +15,7 @@
 
 mod e2e;
 mod lora;
+mod sd3;
 mod serving;
 mod switch;
 mod text;
@@ -114,6 +115,13 @@ struct Args {
     /// With --switch: cached switches timed (alternating between the models).
     #[arg(long, default_value_t = 20)]
     switches: usize,
+    /// Time an SD3 / SD3.5 diffusers folder instead: its transformer step (CFG batch 2) at `--size`² and whole
+    /// images of `--steps` steps (`sd3.rs`).
+    #[arg(long, value_name = "DIR")]
+    sd3: Option<PathBuf>,
+    /// With --sd3: leave T5 out (its part of the context is zeros).
+    #[arg(long)]
+    no_t5: bool,
     #[command(flatten)]
     serve_bench: serving::ServeBenchArgs,
 }
@@ -407,6 +415,24 @@ fn main() -> Result<()> {
         println!("{report}");
         return Ok(());
     }
+    if let Some(dir) = &args.sd3 {
+        let mut report = sd3::run(
+            &sd3::Settings {
+                dir,
+                dtype,
+                size: args.size,
+                steps: args.steps,
+                with_t5: !args.no_t5,
+                warmup: args.warmup,
+                iters: args.iters,
+            },
+            &dev,
+        )?;
+        report["device"] = serde_json::json!(device_name);
+        report["dtype"] = serde_json::json!(args.dtype);
+        println!("{report}");
+        return Ok(());
+    }
     if let Some(dir) = &args.lora_model {
         let mut report = lora::run(dir, &args.lora, &dev, dtype, args.iters)?;
         report["device"] = serde_json::json!(device_name);
@@ -616,7 +642,7 @@ fn profiled<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
 }
 
 /// `warmup` untimed calls of `f`, then `iters` timed ones.
-fn time_calls(
+pub(crate) fn time_calls(
     dev: &Device,
     what: &str,
     warmup: usize,

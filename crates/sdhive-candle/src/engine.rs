@@ -110,7 +110,7 @@ fn failed(message: String) -> EngineError {
 }
 
 /// A LoRA the request names that cannot be applied: the request's `loras` when the file is at fault.
-fn lora_error(e: &LoraApplyError) -> EngineError {
+pub(crate) fn lora_error(e: &LoraApplyError) -> EngineError {
     match e {
         LoraApplyError::Invalid { .. } => {
             EngineError::Invalid(ValidationError { field: "loras", message: e.to_string() })
@@ -260,6 +260,16 @@ impl CandleEngine {
                 message: "this is an inpainting model: send an init image and a mask".into(),
             });
         }
+        if req.skip_layer_guidance.is_some() {
+            return Err(ValidationError {
+                field: "skip_layer_guidance",
+                message: format!(
+                    "skip-layer guidance is for SD3-family (MMDiT) models; {} is a {} UNet model",
+                    self.model.name,
+                    self.model.family.name()
+                ),
+            });
+        }
         Ok(())
     }
 }
@@ -363,7 +373,7 @@ impl Engine for CandleEngine {
                 init_image: req.init_image.as_ref(),
                 init_latents: None,
                 mask: req.mask.as_ref(),
-                strength: f64::from(req.strength),
+                strength: sdhive_engine::decimal_f64(req.strength),
                 vae_tiling: plan.vae_tiling,
             };
             let model = &self.model;
@@ -397,7 +407,7 @@ impl Engine for CandleEngine {
                         init_image: None,
                         init_latents: None,
                         mask: None,
-                        strength: f64::from(h.denoising_strength),
+                        strength: sdhive_engine::decimal_f64(h.denoising_strength),
                         vae_tiling: plan.vae_tiling,
                     };
                     let upscalers = &mut self.upscalers;

@@ -27,8 +27,8 @@ pub use engine::{CandleEngine, LoadOptions, MemoryQuery};
 pub use lora::{AppliedLoras, ChangeTimes, LoraApplyError};
 pub use model::{Family, LoadError, SdModel};
 pub use preview::{latent_preview, taesd_preview, Previews, TaesdDecoders};
-pub use residency::{ModuleTarget, Resident, Targets};
-pub use sd3::{Sd3Error, Sd3Model, Sd3Output, Sd3Request};
+pub use residency::{InUse, ModuleTarget, Resident, Targets};
+pub use sd3::{Sd3Error, Sd3Model, Sd3Output, Sd3Request, Sd3Transformer};
 pub use sd3_engine::{is_sd3_folder, Sd3Engine};
 
 #[cfg(test)]
@@ -39,6 +39,8 @@ mod lora_tests;
 mod parity_tests;
 #[cfg(test)]
 mod preview_tests;
+#[cfg(test)]
+mod sd3_lora_tests;
 #[cfg(test)]
 mod sd3_tests;
 #[cfg(test)]

@@ -6,12 +6,17 @@
 //! Putting back copies the kept originals (not subtracting the deltas), so a model after a LoRA job computes bit
 //! for bit as one that never had it. A model's weights may share memory with the RAM cache's host copy (on the
 //! CPU), so a model is put back before it is dropped.
+//!
+//! [`AppliedLoras`] works on any model through [`LoraNetworks`]: SD1/SDXL's [`SdModel`] (its networks resident or
+//! host copies) and SD3's [`Sd3Model`] (the MMDiT as the denoiser, CLIP-L and CLIP-G as the text encoders, each
+//! likewise resident or a host copy).
 
 use crate::model::SdModel;
 use crate::residency::Originals;
-use candle_core::Tensor;
+use crate::sd3::Sd3Model;
+use candle_core::{Device, Tensor};
 use sdhive_engine::LoraUse;
-use sdhive_lora::{LoraFile, ModelParams, Network};
+use sdhive_lora::{Denoiser, LoraFile, ModelParams, Network};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -98,6 +103,37 @@ impl FileCache {
     }
 }
 
+/// A model's networks as merging sees them: the denoiser ([`Network::Unet`]: a UNet, or SD3's MMDiT) and the text
+/// encoders, each changed in place and put back from what it kept.
+pub(crate) trait LoraNetworks {
+    /// The weights a LoRA may change, by diffusers name with their shapes, and per text encoder the name each
+    /// canonical (`text_model.`-prefixed) name has in the network.
+    fn lora_params(&self) -> (ModelParams, Vec<HashMap<String, String>>);
+
+    /// Where `network`'s deltas are made; `None` when the model has no such network.
+    fn delta_device(&self, network: Network) -> Option<Device>;
+
+    /// Adds `delta` (the file's shape) to `network`'s weight `name`, keeping the weight in `originals` the first
+    /// time it changes.
+    fn add_delta(
+        &mut self,
+        network: Network,
+        name: &str,
+        delta: &Tensor,
+        originals: &mut Originals,
+    ) -> candle_core::Result<()>;
+
+    /// Puts back every weight of `network` that `originals` holds.
+    fn restore(&mut self, network: Network, originals: &mut Originals) -> candle_core::Result<()>;
+
+    /// The denoiser's weights changed: what was made from them beforehand is stale.
+    fn denoiser_changed(&self) {}
+}
+
+fn no_network(network: Network) -> candle_core::Error {
+    candle_core::Error::Msg(format!("the model has no {network:?} network"))
+}
+
 impl AppliedLoras {
     /// Bytes kept to put the changed weights back (device memory for built networks).
     pub fn kept_bytes(&self) -> u64 {
@@ -106,6 +142,119 @@ impl AppliedLoras {
 
     pub fn is_empty(&self) -> bool {
         self.merged.is_empty()
+    }
+
+    /// Makes the LoRAs merged into `nets` exactly `loras` (nothing for an empty list). On an error `nets` is left
+    /// with no LoRA merged.
+    pub(crate) fn set(
+        &mut self,
+        nets: &mut dyn LoraNetworks,
+        loras: &[LoraUse],
+    ) -> Result<(), LoraApplyError> {
+        let wanted: Vec<Merged> = loras.iter().map(merged_key).collect();
+        if wanted == self.merged {
+            return Ok(());
+        }
+        let started = Instant::now();
+        self.restore(nets).map_err(|e| LoraApplyError::Failed {
+            name: "(restoring weights)".into(),
+            message: e.to_string(),
+        })?;
+        self.last = ChangeTimes { restore_ms: ms_since(started), ..ChangeTimes::default() };
+        if loras.is_empty() {
+            return Ok(());
+        }
+        match self.merge_all(nets, loras, &wanted) {
+            Ok(()) => {
+                self.merged = wanted;
+                Ok(())
+            }
+            Err(e) => {
+                if let Err(restore) = self.restore(nets) {
+                    tracing::error!("putting weights back after a failed LoRA merge: {restore}");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Puts every weight a LoRA changed in `nets` back as it was.
+    pub(crate) fn restore(&mut self, nets: &mut dyn LoraNetworks) -> candle_core::Result<()> {
+        let denoiser_changed = !self.unet.is_empty();
+        nets.restore(Network::Unet, &mut self.unet)?;
+        for (i, originals) in self.text.iter_mut().enumerate() {
+            if !originals.is_empty() {
+                nets.restore(Network::TextEncoder(i), originals)?;
+            }
+        }
+        self.merged.clear();
+        if denoiser_changed {
+            nets.denoiser_changed();
+        }
+        Ok(())
+    }
+
+    fn merge_all(
+        &mut self,
+        nets: &mut dyn LoraNetworks,
+        loras: &[LoraUse],
+        keys: &[Merged],
+    ) -> Result<(), LoraApplyError> {
+        let started = Instant::now();
+        let mut read_ms = 0.0;
+        let (params, text_names) = nets.lora_params();
+        self.text.resize_with(params.text.len(), Originals::default);
+        let mut denoiser_changed = false;
+        for (lora, key) in loras.iter().zip(keys) {
+            let invalid = |e: &dyn std::fmt::Display| LoraApplyError::Invalid {
+                name: lora.name.clone(),
+                message: e.to_string(),
+            };
+            let failed = |e: &dyn std::fmt::Display| LoraApplyError::Failed {
+                name: lora.name.clone(),
+                message: e.to_string(),
+            };
+            let reading = Instant::now();
+            let file = self.files.get(key, || LoraFile::read(&lora.path)).map_err(|e| invalid(&e))?;
+            read_ms += ms_since(reading);
+            let patches = file.resolve(&params).map_err(|e| invalid(&e))?;
+            for patch in &patches {
+                let (multiplier, shape, name) = match patch.network {
+                    Network::Unet => (lora.unet, params.unet.get(&patch.target), Some(&patch.target)),
+                    Network::TextEncoder(i) => (
+                        lora.te,
+                        params.text.get(i).and_then(|m| m.get(&patch.target)),
+                        text_names.get(i).and_then(|m| m.get(&patch.target)),
+                    ),
+                };
+                if multiplier == 0.0 {
+                    continue;
+                }
+                let (Some(shape), Some(name)) = (shape, name) else {
+                    return Err(invalid(&format!("the model has no weight `{}`", patch.target)));
+                };
+                let device =
+                    nets.delta_device(patch.network).ok_or_else(|| failed(&no_network(patch.network)))?;
+                let delta = file.delta(patch, shape, &device).map_err(|e| invalid(&e))?;
+                let delta = scaled(&delta, multiplier).map_err(|e| failed(&e))?;
+                let originals = match patch.network {
+                    Network::Unet => {
+                        denoiser_changed = true;
+                        &mut self.unet
+                    }
+                    Network::TextEncoder(i) => {
+                        self.text.get_mut(i).ok_or_else(|| failed(&no_network(patch.network)))?
+                    }
+                };
+                nets.add_delta(patch.network, name, &delta, originals).map_err(|e| failed(&e))?;
+            }
+        }
+        if denoiser_changed {
+            nets.denoiser_changed();
+        }
+        self.last.read_ms = read_ms;
+        self.last.merge_ms = ms_since(started) - read_ms;
+        Ok(())
     }
 }
 
@@ -124,74 +273,44 @@ fn canonical_text_name(name: &str) -> String {
     }
 }
 
+/// A text encoder's weights under their canonical names, and the canonical → stored name map.
+fn canonical_text(
+    shapes: HashMap<String, Vec<usize>>,
+) -> (HashMap<String, Vec<usize>>, HashMap<String, String>) {
+    let mut back = HashMap::new();
+    let shapes = shapes
+        .into_iter()
+        .map(|(name, shape)| {
+            let canonical = canonical_text_name(&name);
+            back.insert(canonical.clone(), name);
+            (canonical, shape)
+        })
+        .collect();
+    (shapes, back)
+}
+
 impl SdModel {
     /// Makes the merged LoRAs exactly `loras` (nothing for an empty list). On an error the model is left with no
     /// LoRA merged.
     pub fn set_loras(&mut self, loras: &[LoraUse]) -> Result<(), LoraApplyError> {
-        let wanted: Vec<Merged> = loras.iter().map(merged_key).collect();
-        if wanted == self.loras.merged {
-            return Ok(());
-        }
-        let started = Instant::now();
-        self.restore_loras().map_err(|e| LoraApplyError::Failed {
-            name: "(restoring weights)".into(),
-            message: e.to_string(),
-        })?;
-        self.loras.last = ChangeTimes { restore_ms: ms_since(started), ..ChangeTimes::default() };
-        if loras.is_empty() {
-            return Ok(());
-        }
-        match self.merge_all(loras, &wanted) {
-            Ok(()) => {
-                self.loras.merged = wanted;
-                Ok(())
-            }
-            Err(e) => {
-                if let Err(restore) = self.restore_loras() {
-                    tracing::error!("putting weights back after a failed LoRA merge: {restore}");
-                }
-                Err(e)
-            }
-        }
+        let mut applied = std::mem::take(&mut self.loras);
+        let result = applied.set(self, loras);
+        self.loras = applied;
+        result
     }
 
     /// Puts every weight a LoRA changed back as it was.
     pub fn restore_loras(&mut self) -> candle_core::Result<()> {
-        let unet_changed = !self.loras.unet.is_empty();
-        self.unet.restore(&mut self.loras.unet)?;
-        for (encoder, originals) in self.encoders.iter_mut().zip(self.loras.text.iter_mut()) {
-            encoder.model.restore(originals)?;
-        }
-        self.loras.merged.clear();
-        if unet_changed {
-            if let Some(unet) = self.unet.get() {
-                unet.weights_changed();
-            }
-        }
-        Ok(())
+        let mut applied = std::mem::take(&mut self.loras);
+        let result = applied.restore(self);
+        self.loras = applied;
+        result
     }
+}
 
-    fn model_params(&self) -> (ModelParams, Vec<HashMap<String, String>>) {
-        let mut text_names = Vec::new();
-        let text = self
-            .encoders
-            .iter()
-            .map(|e| {
-                let mut back = HashMap::new();
-                let shapes = e
-                    .model
-                    .param_shapes()
-                    .into_iter()
-                    .map(|(name, shape)| {
-                        let canonical = canonical_text_name(&name);
-                        back.insert(canonical.clone(), name);
-                        (canonical, shape)
-                    })
-                    .collect();
-                text_names.push(back);
-                shapes
-            })
-            .collect();
+impl LoraNetworks for SdModel {
+    fn lora_params(&self) -> (ModelParams, Vec<HashMap<String, String>>) {
+        let (text, text_names) = self.encoders.iter().map(|e| canonical_text(e.model.param_shapes())).unzip();
         let params = ModelParams {
             unet: self.unet.param_shapes(),
             text,
@@ -201,72 +320,97 @@ impl SdModel {
                 sdhive_models::IntOrList::List(v) => v.first().copied().unwrap_or(2),
             },
             unet_down_blocks: self.unet_config.block_out_channels.len(),
+            denoiser: Denoiser::Unet,
         };
         (params, text_names)
     }
 
-    fn merge_all(&mut self, loras: &[LoraUse], keys: &[Merged]) -> Result<(), LoraApplyError> {
-        let started = Instant::now();
-        let mut read_ms = 0.0;
-        let (params, text_names) = self.model_params();
-        self.loras.text.resize_with(self.encoders.len(), Originals::default);
-        let mut unet_changed = false;
-        for (lora, key) in loras.iter().zip(keys) {
-            let invalid = |e: &dyn std::fmt::Display| LoraApplyError::Invalid {
-                name: lora.name.clone(),
-                message: e.to_string(),
-            };
-            let failed = |e: &dyn std::fmt::Display| LoraApplyError::Failed {
-                name: lora.name.clone(),
-                message: e.to_string(),
-            };
-            let reading = Instant::now();
-            let file = self.loras.files.get(key, || LoraFile::read(&lora.path)).map_err(|e| invalid(&e))?;
-            read_ms += ms_since(reading);
-            let patches = file.resolve(&params).map_err(|e| invalid(&e))?;
-            for patch in &patches {
-                let (multiplier, shape) = match patch.network {
-                    Network::Unet => (lora.unet, params.unet.get(&patch.target)),
-                    Network::TextEncoder(i) => {
-                        (lora.te, params.text.get(i).and_then(|m| m.get(&patch.target)))
-                    }
-                };
-                if multiplier == 0.0 {
-                    continue;
-                }
-                let shape =
-                    shape.ok_or_else(|| invalid(&format!("the model has no weight `{}`", patch.target)))?;
-                let (resident_device, name): (_, &str) = match patch.network {
-                    Network::Unet => (self.unet.delta_device(), &patch.target),
-                    Network::TextEncoder(i) => {
-                        let name = text_names.get(i).and_then(|m| m.get(&patch.target)).ok_or_else(|| {
-                            invalid(&format!("the model has no text-encoder weight `{}`", patch.target))
-                        })?;
-                        (self.encoders[i].model.delta_device(), name)
-                    }
-                };
-                let delta = file.delta(patch, shape, &resident_device).map_err(|e| invalid(&e))?;
-                let delta = scaled(&delta, multiplier).map_err(|e| failed(&e))?;
-                match patch.network {
-                    Network::Unet => {
-                        unet_changed = true;
-                        self.unet.add_delta(name, &delta, &mut self.loras.unet)
-                    }
-                    Network::TextEncoder(i) => {
-                        self.encoders[i].model.add_delta(name, &delta, &mut self.loras.text[i])
-                    }
-                }
-                .map_err(|e| failed(&e))?;
-            }
+    fn delta_device(&self, network: Network) -> Option<Device> {
+        match network {
+            Network::Unet => Some(self.unet.delta_device()),
+            Network::TextEncoder(i) => self.encoders.get(i).map(|e| e.model.delta_device()),
         }
-        if unet_changed {
-            if let Some(unet) = self.unet.get() {
-                unet.weights_changed();
-            }
+    }
+
+    fn add_delta(
+        &mut self,
+        network: Network,
+        name: &str,
+        delta: &Tensor,
+        originals: &mut Originals,
+    ) -> candle_core::Result<()> {
+        match network {
+            Network::Unet => self.unet.add_delta(name, delta, originals),
+            Network::TextEncoder(i) => match self.encoders.get_mut(i) {
+                Some(e) => e.model.add_delta(name, delta, originals),
+                None => Err(no_network(network)),
+            },
         }
-        self.loras.last.read_ms = read_ms;
-        self.loras.last.merge_ms = ms_since(started) - read_ms;
-        Ok(())
+    }
+
+    fn restore(&mut self, network: Network, originals: &mut Originals) -> candle_core::Result<()> {
+        match network {
+            Network::Unet => self.unet.restore(originals),
+            Network::TextEncoder(i) => match self.encoders.get_mut(i) {
+                Some(e) => e.model.restore(originals),
+                None => Err(no_network(network)),
+            },
+        }
+    }
+
+    fn denoiser_changed(&self) {
+        if let Some(unet) = self.unet.get() {
+            unet.weights_changed();
+        }
+    }
+}
+
+impl LoraNetworks for Sd3Model {
+    fn lora_params(&self) -> (ModelParams, Vec<HashMap<String, String>>) {
+        let (text, text_names) =
+            [&self.clip_l, &self.clip_g].into_iter().map(|m| canonical_text(m.param_shapes())).unzip();
+        let params = ModelParams {
+            unet: self.transformer.param_shapes(),
+            text,
+            unet_layers_per_block: 0,
+            unet_down_blocks: 0,
+            denoiser: Denoiser::Mmdit,
+        };
+        (params, text_names)
+    }
+
+    fn delta_device(&self, network: Network) -> Option<Device> {
+        match network {
+            Network::Unet => Some(self.transformer.delta_device()),
+            Network::TextEncoder(0) => Some(self.clip_l.delta_device()),
+            Network::TextEncoder(1) => Some(self.clip_g.delta_device()),
+            Network::TextEncoder(_) => None,
+        }
+    }
+
+    // An offloaded network's host copy takes the deltas (`Resident::add_delta`), so every rebuild has the LoRA.
+    fn add_delta(
+        &mut self,
+        network: Network,
+        name: &str,
+        delta: &Tensor,
+        originals: &mut Originals,
+    ) -> candle_core::Result<()> {
+        match network {
+            Network::Unet => self.transformer.add_delta(name, delta, originals),
+            Network::TextEncoder(0) => self.clip_l.add_delta(name, delta, originals),
+            Network::TextEncoder(1) => self.clip_g.add_delta(name, delta, originals),
+            Network::TextEncoder(_) => Err(no_network(network)),
+        }
+    }
+
+    fn restore(&mut self, network: Network, originals: &mut Originals) -> candle_core::Result<()> {
+        match network {
+            Network::Unet => self.transformer.restore(originals),
+            Network::TextEncoder(0) => self.clip_l.restore(originals),
+            Network::TextEncoder(1) => self.clip_g.restore(originals),
+            Network::TextEncoder(_) => Err(no_network(network)),
+        }
     }
 }
 

@@ -412,7 +412,7 @@ pub fn config_beside(file: &Path) -> Option<PathBuf> {
 
 /// A diffusers component folder as a network on `target`: memory-mapped straight onto the device, or read into
 /// host memory when it is offloaded.
-fn component<T>(
+pub(crate) fn component<T>(
     dir: &Path,
     target: ModuleTarget,
     build: impl Fn(VarBuilder<'static>) -> sdhive_models::Result<T> + Send + Sync + 'static,

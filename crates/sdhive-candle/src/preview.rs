@@ -151,14 +151,45 @@ const SDXL_LATENT_RGB: [[f32; 3]; 4] = [
 ];
 const SDXL_LATENT_RGB_BIAS: [f32; 3] = [0.1084, -0.0175, -0.0011];
 
+/// SD3 / SD3.5's 16-channel latents (scaled and shifted, as the transformer sees them), ComfyUI's `SD3` factors.
+const SD3_LATENT_RGB: [[f32; 3]; 16] = [
+    [-0.0922, -0.0175, 0.0749],
+    [0.0311, 0.0633, 0.0954],
+    [0.1994, 0.0927, 0.0458],
+    [0.0856, 0.0339, 0.0902],
+    [0.0587, 0.0272, -0.0496],
+    [-0.0006, 0.1104, 0.0309],
+    [0.0978, 0.0306, 0.0427],
+    [-0.0042, 0.1038, 0.1358],
+    [-0.0194, 0.0020, 0.0669],
+    [-0.0488, 0.0130, -0.0268],
+    [0.0922, 0.0988, 0.0951],
+    [-0.0278, 0.0524, -0.0542],
+    [0.0332, 0.0456, 0.0895],
+    [-0.0069, -0.0030, -0.0810],
+    [-0.0596, -0.0465, -0.0293],
+    [-0.1448, -0.1463, -0.1189],
+];
+const SD3_LATENT_RGB_BIAS: [f32; 3] = [0.2394, 0.2135, 0.1925];
+
 /// A latent-resolution RGB preview of `[1, 4, h, w]` latents; `None` for latent layouts without known factors.
 pub fn latent_preview(model: &SdModel, latents: &Tensor) -> Option<RgbImage> {
     let (factors, bias) = match model.family {
         Family::Sd => (&SD_LATENT_RGB, &SD_LATENT_RGB_BIAS),
         Family::Sdxl => (&SDXL_LATENT_RGB, &SDXL_LATENT_RGB_BIAS),
     };
+    latent_rgb(latents, factors, bias)
+}
+
+/// The latent preview of SD3-family latents `[1, 16, h, w]`.
+pub fn sd3_latent_preview(latents: &Tensor) -> Option<RgbImage> {
+    latent_rgb(latents, &SD3_LATENT_RGB, &SD3_LATENT_RGB_BIAS)
+}
+
+/// `factors · latent + bias` per pixel, mapped from [-1, 1] to 8 bits; `None` when the channels do not match.
+fn latent_rgb(latents: &Tensor, factors: &[[f32; 3]], bias: &[f32; 3]) -> Option<RgbImage> {
     let (_, c, h, w) = latents.dims4().ok()?;
-    if c != 4 {
+    if c != factors.len() {
         return None;
     }
     let values = latents.get(0).ok()?.to_dtype(DType::F32).ok()?.flatten_all().ok()?.to_vec1::<f32>().ok()?;
@@ -166,7 +197,7 @@ pub fn latent_preview(model: &SdModel, latents: &Tensor) -> Option<RgbImage> {
     let mut data = Vec::with_capacity(plane * 3);
     for p in 0..plane {
         for (rgb, b) in bias.iter().enumerate() {
-            let v: f32 = (0..4).map(|ch| values[ch * plane + p] * factors[ch][rgb]).sum::<f32>() + b;
+            let v: f32 = (0..c).map(|ch| values[ch * plane + p] * factors[ch][rgb]).sum::<f32>() + b;
             data.push((((v + 1.0) / 2.0).clamp(0.0, 1.0) * 255.0).round() as u8);
         }
     }

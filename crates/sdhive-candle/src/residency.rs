@@ -73,6 +73,34 @@ impl Originals {
     pub fn is_empty(&self) -> bool {
         self.weights.is_empty()
     }
+
+    /// Adds `delta` (the file's shape) in place to the weight `name` of the built network `params` maps, keeping
+    /// the weight as it was the first time it changes. The network's buffers, and so a recorded CUDA graph, stay
+    /// valid.
+    pub(crate) fn add_in_place(
+        &mut self,
+        params: &ParamMap,
+        name: &str,
+        delta: &Tensor,
+    ) -> candle_core::Result<()> {
+        let slot = params
+            .get(name)
+            .ok_or_else(|| candle_core::Error::Msg(format!("no weight `{name}` to change")))?;
+        if !self.weights.contains_key(name) {
+            self.weights.insert(name.to_string(), slot.read()?);
+        }
+        slot.add(delta)
+    }
+
+    /// Puts every weight kept back into the built network `params` maps, bit for bit, and empties itself.
+    pub(crate) fn restore_in_place(&mut self, params: &ParamMap) -> candle_core::Result<()> {
+        for (name, original) in self.weights.drain() {
+            if let Some(slot) = params.get(&name) {
+                slot.write(&original)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl<T> Resident<T> {
@@ -152,6 +180,16 @@ impl<T> Resident<T> {
         }
     }
 
+    /// The network for a stretch of work: borrowed when resident, built on its device from the host copy when
+    /// offloaded (dropped, freeing its device memory, with the handle). Unlike [`Resident::with`], the caller's
+    /// own errors pass through untouched across a whole loop.
+    pub fn in_use(&self) -> sdhive_models::Result<InUse<'_, T>> {
+        match &self.state {
+            State::Loaded(m) => Ok(InUse::Borrowed(m)),
+            State::Host { weights, build } => Ok(InUse::Built(build(builder(weights, &self.target))?)),
+        }
+    }
+
     pub fn device(&self) -> &Device {
         &self.target.device
     }
@@ -211,16 +249,7 @@ impl<T> Resident<T> {
         originals: &mut Originals,
     ) -> candle_core::Result<()> {
         match &mut self.state {
-            State::Loaded(_) => {
-                let slot = self
-                    .params
-                    .get(name)
-                    .ok_or_else(|| candle_core::Error::Msg(format!("no weight `{name}` to change")))?;
-                if !originals.weights.contains_key(name) {
-                    originals.weights.insert(name.to_string(), slot.read()?);
-                }
-                slot.add(delta)
-            }
+            State::Loaded(_) => originals.add_in_place(&self.params, name, delta),
             State::Host { weights, .. } => {
                 let current = weights
                     .get(name)
@@ -237,19 +266,13 @@ impl<T> Resident<T> {
 
     /// Puts back every weight `originals` holds, bit for bit, and empties it.
     pub fn restore(&mut self, originals: &mut Originals) -> candle_core::Result<()> {
-        for (name, original) in originals.weights.drain() {
-            match &mut self.state {
-                State::Loaded(_) => {
-                    if let Some(slot) = self.params.get(&name) {
-                        slot.write(&original)?;
-                    }
-                }
-                State::Host { weights, .. } => {
-                    weights.insert(name, original);
-                }
+        match &mut self.state {
+            State::Loaded(_) => originals.restore_in_place(&self.params),
+            State::Host { weights, .. } => {
+                weights.extend(originals.weights.drain());
+                Ok(())
             }
         }
-        Ok(())
     }
 
     /// The built network, when it is resident (benchmarks and tests that drive it directly).
@@ -257,6 +280,23 @@ impl<T> Resident<T> {
         match &self.state {
             State::Loaded(m) => Some(m),
             State::Host { .. } => None,
+        }
+    }
+}
+
+/// A network in use: see [`Resident::in_use`].
+pub enum InUse<'a, T> {
+    Borrowed(&'a T),
+    Built(T),
+}
+
+impl<T> std::ops::Deref for InUse<'_, T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        match self {
+            InUse::Borrowed(m) => m,
+            InUse::Built(m) => m,
         }
     }
 }

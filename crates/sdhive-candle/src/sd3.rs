@@ -3,21 +3,29 @@
 //! out as diffusers makes them —, the MMDiT transformer, the 16-channel VAE, the flow-match scheduler), the joint
 //! context built as `encode_prompt` builds it (each CLIP's penultimate hidden state, joined along the features,
 //! zero-padded to T5's width, then T5's states appended along the sequence; the projected pooled outputs joined),
-//! classifier-free guidance with the negative prompt first, Euler flow-matching steps, and the decode of
-//! `latents / scaling_factor + shift_factor`.
+//! classifier-free guidance with the negative prompt first, flow-matching Euler steps (or DPM++ 2M on flow sigmas,
+//! as diffusers runs it when the pipeline's scheduler is swapped for it), skip-layer guidance's extra pass on the
+//! positive prompt where asked, and the decode of `latents / scaling_factor + shift_factor`. img2img as
+//! `StableDiffusion3Img2ImgPipeline`, inpainting as `StableDiffusion3InpaintPipeline` runs a 16-channel transformer
+//! (the latents outside the mask put back to the re-noised init latents after every step).
 //!
-//! This is the pipeline the engine will serve SD3 through; the serving engine (`SdModel`, LoRAs, the RAM cache,
-//! batching) does not route SD3 models here yet.
+//! Workers serve it through `Sd3Engine`. Each network is a [`Resident`] on its own target (`--placement`,
+//! `--offload`, module `te` being all three text encoders); LoRAs are merged into the MMDiT's and both CLIPs'
+//! weights in place, or into an offloaded network's host copy (`lora.rs`).
 
-use crate::tensor_image::{image_to_tensor, tensor_to_image};
+use crate::model::component;
+use crate::residency::{InUse, Resident, Targets};
+use crate::tensor_image::{image_to_tensor, mask_to_tensor, nearest_downsample, tensor_to_image};
 use candle_core::{DType, Device, Tensor, D};
-use sdhive_engine::RgbImage;
+use sdhive_engine::memory::ATTENTION_SLICES;
+use sdhive_engine::{GrayImage, RgbImage, SkipLayerGuidance};
+use sdhive_models::ops::{limit_attention_scores, MAX_SCORE_ELEMENTS};
 use sdhive_models::{
     AutoencoderKL, AutoencoderKLConfig, ClipTextConfig, ClipTextModel, SD3Transformer2DModel,
     SD3TransformerConfig, T5Config, T5EncoderModel,
 };
 use sdhive_rng::TorchGenerator;
-use sdhive_schedulers::{FlowMatchConfig, FlowMatchEulerDiscrete};
+use sdhive_schedulers::{FlowMatchConfig, FlowMatchEulerDiscrete, FlowSampler, FlowScheduler};
 use sdhive_tokenizer::{ClipTokenizer, PadToken, T5Tokenizer, T5_DEFAULT_MAX_LEN};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
@@ -42,17 +50,59 @@ fn failed<E: std::fmt::Display>(stage: &'static str) -> impl Fn(E) -> Sd3Error {
     move |e| Sd3Error::Failed { stage, message: e.to_string() }
 }
 
-/// A loaded SD3-family model.
+/// A loaded SD3-family model. Each network lives where its [`Targets`] entry puts it: the three text encoders
+/// (module `te`) on `targets.text`, the MMDiT on `targets.unet`, the VAE on `targets.vae`; an offloaded one is a
+/// host copy built on its device for each use (the text encoders per prompt, the MMDiT per image, the VAE per
+/// encode or decode) and dropped after.
 pub struct Sd3Model {
-    pub clip_l: ClipTextModel,
+    pub clip_l: Resident<ClipTextModel>,
     pub tokenizer_l: ClipTokenizer,
-    pub clip_g: ClipTextModel,
+    pub clip_g: Resident<ClipTextModel>,
     pub tokenizer_g: ClipTokenizer,
     /// `None`: left out (diffusers' `text_encoder_3=None`), its part of the context is zeros.
-    pub t5: Option<(T5EncoderModel, T5Tokenizer)>,
-    pub transformer: SD3Transformer2DModel,
-    pub vae: AutoencoderKL,
+    pub t5: Option<(Resident<T5EncoderModel>, T5Tokenizer)>,
+    pub transformer: Sd3Transformer,
+    pub vae: Resident<AutoencoderKL>,
+    vae_config: AutoencoderKLConfig,
     pub scheduler: FlowMatchConfig,
+}
+
+/// The MMDiT with its config, kept beside it because an offloaded MMDiT is not built between uses; derefs to its
+/// [`Resident`] (device, dtype, `in_use`, LoRA merging).
+pub struct Sd3Transformer {
+    network: Resident<SD3Transformer2DModel>,
+    config: SD3TransformerConfig,
+}
+
+impl Sd3Transformer {
+    pub fn config(&self) -> &SD3TransformerConfig {
+        &self.config
+    }
+
+    /// One pass, the MMDiT built for it when offloaded (a loop holds [`Resident::in_use`] instead).
+    pub fn forward(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        context: &Tensor,
+        pooled: &Tensor,
+    ) -> sdhive_models::Result<Tensor> {
+        self.network.in_use()?.forward(latents, timestep, context, pooled)
+    }
+}
+
+impl std::ops::Deref for Sd3Transformer {
+    type Target = Resident<SD3Transformer2DModel>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.network
+    }
+}
+
+impl std::ops::DerefMut for Sd3Transformer {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.network
+    }
 }
 
 /// One text-to-image request.
@@ -71,6 +121,13 @@ pub struct Sd3Request {
     /// img2img: the starting image (resized to `width`×`height`) and how much of it is repainted (0–1).
     pub init_image: Option<RgbImage>,
     pub strength: f64,
+    /// Inpainting (needs `init_image`): white repaints, black keeps; resized to `width`×`height` and binarised at
+    /// 0.5 as diffusers' mask processor does (blur and the like are the caller's, as for SD1/SDXL).
+    pub mask: Option<GrayImage>,
+    /// The flow scheduler: Euler (the model's own) or DPM++ 2M (text-to-image only, as in diffusers).
+    pub sampler: FlowSampler,
+    /// Skip-layer guidance: text-to-image with CFG only, as diffusers' `StableDiffusion3Pipeline` has it.
+    pub skip_layer_guidance: Option<SkipLayerGuidance>,
 }
 
 impl Sd3Request {
@@ -86,7 +143,47 @@ impl Sd3Request {
             max_sequence_length: T5_DEFAULT_MAX_LEN,
             init_image: None,
             strength: 0.75,
+            mask: None,
+            sampler: FlowSampler::Euler,
+            skip_layer_guidance: None,
         }
+    }
+}
+
+/// The text encoders built for use: see [`Sd3Model::text_encoders`].
+struct TextEncoders<'a> {
+    clip_l: InUse<'a, ClipTextModel>,
+    clip_g: InUse<'a, ClipTextModel>,
+    t5: Option<InUse<'a, T5EncoderModel>>,
+}
+
+/// Inpainting's per-step blend for a 16-channel transformer: the latent-size binary mask and the init latents.
+struct Inpaint {
+    mask: Tensor,
+    /// `1 − mask`.
+    keep: Tensor,
+    init: Tensor,
+}
+
+impl Inpaint {
+    /// `(1 − mask)·init' + mask·latents`, `init'` the init latents noised to the sigma of step `next` (the
+    /// scheduler's step index after the step just taken), the clean init latents after the last step.
+    fn blend(
+        &self,
+        scheduler: &FlowScheduler,
+        next: usize,
+        latents: &Tensor,
+        noise: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        let proper = if next < scheduler.timesteps().len() {
+            scheduler.scale_noise(&self.init, noise, next).map_err(candle_core::Error::wrap)?
+        } else {
+            self.init.clone()
+        };
+        let dtype = latents.dtype();
+        let kept = proper.broadcast_mul(&self.keep)?;
+        let painted = latents.to_dtype(DType::F32)?.broadcast_mul(&self.mask)?;
+        (kept + painted)?.to_dtype(dtype)
     }
 }
 
@@ -101,13 +198,20 @@ pub struct Sd3Output {
 
 impl Sd3Model {
     /// Reads a diffusers folder (`model_index.json` beside `text_encoder`, `text_encoder_2`, `text_encoder_3`,
-    /// `tokenizer*`, `transformer`, `vae`, `scheduler`); `with_t5: false` leaves T5 out (about 9 GB in f16 for
-    /// T5-XXL), as does a folder without `text_encoder_3`.
+    /// `tokenizer*`, `transformer`, `vae`, `scheduler`) with every network on `device` in `dtype`; `with_t5: false`
+    /// leaves T5 out (about 9 GB in f16 for T5-XXL), as does a folder without `text_encoder_3`.
     pub fn from_dir(dir: &Path, dtype: DType, device: &Device, with_t5: bool) -> Result<Sd3Model, Sd3Error> {
+        Self::from_dir_on(dir, &Targets::all(device, dtype), with_t5)
+    }
+
+    /// [`Sd3Model::from_dir`] with each network on its own target (device, dtype, offload).
+    pub fn from_dir_on(dir: &Path, targets: &Targets, with_t5: bool) -> Result<Sd3Model, Sd3Error> {
         let sub = |name: &str| dir.join(name);
-        let clip = |name: &str| {
-            let path = sub(name);
-            load(&path, ClipTextModel::from_dir(&path, true, dtype, device))
+        let config = |name: &str| sub(name).join("config.json");
+        let clip = |name: &str| -> Result<Resident<ClipTextModel>, Sd3Error> {
+            let cfg = load(&config(name), ClipTextConfig::from_file(&config(name)))?;
+            let target = targets.text.clone();
+            load(&sub(name), component(&sub(name), target, move |vb| ClipTextModel::new(vb, &cfg, true)))
         };
         let tokenizer = |name: &str| {
             let path = sub(name);
@@ -115,9 +219,11 @@ impl Sd3Model {
         };
         let t5 = match (with_t5, sub("text_encoder_3").is_dir()) {
             (true, true) => {
+                let path = sub("text_encoder_3");
+                let cfg = load(&config("text_encoder_3"), T5Config::from_file(&config("text_encoder_3")))?;
                 let encoder = load(
-                    &sub("text_encoder_3"),
-                    T5EncoderModel::from_dir(&sub("text_encoder_3"), dtype, device),
+                    &path,
+                    component(&path, targets.text.clone(), move |vb| T5EncoderModel::new(vb, &cfg)),
                 )?;
                 let tokenizer = load(&sub("tokenizer_3"), T5Tokenizer::from_dir(&sub("tokenizer_3")))?;
                 Some((encoder, tokenizer))
@@ -125,26 +231,39 @@ impl Sd3Model {
             _ => None,
         };
         let scheduler_file = sub("scheduler").join("scheduler_config.json");
+        let transformer_config =
+            load(&config("transformer"), SD3TransformerConfig::from_file(&config("transformer")))?;
+        let cfg = transformer_config.clone();
+        let transformer = load(
+            &sub("transformer"),
+            component(&sub("transformer"), targets.unet.clone(), move |vb| {
+                SD3Transformer2DModel::new(vb, &cfg)
+            }),
+        )?;
+        let vae_config = load(&config("vae"), AutoencoderKLConfig::from_file(&config("vae")))?;
+        let cfg = vae_config.clone();
+        let vae = load(
+            &sub("vae"),
+            component(&sub("vae"), targets.vae.clone(), move |vb| AutoencoderKL::new(vb, &cfg)),
+        )?;
         Ok(Sd3Model {
             clip_l: clip("text_encoder")?,
             tokenizer_l: tokenizer("tokenizer")?,
             clip_g: clip("text_encoder_2")?,
             tokenizer_g: tokenizer("tokenizer_2")?,
             t5,
-            transformer: load(
-                &sub("transformer"),
-                SD3Transformer2DModel::from_dir(&sub("transformer"), dtype, device),
-            )?,
-            vae: load(&sub("vae"), AutoencoderKL::from_dir(&sub("vae"), dtype, device))?,
+            transformer: Sd3Transformer { network: transformer, config: transformer_config },
+            vae,
+            vae_config,
             scheduler: load(&scheduler_file, FlowMatchConfig::from_file(&scheduler_file))?,
         })
     }
 
     /// Reads an SD3 / SD3.5 single file in SAI's layout, converted by `sdhive_checkpoint` into the networks
-    /// `from_dir` builds. `config_dir`, a diffusers folder of the model (diffusers' `from_single_file(config=…)`),
-    /// gives the configs and the tokenizers; text encoders the file does not carry (SD3.5 files carry none) come
-    /// from its `text_encoder*` folders. Without a folder the configs are inferred and CLIP uses the bundled
-    /// vocabulary (a file with T5 then needs the folder's `tokenizer_3`).
+    /// `from_dir` builds, every network on `device` in `dtype`. `config_dir`, a diffusers folder of the model
+    /// (diffusers' `from_single_file(config=…)`), gives the configs and the tokenizers; text encoders the file does
+    /// not carry (SD3.5 files carry none) come from its `text_encoder*` folders. Without a folder the configs are
+    /// inferred and CLIP uses the bundled vocabulary (a file with T5 then needs the folder's `tokenizer_3`).
     pub fn from_single_file(
         file: &Path,
         config_dir: Option<&Path>,
@@ -152,7 +271,20 @@ impl Sd3Model {
         device: &Device,
         with_t5: bool,
     ) -> Result<Sd3Model, Sd3Error> {
-        let c = load(file, sdhive_checkpoint::load_sd3_single_file_on(file, config_dir, device))?;
+        Self::from_single_file_on(file, config_dir, &Targets::all(device, dtype), with_t5)
+    }
+
+    /// [`Sd3Model::from_single_file`] with each network on its own target. The converted weights of an offloaded
+    /// network are kept as its host copy.
+    pub fn from_single_file_on(
+        file: &Path,
+        config_dir: Option<&Path>,
+        targets: &Targets,
+        with_t5: bool,
+    ) -> Result<Sd3Model, Sd3Error> {
+        // An offloaded network keeps the converted tensors as its host copy, so they are made in host memory.
+        let convert_on = if targets.any_offloaded() { Device::Cpu } else { targets.unet.device.clone() };
+        let c = load(file, sdhive_checkpoint::load_sd3_single_file_on(file, config_dir, &convert_on))?;
         fn parse<T: serde::de::DeserializeOwned>(
             file: &Path,
             sub: &str,
@@ -163,26 +295,38 @@ impl Sd3Model {
                 message: format!("{sub} config: {e}"),
             })
         }
-        let build = |weights: std::collections::HashMap<String, Tensor>| {
-            candle_nn::VarBuilder::from_tensors(weights, dtype, device)
-        };
         let sub = |name: &str| config_dir.map(|d| d.join(name));
-        let transformer_cfg: SD3TransformerConfig = parse(file, "transformer", &c.configs.transformer)?;
-        let vae_cfg: AutoencoderKLConfig = parse(file, "vae", &c.configs.vae)?;
-        let transformer = load(file, SD3Transformer2DModel::new(build(c.transformer), &transformer_cfg))?;
-        let vae = load(file, AutoencoderKL::new(build(c.vae), &vae_cfg))?;
+        let transformer_config: SD3TransformerConfig = parse(file, "transformer", &c.configs.transformer)?;
+        let vae_config: AutoencoderKLConfig = parse(file, "vae", &c.configs.vae)?;
+        let cfg = transformer_config.clone();
+        let transformer = load(
+            file,
+            Resident::from_host(c.transformer, targets.unet.clone(), move |vb| {
+                SD3Transformer2DModel::new(vb, &cfg)
+            }),
+        )?;
+        let cfg = vae_config.clone();
+        let vae = load(
+            file,
+            Resident::from_host(c.vae, targets.vae.clone(), move |vb| AutoencoderKL::new(vb, &cfg)),
+        )?;
         let clip = |weights: Option<std::collections::HashMap<String, Tensor>>,
                     cfg: Option<&serde_json::Value>,
                     name: &str|
-         -> Result<ClipTextModel, Sd3Error> {
+         -> Result<Resident<ClipTextModel>, Sd3Error> {
+            let target = targets.text.clone();
             match (weights, cfg) {
                 (Some(w), Some(cfg)) => {
                     let cfg: ClipTextConfig = parse(file, name, cfg)?;
-                    load(file, ClipTextModel::new(build(w), &cfg, true))
+                    load(file, Resident::from_host(w, target, move |vb| ClipTextModel::new(vb, &cfg, true)))
                 }
                 // The converter has checked that the config folder has this encoder.
                 _ => match sub(name) {
-                    Some(path) => load(&path, ClipTextModel::from_dir(&path, true, dtype, device)),
+                    Some(path) => {
+                        let config = path.join("config.json");
+                        let cfg = load(&config, ClipTextConfig::from_file(&config))?;
+                        load(&path, component(&path, target, move |vb| ClipTextModel::new(vb, &cfg, true)))
+                    }
                     None => Err(Sd3Error::Load {
                         path: file.to_path_buf(),
                         message: format!("no `{name}` in the file and no config folder to take it from"),
@@ -210,11 +354,21 @@ impl Sd3Model {
             (false, _, _) => None,
             (true, Some(w), Some(cfg)) => {
                 let cfg: T5Config = parse(file, "text_encoder_3", cfg)?;
-                Some((load(file, T5EncoderModel::new(build(w), &cfg))?, t5_tokenizer()?))
+                let encoder = load(
+                    file,
+                    Resident::from_host(w, targets.text.clone(), move |vb| T5EncoderModel::new(vb, &cfg)),
+                )?;
+                Some((encoder, t5_tokenizer()?))
             }
             (true, _, _) => match sub("text_encoder_3").filter(|d| d.is_dir()) {
                 Some(path) => {
-                    Some((load(&path, T5EncoderModel::from_dir(&path, dtype, device))?, t5_tokenizer()?))
+                    let config = path.join("config.json");
+                    let cfg = load(&config, T5Config::from_file(&config))?;
+                    let encoder = load(
+                        &path,
+                        component(&path, targets.text.clone(), move |vb| T5EncoderModel::new(vb, &cfg)),
+                    )?;
+                    Some((encoder, t5_tokenizer()?))
                 }
                 None => None,
             },
@@ -226,10 +380,19 @@ impl Sd3Model {
             clip_g,
             tokenizer_g: tokenizer("tokenizer_2", PadToken::Exclamation)?,
             t5,
-            transformer,
+            transformer: Sd3Transformer { network: transformer, config: transformer_config },
             vae,
+            vae_config,
             scheduler,
         })
+    }
+
+    pub fn transformer_config(&self) -> &SD3TransformerConfig {
+        self.transformer.config()
+    }
+
+    pub fn vae_config(&self) -> &AutoencoderKLConfig {
+        &self.vae_config
     }
 
     fn device(&self) -> &Device {
@@ -237,18 +400,33 @@ impl Sd3Model {
     }
 
     /// One CLIP tower: the penultimate hidden state `(1, 77, H)` and the projected pooled output `(1, P)`.
-    fn clip(&self, large: bool, text: &str) -> candle_core::Result<(Tensor, Tensor)> {
-        let (model, tokenizer) =
-            if large { (&self.clip_g, &self.tokenizer_g) } else { (&self.clip_l, &self.tokenizer_l) };
+    fn clip(
+        model: &ClipTextModel,
+        tokenizer: &ClipTokenizer,
+        text: &str,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
         let ids = tokenizer.encode_padded(text);
         let n = ids.len();
-        let ids = Tensor::from_vec(ids, (1, n), self.device())?;
+        let ids = Tensor::from_vec(ids, (1, n), model.device())?;
         let out = model.forward(&ids).map_err(candle_core::Error::wrap)?;
         let k = out.hidden_states.len();
         let pooled = out
             .text_embeds
             .ok_or_else(|| candle_core::Error::Msg("the CLIP encoder has no projection head".into()))?;
         Ok((out.hidden_states[k - 2].clone(), pooled))
+    }
+
+    /// The three text encoders for a stretch of prompts: built once when offloaded (a job's prompt and negative
+    /// prompt share one build, as diffusers' model CPU offload loads them once per `encode_prompt`).
+    fn text_encoders(&self) -> Result<TextEncoders<'_>, Sd3Error> {
+        Ok(TextEncoders {
+            clip_l: self.clip_l.in_use().map_err(failed("CLIP-L"))?,
+            clip_g: self.clip_g.in_use().map_err(failed("CLIP-G"))?,
+            t5: match &self.t5 {
+                Some((encoder, _)) => Some(encoder.in_use().map_err(failed("T5"))?),
+                None => None,
+            },
+        })
     }
 
     /// diffusers' `encode_prompt` for one prompt: the joint context `(1, 77 + max_sequence_length, D)` and the
@@ -258,21 +436,33 @@ impl Sd3Model {
         text: &str,
         max_sequence_length: usize,
     ) -> Result<(Tensor, Tensor), Sd3Error> {
+        self.encode_prompt_with(&self.text_encoders()?, text, max_sequence_length)
+    }
+
+    fn encode_prompt_with(
+        &self,
+        encoders: &TextEncoders<'_>,
+        text: &str,
+        max_sequence_length: usize,
+    ) -> Result<(Tensor, Tensor), Sd3Error> {
         let joint = self.transformer.config().joint_attention_dim;
-        let (l, pooled_l) = self.clip(false, text).map_err(failed("CLIP-L"))?;
-        let (g, pooled_g) = self.clip(true, text).map_err(failed("CLIP-G"))?;
-        let t5 = match &self.t5 {
-            Some((encoder, tokenizer)) => {
+        let (l, pooled_l) =
+            Self::clip(&encoders.clip_l, &self.tokenizer_l, text).map_err(failed("CLIP-L"))?;
+        let (g, pooled_g) =
+            Self::clip(&encoders.clip_g, &self.tokenizer_g, text).map_err(failed("CLIP-G"))?;
+        let t5 = match (&encoders.t5, &self.t5) {
+            (Some(encoder), Some((_, tokenizer))) => {
                 let ids = tokenizer.encode(text, max_sequence_length).map_err(|e| Sd3Error::Invalid {
                     field: "max_sequence_length",
                     message: e.to_string(),
                 })?;
-                let ids =
-                    Tensor::from_vec(ids, (1, max_sequence_length), self.device()).map_err(failed("T5"))?;
+                let ids = Tensor::from_vec(ids, (1, max_sequence_length), encoder.device())
+                    .map_err(failed("T5"))?;
                 encoder.forward(&ids).map_err(failed("T5"))?
             }
-            None => Tensor::zeros((1, max_sequence_length, joint), l.dtype(), self.device())
-                .map_err(failed("T5"))?,
+            _ => {
+                Tensor::zeros((1, max_sequence_length, joint), l.dtype(), l.device()).map_err(failed("T5"))?
+            }
         };
         let width = t5.dim(D::Minus1).map_err(failed("T5"))?;
         let clip = Tensor::cat(&[&l, &g], D::Minus1).map_err(failed("context"))?;
@@ -302,13 +492,13 @@ impl Sd3Model {
         let x = image_to_tensor(&resized, self.vae.device())
             .and_then(|x| x.to_dtype(self.vae.dtype()))
             .map_err(failed("init image"))?;
-        let dist = self.vae.encode(&x).map_err(failed("vae encode"))?;
+        let dist = self.vae.in_use().map_err(failed("vae"))?.encode(&x).map_err(failed("vae encode"))?;
         let numel = dist.mean.elem_count();
         let noise = Tensor::from_vec(rng.randn(numel), dist.mean.dims(), dist.mean.device())
             .and_then(|n| n.to_dtype(dist.mean.dtype()))
             .map_err(failed("vae sample"))?;
         let sample = dist.sample_with(&noise).map_err(failed("vae sample"))?;
-        let vae = self.vae.config();
+        let vae = &self.vae_config;
         let shift = vae.shift_factor.unwrap_or(0.0);
         sample
             .to_dtype(DType::F32)
@@ -317,18 +507,85 @@ impl Sd3Model {
             .map_err(failed("vae sample"))
     }
 
-    /// Text to image (or image to image with `init_image`).
-    pub fn generate(&self, req: &Sd3Request) -> Result<Sd3Output, Sd3Error> {
-        self.generate_with(req, &mut |_, _| true)
+    /// What diffusers' SD3 pipelines cannot run, refused before any work: a mask without an init image, DPM++ 2M
+    /// and skip-layer guidance on img2img and inpainting (`StableDiffusion3Img2ImgPipeline` and
+    /// `StableDiffusion3InpaintPipeline` call `scale_noise`, which `DPMSolverMultistepScheduler` lacks, and have no
+    /// skip-layer guidance), skip-layer guidance without CFG (diffusers skips it silently) or with blocks the
+    /// transformer lacks.
+    fn check_sampling(&self, req: &Sd3Request, cfg: bool, img2img: bool) -> Result<(), Sd3Error> {
+        let invalid = |field: &'static str, message: String| Sd3Error::Invalid { field, message };
+        if req.mask.is_some() && req.init_image.is_none() {
+            return Err(invalid("mask", "a mask needs an init image to inpaint".into()));
+        }
+        if img2img && req.sampler == FlowSampler::DpmPp2M {
+            return Err(invalid(
+                "sampler",
+                "DPM++ 2M is for text-to-image on SD3 models (diffusers' SD3 img2img and inpaint pipelines \
+                 cannot run it); use Euler"
+                    .into(),
+            ));
+        }
+        let Some(g) = &req.skip_layer_guidance else {
+            return Ok(());
+        };
+        g.validate().map_err(|e| invalid(e.field, e.message))?;
+        if img2img {
+            return Err(invalid(
+                "skip_layer_guidance",
+                "applies to text-to-image only, as in diffusers (its SD3 img2img and inpaint pipelines have none)"
+                    .into(),
+            ));
+        }
+        if !cfg {
+            return Err(invalid(
+                "skip_layer_guidance",
+                format!(
+                    "runs beside classifier-free guidance, which cfg_scale {} turns off (it must be above 1)",
+                    req.guidance_scale
+                ),
+            ));
+        }
+        let blocks = self.transformer.config().num_layers;
+        if let Some(l) = g.layers.iter().find(|&&l| l >= blocks) {
+            return Err(invalid(
+                "skip_layer_guidance.layers",
+                format!(
+                    "block {l} does not exist: this model's transformer has {blocks} (0 to {})",
+                    blocks - 1
+                ),
+            ));
+        }
+        Ok(())
     }
 
-    /// Text to image, telling `on_step(step, steps)` after every step (1-based); `false` from it cancels the
-    /// image before the next step.
+    /// Text to image (or image to image with `init_image`, inpainting with `mask` too).
+    pub fn generate(&self, req: &Sd3Request) -> Result<Sd3Output, Sd3Error> {
+        self.generate_with(req, &mut |_, _, _| true)
+    }
+
+    /// Text to image, telling `on_step(step, steps, estimate)` after every step (1-based), with the step's
+    /// estimate of the clean latents (`x − σ·v`, what previews show); `false` from it cancels the image before the
+    /// next step.
     pub fn generate_with(
         &self,
         req: &Sd3Request,
-        on_step: &mut dyn FnMut(usize, usize) -> bool,
+        on_step: &mut dyn FnMut(usize, usize, &Tensor) -> bool,
     ) -> Result<Sd3Output, Sd3Error> {
+        let (noise, latents) = self.denoise(req, None, on_step)?;
+        let image = self.decode(&latents)?;
+        Ok(Sd3Output { noise, latents, image })
+    }
+
+    /// The denoising loop of `generate_with`, returning the initial noise and the final latents undecoded.
+    /// `init_latents` `(1, C, height/8, width/8)` makes it img2img from those latents (in the transformer's
+    /// space, as `StableDiffusion3Img2ImgPipeline` takes an `image=` with the VAE's latent channels: no encode,
+    /// no VAE sample drawn), in place of `req.init_image`.
+    pub fn denoise(
+        &self,
+        req: &Sd3Request,
+        init_latents: Option<&Tensor>,
+        on_step: &mut dyn FnMut(usize, usize, &Tensor) -> bool,
+    ) -> Result<(Tensor, Tensor), Sd3Error> {
         let factor = 8 * self.transformer.config().patch_size;
         for (field, v) in [("width", req.width), ("height", req.height)] {
             if v == 0 || v % factor != 0 {
@@ -342,34 +599,61 @@ impl Sd3Model {
             return Err(Sd3Error::Invalid { field: "steps", message: "must be at least 1".into() });
         }
         let cfg = req.guidance_scale > 1.0;
-        let (context, pooled) = self.encode_prompt(&req.prompt, req.max_sequence_length)?;
+        self.check_sampling(req, cfg, req.init_image.is_some() || init_latents.is_some())?;
+        let encoders = self.text_encoders()?;
+        let (positive, positive_pooled) =
+            self.encode_prompt_with(&encoders, &req.prompt, req.max_sequence_length)?;
         let (context, pooled) = if cfg {
-            let (nc, np) = self.encode_prompt(&req.negative_prompt, req.max_sequence_length)?;
+            let (nc, np) =
+                self.encode_prompt_with(&encoders, &req.negative_prompt, req.max_sequence_length)?;
             (
-                Tensor::cat(&[&nc, &context], 0).map_err(failed("context"))?,
-                Tensor::cat(&[&np, &pooled], 0).map_err(failed("pooled"))?,
+                Tensor::cat(&[&nc, &positive], 0).map_err(failed("context"))?,
+                Tensor::cat(&[&np, &positive_pooled], 0).map_err(failed("pooled"))?,
             )
         } else {
-            (context, pooled)
+            (positive.clone(), positive_pooled.clone())
         };
+        // Offloaded text encoders leave the device before the MMDiT is built there.
+        drop(encoders);
         let dtype = self.transformer.dtype();
+        // The text encoders may run elsewhere (`--placement te=cpu`): what they made moves to the MMDiT.
+        let to_transformer = |t: &Tensor| t.to_device(self.device()).and_then(|t| t.to_dtype(dtype));
         let (context, pooled) = (
-            context.to_dtype(dtype).map_err(failed("context"))?,
-            pooled.to_dtype(dtype).map_err(failed("pooled"))?,
+            to_transformer(&context).map_err(failed("context"))?,
+            to_transformer(&pooled).map_err(failed("pooled"))?,
         );
+        // Skip-layer guidance's extra pass sees the positive prompt alone.
+        let slg = match &req.skip_layer_guidance {
+            Some(g) => Some((
+                g,
+                to_transformer(&positive).map_err(failed("context"))?,
+                to_transformer(&positive_pooled).map_err(failed("pooled"))?,
+            )),
+            None => None,
+        };
         let channels = self.transformer.config().in_channels;
         let shape = (1, channels, req.height / 8, req.width / 8);
         let numel = channels * (req.height / 8) * (req.width / 8);
         let mut rng = TorchGenerator::new(req.seed);
         // img2img draws the VAE's sample before the noise, from the same generator, as diffusers does.
-        let init = match &req.init_image {
-            Some(image) => Some(self.encode_image(image, (req.width, req.height), &mut rng)?),
-            None => None,
+        let init = match (init_latents, &req.init_image) {
+            (Some(latents), _) => {
+                if latents.dims() != [1, channels, req.height / 8, req.width / 8] {
+                    return Err(Sd3Error::Failed {
+                        stage: "init latents",
+                        message: format!("shape {:?} is not {:?}", latents.dims(), shape),
+                    });
+                }
+                let latents = latents.to_dtype(DType::F32).and_then(|l| l.to_device(self.device()));
+                Some(latents.map_err(failed("init latents"))?)
+            }
+            (None, Some(image)) => Some(self.encode_image(image, (req.width, req.height), &mut rng)?),
+            (None, None) => None,
         };
         let noise = Tensor::from_vec(rng.randn(numel), shape, self.device()).map_err(failed("noise"))?;
         let mut scheduler =
-            FlowMatchEulerDiscrete::new(&self.scheduler, req.steps).map_err(failed("scheduler"))?;
-        let (start, mut latents) = match init {
+            FlowScheduler::new(req.sampler, &self.scheduler, req.steps).map_err(failed("scheduler"))?;
+        let (start, mut latents) = match &init {
             Some(init) => {
                 if !(0.0..=1.0).contains(&req.strength) {
                     return Err(Sd3Error::Invalid {
@@ -385,12 +669,30 @@ impl Sd3Model {
                     });
                 }
                 scheduler.set_begin_index(start);
-                let noised = scheduler.scale_noise(&init, &noise, start).map_err(failed("img2img noise"))?;
+                // The inpaint pipeline starts from the bare noise at full strength; img2img always noises.
+                let noised = if req.mask.is_some() && req.strength == 1.0 {
+                    noise.clone()
+                } else {
+                    scheduler.scale_noise(init, &noise, start).map_err(failed("img2img noise"))?
+                };
                 (start, noised.to_dtype(dtype).map_err(failed("noise"))?)
             }
             None => (0, noise.to_dtype(dtype).map_err(failed("noise"))?),
         };
+        // diffusers also encodes the masked image (drawing its VAE sample after the noise), but a 16-channel
+        // transformer never reads it and nothing draws from the generator later, so it is left out.
+        let inpaint = match (&req.mask, init) {
+            (Some(mask), Some(init)) => {
+                let full = mask_to_tensor(&mask.resized(req.width as u32, req.height as u32), self.device())
+                    .map_err(failed("mask"))?;
+                let mask =
+                    nearest_downsample(&full, req.height / 8, req.width / 8).map_err(failed("mask"))?;
+                Some(Inpaint { keep: mask.affine(-1.0, 1.0).map_err(failed("mask"))?, mask, init })
+            }
+            _ => None,
+        };
         let run = req.steps - start;
+        let transformer = self.transformer.in_use().map_err(failed("transformer"))?;
         for (i, t) in scheduler.timesteps().into_iter().enumerate().skip(start) {
             let batch = if cfg { 2 } else { 1 };
             let input = if cfg { Tensor::cat(&[&latents, &latents], 0) } else { Ok(latents.clone()) }
@@ -398,29 +700,60 @@ impl Sd3Model {
             let timestep = Tensor::full(t as f32, batch, self.device())
                 .and_then(|t| t.to_dtype(dtype))
                 .map_err(failed("denoise"))?;
-            let v = self
-                .transformer
-                .forward(&input, &timestep, &context, &pooled)
-                .map_err(failed("transformer"))?;
+            let v =
+                transformer.forward(&input, &timestep, &context, &pooled).map_err(failed("transformer"))?;
             let v = if cfg {
                 let uncond = v.narrow(0, 0, 1).map_err(failed("guidance"))?;
                 let text = v.narrow(0, 1, 1).map_err(failed("guidance"))?;
-                let delta = (text - &uncond).map_err(failed("guidance"))?;
-                (uncond + delta.affine(req.guidance_scale, 0.0).map_err(failed("guidance"))?)
-                    .map_err(failed("guidance"))?
+                let delta = (&text - &uncond).map_err(failed("guidance"))?;
+                let guided = (uncond + delta.affine(req.guidance_scale, 0.0).map_err(failed("guidance"))?)
+                    .map_err(failed("guidance"))?;
+                match slg.as_ref().filter(|(g, _, _)| g.active_at(i, req.steps)) {
+                    Some((g, positive, positive_pooled)) => {
+                        let timestep = Tensor::full(t as f32, 1, self.device())
+                            .and_then(|t| t.to_dtype(dtype))
+                            .map_err(failed("skip-layer guidance"))?;
+                        let skipped = transformer
+                            .forward_skipping(&latents, &timestep, positive, positive_pooled, &g.layers)
+                            .map_err(failed("transformer"))?;
+                        let push = (text - skipped)
+                            .and_then(|d| d.affine(g.scale, 0.0))
+                            .map_err(failed("skip-layer guidance"))?;
+                        (guided + push).map_err(failed("skip-layer guidance"))?
+                    }
+                    None => guided,
+                }
             } else {
                 v
             };
+            let sigma = f64::from(scheduler.sigmas()[i]);
+            let estimate =
+                (&latents - v.affine(sigma, 0.0).map_err(failed("estimate"))?).map_err(failed("estimate"))?;
             latents = scheduler.step(&v, i, &latents).map_err(failed("scheduler"))?;
-            if !on_step(i + 1 - start, run) {
+            if let Some(p) = &inpaint {
+                latents = p.blend(&scheduler, i + 1, &latents, &noise).map_err(failed("inpaint blend"))?;
+            }
+            if !on_step(i + 1 - start, run, &estimate) {
                 return Err(Sd3Error::Cancelled);
             }
         }
-        let vae = self.vae.config();
+        Ok((noise, latents))
+    }
+
+    /// The image of final latents: `vae.decode(latents / scaling_factor + shift_factor)` in 8 bits. An offloaded
+    /// MMDiT has left the device by now (`denoise` drops its use), before the VAE is built there.
+    pub fn decode(&self, latents: &Tensor) -> Result<RgbImage, Sd3Error> {
+        let vae = &self.vae_config;
         let shift = vae.shift_factor.unwrap_or(0.0);
-        let z = latents.affine(1.0 / vae.scaling_factor, shift).map_err(failed("decode"))?;
-        let decoded = self.vae.decode(&z).map_err(failed("decode"))?;
-        let image = tensor_to_image(&decoded).map_err(failed("decode"))?;
-        Ok(Sd3Output { noise, latents, image })
+        let z = latents
+            .affine(1.0 / vae.scaling_factor, shift)
+            .and_then(|z| z.to_device(self.vae.device()))
+            .and_then(|z| z.to_dtype(self.vae.dtype()))
+            .map_err(failed("decode"))?;
+        // The VAE's mid-block attention is one head over every latent pixel (16384² scores at 1024²): sliced as the
+        // SD1/SDXL memory plan slices it, so the decode does not set the job's peak above the denoising loop's.
+        let _slices = limit_attention_scores(MAX_SCORE_ELEMENTS / ATTENTION_SLICES as usize);
+        let decoded = self.vae.in_use().map_err(failed("vae"))?.decode(&z).map_err(failed("decode"))?;
+        tensor_to_image(&decoded).map_err(failed("decode"))
     }
 }

@@ -1,17 +1,28 @@
 //! `Sd3Engine`: the [`Engine`] over [`Sd3Model`], so a worker serves SD3 / SD3.5 diffusers folders through the
-//! same routes as SD1/SDXL. What it runs today: text-to-image and image-to-image with the flow-matching Euler
-//! sampler, n images from seed, seed+1, …, progress after every step and cancellation between steps, A1111
-//! infotext. What it refuses, naming the field: inpainting, hires fix, LoRAs and embeddings, and samplers other than
-//! Euler (A1111's default `Euler a` runs as Euler: flow models have one sampler here, and the infotext says so).
+//! same routes as SD1/SDXL. What it runs today: text-to-image, image-to-image and inpainting (as diffusers'
+//! `StableDiffusion3InpaintPipeline` with a 16-channel transformer; the mask as the SD1/SDXL engine takes it) with
+//! the flow-matching Euler sampler, text-to-image also with DPM++ 2M on flow sigmas and with skip-layer guidance,
+//! n images from seed, seed+1, …, progress after every step (with the latent preview of the step's estimate every
+//! `preview_every` steps) and cancellation between steps, A1111 infotext, and each job's LoRAs merged into the
+//! MMDiT and both CLIPs (`lora.rs`; put back exactly for the next job), and A1111's hires fix (`hires.rs`: any
+//! upscaler SD1/SDXL take, the second pass as SD3 img2img with Euler). What it refuses, naming the field:
+//! embeddings, samplers other than Euler and DPM++ 2M (A1111's default `Euler a` runs as Euler, and the infotext
+//! says so), the Karras schedule, DPM++ 2M and skip-layer guidance with an init image, a hires `hr_sampler_name`
+//! other than Euler and a hires size that is not a multiple of 16 (skip-layer guidance guides the first pass only).
 
-use crate::engine::finished_image;
+use crate::engine::{finished_image, lora_error};
+use crate::hires::{sd3_hires_image, sd3_second_pass_steps, Sd3SecondPass};
+use crate::lora::AppliedLoras;
+use crate::preview::sd3_latent_preview;
 use crate::sd3::{Sd3Error, Sd3Model, Sd3Request};
+use crate::upscalers::Upscalers;
 use candle_core::{DType, Device};
 use sdhive_engine::extra_networks::strip_networks;
 use sdhive_engine::{
     random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest, GeneratedImage,
-    Limits, PreviewDecoder, Progress, Sampler, ValidationError,
+    HiresFix, HiresTarget, Limits, PreviewDecoder, Progress, RgbImage, Sampler, Schedule, ValidationError,
 };
+use sdhive_schedulers::FlowSampler;
 use sdhive_tokenizer::T5_DEFAULT_MAX_LEN;
 use std::path::Path;
 
@@ -22,6 +33,10 @@ pub struct Sd3Engine {
     backend_name: String,
     device_name: String,
     limits: Limits,
+    /// The LoRAs merged into the model now.
+    loras: AppliedLoras,
+    /// Hires fix's image upscalers (models loaded on first use), shared with the SD1/SDXL engine's code.
+    upscalers: Upscalers,
 }
 
 /// Whether `dir` holds a diffusers SD3-family pipeline (`model_index.json` names `StableDiffusion3…`).
@@ -54,7 +69,21 @@ impl Sd3Engine {
             backend_name: backend_name.into(),
             device_name: device_name.into(),
             limits: Limits::default(),
+            loras: AppliedLoras::default(),
+            upscalers: Upscalers::default(),
         })
+    }
+
+    /// Loads each network on its own target (`--placement`, `--offload`); the MMDiT's dtype is the one reported.
+    pub fn load_on(
+        dir: &Path,
+        name: &str,
+        targets: &crate::residency::Targets,
+        with_t5: bool,
+        names: (&str, &str),
+    ) -> Result<Sd3Engine, Sd3Error> {
+        let model = Sd3Model::from_dir_on(dir, targets, with_t5)?;
+        Ok(Self::from_model(model, name, targets.unet.dtype, names))
     }
 
     /// Serves an already loaded model (e.g. [`Sd3Model::from_single_file`]) in `dtype`.
@@ -71,6 +100,8 @@ impl Sd3Engine {
             backend_name: backend_name.into(),
             device_name: device_name.into(),
             limits: Limits::default(),
+            loras: AppliedLoras::default(),
+            upscalers: Upscalers::default(),
         }
     }
 
@@ -80,33 +111,87 @@ impl Sd3Engine {
     }
 
     fn native_size(&self) -> u32 {
-        (self.model.transformer.config().sample_size * 8) as u32
+        (self.model.transformer_config().sample_size * 8) as u32
     }
 
     /// What this engine cannot do yet, refused before anything runs.
     fn check(&self, req: &GenerateRequest) -> Result<(), EngineError> {
-        if req.mask.is_some() {
-            return Err(invalid("mask", "inpainting is not available for SD3 models yet"));
-        }
-        if req.hires.is_some() {
-            return Err(invalid("enable_hr", "hires fix is not available for SD3 models yet"));
-        }
-        if !req.loras.is_empty() {
-            return Err(invalid("prompt", "LoRAs (<lora:…>) are not available for SD3 models yet"));
-        }
         if !req.embeddings.is_empty() {
             return Err(invalid("prompt", "textual-inversion embeddings do not apply to SD3 models"));
         }
-        if !matches!(req.sampler, Sampler::Euler | Sampler::EulerA) {
+        if flow_sampler(req.sampler).is_none() {
             return Err(invalid(
                 "sampler",
                 format!(
-                    "SD3 models run the flow-matching Euler sampler (`Euler`), not `{}`",
+                    "SD3 models run the flow-matching samplers `Euler` and `DPM++ 2M`, not `{}`",
                     req.sampler.name()
                 ),
             ));
         }
+        if req.schedule != Schedule::Automatic {
+            return Err(invalid(
+                "scheduler",
+                format!(
+                    "SD3 models take the schedule of their scheduler config (`Automatic`), not `{}`",
+                    req.schedule
+                ),
+            ));
+        }
         Ok(())
+    }
+}
+
+/// Where a hires fix's second pass runs and whether it ran another sampler than asked (for the infotext): the
+/// target size (a multiple of the model's `factor`), the second pass's schedule refused where SD3 img2img cannot
+/// run it. It is img2img, so Euler: a first pass on DPM++ 2M continues on Euler, an explicit `hr_sampler_name`
+/// must be Euler (or `Euler a`, run as Euler).
+fn hires_plan(
+    h: &HiresFix,
+    (width, height): (u32, u32),
+    factor: u32,
+    limits: &Limits,
+) -> Result<HiresTarget, EngineError> {
+    let target = h.validate(width, height, limits)?;
+    let (w, h_out) = target.output;
+    if w % factor != 0 || h_out % factor != 0 {
+        let field = match (h.resize_x, h.resize_y) {
+            (0, 0) => "hr_scale",
+            _ if w % factor != 0 => "hr_resize_x",
+            _ => "hr_resize_y",
+        };
+        return Err(invalid(
+            field,
+            format!("the hires size {w}x{h_out} must be a multiple of {factor} on each side for this model"),
+        ));
+    }
+    if let Some(s) = h.sampler {
+        if flow_sampler(s) != Some(FlowSampler::Euler) {
+            return Err(invalid(
+                "hr_sampler_name",
+                format!(
+                    "the SD3 hires pass is img2img, which runs `Euler` (diffusers' SD3 img2img pipeline has no \
+                     DPM++ 2M), not `{}`",
+                    s.name()
+                ),
+            ));
+        }
+    }
+    if let Some(s) = h.schedule.filter(|s| *s != Schedule::Automatic) {
+        return Err(invalid(
+            "hr_scheduler",
+            format!("SD3 models take the schedule of their scheduler config (`Automatic`), not `{s}`"),
+        ));
+    }
+    Ok(target)
+}
+
+/// The flow scheduler an A1111 sampler name runs on SD3 models: `Euler a` as Euler (a flow model has no ancestral
+/// variant here), `DPM++ 2M` as DPM-Solver++ on flow sigmas.
+fn flow_sampler(sampler: Sampler) -> Option<FlowSampler> {
+    match sampler {
+        Sampler::Euler | Sampler::EulerA => Some(FlowSampler::Euler),
+        Sampler::DpmPp2M => Some(FlowSampler::DpmPp2M),
+        Sampler::Ddim | Sampler::Lcm | Sampler::Pndm => None,
     }
 }
 
@@ -127,12 +212,12 @@ impl Engine for Sd3Engine {
             family: "sd3".into(),
             native_width: size,
             native_height: size,
-            samplers: vec![Sampler::Euler.name().to_string()],
+            samplers: [Sampler::Euler, Sampler::DpmPp2M].iter().map(|s| s.name().to_string()).collect(),
             supports_img2img: true,
-            supports_inpaint: false,
+            supports_inpaint: true,
             memory: None,
             text_widths: Vec::new(),
-            preview: PreviewDecoder::Off,
+            preview: PreviewDecoder::Latent,
         }
     }
 
@@ -145,7 +230,7 @@ impl Engine for Sd3Engine {
         self.check(req)?;
         let native = self.native_size();
         let (width, height) = req.output_size((native, native));
-        let factor = (8 * self.model.transformer.config().patch_size) as u32;
+        let factor = (8 * self.model.transformer_config().patch_size) as u32;
         for (field, v) in [("width", width), ("height", height)] {
             if v % factor != 0 {
                 return Err(invalid(
@@ -154,8 +239,52 @@ impl Engine for Sd3Engine {
                 ));
             }
         }
+        let hires = match &req.hires {
+            Some(h) => Some((h, hires_plan(h, (width, height), factor, &self.limits)?)),
+            None => None,
+        };
+        let sampler = flow_sampler(req.sampler).unwrap_or_default();
         // The infotext tells what ran.
-        let ran = GenerateRequest { sampler: Sampler::Euler, ..req.clone() };
+        let ran_sampler = match sampler {
+            FlowSampler::Euler => Sampler::Euler,
+            FlowSampler::DpmPp2M => Sampler::DpmPp2M,
+        };
+        let ran = GenerateRequest {
+            sampler: ran_sampler,
+            hires: req.hires.clone().map(|h| HiresFix {
+                sampler: (h.sampler.is_some() || ran_sampler != Sampler::Euler).then_some(Sampler::Euler),
+                ..h
+            }),
+            ..req.clone()
+        };
+        // The second pass (its seed set per image): `hr_prompt` and `hr_negative_prompt` follow the first pass's
+        // when empty, as in A1111.
+        let second_pass = hires.map(|(h, target)| Sd3Request {
+            prompt: strip_networks(h.prompt.as_deref().filter(|p| !p.is_empty()).unwrap_or(&req.prompt)),
+            negative_prompt: h
+                .negative_prompt
+                .clone()
+                .filter(|p| !p.is_empty())
+                .unwrap_or_else(|| req.negative_prompt.clone()),
+            width: target.output.0 as usize,
+            height: target.output.1 as usize,
+            steps: if h.steps == 0 { req.steps } else { h.steps } as usize,
+            guidance_scale: f64::from(h.cfg_scale.unwrap_or(req.cfg_scale)),
+            seed: 0,
+            max_sequence_length: T5_DEFAULT_MAX_LEN,
+            init_image: None,
+            strength: sdhive_engine::decimal_f64(h.denoising_strength),
+            mask: None,
+            sampler: FlowSampler::Euler,
+            skip_layer_guidance: None,
+        });
+        if let Some(second) = &second_pass {
+            sd3_second_pass_steps(second).map_err(|e| match e {
+                Sd3Error::Invalid { field, message } => invalid(field, message),
+                other => EngineError::Failed(other.to_string()),
+            })?;
+        }
+        self.loras.set(&mut self.model, &req.loras).map_err(|e| lora_error(&e))?;
         let base_seed = req.seed.unwrap_or_else(random_seed);
         let mut images: Vec<GeneratedImage> = Vec::with_capacity(req.n as usize);
         for index in 0..req.n {
@@ -170,25 +299,46 @@ impl Engine for Sd3Engine {
                 seed,
                 max_sequence_length: T5_DEFAULT_MAX_LEN,
                 init_image: req.init_image.clone(),
-                strength: f64::from(req.strength),
+                strength: sdhive_engine::decimal_f64(req.strength),
+                mask: req.mask.clone(),
+                sampler,
+                skip_layer_guidance: req.skip_layer_guidance.clone(),
             };
-            let mut on_step = |step: usize, steps: usize| {
+            let mut on_step = |step: usize, steps: usize, estimate: &candle_core::Tensor| {
+                let wants_preview = req.preview_every > 0 && step.is_multiple_of(req.preview_every as usize);
                 let p = Progress {
                     image: index,
                     images: req.n,
                     step: step as u32,
                     steps: steps as u32,
-                    preview: None,
+                    preview: wants_preview.then(|| sd3_latent_preview(estimate)).flatten(),
                 };
                 progress(&p) == Control::Continue
             };
-            let out = match self.model.generate_with(&job, &mut on_step) {
-                Ok(out) => out,
+            let out = match (hires, &second_pass) {
+                (Some((h, target)), Some(second)) => {
+                    let upscalers = &mut self.upscalers;
+                    let (device, dtype) = (self.model.transformer.device(), self.model.transformer.dtype());
+                    let mut enlarge = |img: &RgbImage, to: (u32, u32)| {
+                        upscalers.enlarge(&h.upscaler, img, to, device, dtype)
+                    };
+                    let second = Sd3SecondPass {
+                        upscaler: &h.upscaler,
+                        target,
+                        req: Sd3Request { seed, ..second.clone() },
+                        enlarge: &mut enlarge,
+                    };
+                    sd3_hires_image(&self.model, &job, second, &mut on_step)
+                }
+                _ => self.model.generate_with(&job, &mut on_step).map(|out| out.image),
+            };
+            let image = match out {
+                Ok(image) => image,
                 Err(Sd3Error::Cancelled) => return Err(EngineError::Cancelled { done: images }),
                 Err(Sd3Error::Invalid { field, message }) => return Err(invalid(field, message)),
                 Err(e) => return Err(EngineError::Failed(e.to_string())),
             };
-            images.push(finished_image(&ran, out.image, seed, (width, height), &self.name));
+            images.push(finished_image(&ran, image, seed, (width, height), &self.name));
         }
         Ok(GenerateOutput { images })
     }

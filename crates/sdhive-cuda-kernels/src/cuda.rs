@@ -1308,6 +1308,8 @@ pub fn geglu(x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
 
 struct LayerNorm {
     eps: f32,
+    /// Rows that share one weight and bias row; `None`: all of them.
+    group_rows: Option<usize>,
 }
 
 fn layer_norm_launch<T: CudaDType + DeviceRepr>(
@@ -1330,7 +1332,11 @@ fn layer_norm_launch<T: CudaDType + DeviceRepr>(
     a.arg(&ws);
     a.arg(&bs);
     a.arg(&out);
-    builder_arg!(a, rows as u32, cols as u32, op.eps);
+    let group_rows = op.group_rows.unwrap_or(rows).max(1);
+    if ws.len() != cols * rows.div_ceil(group_rows) || bs.len() != ws.len() {
+        bail!("layer_norm: weight/bias rows do not match {rows} rows in groups of {group_rows}");
+    }
+    builder_arg!(a, rows as u32, cols as u32, op.eps, group_rows as u32);
     let warps_per_block = (THREADS / 32) as usize;
     let cfg = LaunchConfig {
         grid_dim: (rows.div_ceil(warps_per_block) as u32, 1, 1),
@@ -1349,7 +1355,113 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     if weight.elem_count() != cols || bias.elem_count() != cols {
         bail!("layer_norm: weight/bias must have {cols} values");
     }
-    x.apply_op3_no_bwd(weight, bias, &LayerNorm { eps: eps as f32 })
+    x.apply_op3_no_bwd(weight, bias, &LayerNorm { eps: eps as f32, group_rows: None })
+}
+
+/// LayerNorm of `x` `(B, S, D)` with one affine row per sample: `weight` and `bias` `(B, D)` — an adaptive norm's
+/// `norm(x) · (1 + scale) + shift` in one pass, as weight `1 + scale` and bias `shift`.
+pub fn layer_norm_per_sample(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let (b, s, d) = x.dims3()?;
+    if weight.dims() != [b, d] || bias.dims() != [b, d] {
+        bail!(
+            "layer_norm_per_sample: weight/bias must be ({b}, {d}), got {:?} and {:?}",
+            weight.dims(),
+            bias.dims()
+        );
+    }
+    x.apply_op3_no_bwd(weight, bias, &LayerNorm { eps: eps as f32, group_rows: Some(s) })
+}
+
+/// RMSNorm over rows of `d` values (`x`'s elements in order) with a `d`-value weight.
+struct RmsNorm {
+    d: usize,
+    eps: f32,
+}
+
+fn rms_norm_launch<T: CudaDType + DeviceRepr>(
+    op: &RmsNorm,
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    let dev: &CudaDevice = x.0.device();
+    let n = x.1.shape().elem_count();
+    let rows = n / op.d;
+    let xs = contiguous::<T>(x.0, x.1, "rms_norm input")?;
+    let ws = contiguous::<T>(w.0, w.1, "rms_norm weight")?;
+    // SAFETY: written in full by the kernel.
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
+    let func = dev.get_or_load_custom_func(&format!("rms_norm_{}", suffix(x.0.dtype())?), MODULE, PTX)?;
+    let mut a = func.builder();
+    a.arg(&xs);
+    a.arg(&ws);
+    a.arg(&out);
+    builder_arg!(a, rows, op.d as u32, op.eps);
+    let warps_per_block = (THREADS / 32) as usize;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(warps_per_block) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature.
+    unsafe { a.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+cuda_op!(RmsNorm, "sdhive-rms-norm", |op, x, w| {
+    let out = by_dtype!(x.0.dtype(), rms_norm_launch(op, x, w))?;
+    Ok((out, x.1.shape().clone()))
+});
+
+/// RMSNorm of every `weight.len()`-wide row of `x` (an attention head of `(B, S, H·D)`), statistics in f32, with
+/// diffusers' roundings in half precision.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let d = weight.elem_count();
+    if d == 0 || !x.elem_count().is_multiple_of(d) || !x.dims().last().is_some_and(|c| c.is_multiple_of(d)) {
+        bail!("rms_norm: rows of {d} do not divide {:?}", x.dims());
+    }
+    x.apply_op2_no_bwd(weight, &RmsNorm { d, eps: eps as f32 })
+}
+
+/// `x + gate · y` for `(B, S, D)` `x` and `y` with a `(B, D)` gate.
+struct GatedAdd;
+
+fn gated_add_launch<T: CudaDType + DeviceRepr>(
+    x: (&CudaStorage, &Layout),
+    gate: (&CudaStorage, &Layout),
+    y: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    let dev: &CudaDevice = x.0.device();
+    let (_, s, d) = x.1.shape().dims3()?;
+    let n = x.1.shape().elem_count();
+    let xs = contiguous::<T>(x.0, x.1, "gated_add input")?;
+    let gs = contiguous::<T>(gate.0, gate.1, "gated_add gate")?;
+    let ys = contiguous::<T>(y.0, y.1, "gated_add update")?;
+    // SAFETY: written in full by the kernel.
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
+    let func = dev.get_or_load_custom_func(&format!("gated_add_{}", suffix(x.0.dtype())?), MODULE, PTX)?;
+    let mut a = func.builder();
+    a.arg(&xs);
+    a.arg(&gs);
+    a.arg(&ys);
+    a.arg(&out);
+    builder_arg!(a, n, d as u32, s * d);
+    let cfg = LaunchConfig { grid_dim: (grid_for(n), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's signature.
+    unsafe { a.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+cuda_op!(GatedAdd, "sdhive-gated-add", |_, x, g, y| {
+    let out = by_dtype!(x.0.dtype(), gated_add_launch(x, g, y))?;
+    Ok((out, x.1.shape().clone()))
+});
+
+pub fn gated_add(x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let (b, _, d) = x.dims3()?;
+    if y.dims() != x.dims() || gate.dims() != [b, d] {
+        bail!("gated_add: x {:?}, gate {:?}, y {:?}", x.dims(), gate.dims(), y.dims());
+    }
+    x.apply_op3_no_bwd(gate, y, &GatedAdd)
 }
 
 /// The convolution's geometry, for im2col.

@@ -706,12 +706,17 @@ template <typename T> __device__ void geglu(const T *x, const T *bias, T *out, s
 // them. Other rows take Welford moments and a second read.
 constexpr uint32_t LN_REGS = 8;
 
+// `group_rows` rows share one weight and bias row: `rows` for one affine over all rows, the sequence length for
+// per-sample modulation (an adaptive norm's `norm(x) · (1 + scale) + shift` as weight `1 + scale`, bias `shift`).
 template <typename T>
-__device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint32_t rows, uint32_t cols, float eps) {
+__device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint32_t rows, uint32_t cols, float eps,
+                                uint32_t group_rows) {
     constexpr uint32_t VEC = 16 / sizeof(T);
     const size_t row = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     if (row >= rows) return;
+    w += (row / group_rows) * cols;
+    b += (row / group_rows) * cols;
     const T *r = x + row * cols;
     T *o = out + row * cols;
     const uintptr_t addr = reinterpret_cast<uintptr_t>(r) | reinterpret_cast<uintptr_t>(o) |
@@ -774,6 +779,35 @@ __device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint
     for (int off = 16; off > 0; off >>= 1) m = combine(m, shfl_xor(m, off));
     const float rstd = rsqrtf(m.m2 / m.n + eps);
     for (uint32_t c = lane; c < cols; c += 32) o[c] = from_f<T>((to_f(r[c]) - m.mean) * rstd * to_f(w[c]) + to_f(b[c]));
+}
+
+// RMSNorm of every `d`-wide row (an attention head), one warp per row, statistics in f32:
+// `T(T(x · rsqrt(mean(x²) + eps)) · w)`, the two roundings of diffusers' RMSNorm in half precision (normalised in
+// f32, cast back, then the weight).
+template <typename T>
+__device__ void rms_norm_rows(const T *x, const T *w, T *out, size_t rows, uint32_t d, float eps) {
+    const size_t row = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const T *r = x + row * d;
+    T *o = out + row * d;
+    float sq = 0.f;
+    for (uint32_t c = lane; c < d; c += 32) {
+        const float v = to_f(r[c]);
+        sq += v * v;
+    }
+    const float rstd = rsqrtf(warp_sum(sq) / d + eps);
+    for (uint32_t c = lane; c < d; c += 32) o[c] = from_f<T>(to_f(from_f<T>(to_f(r[c]) * rstd)) * to_f(w[c]));
+}
+
+// `x + gate · y` with one gate row of `cols` values per `group` elements (a sample's tokens): an adaptive norm's
+// gated residual in one pass, rounded once.
+template <typename T>
+__device__ void gated_add(const T *x, const T *gate, const T *y, T *out, size_t n, uint32_t cols, size_t group) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const float g = to_f(gate[(i / group) * cols + i % cols]);
+        out[i] = from_f<T>(to_f(x[i]) + g * to_f(y[i]));
+    }
 }
 
 // im2col in the (batch, channel·kh·kw, out_h·out_w) layout: a weight (out_channels, channel·kh·kw) times this
@@ -860,8 +894,15 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
         geglu<T>(x, bias, out, rows, half);                                                                     \
     }                                                                                                           \
     extern "C" __global__ void layer_norm_##S(const T *x, const T *w, const T *b, T *out, uint32_t rows,        \
-                                              uint32_t cols, float eps) {                                       \
-        layer_norm_rows<T>(x, w, b, out, rows, cols, eps);                                                      \
+                                              uint32_t cols, float eps, uint32_t group_rows) {                  \
+        layer_norm_rows<T>(x, w, b, out, rows, cols, eps, group_rows);                                          \
+    }                                                                                                           \
+    extern "C" __global__ void rms_norm_##S(const T *x, const T *w, T *out, size_t rows, uint32_t d, float eps) { \
+        rms_norm_rows<T>(x, w, out, rows, d, eps);                                                              \
+    }                                                                                                           \
+    extern "C" __global__ void gated_add_##S(const T *x, const T *gate, const T *y, T *out, size_t n,           \
+                                             uint32_t cols, size_t group) {                                     \
+        gated_add<T>(x, gate, y, out, n, cols, group);                                                          \
     }                                                                                                           \
     extern "C" __global__ void im2col_##S(const T *x, T *col, uint32_t channels, uint32_t h, uint32_t w,       \
                                           uint32_t kh, uint32_t kw, uint32_t stride, uint32_t pad,              \

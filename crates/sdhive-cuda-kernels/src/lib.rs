@@ -583,6 +583,23 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     on_cuda!(cuda::layer_norm(x, weight, bias, eps); x, weight, bias, eps)
 }
 
+/// LayerNorm of `(B, S, D)` with one affine row per sample (`(B, D)` weight and bias): an adaptive norm's
+/// `norm(x) · (1 + scale) + shift` in one pass.
+pub fn layer_norm_per_sample(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    on_cuda!(cuda::layer_norm_per_sample(x, weight, bias, eps); x, weight, bias, eps)
+}
+
+/// RMSNorm of every `weight`-wide row of `x` (attention heads), statistics in f32, rounded as diffusers' RMSNorm
+/// rounds in half precision (normalised, cast, then times the weight).
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    on_cuda!(cuda::rms_norm(x, weight, eps); x, weight, eps)
+}
+
+/// `x + gate · y` for `(B, S, D)` `x`, `y` and a `(B, D)` gate, in one pass.
+pub fn gated_add(x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
+    on_cuda!(cuda::gated_add(x, gate, y); x, gate, y)
+}
+
 /// A 2-D convolution without bias (groups and dilation 1), NCHW: im2col in a coalesced layout, then one batched
 /// matrix product that lands in NCHW (1×1 stride-1 convolutions skip the im2col).
 ///

@@ -501,6 +501,104 @@ fn layer_norm_matches_the_reference() {
     }
 }
 
+#[test]
+fn per_sample_layer_norm_matches_the_modulation_it_replaces() {
+    let dev = gpu();
+    // SD3.5-medium's and -large's widths (1536 in registers, 2432 f16 past them), and a row that is no whole vector.
+    for (b, s, d) in [(2, 333, 1536), (2, 64, 2432), (3, 5, 33)] {
+        let x = Tensor::randn(0f32, 2.0, (b, s, d), &dev).unwrap();
+        let scale = Tensor::randn(0f32, 0.5, (b, d), &dev).unwrap();
+        let shift = Tensor::randn(0f32, 0.5, (b, d), &dev).unwrap();
+        for dtype in DTYPES {
+            let c = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let weight = (c(&scale) + 1.0).unwrap();
+            let f = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+            let xf = f(&c(&x));
+            let mean = xf.mean_keepdim(D::Minus1).unwrap();
+            let centered = xf.broadcast_sub(&mean).unwrap();
+            let var = centered.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+            let want = centered
+                .broadcast_div(&(var + 1e-6).unwrap().sqrt().unwrap())
+                .unwrap()
+                .broadcast_mul(&f(&weight).unsqueeze(1).unwrap())
+                .unwrap()
+                .broadcast_add(&f(&c(&shift)).unsqueeze(1).unwrap())
+                .unwrap();
+            let got = layer_norm_per_sample(&c(&x), &weight, &c(&shift), 1e-6).unwrap();
+            let diff = rel_diff(&got, &want);
+            eprintln!("layer_norm_per_sample ({b}, {s}, {d}) {dtype:?}: rel diff {diff:.2e}");
+            assert!(diff <= tol(dtype), "layer_norm_per_sample {dtype:?}: {diff}");
+            // Each sample takes its own row: the second sample alone with its row gives the same values.
+            let one = layer_norm(
+                &c(&x).narrow(0, 1, 1).unwrap().contiguous().unwrap(),
+                &weight.get(1).unwrap(),
+                &c(&shift).get(1).unwrap(),
+                1e-6,
+            )
+            .unwrap();
+            assert_eq!(max_abs_diff(&got.narrow(0, 1, 1).unwrap(), &one), 0.0, "sample 1 {dtype:?}");
+        }
+    }
+}
+
+#[test]
+fn rms_norm_per_head_rounds_as_diffusers() {
+    let dev = gpu();
+    for (shape, d) in [((2, 4429, 24 * 64), 64), ((1, 7, 3 * 40), 40), ((2, 3, 128), 128)] {
+        let x = Tensor::randn(0f32, 3.0, shape, &dev).unwrap();
+        let w = Tensor::randn(1f32, 0.3, d, &dev).unwrap();
+        for dtype in DTYPES {
+            let c = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let (b, s, hd) = shape;
+            // diffusers' RMSNorm: statistics and the division in f32, cast back, then the weight in `dtype`.
+            let xf = c(&x).reshape((b, s, hd / d, d)).unwrap().to_dtype(DType::F32).unwrap();
+            let var = xf.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+            let want = xf
+                .broadcast_div(&(var + 1e-6).unwrap().sqrt().unwrap())
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+                .broadcast_mul(&c(&w))
+                .unwrap()
+                .reshape(shape)
+                .unwrap();
+            let got = rms_norm(&c(&x), &c(&w), 1e-6).unwrap();
+            let diff = rel_diff(&got, &want);
+            eprintln!("rms_norm {shape:?} d{d} {dtype:?}: rel diff {diff:.2e}");
+            // rsqrt against sqrt-then-divide: one rounding step of `dtype` at most.
+            assert!(diff <= tol(dtype), "rms_norm {shape:?} {dtype:?}: {diff}");
+        }
+    }
+    assert!(rms_norm(
+        &Tensor::zeros((2, 3, 10), DType::F32, &dev).unwrap(),
+        &Tensor::ones(4, DType::F32, &dev).unwrap(),
+        1e-6
+    )
+    .is_err());
+}
+
+#[test]
+fn gated_add_matches_the_broadcast_ops() {
+    let dev = gpu();
+    for (b, s, d) in [(2, 4096, 1536), (2, 333, 2432), (3, 5, 7)] {
+        let x = Tensor::randn(0f32, 1.0, (b, s, d), &dev).unwrap();
+        let y = Tensor::randn(0f32, 1.0, (b, s, d), &dev).unwrap();
+        let g = Tensor::randn(0f32, 1.0, (b, d), &dev).unwrap();
+        for dtype in DTYPES {
+            let c = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let f = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+            let want =
+                (f(&c(&x)) + f(&c(&y)).broadcast_mul(&f(&c(&g)).unsqueeze(1).unwrap()).unwrap()).unwrap();
+            let got = gated_add(&c(&x), &c(&g), &c(&y)).unwrap();
+            let diff = rel_diff(&got, &want);
+            eprintln!("gated_add ({b}, {s}, {d}) {dtype:?}: rel diff {diff:.2e}");
+            assert!(diff <= tol(dtype), "gated_add {dtype:?}: {diff}");
+        }
+    }
+    let dev_x = Tensor::zeros((2, 3, 4), DType::F32, &dev).unwrap();
+    assert!(gated_add(&dev_x, &Tensor::zeros((2, 5), DType::F32, &dev).unwrap(), &dev_x).is_err());
+}
+
 type Dims4 = (usize, usize, usize, usize);
 
 /// `ours(x, filter, stride, padding)` (NCHW in and out) against candle's f32 convolution of the same rounded values,

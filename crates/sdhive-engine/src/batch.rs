@@ -7,8 +7,8 @@
 use crate::request::{GenerateRequest, LoraUse};
 use crate::sampler::{Sampler, Schedule};
 
-/// Requests with equal keys may share a batch. Requests that start from an image, inpaint or run a hires pass have
-/// no key: they run alone.
+/// Requests with equal keys may share a batch. Requests that start from an image, inpaint, run a hires pass or
+/// skip-layer guidance have no key: they run alone.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BatchKey {
     width: Option<u32>,
@@ -24,7 +24,11 @@ pub struct BatchKey {
 impl GenerateRequest {
     /// This request's batch key, if it can join a batch (see [`BatchKey`]).
     pub fn batch_key(&self) -> Option<BatchKey> {
-        if self.init_image.is_some() || self.mask.is_some() || self.hires.is_some() {
+        if self.init_image.is_some()
+            || self.mask.is_some()
+            || self.hires.is_some()
+            || self.skip_layer_guidance.is_some()
+        {
             return None;
         }
         Some(BatchKey {
@@ -92,5 +96,7 @@ mod tests {
     fn image_jobs_run_alone() {
         let img = RgbImage { width: 8, height: 8, data: vec![0; 192] };
         assert!(GenerateRequest { init_image: Some(img), ..req() }.batch_key().is_none());
+        let slg = Some(crate::request::SkipLayerGuidance::with_layers(vec![7]));
+        assert!(GenerateRequest { skip_layer_guidance: slg, ..req() }.batch_key().is_none());
     }
 }

@@ -83,6 +83,14 @@ pub fn infotext(req: &GenerateRequest, ctx: &InfotextContext<'_>) -> String {
     if req.clip_skip > 1 {
         fields.push(("Clip skip", req.clip_skip.to_string()));
     }
+    // A1111 has no skip-layer guidance; these keys parse back as its other `Key: value` pairs do.
+    if let Some(g) = &req.skip_layer_guidance {
+        let layers: Vec<String> = g.layers.iter().map(|l| l.to_string()).collect();
+        fields.push(("SLG layers", quote_if_needed(&layers.join(", "))));
+        fields.push(("SLG scale", g.scale.to_string()));
+        fields.push(("SLG start", g.start.to_string()));
+        fields.push(("SLG stop", g.stop.to_string()));
+    }
     // A1111's Lora extension and its text-encoder hijack add these (in this order) with the name as the prompt
     // wrote it, stripped of the separators, and the 12-digit short hash; unhashed entries are left out.
     let hashes = |entries: Vec<(&str, Option<&str>)>| -> Option<String> {
@@ -191,6 +199,34 @@ mod tests {
             ),
             "{text}"
         );
+    }
+
+    #[test]
+    fn skip_layer_guidance_is_recorded() {
+        use crate::request::SkipLayerGuidance;
+        let req = GenerateRequest {
+            prompt: "x".into(),
+            skip_layer_guidance: Some(SkipLayerGuidance {
+                start: 0.0,
+                stop: 1.0,
+                ..SkipLayerGuidance::with_layers(vec![7, 8, 9])
+            }),
+            ..Default::default()
+        };
+        let ctx = InfotextContext { seed: 1, width: 64, height: 64, model: "m", version: "v" };
+        let text = infotext(&req, &ctx);
+        assert!(
+            text.ends_with(
+                "Model: m, SLG layers: \"7, 8, 9\", SLG scale: 2.8, SLG start: 0, SLG stop: 1, Version: v"
+            ),
+            "{text}"
+        );
+        let one =
+            GenerateRequest { skip_layer_guidance: Some(SkipLayerGuidance::with_layers(vec![1])), ..req };
+        assert!(
+            infotext(&one, &ctx).contains("SLG layers: 1, SLG scale: 2.8, SLG start: 0.01, SLG stop: 0.2,")
+        );
+        assert!(!infotext(&GenerateRequest::default(), &ctx).contains("SLG"));
     }
 
     #[test]

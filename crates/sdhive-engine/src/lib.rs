@@ -29,6 +29,9 @@ pub use infotext::{infotext, InfotextContext};
 pub use memory::{budgeted_free, InsufficientMemory, JobPlan, MemoryReport, ModelShape};
 pub use placement::{DeviceRef, Module, Placement, PlacementError};
 pub use preview::{PreviewDecoder, PreviewMode};
-pub use request::{random_seed, EmbeddingUse, GenerateRequest, Limits, LoraUse, ValidationError};
+pub use request::{
+    decimal_f64, random_seed, EmbeddingUse, GenerateRequest, Limits, LoraUse, SkipLayerGuidance,
+    ValidationError,
+};
 pub use sampler::{Sampler, Schedule};
 pub use upscale::{UpscaleRequest, UpscaleSize};

@@ -43,6 +43,78 @@ pub struct GenerateRequest {
     pub hires: Option<crate::hires::HiresFix>,
     /// How the finished images are encoded (PNG unless the client asks for JPEG or WebP).
     pub output: OutputFormat,
+    /// Skip-layer guidance (SD3-family models only; other engines refuse it).
+    pub skip_layer_guidance: Option<SkipLayerGuidance>,
+}
+
+/// Skip-layer guidance (SLG) as diffusers' `StableDiffusion3Pipeline` runs it (SD3.5-medium's recipe: layers 7, 8,
+/// 9): at the steps in its window, besides the CFG pair, the transformer runs on the positive prompt with these
+/// blocks left out, and the guided prediction moves away from that one by `scale`.
+///
+/// The fractions are f64 because the window's edges are compared with step indices (`i > n·start`), where an f32
+/// `0.01` (just below 0.01) would take in a step Python's `0.01` leaves out.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SkipLayerGuidance {
+    /// The transformer blocks left out (diffusers' `skip_guidance_layers`), counted from 0.
+    pub layers: Vec<usize>,
+    /// `skip_layer_guidance_scale`.
+    pub scale: f64,
+    /// `skip_layer_guidance_start`: the extra pass runs at steps `i` with `n·start < i < n·stop` (of `n` steps).
+    pub start: f64,
+    /// `skip_layer_guidance_stop`.
+    pub stop: f64,
+}
+
+impl SkipLayerGuidance {
+    /// diffusers' defaults for what a request leaves out.
+    pub const DEFAULT_SCALE: f64 = 2.8;
+    pub const DEFAULT_START: f64 = 0.01;
+    pub const DEFAULT_STOP: f64 = 0.2;
+
+    /// `layers` with diffusers' default scale and window.
+    pub fn with_layers(layers: Vec<usize>) -> Self {
+        SkipLayerGuidance {
+            layers,
+            scale: Self::DEFAULT_SCALE,
+            start: Self::DEFAULT_START,
+            stop: Self::DEFAULT_STOP,
+        }
+    }
+
+    /// Whether step `i` (from 0) of `steps` runs the extra pass: diffusers' `i > n·start and i < n·stop`.
+    pub fn active_at(&self, i: usize, steps: usize) -> bool {
+        let (i, n) = (i as f64, steps as f64);
+        i > n * self.start && i < n * self.stop
+    }
+
+    /// The checks that need no model: at least one layer, `0 ≤ scale ≤ 100`, `0 ≤ start ≤ stop ≤ 1`.
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        if self.layers.is_empty() {
+            return Err(invalid("skip_layer_guidance.layers", "must name at least one transformer block"));
+        }
+        if !(self.scale.is_finite() && (0.0..=100.0).contains(&self.scale)) {
+            return Err(invalid(
+                "skip_layer_guidance.scale",
+                format!("must be a number between 0 and 100, got {}", self.scale),
+            ));
+        }
+        for (field, v) in [("skip_layer_guidance.start", self.start), ("skip_layer_guidance.stop", self.stop)]
+        {
+            if !(v.is_finite() && (0.0..=1.0).contains(&v)) {
+                return Err(invalid(
+                    field,
+                    format!("must be a fraction of the steps between 0 and 1, got {v}"),
+                ));
+            }
+        }
+        if self.start > self.stop {
+            return Err(invalid(
+                "skip_layer_guidance.start",
+                format!("{} is after stop {}", self.start, self.stop),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// One LoRA (or LyCORIS) network a request applies.
@@ -92,6 +164,7 @@ impl Default for GenerateRequest {
             embeddings: Vec::new(),
             hires: None,
             output: OutputFormat::PNG,
+            skip_layer_guidance: None,
         }
     }
 }
@@ -194,6 +267,9 @@ impl GenerateRequest {
                 }
             }
         }
+        if let Some(slg) = &self.skip_layer_guidance {
+            slg.validate()?;
+        }
         if !infotext_fits(self.output.format, self.infotext_bound()) {
             return Err(invalid(
                 "output_format",
@@ -237,7 +313,8 @@ impl GenerateRequest {
             h.prompt.as_deref().map_or(0, units) + h.negative_prompt.as_deref().map_or(0, units)
         });
         let networks = 64 * (self.loras.len() + self.embeddings.len());
-        units(&self.prompt) + units(&self.negative_prompt) + hires + networks + 4096
+        let slg = self.skip_layer_guidance.as_ref().map_or(0, |g| 8 * g.layers.len());
+        units(&self.prompt) + units(&self.negative_prompt) + hires + networks + slg + 4096
     }
 
     /// The effective strength: txt2img always starts from pure noise.
@@ -326,11 +403,63 @@ mod tests {
     }
 
     #[test]
+    fn skip_layer_guidance_fields_are_checked() {
+        let l = Limits::default();
+        let with = |g: SkipLayerGuidance| GenerateRequest { skip_layer_guidance: Some(g), ..req() };
+        let ok = SkipLayerGuidance::with_layers(vec![7, 8, 9]);
+        assert_eq!(with(ok.clone()).validate(&l), Ok(()));
+        let field = |g: SkipLayerGuidance| with(g).validate(&l).unwrap_err().field;
+        assert_eq!(field(SkipLayerGuidance { layers: vec![], ..ok.clone() }), "skip_layer_guidance.layers");
+        assert_eq!(field(SkipLayerGuidance { scale: -0.1, ..ok.clone() }), "skip_layer_guidance.scale");
+        assert_eq!(field(SkipLayerGuidance { scale: f64::NAN, ..ok.clone() }), "skip_layer_guidance.scale");
+        assert_eq!(field(SkipLayerGuidance { start: -0.5, ..ok.clone() }), "skip_layer_guidance.start");
+        assert_eq!(field(SkipLayerGuidance { stop: 1.5, ..ok.clone() }), "skip_layer_guidance.stop");
+        assert_eq!(
+            field(SkipLayerGuidance { start: 0.5, stop: 0.2, ..ok.clone() }),
+            "skip_layer_guidance.start"
+        );
+        assert!(with(SkipLayerGuidance { start: 0.3, stop: 0.3, scale: 0.0, ..ok }).validate(&l).is_ok());
+    }
+
+    /// diffusers' window `n·start < i < n·stop`, with Python's f64 products: of 100 steps, 0.01 starts after
+    /// step 1 and 0.2 stops before step 20.
+    #[test]
+    fn skip_layer_guidance_runs_inside_its_window() {
+        let g = SkipLayerGuidance::with_layers(vec![7]);
+        let active: Vec<usize> = (0..100).filter(|&i| g.active_at(i, 100)).collect();
+        assert_eq!(active, (2..20).collect::<Vec<_>>());
+        let g = SkipLayerGuidance { start: 0.01, stop: 0.5, ..g };
+        let active: Vec<usize> = (0..3).filter(|&i| g.active_at(i, 3)).collect();
+        assert_eq!(active, [1]);
+    }
+
+    #[test]
     fn output_size_follows_request_then_init_image_then_model() {
         assert_eq!(req().output_size((512, 512)), (512, 512));
         assert_eq!(GenerateRequest { width: Some(640), ..req() }.output_size((512, 512)), (640, 512));
         let img = RgbImage { width: 100, height: 70, data: vec![0; 100 * 70 * 3] };
         let r = GenerateRequest { init_image: Some(img), ..req() };
         assert_eq!(r.output_size((512, 512)), (96, 64));
+    }
+}
+
+/// The f64 of the decimal an f32 prints as (0.7f32 → 0.7, not 0.699999988079071): clients send decimal strengths and
+/// diffusers truncates `n·strength` (or `n − n·strength`) computed on that decimal's f64, which the widened f32
+/// can fall on the other side of (0.7 of 10 steps: diffusers runs 7, the widened value 6).
+pub fn decimal_f64(v: f32) -> f64 {
+    v.to_string().parse().unwrap_or(f64::from(v))
+}
+
+#[cfg(test)]
+mod decimal_tests {
+    use super::decimal_f64;
+
+    #[test]
+    fn strengths_keep_the_decimal_the_client_sent() {
+        for (v, want) in [(0.7f32, 0.7f64), (0.8, 0.8), (0.35, 0.35), (1.0, 1.0), (0.0, 0.0)] {
+            assert_eq!(decimal_f64(v), want);
+        }
+        assert_eq!((10.0 * f64::from(0.7f32)).trunc(), 6.0, "the widened f32 is below the decimal");
+        assert_eq!((10.0 * decimal_f64(0.7)).trunc(), 7.0, "as Python's int(10 * 0.7)");
     }
 }

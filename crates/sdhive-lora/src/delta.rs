@@ -3,6 +3,7 @@
 //! LoRA changes an image here exactly as it does there. Also each module's "natural" update shape, which lets a
 //! model mismatch be found from the file's shapes alone, before anything is computed.
 
+use crate::names::Rows;
 use candle_core::{Device, Tensor};
 
 /// A LoKr factor: stored whole, or as the product of two low-rank matrices.
@@ -299,6 +300,18 @@ pub(crate) fn finalize(update: Tensor, scale: f32, target: &[usize]) -> candle_c
     update.reshape((target[0], 4, target[2], target[3]))?.pad_with_zeros(1, 0, 5)
 }
 
+/// The target's part of a module's whole update (see [`Rows`]).
+fn take_rows(update: Tensor, rows: Rows) -> candle_core::Result<Tensor> {
+    match rows {
+        Rows::All => Ok(update),
+        Rows::Slice { start, len, .. } => update.narrow(0, start, len)?.contiguous(),
+        Rows::SwapHalves => {
+            let half = update.dim(0)? / 2;
+            Tensor::cat(&[update.narrow(0, half, half)?, update.narrow(0, 0, half)?], 0)
+        }
+    }
+}
+
 impl crate::LoraFile {
     /// ΔW of `patch`'s module in f32 on `device`, shaped exactly `target_shape`, including the module's scale
     /// (`scale`, else alpha/rank) but not the user's multiplier: the weight to use is `W + multiplier · ΔW`.
@@ -314,16 +327,20 @@ impl crate::LoraFile {
             reason: format!("patch names module {} of a file with {}", patch.module, self.modules.len()),
         })?;
         let natural = self.natural_shape(module)?;
-        if !fits(&natural, target_shape) {
+        let update_shape = patch.rows.update_shape(target_shape);
+        if !patch.rows.fit(target_shape) || !fits(&natural, &update_shape) {
             return Err(crate::LoraError::Shape {
                 path: self.path.clone(),
                 key: module.key.clone(),
                 target: patch.target.clone(),
-                expected: target_shape.to_vec(),
+                expected: update_shape,
                 got: natural,
             });
         }
-        let compute = || finalize(module.weights.update(device)?, module.scale(), target_shape);
+        let compute = || {
+            let update = finalize(module.weights.update(device)?, module.scale(), &update_shape)?;
+            take_rows(update, patch.rows)
+        };
         compute().map_err(|source| crate::LoraError::Compute {
             path: self.path.clone(),
             key: module.key.clone(),
@@ -335,7 +352,7 @@ impl crate::LoraFile {
 #[cfg(test)]
 mod tests {
     use crate::testutil::write_safetensors;
-    use crate::{LoraError, LoraFile, Network, Patch};
+    use crate::{LoraError, LoraFile, Network, Patch, Rows};
     use candle_core::Device;
 
     type T = (&'static str, Vec<usize>, Vec<f32>);
@@ -351,7 +368,7 @@ mod tests {
     fn delta(tensors: &[T], metadata: &[(&str, &str)], target: &[usize]) -> Vec<f32> {
         let (_dir, file) = read(tensors, metadata);
         assert_eq!(file.modules.len(), 1);
-        let patch = Patch { network: Network::Unet, target: "x.weight".into(), module: 0 };
+        let patch = Patch { network: Network::Unet, target: "x.weight".into(), module: 0, rows: Rows::All };
         let d = file.delta(&patch, target, &Device::Cpu).unwrap();
         assert_eq!(d.dims(), target);
         d.flatten_all().unwrap().to_vec1().unwrap()
@@ -618,7 +635,7 @@ mod tests {
             ],
             &[],
         );
-        let patch = Patch { network: Network::Unet, target: "x.weight".into(), module: 0 };
+        let patch = Patch { network: Network::Unet, target: "x.weight".into(), module: 0, rows: Rows::All };
         let err = file.delta(&patch, &[3, 3], &Device::Cpu).unwrap_err();
         assert!(
             matches!(&err, LoraError::Shape { expected, got, .. } if expected == &[3, 3] && got == &[2, 2]),

@@ -51,6 +51,12 @@ pub enum LoraError {
     UnknownModule { path: PathBuf, key: String },
 
     #[error(
+        "{}: a LoRA for {lora} models (module {key}), and this model is {model}: it cannot be applied",
+        path.display()
+    )]
+    Family { path: PathBuf, key: String, lora: &'static str, model: &'static str },
+
+    #[error(
         "{}: LoRA module {key} does not fit this model: {target} is {expected:?} but the LoRA's update is {got:?}",
         path.display()
     )]

@@ -145,11 +145,16 @@ struct Parsed {
     part: Part,
 }
 
-/// Kohya prefixes and the network each names. SD1's single encoder is `lora_te_`; SDXL's are `lora_te1_`/`lora_te2_`.
+/// Kohya prefixes and the network each names. SD1's single encoder is `lora_te_`; SDXL's are `lora_te1_`/`lora_te2_`,
+/// SD3's `lora_te1_` (CLIP-L), `lora_te2_` (CLIP-G), `lora_te3_` (T5). OneTrainer's and SimpleTuner's SD3 files
+/// spell the transformer's diffusers names underscored after `lora_transformer_` / `lycoris_`.
 const KOHYA: &[(&str, Network)] = &[
     ("lora_unet_", Network::Unet),
+    ("lora_transformer_", Network::Unet),
+    ("lycoris_", Network::Unet),
     ("lora_te1_", Network::TextEncoder(0)),
     ("lora_te2_", Network::TextEncoder(1)),
+    ("lora_te3_", Network::TextEncoder(2)),
     ("lora_te_", Network::TextEncoder(0)),
 ];
 
@@ -167,6 +172,7 @@ fn dotted_network(module: &str) -> (Network, &str) {
         ("text_encoder_2.", Network::TextEncoder(1)),
         ("text_encoder.", Network::TextEncoder(0)),
         ("unet.", Network::Unet),
+        ("transformer.", Network::Unet),
         ("model.diffusion_model.", Network::Unet),
         ("diffusion_model.", Network::Unet),
         ("base_model.model.", Network::Unet),
@@ -464,25 +470,27 @@ impl AdapterMetadata {
         }
     }
 
-    /// The adapter config that applies to `network`.
+    /// The adapter config that applies to `network` (the denoiser is `unet`, or SD3's `transformer`).
     fn config(&self, network: Network) -> Option<serde_json::Map<String, serde_json::Value>> {
-        let component = match network {
-            Network::Unet => "unet",
-            Network::TextEncoder(0) => "text_encoder",
-            Network::TextEncoder(1) => "text_encoder_2",
+        let components: &[&str] = match network {
+            Network::Unet => &["unet", "transformer"],
+            Network::TextEncoder(0) => &["text_encoder"],
+            Network::TextEncoder(1) => &["text_encoder_2"],
             Network::TextEncoder(_) => return None,
         };
-        if let Some(serde_json::Value::Object(nested)) = self.root.get(component) {
-            return Some(nested.clone());
-        }
-        let prefix = format!("{component}.");
-        let prefixed: serde_json::Map<_, _> = self
-            .root
-            .iter()
-            .filter_map(|(k, v)| Some((k.strip_prefix(&prefix)?.to_string(), v.clone())))
-            .collect();
-        if !prefixed.is_empty() {
-            return Some(prefixed);
+        for component in components {
+            if let Some(serde_json::Value::Object(nested)) = self.root.get(*component) {
+                return Some(nested.clone());
+            }
+            let prefix = format!("{component}.");
+            let prefixed: serde_json::Map<_, _> = self
+                .root
+                .iter()
+                .filter_map(|(k, v)| Some((k.strip_prefix(&prefix)?.to_string(), v.clone())))
+                .collect();
+            if !prefixed.is_empty() {
+                return Some(prefixed);
+            }
         }
         (self.root.contains_key("lora_alpha") || self.root.contains_key("r")).then(|| self.root.clone())
     }
@@ -797,6 +805,40 @@ mod tests {
         assert!(scales(&peft(&[], &[])).iter().all(|(_, s)| *s == 1.0));
     }
 
+    /// SD3 pipelines save the denoiser's config under `transformer.`, not `unet.`.
+    #[test]
+    fn peft_alpha_of_an_sd3_transformer() {
+        let (_d, path) = write(
+            &[
+                t("transformer.transformer_blocks.1.attn.to_q.lora_A.weight", &[4, 8]),
+                t("transformer.transformer_blocks.1.attn.to_q.lora_B.weight", &[8, 4]),
+                t("transformer.proj_out.lora_A.weight", &[4, 8]),
+                t("transformer.proj_out.lora_B.weight", &[8, 4]),
+                t("text_encoder_2.text_model.fc1.lora_A.weight", &[4, 8]),
+                t("text_encoder_2.text_model.fc1.lora_B.weight", &[8, 4]),
+            ],
+            &[(
+                "lora_adapter_metadata",
+                r#"{"transformer.r": 4, "transformer.lora_alpha": 8,
+                    "transformer.alpha_pattern": {"transformer_blocks.1.attn.to_q": 2},
+                    "text_encoder_2.r": 4, "text_encoder_2.lora_alpha": 6}"#,
+            )],
+        );
+        let f = LoraFile::read(&path).unwrap();
+        assert_eq!(
+            scales(&f),
+            vec![
+                ("text_encoder_2.text_model.fc1".to_string(), 1.5),
+                ("transformer.proj_out".to_string(), 2.0),
+                ("transformer.transformer_blocks.1.attn.to_q".to_string(), 0.5),
+            ]
+        );
+        assert_eq!(
+            module(&f, "transformer.proj_out").name,
+            ModuleName::Diffusers { network: Network::Unet, path: "proj_out".into() }
+        );
+    }
+
     #[test]
     fn bad_adapter_metadata_names_the_field() {
         let (_d, path) = write(
@@ -819,7 +861,12 @@ mod tests {
         let map = HashMap::from([("lora_unet_a.lora_up.weight", up), ("lora_unet_a.lora_down.weight", down)]);
         candle_core::safetensors::save(&map, &path).unwrap();
         let f = LoraFile::read(&path).unwrap();
-        let patch = crate::Patch { network: Network::Unet, target: "a.weight".into(), module: 0 };
+        let patch = crate::Patch {
+            network: Network::Unet,
+            target: "a.weight".into(),
+            module: 0,
+            rows: crate::Rows::All,
+        };
         let d = f.delta(&patch, &[2, 2], &Device::Cpu).unwrap();
         assert_eq!(d.dtype(), DType::F32);
         assert_eq!(d.to_vec2::<f32>().unwrap(), vec![vec![0.375, 6.0], vec![-0.5, -8.0]]);

@@ -4,6 +4,13 @@
 //! names (ambiguous: `to_out_0`, `ff_net_0_proj`), every weight the model has is written out in each spelling and
 //! looked up; the LDM numbering is derived from the diffusers name and `layers_per_block`, as A1111's
 //! `convert_diffusers_name_to_compvis` and diffusers' `_maybe_map_sgm_blocks_to_diffusers` do in reverse.
+//!
+//! SD3's MMDiT has a second spelling too, SAI's (its single files, and kohya sd-scripts' SD3 LoRAs:
+//! `lora_unet_joint_blocks_0_x_block_attn_qkv`), where one layer may hold several diffusers weights: the fused
+//! `qkv` is `to_q`, `to_k` and `to_v` stacked, and the final layer's and the last block's context adaLN hold
+//! `(shift, scale)` where diffusers holds `(scale, shift)`. Such a module resolves to one [`Patch`] per weight, each
+//! taking its [`Rows`] of the module's update, as diffusers' `convert_sd3_transformer_checkpoint_to_diffusers`
+//! takes them of the weights.
 
 use crate::delta::fits;
 use crate::file::ModuleName;
@@ -13,15 +20,38 @@ use std::collections::{HashMap, HashSet};
 /// The network a weight belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Network {
+    /// The denoiser: the UNet, or SD3's MMDiT transformer (A1111's `unet` multiplier applies to either).
     Unet,
-    /// 0 = `text_encoder` (CLIP-L, or SD2's OpenCLIP-H), 1 = `text_encoder_2` (SDXL's OpenCLIP bigG).
+    /// 0 = `text_encoder` (CLIP-L, or SD2's OpenCLIP-H), 1 = `text_encoder_2` (SDXL's and SD3's OpenCLIP bigG),
+    /// 2 = SD3's T5 (kohya's `lora_te3_`), which no model here lets a LoRA change.
     TextEncoder(usize),
+}
+
+/// Which kind of denoiser a model has, and so which names its LoRAs use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Denoiser {
+    /// SD1.x, SD2.x, SDXL.
+    #[default]
+    Unet,
+    /// SD3 / SD3.5's `SD3Transformer2DModel`.
+    Mmdit,
+}
+
+impl Denoiser {
+    /// The model families, for messages.
+    pub fn families(self) -> &'static str {
+        match self {
+            Denoiser::Unet => "SD1.x/SD2.x/SDXL",
+            Denoiser::Mmdit => "SD3/SD3.5",
+        }
+    }
 }
 
 /// Every weight of the loaded model, by diffusers parameter name, with its shape.
 #[derive(Debug, Clone, Default)]
 pub struct ModelParams {
-    /// UNet parameter name (`down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight`) → shape.
+    /// The denoiser's parameter name (`down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight`, SD3's
+    /// `transformer_blocks.0.attn.to_q.weight`) → shape.
     pub unet: HashMap<String, Vec<usize>>,
     /// Per text encoder (index as in [`Network::TextEncoder`]): parameter name
     /// (`text_model.encoder.layers.0.self_attn.q_proj.weight`) → shape.
@@ -30,6 +60,8 @@ pub struct ModelParams {
     pub unet_layers_per_block: usize,
     /// Number of UNet down blocks (4 for SD1/SD2, 3 for SDXL).
     pub unet_down_blocks: usize,
+    /// What `unet` is: a UNet or an MMDiT (whose SAI names are looked up too).
+    pub denoiser: Denoiser,
 }
 
 /// One module of a LoRA file matched to one model weight.
@@ -40,6 +72,41 @@ pub struct Patch {
     pub target: String,
     /// Index into [`LoraFile::modules`].
     pub module: usize,
+    /// The part of the module's update that is the target's.
+    pub rows: Rows,
+}
+
+/// The part of a module's update a weight takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Rows {
+    /// The whole update.
+    #[default]
+    All,
+    /// Rows `start..start + len` of an update `of` rows long: one weight of a layer that fuses several (`to_k` is
+    /// the second third of SAI's `qkv`).
+    Slice { start: usize, len: usize, of: usize },
+    /// The whole update with its first and second halves of rows exchanged (SAI's `(shift, scale)` adaLN rows
+    /// where diffusers has `(scale, shift)`).
+    SwapHalves,
+}
+
+impl Rows {
+    /// The shape the module's update has for a target of shape `target`.
+    pub fn update_shape(self, target: &[usize]) -> Vec<usize> {
+        match self {
+            Rows::All | Rows::SwapHalves => target.to_vec(),
+            Rows::Slice { of, .. } => std::iter::once(of).chain(target.iter().skip(1).copied()).collect(),
+        }
+    }
+
+    /// Whether a target shaped `target` can take these rows.
+    pub(crate) fn fit(self, target: &[usize]) -> bool {
+        match self {
+            Rows::All => true,
+            Rows::Slice { start, len, of } => target.first() == Some(&len) && start + len <= of,
+            Rows::SwapHalves => target.first().is_some_and(|r| r % 2 == 0),
+        }
+    }
 }
 
 /// Underscored module name (any spelling) → parameter name, for one network.
@@ -105,6 +172,14 @@ fn sgm_name(path: &str, lpb: usize, up_with_attention: &HashSet<usize>) -> Optio
     })
 }
 
+/// Every weight by its module path with `.` written `_` (kohya's spelling of diffusers names).
+fn underscored_table(params: &HashMap<String, Vec<usize>>) -> Table {
+    params
+        .keys()
+        .filter_map(|name| Some((underscored(name.strip_suffix(".weight")?), name.clone())))
+        .collect()
+}
+
 fn unet_table(params: &HashMap<String, Vec<usize>>, lpb: usize) -> Table {
     let up_with_attention: HashSet<usize> = params
         .keys()
@@ -114,11 +189,7 @@ fn unet_table(params: &HashMap<String, Vec<usize>>, lpb: usize) -> Table {
             rest.starts_with("attentions.").then(|| b.parse().ok()).flatten()
         })
         .collect();
-    let mut table = Table::new();
-    for name in params.keys() {
-        let Some(module) = name.strip_suffix(".weight") else { continue };
-        table.insert(underscored(module), name.clone());
-    }
+    let mut table = underscored_table(params);
     for name in params.keys() {
         let Some(module) = name.strip_suffix(".weight") else { continue };
         if let Some(sgm) = sgm_name(module, lpb, &up_with_attention) {
@@ -128,12 +199,157 @@ fn unet_table(params: &HashMap<String, Vec<usize>>, lpb: usize) -> Table {
     table
 }
 
-fn text_table(params: &HashMap<String, Vec<usize>>) -> Table {
-    let mut table = Table::new();
+/// Which part of an SAI module a diffusers MMDiT weight is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Slot {
+    Whole,
+    /// q, k or v of a fused `qkv`.
+    Third(usize),
+    Swapped,
+}
+
+/// The SAI name of a diffusers MMDiT module (`transformer_blocks.0.attn.to_k` → `joint_blocks.0.x_block.attn.qkv`,
+/// its second third), the inverse of diffusers' `convert_sd3_transformer_checkpoint_to_diffusers`. `pre_only`: the
+/// blocks whose context stream ends in them (their context adaLN is AdaLayerNormContinuous, halves swapped).
+fn sai_name(path: &str, pre_only: &HashSet<usize>) -> Option<(String, Slot)> {
+    let parts: Vec<&str> = path.split('.').collect();
+    let third = |c: &str| ["q", "k", "v"].iter().position(|x| *x == c);
+    let whole = |s: &str| Some((s.to_string(), Slot::Whole));
+    match parts.as_slice() {
+        ["pos_embed", "proj"] => whole("x_embedder.proj"),
+        ["context_embedder"] => whole("context_embedder"),
+        ["time_text_embed", "timestep_embedder", "linear_1"] => whole("t_embedder.mlp.0"),
+        ["time_text_embed", "timestep_embedder", "linear_2"] => whole("t_embedder.mlp.2"),
+        ["time_text_embed", "text_embedder", "linear_1"] => whole("y_embedder.mlp.0"),
+        ["time_text_embed", "text_embedder", "linear_2"] => whole("y_embedder.mlp.2"),
+        ["proj_out"] => whole("final_layer.linear"),
+        ["norm_out", "linear"] => Some(("final_layer.adaLN_modulation.1".into(), Slot::Swapped)),
+        ["transformer_blocks", i, rest @ ..] => {
+            let block: usize = i.parse().ok()?;
+            let b = |s: &str| format!("joint_blocks.{block}.{s}");
+            let qkv = |layer: &str, c: &str| Some((b(layer), Slot::Third(third(c)?)));
+            match rest {
+                ["attn", p] if p.starts_with("to_") && p.len() == 4 => qkv("x_block.attn.qkv", &p[3..]),
+                ["attn", p] if p.starts_with("add_") && p.ends_with("_proj") && p.len() == 10 => {
+                    qkv("context_block.attn.qkv", &p[4..5])
+                }
+                ["attn2", p] if p.starts_with("to_") && p.len() == 4 => qkv("x_block.attn2.qkv", &p[3..]),
+                ["attn", "to_out", "0"] => Some((b("x_block.attn.proj"), Slot::Whole)),
+                ["attn2", "to_out", "0"] => Some((b("x_block.attn2.proj"), Slot::Whole)),
+                ["attn", "to_add_out"] => Some((b("context_block.attn.proj"), Slot::Whole)),
+                ["norm1", "linear"] => Some((b("x_block.adaLN_modulation.1"), Slot::Whole)),
+                ["norm1_context", "linear"] => {
+                    let slot = if pre_only.contains(&block) { Slot::Swapped } else { Slot::Whole };
+                    Some((b("context_block.adaLN_modulation.1"), slot))
+                }
+                ["ff", "net", "0", "proj"] => Some((b("x_block.mlp.fc1"), Slot::Whole)),
+                ["ff", "net", "2"] => Some((b("x_block.mlp.fc2"), Slot::Whole)),
+                ["ff_context", "net", "0", "proj"] => Some((b("context_block.mlp.fc1"), Slot::Whole)),
+                ["ff_context", "net", "2"] => Some((b("context_block.mlp.fc2"), Slot::Whole)),
+                _ => None,
+            }
+        }
+        _ => None,
+    }
+}
+
+/// Underscored SAI module name → the MMDiT weights it holds and the rows of its update each takes. A fused layer
+/// is listed only when the model has all of its parts.
+type FusedTable = HashMap<String, Vec<(String, Rows)>>;
+
+fn sai_table(params: &HashMap<String, Vec<usize>>) -> FusedTable {
+    // The block whose context stream ends there has a context adaLN but no context output projection.
+    let pre_only: HashSet<usize> = params
+        .keys()
+        .filter_map(|k| {
+            let block =
+                k.strip_prefix("transformer_blocks.")?.strip_suffix(".norm1_context.linear.weight")?;
+            let block: usize = block.parse().ok()?;
+            (!params.contains_key(&format!("transformer_blocks.{block}.attn.to_add_out.weight")))
+                .then_some(block)
+        })
+        .collect();
+    let mut groups: HashMap<String, Vec<(Slot, String)>> = HashMap::new();
     for name in params.keys() {
         let Some(module) = name.strip_suffix(".weight") else { continue };
-        table.insert(underscored(module), name.clone());
+        if let Some((sai, slot)) = sai_name(module, &pre_only) {
+            groups.entry(underscored(&sai)).or_default().push((slot, name.clone()));
+        }
     }
+    let mut table = FusedTable::new();
+    for (sai, mut parts) in groups {
+        parts.sort();
+        let rows: Option<Vec<(String, Rows)>> = match parts.as_slice() {
+            [(Slot::Whole, target)] => Some(vec![(target.clone(), Rows::All)]),
+            [(Slot::Swapped, target)] => Some(vec![(target.clone(), Rows::SwapHalves)]),
+            [(Slot::Third(0), _), (Slot::Third(1), _), (Slot::Third(2), _)] => {
+                let len = |t: &String| params.get(t).and_then(|s| s.first().copied()).unwrap_or(0);
+                let of = parts.iter().map(|(_, t)| len(t)).sum();
+                let mut start = 0;
+                Some(
+                    parts
+                        .iter()
+                        .map(|(_, t)| {
+                            let rows = Rows::Slice { start, len: len(t), of };
+                            start += len(t);
+                            (t.clone(), rows)
+                        })
+                        .collect(),
+                )
+            }
+            _ => None,
+        };
+        if let Some(rows) = rows {
+            table.insert(sai, rows);
+        }
+    }
+    table
+}
+
+/// The family a module's name says it was made for, where it says (the denoiser's top-level layers differ).
+fn family_of(name: &ModuleName) -> Option<Denoiser> {
+    const MMDIT: &[&str] = &[
+        "joint_blocks_",
+        "transformer_blocks_",
+        "x_embedder_",
+        "context_embedder",
+        "t_embedder_",
+        "y_embedder_",
+        "final_layer_",
+        "pos_embed_",
+        "time_text_embed_",
+        "norm_out_",
+    ];
+    const UNET: &[&str] = &[
+        "down_blocks_",
+        "up_blocks_",
+        "mid_block_",
+        "input_blocks_",
+        "middle_block_",
+        "output_blocks_",
+        "conv_in",
+        "conv_out",
+        "time_embedding_",
+        "add_embedding_",
+        "time_embed_",
+        "label_emb_",
+    ];
+    let name = match name {
+        ModuleName::Kohya { network: Network::Unet, name } => name.clone(),
+        ModuleName::Diffusers { network: Network::Unet, path } => underscored(path),
+        _ => return None,
+    };
+    if MMDIT.iter().any(|p| name.starts_with(p)) {
+        Some(Denoiser::Mmdit)
+    } else if UNET.iter().any(|p| name.starts_with(p)) {
+        Some(Denoiser::Unet)
+    } else {
+        None
+    }
+}
+
+fn text_table(params: &HashMap<String, Vec<usize>>) -> Table {
+    let mut table = underscored_table(params);
     // LoRA files always say `text_model.` for the encoder layers while a model's map may put top-level weights
     // (`text_projection`) beside it, or drop the prefix altogether; either spelling finds the weight.
     for name in params.keys() {
@@ -150,16 +366,18 @@ fn text_table(params: &HashMap<String, Vec<usize>>) -> Table {
 struct Tables<'a> {
     params: &'a ModelParams,
     unet: Table,
+    /// The MMDiT's SAI names (empty for a UNet).
+    sai: FusedTable,
     text: Vec<Table>,
 }
 
 impl<'a> Tables<'a> {
     fn new(params: &'a ModelParams) -> Self {
-        Tables {
-            params,
-            unet: unet_table(&params.unet, params.unet_layers_per_block),
-            text: params.text.iter().map(text_table).collect(),
-        }
+        let (unet, sai) = match params.denoiser {
+            Denoiser::Unet => (unet_table(&params.unet, params.unet_layers_per_block), FusedTable::new()),
+            Denoiser::Mmdit => (underscored_table(&params.unet), sai_table(&params.unet)),
+        };
+        Tables { params, unet, sai, text: params.text.iter().map(text_table).collect() }
     }
 
     fn network(&self, network: Network) -> Option<(&'a HashMap<String, Vec<usize>>, &Table)> {
@@ -169,23 +387,27 @@ impl<'a> Tables<'a> {
         }
     }
 
-    /// The parameter `name` refers to, with its shape.
-    fn lookup(&self, name: &ModuleName) -> Option<(String, &'a [usize])> {
+    /// The parameters `name` refers to, with their shapes and the rows of the module's update each takes: one,
+    /// or for a fused SAI layer each weight it holds.
+    fn lookup(&self, name: &ModuleName) -> Option<Vec<(String, &'a [usize], Rows)>> {
         let (params, table) = self.network(name.network())?;
-        let target = match name {
-            ModuleName::Kohya { name, .. } => table.get(name)?.clone(),
+        let spelled = match name {
+            ModuleName::Kohya { name, .. } => name.clone(),
             ModuleName::Diffusers { path, .. } => {
                 let exact = format!("{path}.weight");
-                if params.contains_key(&exact) {
-                    exact
-                } else {
-                    // Dotted LDM names (ComfyUI's `diffusion_model.input_blocks...`) and prefix variants.
-                    table.get(&underscored(path))?.clone()
+                if let Some(shape) = params.get(&exact) {
+                    return Some(vec![(exact, shape.as_slice(), Rows::All)]);
                 }
+                // Dotted LDM/SAI names (ComfyUI's `diffusion_model.input_blocks...`) and prefix variants.
+                underscored(path)
             }
         };
-        let shape = params.get(&target)?;
-        Some((target, shape.as_slice()))
+        let targets = match table.get(&spelled) {
+            Some(target) => vec![(target.clone(), Rows::All)],
+            None if name.network() == Network::Unet => self.sai.get(&spelled)?.clone(),
+            None => return None,
+        };
+        targets.into_iter().map(|(t, rows)| Some((t.clone(), params.get(&t)?.as_slice(), rows))).collect()
     }
 }
 
@@ -194,32 +416,57 @@ impl LoraFile {
     /// no layer for ([`LoraError::UnknownModule`]) or whose update has the wrong size ([`LoraError::Shape`]): a
     /// LoRA made for another model family is refused whole rather than applied in part.
     pub fn resolve(&self, params: &ModelParams) -> Result<Vec<Patch>, LoraError> {
+        self.resolve_modules(params).map_err(|e| self.family_error(params, e))
+    }
+
+    fn resolve_modules(&self, params: &ModelParams) -> Result<Vec<Patch>, LoraError> {
         let tables = Tables::new(params);
         let mut patches = Vec::with_capacity(self.modules.len());
         for (index, module) in self.modules.iter().enumerate() {
-            let Some((target, shape)) = tables.lookup(&module.name) else {
+            let Some(targets) = tables.lookup(&module.name) else {
                 return Err(LoraError::UnknownModule { path: self.path.clone(), key: module.key.clone() });
             };
             let natural = self.natural_shape(module)?;
-            if !fits(&natural, shape) {
-                return Err(LoraError::Shape {
-                    path: self.path.clone(),
-                    key: module.key.clone(),
-                    target,
-                    expected: shape.to_vec(),
-                    got: natural,
-                });
+            for (target, shape, rows) in targets {
+                let update = rows.update_shape(shape);
+                if !rows.fit(shape) || !fits(&natural, &update) {
+                    return Err(LoraError::Shape {
+                        path: self.path.clone(),
+                        key: module.key.clone(),
+                        target,
+                        expected: update,
+                        got: natural,
+                    });
+                }
+                patches.push(Patch { network: module.name.network(), target, module: index, rows });
             }
-            patches.push(Patch { network: module.name.network(), target, module: index });
         }
         Ok(patches)
+    }
+
+    /// A module that does not fit, in a file whose denoiser modules are named for another family than the model's
+    /// (an SD1 LoRA on SD3, an SD3 LoRA on SDXL), is reported as that mismatch.
+    fn family_error(&self, params: &ModelParams, e: LoraError) -> LoraError {
+        if !matches!(e, LoraError::UnknownModule { .. } | LoraError::Shape { .. }) {
+            return e;
+        }
+        let made_for = self.modules.iter().find_map(|m| Some((family_of(&m.name)?, &m.key)));
+        match made_for {
+            Some((family, key)) if family != params.denoiser => LoraError::Family {
+                path: self.path.clone(),
+                key: key.clone(),
+                lora: family.families(),
+                model: params.denoiser.families(),
+            },
+            _ => e,
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testutil::{sd1_params, sdxl_params, write_safetensors};
+    use crate::testutil::{sd1_params, sd3_params, sdxl_params, write_safetensors};
 
     fn sgm(params: &ModelParams, module: &str) -> Option<String> {
         let table = unet_table(&params.unet, params.unet_layers_per_block);
@@ -492,5 +739,214 @@ mod tests {
         let f = lora_file(dir.path(), &[("lora_unet_conv_in", vec![320, 1, 1, 1], vec![1, 4, 3, 3])]);
         p.unet.insert("conv_in.weight".into(), vec![320, 9, 3, 3]);
         assert_eq!(f.resolve(&p).unwrap()[0].target, "conv_in.weight");
+    }
+
+    /// Targets with their rows, sorted.
+    fn rows_of(file: &LoraFile, params: &ModelParams) -> Vec<(Network, String, Rows)> {
+        let mut got: Vec<_> =
+            file.resolve(params).unwrap().into_iter().map(|p| (p.network, p.target, p.rows)).collect();
+        got.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        got
+    }
+
+    fn unet(target: &str, rows: Rows) -> (Network, String, Rows) {
+        (Network::Unet, target.to_string(), rows)
+    }
+
+    #[test]
+    fn sd3_sai_names_split_fused_layers_and_swap_adaln_halves() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = lora_file(
+            dir.path(),
+            &[
+                ("lora_unet_joint_blocks_0_x_block_attn_qkv", vec![96, 1], vec![1, 32]),
+                ("lora_unet_joint_blocks_1_context_block_attn_qkv", vec![96, 1], vec![1, 32]),
+                ("lora_unet_joint_blocks_0_x_block_attn2_qkv", vec![96, 1], vec![1, 32]),
+                ("lora_unet_joint_blocks_0_x_block_attn2_proj", vec![32, 1], vec![1, 32]),
+                ("lora_unet_joint_blocks_0_context_block_attn_proj", vec![32, 1], vec![1, 32]),
+                ("lora_unet_joint_blocks_0_context_block_adaLN_modulation_1", vec![192, 1], vec![1, 32]),
+                ("lora_unet_joint_blocks_1_context_block_adaLN_modulation_1", vec![64, 1], vec![1, 32]),
+                ("lora_unet_joint_blocks_1_x_block_adaLN_modulation_1", vec![192, 1], vec![1, 32]),
+                ("lora_unet_joint_blocks_1_x_block_mlp_fc1", vec![128, 1], vec![1, 32]),
+                ("lora_unet_joint_blocks_0_context_block_mlp_fc2", vec![32, 1], vec![1, 128]),
+                ("lora_unet_final_layer_adaLN_modulation_1", vec![64, 1], vec![1, 32]),
+                ("lora_unet_final_layer_linear", vec![64, 1], vec![1, 32]),
+                ("lora_unet_x_embedder_proj", vec![32, 1, 1, 1], vec![1, 16, 2, 2]),
+                ("lora_unet_t_embedder_mlp_0", vec![32, 1], vec![1, 256]),
+                ("lora_unet_y_embedder_mlp_2", vec![32, 1], vec![1, 32]),
+                ("lora_unet_context_embedder", vec![32, 1], vec![1, 64]),
+                ("lora_te1_text_model_encoder_layers_0_self_attn_q_proj", vec![768, 1], vec![1, 768]),
+                ("lora_te2_text_model_encoder_layers_1_mlp_fc1", vec![5120, 1], vec![1, 1280]),
+            ],
+        );
+        let third = |start| Rows::Slice { start, len: 32, of: 96 };
+        let b0 = "transformer_blocks.0";
+        let b1 = "transformer_blocks.1";
+        let mut want = vec![
+            unet(&format!("{b0}.attn.to_q.weight"), third(0)),
+            unet(&format!("{b0}.attn.to_k.weight"), third(32)),
+            unet(&format!("{b0}.attn.to_v.weight"), third(64)),
+            unet(&format!("{b1}.attn.add_q_proj.weight"), third(0)),
+            unet(&format!("{b1}.attn.add_k_proj.weight"), third(32)),
+            unet(&format!("{b1}.attn.add_v_proj.weight"), third(64)),
+            unet(&format!("{b0}.attn2.to_q.weight"), third(0)),
+            unet(&format!("{b0}.attn2.to_k.weight"), third(32)),
+            unet(&format!("{b0}.attn2.to_v.weight"), third(64)),
+            unet(&format!("{b0}.attn2.to_out.0.weight"), Rows::All),
+            unet(&format!("{b0}.attn.to_add_out.weight"), Rows::All),
+            // A block that goes on has AdaLayerNormZero rows in SAI's order; the last one's are swapped.
+            unet(&format!("{b0}.norm1_context.linear.weight"), Rows::All),
+            unet(&format!("{b1}.norm1_context.linear.weight"), Rows::SwapHalves),
+            unet(&format!("{b1}.norm1.linear.weight"), Rows::All),
+            unet(&format!("{b1}.ff.net.0.proj.weight"), Rows::All),
+            unet(&format!("{b0}.ff_context.net.2.weight"), Rows::All),
+            unet("norm_out.linear.weight", Rows::SwapHalves),
+            unet("proj_out.weight", Rows::All),
+            unet("pos_embed.proj.weight", Rows::All),
+            unet("time_text_embed.timestep_embedder.linear_1.weight", Rows::All),
+            unet("time_text_embed.text_embedder.linear_2.weight", Rows::All),
+            unet("context_embedder.weight", Rows::All),
+            (
+                Network::TextEncoder(0),
+                "text_model.encoder.layers.0.self_attn.q_proj.weight".into(),
+                Rows::All,
+            ),
+            (Network::TextEncoder(1), "text_model.encoder.layers.1.mlp.fc1.weight".into(), Rows::All),
+        ];
+        want.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        assert_eq!(rows_of(&f, &sd3_params()), want);
+    }
+
+    #[test]
+    fn sd3_diffusers_onetrainer_and_dotted_sai_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.safetensors");
+        let t = |k: &'static str, s: Vec<usize>| (k, s.clone(), vec![0.25; s.iter().product()]);
+        write_safetensors(
+            &path,
+            &[
+                t("transformer.transformer_blocks.1.attn.add_k_proj.lora_A.weight", vec![2, 32]),
+                t("transformer.transformer_blocks.1.attn.add_k_proj.lora_B.weight", vec![32, 2]),
+                t("transformer.norm_out.linear.lora_A.weight", vec![2, 32]),
+                t("transformer.norm_out.linear.lora_B.weight", vec![64, 2]),
+                t(
+                    "lora_transformer_transformer_blocks_0_ff_context_net_0_proj.lora_down.weight",
+                    vec![2, 32],
+                ),
+                t("lora_transformer_transformer_blocks_0_ff_context_net_0_proj.lora_up.weight", vec![128, 2]),
+                t("diffusion_model.joint_blocks.1.x_block.attn.qkv.lora_down.weight", vec![2, 32]),
+                t("diffusion_model.joint_blocks.1.x_block.attn.qkv.lora_up.weight", vec![96, 2]),
+                t("base_model.model.transformer_blocks.0.attn2.to_out.0.lora_A.weight", vec![2, 32]),
+                t("base_model.model.transformer_blocks.0.attn2.to_out.0.lora_B.weight", vec![32, 2]),
+                t("text_encoder_2.text_projection.lora_A.weight", vec![2, 1280]),
+                t("text_encoder_2.text_projection.lora_B.weight", vec![1280, 2]),
+            ],
+            &[],
+        );
+        let f = LoraFile::read(&path).unwrap();
+        let third = |start| Rows::Slice { start, len: 32, of: 96 };
+        let mut want = vec![
+            // diffusers' own names: the whole update, even where SAI would swap (norm_out).
+            unet("transformer_blocks.1.attn.add_k_proj.weight", Rows::All),
+            unet("norm_out.linear.weight", Rows::All),
+            unet("transformer_blocks.0.ff_context.net.0.proj.weight", Rows::All),
+            unet("transformer_blocks.1.attn.to_q.weight", third(0)),
+            unet("transformer_blocks.1.attn.to_k.weight", third(32)),
+            unet("transformer_blocks.1.attn.to_v.weight", third(64)),
+            unet("transformer_blocks.0.attn2.to_out.0.weight", Rows::All),
+            (Network::TextEncoder(1), "text_projection.weight".into(), Rows::All),
+        ];
+        want.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        assert_eq!(rows_of(&f, &sd3_params()), want);
+    }
+
+    /// The rows each weight takes of a fused update are the rows diffusers' converter gives it of the fused weight.
+    #[test]
+    fn fused_and_swapped_updates_are_cut_as_the_converter_cuts_weights() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f.safetensors");
+        let up: Vec<f32> = (0..96).map(|i| i as f32).collect();
+        let up2: Vec<f32> = (0..64).map(|i| 1000.0 + i as f32).collect();
+        let down: Vec<f32> = (0..32).map(|j| if j == 0 { 1.0 } else { 0.0 }).collect();
+        write_safetensors(
+            &path,
+            &[
+                ("lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight", vec![96, 1], up.clone()),
+                ("lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight", vec![1, 32], down.clone()),
+                ("lora_unet_joint_blocks_0_x_block_attn_qkv.alpha", vec![], vec![0.5]),
+                ("lora_unet_final_layer_adaLN_modulation_1.lora_up.weight", vec![64, 1], up2.clone()),
+                ("lora_unet_final_layer_adaLN_modulation_1.lora_down.weight", vec![1, 32], down),
+            ],
+            &[],
+        );
+        let f = LoraFile::read(&path).unwrap();
+        let params = sd3_params();
+        // Column 0 of each delta is the up vector (times alpha/rank); every other column is 0.
+        let column = |patch: &Patch| -> Vec<f32> {
+            let d = f.delta(patch, &params.unet[&patch.target], &candle_core::Device::Cpu).unwrap();
+            assert_eq!(d.dims(), params.unet[&patch.target].as_slice());
+            d.narrow(1, 0, 1).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+        };
+        let patches = f.resolve(&params).unwrap();
+        let find = |t: &str| patches.iter().find(|p| p.target == t).unwrap_or_else(|| panic!("{t}"));
+        let half: Vec<f32> = up.iter().map(|v| v * 0.5).collect();
+        assert_eq!(column(find("transformer_blocks.0.attn.to_q.weight")), half[..32]);
+        assert_eq!(column(find("transformer_blocks.0.attn.to_k.weight")), half[32..64]);
+        assert_eq!(column(find("transformer_blocks.0.attn.to_v.weight")), half[64..]);
+        // SAI's (shift, scale) rows become diffusers' (scale, shift).
+        let swapped: Vec<f32> = up2[32..].iter().chain(&up2[..32]).copied().collect();
+        assert_eq!(column(find("norm_out.linear.weight")), swapped);
+    }
+
+    #[test]
+    fn a_lora_of_another_family_is_refused_naming_both() {
+        let dir = tempfile::tempdir().unwrap();
+        // An SD1 LoRA (text encoder modules fit SD3's CLIP-L; the UNet ones do not).
+        let sd1 = lora_file(
+            dir.path(),
+            &[
+                ("lora_te_text_model_encoder_layers_0_self_attn_q_proj", vec![768, 1], vec![1, 768]),
+                ("lora_unet_down_blocks_0_attentions_0_proj_in", vec![320, 1], vec![1, 320]),
+            ],
+        );
+        let err = sd1.resolve(&sd3_params()).unwrap_err();
+        assert!(
+            matches!(&err, LoraError::Family { lora: "SD1.x/SD2.x/SDXL", model: "SD3/SD3.5", .. }),
+            "{err}"
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("l.safetensors") && msg.contains("SD3/SD3.5"), "{msg}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let sd3 =
+            lora_file(dir.path(), &[("lora_unet_joint_blocks_0_x_block_attn_qkv", vec![96, 1], vec![1, 32])]);
+        for params in [sd1_params(), sdxl_params()] {
+            let err = sd3.resolve(&params).unwrap_err();
+            assert!(matches!(&err, LoraError::Family { lora: "SD3/SD3.5", .. }), "{err}");
+        }
+
+        // Same family, other sizes (an SD3.5-large LoRA on SD3-medium): a shape error, not a family one.
+        let dir = tempfile::tempdir().unwrap();
+        let wide = lora_file(
+            dir.path(),
+            &[("lora_unet_joint_blocks_0_x_block_attn_qkv", vec![144, 1], vec![1, 48])],
+        );
+        let err = wide.resolve(&sd3_params()).unwrap_err();
+        assert!(
+            matches!(&err, LoraError::Shape { target, expected, .. }
+                if target == "transformer_blocks.0.attn.to_q.weight" && expected == &vec![96, 32]),
+            "{err}"
+        );
+        // SD3's T5 takes no LoRA here: refused by name rather than left out.
+        let dir = tempfile::tempdir().unwrap();
+        let t5 = lora_file(
+            dir.path(),
+            &[("lora_te3_encoder_block_0_layer_0_SelfAttention_q", vec![32, 1], vec![1, 32])],
+        );
+        let err = t5.resolve(&sd3_params()).unwrap_err();
+        assert!(
+            matches!(&err, LoraError::UnknownModule { key, .. } if key.starts_with("lora_te3_")),
+            "{err}"
+        );
     }
 }

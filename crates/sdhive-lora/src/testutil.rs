@@ -1,5 +1,6 @@
 //! Test helpers: safetensors files written byte by byte (with `__metadata__`, which candle's writer cannot add),
-//! and synthetic SD1/SDXL parameter maps with the real networks' names and shapes, generated from their configs.
+//! and synthetic SD1/SDXL/SD3 parameter maps with the real networks' names and shapes, generated from their configs
+//! (SD3's at a small width).
 
 use crate::ModelParams;
 use std::collections::HashMap;
@@ -169,6 +170,7 @@ pub(crate) fn sd1_params() -> ModelParams {
         text: vec![clip(768, 2, false)],
         unet_layers_per_block: 2,
         unet_down_blocks: 4,
+        denoiser: crate::Denoiser::Unet,
     }
 }
 
@@ -186,5 +188,52 @@ pub(crate) fn sdxl_params() -> ModelParams {
         text: vec![clip(768, 2, false), clip(1280, 2, true)],
         unet_layers_per_block: 2,
         unet_down_blocks: 3,
+        denoiser: crate::Denoiser::Unet,
+    }
+}
+
+/// An SD3.5-medium-like MMDiT at width 32 (2 blocks: MMDiT-X dual attention in the first, the second the one whose
+/// context stream ends there), with SD3's CLIP-L and CLIP-G.
+pub(crate) fn sd3_params() -> ModelParams {
+    let (d, joint, pooled, patch_out) = (32, 64, 48, 64);
+    let mut p: HashMap<String, Vec<usize>> = HashMap::new();
+    let mut put = |name: String, shape: &[usize]| {
+        p.insert(name, shape.to_vec());
+    };
+    put("pos_embed.proj.weight".into(), &[d, 16, 2, 2]);
+    put("context_embedder.weight".into(), &[d, joint]);
+    for (e, width) in [("timestep_embedder", 256), ("text_embedder", pooled)] {
+        put(format!("time_text_embed.{e}.linear_1.weight"), &[d, width]);
+        put(format!("time_text_embed.{e}.linear_2.weight"), &[d, d]);
+    }
+    for i in 0..2 {
+        let b = format!("transformer_blocks.{i}");
+        let (dual, last) = (i == 0, i == 1);
+        put(format!("{b}.norm1.linear.weight"), &[if dual { 9 } else { 6 } * d, d]);
+        put(format!("{b}.norm1_context.linear.weight"), &[if last { 2 } else { 6 } * d, d]);
+        for m in ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0"] {
+            put(format!("{b}.attn.{m}.weight"), &[d, d]);
+        }
+        put(format!("{b}.ff.net.0.proj.weight"), &[4 * d, d]);
+        put(format!("{b}.ff.net.2.weight"), &[d, 4 * d]);
+        if !last {
+            put(format!("{b}.attn.to_add_out.weight"), &[d, d]);
+            put(format!("{b}.ff_context.net.0.proj.weight"), &[4 * d, d]);
+            put(format!("{b}.ff_context.net.2.weight"), &[d, 4 * d]);
+        }
+        if dual {
+            for m in ["to_q", "to_k", "to_v", "to_out.0"] {
+                put(format!("{b}.attn2.{m}.weight"), &[d, d]);
+            }
+        }
+    }
+    put("norm_out.linear.weight".into(), &[2 * d, d]);
+    put("proj_out.weight".into(), &[patch_out, d]);
+    ModelParams {
+        unet: p,
+        text: vec![clip(768, 2, true), clip(1280, 2, true)],
+        unet_layers_per_block: 0,
+        unet_down_blocks: 0,
+        denoiser: crate::Denoiser::Mmdit,
     }
 }

@@ -60,7 +60,8 @@ fn shards_from_index(dir: &Path, index: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// Memory-maps the given safetensors files into one `VarBuilder`.
+/// Memory-maps the given safetensors files into one `VarBuilder`, whose weights a surrounding
+/// [`crate::params::record`] records.
 pub fn open_safetensors(files: &[PathBuf], dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
     // Opening each file alone first gives an error that names the broken one.
     for f in files {
@@ -70,12 +71,13 @@ pub fn open_safetensors(files: &[PathBuf], dtype: DType, device: &Device) -> Res
             .map_err(|source| ModelError::WeightsOpen { path: f.clone(), source: strip_backtrace(source) })?;
     }
     // SAFETY: as above.
-    unsafe { VarBuilder::from_mmaped_safetensors(files, dtype, device) }.map_err(|source| {
+    let mapped = unsafe { candle_core::safetensors::MmapedSafetensors::multi(files) }.map_err(|source| {
         ModelError::WeightsOpen {
             path: files.first().cloned().unwrap_or_default(),
             source: strip_backtrace(source),
         }
-    })
+    })?;
+    Ok(crate::params::recording_builder(mapped, dtype, device))
 }
 
 /// Opens the weights of the diffusers component folder `dir` (tensors keep diffusers names).

@@ -176,6 +176,9 @@ impl RmsNorm {
 
     /// `x` `(B, S, H·D)` normalised per head of width `D`.
     fn forward_heads(&self, x: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+        if ops::fused_rms_norm_applies(x, &self.weight) {
+            return ops::fused_rms_norm(x, &self.weight, EPS);
+        }
         let (b, s, hd) = x.dims3()?;
         let dtype = x.dtype();
         let x = x.reshape((b, s, heads, hd / heads))?.to_dtype(DType::F32)?;
@@ -340,6 +343,9 @@ impl PlainNorm {
 
     /// `norm(x) · (1 + scale) + shift`, with `(B, D)` modulation rows.
     fn modulate(&self, x: &Tensor, shift: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
+        if let Some(fused) = ops::fused_modulated_layer_norm(x, shift, scale, EPS)? {
+            return Ok(fused);
+        }
         modulate(&self.forward(x)?, shift, scale)
     }
 }
@@ -350,6 +356,9 @@ fn modulate(normed: &Tensor, shift: &Tensor, scale: &Tensor) -> candle_core::Res
 
 /// `x + gate · y` with a `(B, D)` gate.
 fn gated_add(x: &Tensor, gate: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+    if let Some(fused) = ops::fused_gated_add(x, gate, y)? {
+        return Ok(fused);
+    }
     x + y.broadcast_mul(&gate.unsqueeze(1)?)?
 }
 
@@ -405,8 +414,8 @@ impl JointBlock {
         let m = chunks(&ops::linear(&self.norm1, temb, None)?, if self.attn2.is_some() { 9 } else { 6 })?;
         let (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) =
             (&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]);
-        let normed = norm.forward(x)?;
-        let norm_x = modulate(&normed, shift_msa, scale_msa)?;
+        let x_in = x;
+        let norm_x = norm.modulate(x, shift_msa, scale_msa)?;
         let cm = ops::linear(&self.norm1_context, temb, None)?;
         let (norm_c, cm) = if self.context_pre_only {
             // AdaLayerNormContinuous chunks (scale, shift), the reverse of AdaLayerNormZero's order.
@@ -419,7 +428,8 @@ impl JointBlock {
         let (attn_x, attn_c) = self.attn.forward(&norm_x, Some(&norm_c))?;
         let mut x = gated_add(x, gate_msa, &attn_x)?;
         if let Some(attn2) = &self.attn2 {
-            let norm_x2 = modulate(&normed, &m[6], &m[7])?;
+            // The block's input normalised again: one fused pass, cheaper than keeping the plain norm around.
+            let norm_x2 = norm.modulate(x_in, &m[6], &m[7])?;
             x = gated_add(&x, &m[8], &attn2.forward(&norm_x2, None)?.0)?;
         }
         let ff_in = norm.modulate(&x, shift_mlp, scale_mlp)?;
@@ -605,8 +615,28 @@ impl SD3Transformer2DModel {
         context: &Tensor,
         pooled: &Tensor,
     ) -> Result<Tensor> {
+        self.forward_skipping(latents, timestep, context, pooled, &[])
+    }
+
+    /// [`Self::forward`] with diffusers' `skip_layers`: the blocks at these indices are left out, their inputs
+    /// passed on unchanged (skip-layer guidance). Skipping the last block keeps the context stream the block
+    /// before it made, which nothing reads. An index past the last block is an input error.
+    pub fn forward_skipping(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        context: &Tensor,
+        pooled: &Tensor,
+        skip_layers: &[usize],
+    ) -> Result<Tensor> {
         let (b, h, w) = self.check_inputs(latents, timestep, context, pooled)?;
-        self.run(latents, timestep, context, pooled, (b, h, w)).ctx(MODEL)
+        if let Some(&l) = skip_layers.iter().find(|&&l| l >= self.blocks.len()) {
+            return Err(input_err(
+                MODEL,
+                format!("skip layer {l} does not exist (layers 0 to {})", self.blocks.len() - 1),
+            ));
+        }
+        self.run(latents, timestep, context, pooled, (b, h, w), skip_layers).ctx(MODEL)
     }
 
     fn run(
@@ -616,6 +646,7 @@ impl SD3Transformer2DModel {
         context: &Tensor,
         pooled: &Tensor,
         (b, h, w): (usize, usize, usize),
+        skip_layers: &[usize],
     ) -> candle_core::Result<Tensor> {
         let cfg = &self.config;
         let (p, c) = (cfg.patch_size, cfg.in_channels);
@@ -636,6 +667,9 @@ impl SD3Transformer2DModel {
         let temb_act = ops::silu(&temb)?;
         let mut ctx = Some(ops::linear(&self.context_embedder, &context, None)?);
         for (i, block) in self.blocks.iter().enumerate() {
+            if skip_layers.contains(&i) {
+                continue;
+            }
             let Some(cur) = ctx.as_ref() else {
                 candle_core::bail!("block {i} follows the context-pre-only block");
             };

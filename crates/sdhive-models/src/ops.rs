@@ -217,6 +217,47 @@ pub fn attention_is_fused(device: &candle_core::Device, dtype: DType) -> bool {
     gpu::attention_fused_on(device, dtype)
 }
 
+/// Whether [`fused_rms_norm`] takes `x` and its per-head `weight` (on a GPU the kernels run on).
+pub fn fused_rms_norm_applies(x: &Tensor, weight: &Tensor) -> bool {
+    gpu::applies(&[x, weight])
+}
+
+/// RMSNorm of every `weight`-wide row of `x` (each attention head), statistics in f32, in one kernel.
+pub fn fused_rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    gpu::rms_norm(x, weight, eps)
+}
+
+/// An adaptive norm's `layer_norm(x) · (1 + scale) + shift` for `(B, S, D)` `x` and `(B, D)` rows in one kernel
+/// pass, where the kernels take the tensors; `None` otherwise (the caller composes it).
+pub fn fused_modulated_layer_norm(
+    x: &Tensor,
+    shift: &Tensor,
+    scale: &Tensor,
+    eps: f64,
+) -> Result<Option<Tensor>> {
+    if x.rank() != 3 || !gpu::applies(&[x]) {
+        return Ok(None);
+    }
+    let (weight, bias) = ((scale + 1.0)?.contiguous()?, shift.contiguous()?);
+    if !gpu::applies(&[x, &weight, &bias]) {
+        return Ok(None);
+    }
+    gpu::layer_norm_per_sample(x, &weight, &bias, eps).map(Some)
+}
+
+/// `x + gate · y` for `(B, S, D)` `x`, `y` and a `(B, D)` gate in one kernel pass, where the kernels take the
+/// tensors; `None` otherwise.
+pub fn fused_gated_add(x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Option<Tensor>> {
+    if x.rank() != 3 || !gpu::applies(&[x, y]) {
+        return Ok(None);
+    }
+    let gate = gate.contiguous()?;
+    if !gpu::applies(&[x, &gate, y]) {
+        return Ok(None);
+    }
+    gpu::gated_add(x, &gate, y).map(Some)
+}
+
 /// `(B, S, H·D)` → `(B·H, S, D)`, contiguous so the batched matmuls need no copies.
 pub fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
     let (b, s, hd) = x.dims3()?;

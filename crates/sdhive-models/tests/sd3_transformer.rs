@@ -67,6 +67,32 @@ fn sd35_large_qk_norm_matches_diffusers() {
     parity("sd35l");
 }
 
+/// `skip_layers` as diffusers' forward takes it (skip-layer guidance): on SD3.5-medium-like `sd35m`, block 0 (the
+/// dual-attention block; the context passes it unchanged), block 1 (the context-pre-only last block) and both.
+#[test]
+fn skipped_layers_match_diffusers() {
+    let g = golden("sd3_transformer_skip_sd35m.safetensors");
+    let model = load(&transformer_dir("sd35m"));
+    let (lat, t, ctx, pooled) =
+        (get(&g, "latents"), get(&g, "timestep"), get(&g, "context"), get(&g, "pooled"));
+    let full = model.forward(lat, t, ctx, pooled).expect("forward");
+    for skip in [&[0usize][..], &[1], &[0, 1]] {
+        let key = format!("out_skip_{}", skip.iter().map(|l| l.to_string()).collect::<Vec<_>>().join("_"));
+        let want = get(&g, &key);
+        let got = model.forward_skipping(lat, t, ctx, pooled, skip).unwrap_or_else(|e| panic!("{key}: {e}"));
+        let d = max_diff(&key, &got, want);
+        assert!(d <= tolerance(want), "{key}: max abs diff {d}");
+        let moved = max_diff(&format!("{key} vs no skip"), &got, &full);
+        assert!(moved > 100.0 * tolerance(want), "{key}: skipping changed the output by only {moved}");
+    }
+    let none = model.forward_skipping(lat, t, ctx, pooled, &[]).expect("forward");
+    assert_eq!(max_diff("no skip", &none, &full), 0.0);
+    match model.forward_skipping(lat, t, ctx, pooled, &[2]) {
+        Err(e @ ModelError::Input { .. }) => assert!(e.to_string().contains("skip layer 2"), "{e}"),
+        other => panic!("layer 2 of 2: expected an input error, got {other:?}"),
+    }
+}
+
 /// The fixture folder copied with `drop` left out of its weights.
 fn folder_without(variant: &str, drop: &str) -> tempfile::TempDir {
     let src = transformer_dir(variant);

@@ -191,6 +191,9 @@ pub struct JobRequest {
     /// JPEG quality, 0–100 (default 90).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_quality: Option<u32>,
+    /// Skip-layer guidance (SD3-family models).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skip_layer_guidance: Option<crate::guidance::SkipLayerGuidanceRequest>,
 }
 
 /// `202 Accepted` answer to a submission.

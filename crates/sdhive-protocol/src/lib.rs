@@ -6,6 +6,7 @@
 
 pub mod auth;
 pub mod error;
+pub mod guidance;
 pub mod hires;
 pub mod job;
 pub mod models;
@@ -14,6 +15,7 @@ pub mod registration;
 
 pub use auth::{parse_api_auth, BasicUsers, Credentials};
 pub use error::{ErrorBody, ErrorDetail};
+pub use guidance::SkipLayerGuidanceRequest;
 pub use hires::HiresRequest;
 pub use job::{
     JobAccepted, JobError, JobErrorKind, JobEvent, JobId, JobImage, JobLinks, JobRequest, JobSnapshot,

@@ -42,6 +42,8 @@ mod dpm;
 mod error;
 mod euler;
 mod euler_ancestral;
+mod flow;
+mod flow_dpm;
 mod flow_match;
 mod lcm;
 mod ops;
@@ -53,6 +55,8 @@ use serde::{Deserialize, Serialize};
 
 pub use config::SchedulerConfig;
 pub use error::{Result, SchedulerError};
+pub use flow::{FlowSampler, FlowScheduler};
+pub use flow_dpm::FlowDpmSolverMultistep;
 pub use flow_match::{FlowMatchConfig, FlowMatchEulerDiscrete, TimeShift};
 
 /// A stream of standard-normal float32 samples.

@@ -260,6 +260,11 @@ impl SdCppEngine {
                 message: "this is an inpainting model: send an init image and a mask".into(),
             });
         }
+        if req.skip_layer_guidance.is_some() {
+            let message =
+                "skip-layer guidance is for SD3-family (MMDiT) models; this engine serves SD1, SD2 and SDXL";
+            return Err(ValidationError { field: "skip_layer_guidance", message: message.into() });
+        }
         Ok(method)
     }
 }

@@ -5,9 +5,9 @@
 use base64::Engine as _;
 use sdhive_engine::{
     decode_image, decode_mask, GenerateRequest, GrayImage, ImageError, ImageFormat, Limits, OutputFormat,
-    RgbImage, Sampler, Schedule, ValidationError,
+    RgbImage, Sampler, Schedule, SkipLayerGuidance, ValidationError,
 };
-use sdhive_protocol::JobRequest;
+use sdhive_protocol::{JobRequest, SkipLayerGuidanceRequest};
 
 fn invalid(field: &'static str, message: impl Into<String>) -> ValidationError {
     ValidationError { field, message: message.into() }
@@ -124,6 +124,18 @@ pub fn parse_output(
     Ok(OutputFormat::new(format, quality))
 }
 
+/// The `skip_layer_guidance` object as the engine takes it, diffusers' defaults filling in what it leaves out; its
+/// values are checked with the rest of the request (`GenerateRequest::validate`), the layers by the engine, which
+/// knows the model's blocks.
+pub fn skip_layer_guidance(req: Option<&SkipLayerGuidanceRequest>) -> Option<SkipLayerGuidance> {
+    req.map(|r| SkipLayerGuidance {
+        layers: r.layers.iter().map(|&l| l as usize).collect(),
+        scale: r.scale.unwrap_or(SkipLayerGuidance::DEFAULT_SCALE),
+        start: r.start.unwrap_or(SkipLayerGuidance::DEFAULT_START),
+        stop: r.stop.unwrap_or(SkipLayerGuidance::DEFAULT_STOP),
+    })
+}
+
 /// The native job request, with defaults, decoded images and every limit checked.
 pub fn build_request(
     req: &JobRequest,
@@ -161,6 +173,7 @@ pub fn build_request(
             OutputFormat::DEFAULT_QUALITY,
             ("output_format", "output_quality"),
         )?,
+        skip_layer_guidance: skip_layer_guidance(req.skip_layer_guidance.as_ref()),
     };
     out.validate(limits)?;
     if req.mask.is_some() && req.init_image.is_none() {
@@ -226,6 +239,34 @@ mod tests {
         assert_eq!(field(&JobRequest { output_format: Some("gif".into()), ..req() }), "output_format");
         assert_eq!(field(&JobRequest { output_quality: Some(101), ..req() }), "output_quality");
         assert_eq!(field(&JobRequest { output_quality: Some(u32::MAX), ..req() }), "output_quality");
+    }
+
+    #[test]
+    fn skip_layer_guidance_reaches_the_request_with_diffusers_defaults() {
+        let slg = |layers: Vec<u32>, start: Option<f64>, stop: Option<f64>| JobRequest {
+            skip_layer_guidance: Some(SkipLayerGuidanceRequest { layers, scale: None, start, stop }),
+            ..req()
+        };
+        let r = build_request(&slg(vec![7, 8, 9], None, None), &Limits::default(), 1 << 20).unwrap();
+        assert_eq!(
+            r.skip_layer_guidance,
+            Some(SkipLayerGuidance { layers: vec![7, 8, 9], scale: 2.8, start: 0.01, stop: 0.2 })
+        );
+        assert_eq!(build_request(&req(), &Limits::default(), 1 << 20).unwrap().skip_layer_guidance, None);
+        assert_eq!(field(&slg(vec![], None, None)), "skip_layer_guidance.layers");
+        assert_eq!(field(&slg(vec![1], Some(-0.1), None)), "skip_layer_guidance.start");
+        assert_eq!(field(&slg(vec![1], None, Some(1.5))), "skip_layer_guidance.stop");
+        // A start after the default stop is named as the start.
+        assert_eq!(field(&slg(vec![1], Some(0.5), None)), "skip_layer_guidance.start");
+        let scale = JobRequest {
+            skip_layer_guidance: Some(SkipLayerGuidanceRequest {
+                layers: vec![1],
+                scale: Some(-1.0),
+                ..Default::default()
+            }),
+            ..req()
+        };
+        assert_eq!(field(&scale), "skip_layer_guidance.scale");
     }
 
     #[test]

@@ -106,7 +106,7 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 0)]
     pub device: usize,
 
-    /// Weight and activation precision; default: f32 on CPU, f16 on GPUs.
+    /// Weight and activation precision; default: f32 on CPU, f16 on GPUs (bf16 for SD3/SD3.5 on CUDA).
     #[arg(long, value_enum)]
     pub dtype: Option<DTypeArg>,
 

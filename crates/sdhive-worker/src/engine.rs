@@ -127,7 +127,7 @@ fn load_with(
     match device {
         DeviceHandle::Candle(device) => {
             let dtype = opts.dtype.unwrap_or_else(|| backend.default_dtype());
-            let target = |module: Module| -> anyhow::Result<ModuleTarget> {
+            let target = |module: Module, dtype: DType| -> anyhow::Result<ModuleTarget> {
                 let placed = match opts.placement.device_of(module) {
                     None => device.clone(),
                     Some(r) => {
@@ -143,10 +143,12 @@ fn load_with(
                     host_copy: false,
                 })
             };
-            let targets = Targets {
-                unet: target(Module::Diffusion)?,
-                text: target(Module::TextEncoder)?,
-                vae: target(Module::Vae)?,
+            let targets = |dtype: DType| -> anyhow::Result<Targets> {
+                Ok(Targets {
+                    unet: target(Module::Diffusion, dtype)?,
+                    text: target(Module::TextEncoder, dtype)?,
+                    vae: target(Module::Vae, dtype)?,
+                })
             };
             let sd3 = match &model.location {
                 sdhive_modelsource::ModelLocation::DiffusersDir(dir) => sdhive_candle::is_sd3_folder(dir),
@@ -155,8 +157,10 @@ fn load_with(
                 }
             };
             if sd3 {
-                return load_sd3(backend, &device, dtype, info, model, &opts).with_context(context);
+                let targets = targets(opts.dtype.unwrap_or_else(|| backend.default_sd3_dtype()))?;
+                return load_sd3(backend, &targets, info, model, &opts).with_context(context);
             }
+            let targets = targets(dtype)?;
             // Jobs are planned against the memory of the device the UNet runs on.
             let planned = DeviceHandle::Candle(targets.unet.device.clone());
             let load_opts = sdhive_candle::LoadOptions {
@@ -177,12 +181,11 @@ fn load_with(
     }
 }
 
-/// An SD3-family diffusers folder or SAI single file: every network on the worker's device (placement, offload, the RAM cache and
-/// memory planning do not cover SD3 yet, and say so rather than being ignored).
+/// An SD3-family diffusers folder or SAI single file, each network on its target (`--placement`, `--offload`;
+/// module `te` is all three text encoders). The RAM cache and memory planning do not cover SD3 yet.
 fn load_sd3(
     backend: Backend,
-    device: &candle_core::Device,
-    dtype: DType,
+    targets: &Targets,
     info: &DeviceInfo,
     model: &ResolvedModel,
     opts: &EngineOptions,
@@ -190,19 +193,16 @@ fn load_sd3(
     if model.vae.is_some() {
         bail!("a standalone VAE is not available for SD3 models yet");
     }
-    if opts.placement != Placement::default() {
-        bail!("--placement and --offload are not available for SD3 models yet");
-    }
     let path = model.location.path();
     let names = (backend.name(), info.name.as_str());
     let engine = if path.is_file() {
         // A single file's configs and missing text encoders come from the diffusers folder of its name beside it.
         let config = Some(path.with_extension("")).filter(|d| d.join("model_index.json").is_file());
         let sd3 =
-            sdhive_candle::Sd3Model::from_single_file(path, config.as_deref(), dtype, device, !opts.no_t5)?;
-        sdhive_candle::Sd3Engine::from_model(sd3, &model.name, dtype, names)
+            sdhive_candle::Sd3Model::from_single_file_on(path, config.as_deref(), targets, !opts.no_t5)?;
+        sdhive_candle::Sd3Engine::from_model(sd3, &model.name, targets.unet.dtype, names)
     } else {
-        sdhive_candle::Sd3Engine::load(path, &model.name, device, dtype, !opts.no_t5, names)?
+        sdhive_candle::Sd3Engine::load_on(path, &model.name, targets, !opts.no_t5, names)?
     };
     Ok(Box::new(engine.with_limits(opts.limits.clone())))
 }

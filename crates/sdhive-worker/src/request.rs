@@ -128,6 +128,8 @@ pub fn build_request(args: &GenerateArgs) -> Result<GenerateRequest, ArgsError> 
         hires: None,
         // `generate` writes PNG files itself.
         output: Default::default(),
+        // Skip-layer guidance is an API option (`skip_layer_guidance`); the CLI has no flags for it.
+        skip_layer_guidance: None,
     };
     req.validate(&Limits::default())?;
     Ok(req)

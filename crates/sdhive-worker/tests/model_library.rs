@@ -83,6 +83,7 @@ fn request(seed: u64) -> GenerateRequest {
         embeddings: Vec::new(),
         hires: None,
         output: Default::default(),
+        skip_layer_guidance: None,
     }
 }
 

@@ -24,7 +24,7 @@ use base64::Engine as _;
 use sdhive_engine::{
     GenerateRequest, GrayImage, ImageFormat, ModelSpec, OutputFormat, Sampler, Schedule, ValidationError,
 };
-use sdhive_protocol::{HiresRequest, JobId, LoraRequest, Seed};
+use sdhive_protocol::{HiresRequest, JobId, LoraRequest, Seed, SkipLayerGuidanceRequest};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -299,6 +299,8 @@ struct SdapiRequest {
     loras: Option<Vec<LoraRequest>>,
     /// Prompt styles from `--styles-file`, applied in order (A1111's `styles`).
     styles: Option<Vec<String>>,
+    /// Our extension: skip-layer guidance (SD3-family models), the native API's object.
+    skip_layer_guidance: Option<SkipLayerGuidanceRequest>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -507,6 +509,7 @@ fn prepare(state: &AppState, local: &Local, bytes: &[u8], mode: Mode) -> Result<
         embeddings: Vec::new(),
         hires: None,
         output: samples.output(),
+        skip_layer_guidance: crate::validation::skip_layer_guidance(body.skip_layer_guidance.as_ref()),
     };
     // A1111's img2img has no hires fix; its clients may still send the txt2img switches.
     if mode == Mode::Txt2Img && body.enable_hr == Some(true) {

@@ -71,6 +71,8 @@ struct ImageParams {
     loras: Option<Vec<LoraRequest>>,
     /// Hires fix (generations only), as the native API's `hires` object.
     hires: Option<sdhive_protocol::HiresRequest>,
+    /// Skip-layer guidance (SD3-family models), as the native API's object.
+    skip_layer_guidance: Option<sdhive_protocol::SkipLayerGuidanceRequest>,
 }
 
 /// The checkpoint a request names, with the selected VAE choice.
@@ -222,6 +224,7 @@ fn build_request(
         embeddings: Vec::new(),
         hires: None,
         output,
+        skip_layer_guidance: crate::validation::skip_layer_guidance(p.skip_layer_guidance.as_ref()),
     };
     req.validate(&state.config.limits).map_err(openai_invalid)?;
     if let Some(hr) = &p.hires {
