@@ -82,6 +82,9 @@ struct Flags {
     /// latent, off (passed to every worker as --preview).
     #[arg(long, value_name = "MODE")]
     preview: Option<sdhive_engine::PreviewMode>,
+    /// SD3/SD3.5 models without T5 (its part of the context zeros; about 9.5 GB less): passed to every worker.
+    #[arg(long)]
+    no_t5: bool,
     /// Use only this backend.
     #[arg(long)]
     backend: Option<String>,
@@ -156,6 +159,7 @@ impl Flags {
             api_auth: self.api_auth.clone(),
             styles_file: self.styles_file.clone(),
             preview: self.preview,
+            no_t5: self.no_t5,
             backend: self.backend.clone(),
             pin: self.pin.clone(),
             exclude: self.exclude.clone(),

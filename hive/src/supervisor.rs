@@ -163,6 +163,9 @@ fn command(hive: &Hive, spec: &Spec) -> Command {
     }
     // Always passed, so that a PREVIEW variable in the hive's environment cannot change it behind its back.
     cmd.arg("--preview").arg(hive.config.preview.name());
+    if hive.config.no_t5 {
+        cmd.arg("--no-t5");
+    }
     // Secrets go through the environment: argv is readable by every user in /proc/<pid>/cmdline.
     cmd.env("WORKER_TOKEN", &hive.token);
     match &hive.config.worker_api_key {
@@ -427,12 +430,7 @@ mod tests {
         }
     }
 
-    #[test]
-    fn workers_get_the_hives_preview_mode() {
-        let config = crate::config::HiveConfig {
-            preview: sdhive_engine::PreviewMode::Off,
-            ..crate::config::HiveConfig::default()
-        };
+    fn worker_args(config: crate::config::HiveConfig) -> Vec<String> {
         let hive = Hive::new(config, "t".into(), "http://hive".into()).unwrap();
         let worker = PlannedWorker {
             worker_id: "w".into(),
@@ -442,9 +440,25 @@ mod tests {
             binary: "sd-worker-cpu".into(),
         };
         let cmd = command(&hive, &Spec::planned(worker, 0));
-        let args: Vec<String> = cmd.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
+        cmd.get_args().map(|a| a.to_string_lossy().into_owned()).collect()
+    }
+
+    #[test]
+    fn workers_get_the_hives_preview_mode() {
+        let args = worker_args(crate::config::HiveConfig {
+            preview: sdhive_engine::PreviewMode::Off,
+            ..crate::config::HiveConfig::default()
+        });
         let at = args.iter().position(|a| a == "--preview").expect("--preview passed");
         assert_eq!(args.get(at + 1).map(String::as_str), Some("off"), "{args:?}");
+        assert!(!args.iter().any(|a| a == "--no-t5"), "{args:?}");
+    }
+
+    #[test]
+    fn workers_leave_t5_out_when_the_hive_says_so() {
+        let args =
+            worker_args(crate::config::HiveConfig { no_t5: true, ..crate::config::HiveConfig::default() });
+        assert!(args.iter().any(|a| a == "--no-t5"), "{args:?}");
     }
 
     #[test]
