@@ -126,7 +126,7 @@ struct Parts {
 
 /// A single-file checkpoint: the LDM/SGM prefixes the engines load (EMA copies and the rest are not loaded), and
 /// SD3's text encoders (`text_encoders.*`; an SD3.5 file's come from its folder and are not counted here).
-fn single_file(path: &Path) -> Result<Parts, String> {
+fn single_file(path: &Path, with_t5: bool) -> Result<Parts, String> {
     let tensors = read_tensors(path)?;
     let family = if tensors.iter().any(|t| t.name.starts_with("conditioner.embedders.1.")) {
         Family::Sdxl
@@ -144,6 +144,9 @@ fn single_file(path: &Path) -> Result<Parts, String> {
         heads: 0,
     };
     for t in tensors {
+        if !with_t5 && t.name.starts_with("text_encoders.t5xxl.") {
+            continue;
+        }
         if t.name.starts_with("first_stage_model.") {
             parts.vae.push((t.elements, t.dtype));
         } else if ["model.diffusion_model.", "cond_stage_model.", "conditioner.", "text_encoders."]
@@ -181,7 +184,7 @@ fn component_files(dir: &Path) -> Vec<std::path::PathBuf> {
 }
 
 /// A diffusers folder: its components' safetensors, and the UNet config for the native size and attention.
-fn diffusers(dir: &Path) -> Result<Parts, String> {
+fn diffusers(dir: &Path, with_t5: bool) -> Result<Parts, String> {
     let config: serde_json::Value = std::fs::read_to_string(dir.join("unet/config.json"))
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok())
@@ -223,6 +226,9 @@ fn diffusers(dir: &Path) -> Result<Parts, String> {
         heads,
     };
     for component in ["unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae"] {
+        if !with_t5 && component == "text_encoder_3" {
+            continue;
+        }
         let folder = dir.join(component);
         if !folder.is_dir() {
             continue;
@@ -250,7 +256,12 @@ fn diffusers(dir: &Path) -> Result<Parts, String> {
 /// of `sdhive_engine::memory` for a native-size image with classifier-free guidance (two images per UNet
 /// call, attention scores unchunked: an upper bound), plus the worker's own overhead. Reads headers only.
 pub fn estimate(path: &Path, backend: Backend) -> Result<Footprint, String> {
-    let parts = if path.is_dir() { diffusers(path)? } else { single_file(path)? };
+    estimate_with(path, backend, true)
+}
+
+/// [`estimate`], with SD3's T5 left out when the workers run without it (`no_t5`).
+pub fn estimate_with(path: &Path, backend: Backend, with_t5: bool) -> Result<Footprint, String> {
+    let parts = if path.is_dir() { diffusers(path, with_t5)? } else { single_file(path, with_t5)? };
     let float_bytes: u64 = if backend == Backend::Cpu { 4 } else { 2 };
     let vae_float = if parts.family == Family::Sdxl { 4 } else { float_bytes };
     let bytes =
@@ -447,13 +458,18 @@ fn wanted(hive: &Hive, state: &State, rows: &[Row], now: Instant) -> Option<Want
 /// under its path without a rescan, and a wrong guess costs one worker at most).
 type Estimates = HashMap<(String, Backend), Result<Footprint, String>>;
 
-async fn footprint(cache: &mut Estimates, model: &str, backend: Backend) -> Result<Footprint, String> {
+async fn footprint(
+    cache: &mut Estimates,
+    model: &str,
+    backend: Backend,
+    with_t5: bool,
+) -> Result<Footprint, String> {
     let key = (model.to_string(), backend);
     if let Some(hit) = cache.get(&key) {
         return hit.clone();
     }
     let path = std::path::PathBuf::from(model);
-    let result = tokio::task::spawn_blocking(move || estimate(&path, backend))
+    let result = tokio::task::spawn_blocking(move || estimate_with(&path, backend, with_t5))
         .await
         .unwrap_or_else(|e| Err(e.to_string()));
     cache.insert(key, result.clone());
@@ -553,10 +569,11 @@ async fn look(hive: &Arc<Hive>, cache: &mut Estimates, read_memory: bool) -> Opt
     let want = wanted(hive, &hive.lock(), &rows, now)?;
     let mut rooms = Vec::new();
     for d in &want.rooms {
-        let need = footprint(cache, &want.model, d.backend).await;
+        let with_t5 = !hive.config.no_t5;
+        let need = footprint(cache, &want.model, d.backend, with_t5).await;
         let mut held = Some(0u64);
         for m in &d.held {
-            let add = footprint(cache, m, d.backend).await.ok().map(|f| f.total());
+            let add = footprint(cache, m, d.backend, with_t5).await.ok().map(|f| f.total());
             held = held.zip(add).map(|(a, b)| a + b);
         }
         let free = if d.workers < d.cap && !d.cooling {
@@ -708,6 +725,20 @@ mod tests {
         // The single file lacks CLIP-L's 8×8 projection only (SAI files carry none; the identity stands in).
         let single = estimate(&fixture("sd3.safetensors"), Backend::Cpu).unwrap().weights_bytes;
         assert_eq!(sd3.weights_bytes - single, 8 * 8 * 4);
+        // Without T5 (the hive's `no_t5`) its weights do not count, in the folder as in the file.
+        let t5_bytes: u64 = component_files(&fixture("sd3").join("text_encoder_3"))
+            .iter()
+            .map(|f| std::fs::metadata(f).unwrap().len())
+            .sum();
+        let folder_without = estimate_with(&fixture("sd3"), Backend::Cpu, false).unwrap().weights_bytes;
+        let single_without =
+            estimate_with(&fixture("sd3.safetensors"), Backend::Cpu, false).unwrap().weights_bytes;
+        assert!(
+            folder_without < sd3.weights_bytes && sd3.weights_bytes - folder_without <= t5_bytes,
+            "{folder_without} vs {} (T5 files {t5_bytes} bytes)",
+            sd3.weights_bytes
+        );
+        assert_eq!(single - single_without, sd3.weights_bytes - folder_without, "the same T5 in both");
 
         // Diffusers folders: their components' weights, the UNet config's native size (64 px here).
         let folder = estimate(&fixture("sdxl"), Backend::Cpu).unwrap();
