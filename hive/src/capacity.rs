@@ -143,6 +143,8 @@ fn single_file(path: &Path, with_t5: bool) -> Result<Parts, String> {
         first_attention_level: 0,
         heads: 0,
     };
+    let tensors_of_sd3 = tensors.iter().any(|t| t.name.starts_with("model.diffusion_model.joint_blocks."));
+    let names: Vec<String> = tensors.iter().map(|t| t.name.clone()).collect();
     for t in tensors {
         if !with_t5 && t.name.starts_with("text_encoders.t5xxl.") {
             continue;
@@ -158,6 +160,25 @@ fn single_file(path: &Path, with_t5: bool) -> Result<Parts, String> {
     }
     if parts.unet_and_text.is_empty() {
         return Err(format!("{}: no UNet or text encoder tensors (not a checkpoint)", path.display()));
+    }
+    // An SD3 file without some text encoder (SD3.5 files carry none) loads it from the diffusers folder of its
+    // name beside it, as the worker does.
+    if tensors_of_sd3 {
+        let beside = path.with_extension("");
+        for (prefix, component) in [
+            ("text_encoders.clip_l.", "text_encoder"),
+            ("text_encoders.clip_g.", "text_encoder_2"),
+            ("text_encoders.t5xxl.", "text_encoder_3"),
+        ] {
+            if names.iter().any(|n| n.starts_with(prefix)) || (!with_t5 && component == "text_encoder_3") {
+                continue;
+            }
+            for file in component_files(&beside.join(component)) {
+                for t in read_tensors(&file)? {
+                    parts.unet_and_text.push((t.elements, t.dtype));
+                }
+            }
+        }
     }
     (parts.native, parts.first_attention_level, parts.heads) = family_defaults(family);
     Ok(parts)
@@ -739,6 +760,19 @@ mod tests {
             sd3.weights_bytes
         );
         assert_eq!(single - single_without, sd3.weights_bytes - folder_without, "the same T5 in both");
+        // An SD3.5 file carries no text encoders: they come from the folder of its name beside it.
+        let sd35m = estimate(&fixture("sd35m"), Backend::Cpu).unwrap().weights_bytes;
+        let sd35m_file = estimate(&fixture("sd35m.safetensors"), Backend::Cpu).unwrap().weights_bytes;
+        let encoders: u64 = ["text_encoder", "text_encoder_2", "text_encoder_3"]
+            .iter()
+            .flat_map(|c| component_files(&fixture("sd35m").join(c)))
+            .map(|f| std::fs::metadata(f).unwrap().len())
+            .sum();
+        assert!(encoders > 0);
+        assert_eq!(
+            sd35m_file, sd35m,
+            "the file's networks and the folder's encoders are the folder's weights"
+        );
 
         // Diffusers folders: their components' weights, the UNet config's native size (64 px here).
         let folder = estimate(&fixture("sdxl"), Backend::Cpu).unwrap();
