@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from bench_cuda_diffusers import timed
+
 DEV, DT = "cuda", torch.bfloat16
 BASE = dict(attention_head_dim=64, in_channels=16, out_channels=16, patch_size=2, joint_attention_dim=4096,
             pooled_projection_dim=2048, sample_size=128)
@@ -75,19 +77,6 @@ def write(a) -> None:
                 save(make(), target)
             torch.cuda.empty_cache()
     print(json.dumps({"wrote": a.dir, "model": a.model, "seconds": round(time.time() - t, 1)}), flush=True)
-
-
-def timed(fn, warmup: int, iters: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t) * 1000)
-    return out
 
 
 def report(part: str, ms: list[float]) -> None:

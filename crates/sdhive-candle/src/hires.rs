@@ -7,7 +7,7 @@
 
 use crate::model::SdModel;
 use crate::pipeline::{decode, denoise, ImageJob, PipelineError, StepReport, UnetConditioning};
-use crate::sd3::{Sd3Error, Sd3Model, Sd3Request};
+use crate::sd3::{Sd3Error, Sd3Model, Sd3Request, StepEstimate};
 use candle_core::{DType, Tensor};
 use sdhive_engine::{HiresTarget, HiresUpscaler, LatentMode, RgbImage};
 use sdhive_schedulers::FlowMatchEulerDiscrete;
@@ -140,7 +140,7 @@ pub fn sd3_hires_image(
     model: &Sd3Model,
     first: &Sd3Request,
     second: Sd3SecondPass<'_>,
-    on_step: &mut dyn FnMut(usize, usize, &Tensor) -> bool,
+    on_step: &mut dyn FnMut(usize, usize, &StepEstimate<'_>) -> bool,
 ) -> Result<RgbImage, Sd3Error> {
     let second_steps = sd3_second_pass_steps(&second.req)?;
     let total = first.steps + second_steps;
@@ -151,7 +151,7 @@ pub fn sd3_hires_image(
         PipelineError::Failed { what, message } => Sd3Error::Failed { stage: what, message },
     };
     let mut job = second.req;
-    let mut on_second = |step, _, estimate: &Tensor| on_step(first.steps + step, total, estimate);
+    let mut on_second = |step, _, estimate: &StepEstimate<'_>| on_step(first.steps + step, total, estimate);
     let latents = match second.upscaler {
         HiresUpscaler::Latent(mode) => {
             let up = upscale_latents(&latents, *mode, &second.target, 8).map_err(upscale_failed)?;

@@ -187,6 +187,19 @@ impl Inpaint {
     }
 }
 
+/// A step's estimate of the clean latents, `x − σ·v`, made only when asked for (a preview), not on every step.
+pub struct StepEstimate<'a> {
+    x: &'a Tensor,
+    v: &'a Tensor,
+    sigma: f64,
+}
+
+impl StepEstimate<'_> {
+    pub fn latents(&self) -> candle_core::Result<Tensor> {
+        self.x - self.v.affine(self.sigma, 0.0)?
+    }
+}
+
 /// What one generation made.
 pub struct Sd3Output {
     /// The initial noise `(1, C, h, w)`.
@@ -563,13 +576,13 @@ impl Sd3Model {
         self.generate_with(req, &mut |_, _, _| true)
     }
 
-    /// Text to image, telling `on_step(step, steps, estimate)` after every step (1-based), with the step's
-    /// estimate of the clean latents (`x − σ·v`, what previews show); `false` from it cancels the image before the
+    /// Text to image, telling `on_step(step, steps, estimate)` after every step (1-based), with what gives the
+    /// step's estimate of the clean latents (what previews show); `false` from it cancels the image before the
     /// next step.
     pub fn generate_with(
         &self,
         req: &Sd3Request,
-        on_step: &mut dyn FnMut(usize, usize, &Tensor) -> bool,
+        on_step: &mut dyn FnMut(usize, usize, &StepEstimate<'_>) -> bool,
     ) -> Result<Sd3Output, Sd3Error> {
         let (noise, latents) = self.denoise(req, None, on_step)?;
         let image = self.decode(&latents)?;
@@ -584,7 +597,7 @@ impl Sd3Model {
         &self,
         req: &Sd3Request,
         init_latents: Option<&Tensor>,
-        on_step: &mut dyn FnMut(usize, usize, &Tensor) -> bool,
+        on_step: &mut dyn FnMut(usize, usize, &StepEstimate<'_>) -> bool,
     ) -> Result<(Tensor, Tensor), Sd3Error> {
         let factor = 8 * self.transformer.config().patch_size;
         for (field, v) in [("width", req.width), ("height", req.height)] {
@@ -727,15 +740,14 @@ impl Sd3Model {
                 v
             };
             let sigma = f64::from(scheduler.sigmas()[i]);
-            let estimate =
-                (&latents - v.affine(sigma, 0.0).map_err(failed("estimate"))?).map_err(failed("estimate"))?;
-            latents = scheduler.step(&v, i, &latents).map_err(failed("scheduler"))?;
+            let mut next = scheduler.step(&v, i, &latents).map_err(failed("scheduler"))?;
             if let Some(p) = &inpaint {
-                latents = p.blend(&scheduler, i + 1, &latents, &noise).map_err(failed("inpaint blend"))?;
+                next = p.blend(&scheduler, i + 1, &next, &noise).map_err(failed("inpaint blend"))?;
             }
-            if !on_step(i + 1 - start, run, &estimate) {
+            if !on_step(i + 1 - start, run, &StepEstimate { x: &latents, v: &v, sigma }) {
                 return Err(Sd3Error::Cancelled);
             }
+            latents = next;
         }
         Ok((noise, latents))
     }

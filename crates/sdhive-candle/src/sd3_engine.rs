@@ -14,7 +14,7 @@ use crate::engine::{finished_image, lora_error};
 use crate::hires::{sd3_hires_image, sd3_second_pass_steps, Sd3SecondPass};
 use crate::lora::AppliedLoras;
 use crate::preview::sd3_latent_preview;
-use crate::sd3::{Sd3Error, Sd3Model, Sd3Request};
+use crate::sd3::{Sd3Error, Sd3Model, Sd3Request, StepEstimate};
 use crate::upscalers::Upscalers;
 use candle_core::{DType, Device};
 use sdhive_engine::extra_networks::strip_networks;
@@ -62,16 +62,8 @@ impl Sd3Engine {
         with_t5: bool,
         (backend_name, device_name): (&str, &str),
     ) -> Result<Sd3Engine, Sd3Error> {
-        Ok(Sd3Engine {
-            model: Sd3Model::from_dir(dir, dtype, device, with_t5)?,
-            name: name.into(),
-            dtype,
-            backend_name: backend_name.into(),
-            device_name: device_name.into(),
-            limits: Limits::default(),
-            loras: AppliedLoras::default(),
-            upscalers: Upscalers::default(),
-        })
+        let model = Sd3Model::from_dir(dir, dtype, device, with_t5)?;
+        Ok(Self::from_model(model, name, dtype, (backend_name, device_name)))
     }
 
     /// Loads each network on its own target (`--placement`, `--offload`); the MMDiT's dtype is the one reported.
@@ -304,14 +296,16 @@ impl Engine for Sd3Engine {
                 sampler,
                 skip_layer_guidance: req.skip_layer_guidance.clone(),
             };
-            let mut on_step = |step: usize, steps: usize, estimate: &candle_core::Tensor| {
+            let mut on_step = |step: usize, steps: usize, estimate: &StepEstimate<'_>| {
                 let wants_preview = req.preview_every > 0 && step.is_multiple_of(req.preview_every as usize);
                 let p = Progress {
                     image: index,
                     images: req.n,
                     step: step as u32,
                     steps: steps as u32,
-                    preview: wants_preview.then(|| sd3_latent_preview(estimate)).flatten(),
+                    preview: wants_preview
+                        .then(|| estimate.latents().ok().and_then(|e| sd3_latent_preview(&e)))
+                        .flatten(),
                 };
                 progress(&p) == Control::Continue
             };

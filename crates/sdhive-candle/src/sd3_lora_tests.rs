@@ -10,6 +10,7 @@ use crate::model::SdModel;
 use crate::parity_tests::fixtures;
 use crate::sd3::{Sd3Model, Sd3Request};
 use crate::sd3_engine::Sd3Engine;
+use crate::sd3_tests::{load_model, max_abs, pipeline_request};
 use crate::test_device::test_device;
 use crate::LoraApplyError;
 use candle_core::{DType, Device, Tensor};
@@ -49,34 +50,13 @@ fn case_loras(case: &Value) -> Vec<LoraUse> {
         .collect()
 }
 
-fn load(model: &str) -> Sd3Model {
-    let dev = test_device();
-    Sd3Model::from_dir(&fixtures().join("models").join(model), dev.dtype, &dev.device, true)
-        .unwrap_or_else(|e| panic!("{model}: {e}"))
-}
-
-/// The pipeline goldens' request (`gen_sd3`'s: 64², 3 steps, CFG 5, seed 42, negative `blurry`, T5 at 256).
+/// The LoRA goldens' request (`gen_sd3_lora`'s pipeline settings).
 fn request(prompt: &str) -> Sd3Request {
-    let p = &golden_json()["pipeline"];
-    let number = |key: &str| p[key].as_u64().unwrap_or_else(|| panic!("pipeline.{key}")) as usize;
-    Sd3Request {
-        prompt: prompt.into(),
-        negative_prompt: p["negative_prompt"].as_str().expect("negative_prompt").into(),
-        width: number("width"),
-        height: number("height"),
-        steps: number("num_inference_steps"),
-        guidance_scale: p["guidance_scale"].as_f64().expect("guidance_scale"),
-        max_sequence_length: number("max_sequence_length"),
-        ..Sd3Request::new(prompt, p["seed"].as_u64().expect("seed"))
-    }
+    pipeline_request(&golden_json()["pipeline"], prompt)
 }
 
 fn cpu(t: &Tensor) -> Tensor {
     t.to_device(&Device::Cpu).and_then(|t| t.to_dtype(DType::F32)).expect("to cpu")
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    t.abs().and_then(|t| t.flatten_all()?.max(0)?.to_scalar::<f32>()).expect("max")
 }
 
 fn golden(file: &str) -> std::collections::HashMap<String, Tensor> {
@@ -144,7 +124,7 @@ fn every_sd3_lora_case_matches_diffusers() {
     for (name, case) in cases {
         let model = case["model"].as_str().expect("model").trim_start_matches("models/").to_string();
         if !models.iter().any(|(m, _, _)| *m == model) {
-            models.push((model.clone(), load(&model), AppliedLoras::default()));
+            models.push((model.clone(), load_model(&model), AppliedLoras::default()));
         }
         let Some((_, sd3, applied)) = models.iter_mut().find(|(m, _, _)| *m == model) else { unreachable!() };
         applied.set(sd3, &case_loras(case)).unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -166,10 +146,10 @@ fn every_sd3_lora_case_matches_diffusers() {
 /// After a LoRA job, the model computes as a fresh load does, bit for bit: weights, latents and image.
 #[test]
 fn sd3_taking_loras_out_gives_the_model_back_bit_for_bit() {
-    let fresh = load("sd3");
+    let fresh = load_model("sd3");
     let req = request("a red fox in the snow");
     let want = fresh.generate(&req).expect("plain");
-    let mut sd3 = load("sd3");
+    let mut sd3 = load_model("sd3");
     let mut applied = AppliedLoras::default();
     applied.set(&mut sd3, &[lora("sd3_kohya", 0.7, 0.9), lora("sd3_peft", 1.0, 1.0)]).expect("merge");
     let changed = weights(&sd3).iter().zip(weights(&fresh)).filter(|(a, b)| a.1 != b.1).count();
@@ -204,7 +184,7 @@ fn sd3_single_file_takes_loras_as_its_folder() {
         true,
     )
     .unwrap_or_else(|e| panic!("sd3.safetensors: {e}"));
-    let mut folder = load("sd3");
+    let mut folder = load_model("sd3");
     let loras = [lora("sd3_kohya", 0.7, 0.9), lora("sd3_peft", 0.4, 1.2)];
     let (mut a, mut b) = (AppliedLoras::default(), AppliedLoras::default());
     a.set(&mut folder, &loras).expect("folder");
@@ -214,7 +194,7 @@ fn sd3_single_file_takes_loras_as_its_folder() {
     assert_eq!(max_abs(&(cpu(&x.latents) - cpu(&y.latents)).expect("diff")), 0.0, "single file vs folder");
     assert_eq!(x.image.data, y.image.data);
     b.set(&mut file, &[]).expect("take out");
-    let plain = load("sd3").generate(&req).expect("plain");
+    let plain = load_model("sd3").generate(&req).expect("plain");
     assert_eq!(file.generate(&req).expect("file, plain").image.data, plain.image.data);
 }
 
@@ -222,8 +202,8 @@ fn sd3_single_file_takes_loras_as_its_folder() {
 /// LoRA (a refused set takes out what was merged before, as for SD1/SDXL).
 #[test]
 fn loras_of_another_family_are_refused_naming_it() {
-    let fresh = weights(&load("sd3"));
-    let mut sd3 = load("sd3");
+    let fresh = weights(&load_model("sd3"));
+    let mut sd3 = load_model("sd3");
     let mut applied = AppliedLoras::default();
     applied.set(&mut sd3, &[lora("sd3_kohya", 1.0, 1.0)]).expect("merge");
     let err =

@@ -14,38 +14,40 @@ use sdhive_engine::{Control, Engine, EngineError, GenerateRequest, Sampler, Sche
 use sdhive_schedulers::FlowSampler;
 use std::collections::HashMap;
 
-fn max_abs(t: &Tensor) -> f32 {
+pub(crate) fn max_abs(t: &Tensor) -> f32 {
     t.to_dtype(DType::F32).and_then(|t| t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()).expect("max")
 }
 
-fn case(model: &str) {
+/// The SD3 model `model` of the fixtures on the test device.
+pub(crate) fn load_model(model: &str) -> Sd3Model {
     let dev = test_device();
-    let golden = fixtures().join(format!("golden/sd3_pipe_{model}.safetensors"));
-    let g = candle_core::safetensors::load(&golden, &Device::Cpu)
-        .unwrap_or_else(|e| panic!("{}: {e} (run xtask/fixtures/gen_sd3.py)", golden.display()));
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("golden/sd3.json")).expect("sd3.json"))
-            .expect("sd3.json is JSON");
-    let p = &json["pipeline"];
+    Sd3Model::from_dir(&fixtures().join("models").join(model), dev.dtype, &dev.device, true)
+        .unwrap_or_else(|e| panic!("{model}: {e}"))
+}
+
+/// The request of a golden file's `pipeline` settings (64², few steps, CFG, seed, negative prompt, T5 length).
+pub(crate) fn pipeline_request(p: &serde_json::Value, prompt: &str) -> Sd3Request {
     let number = |key: &str| p[key].as_u64().unwrap_or_else(|| panic!("pipeline.{key}")) as usize;
-    let prompt = json["goldens"][format!("sd3_pipe_{model}.safetensors")]["prompt"].as_str().expect("prompt");
-    let sd3 = Sd3Model::from_dir(&fixtures().join("models").join(model), dev.dtype, &dev.device, true)
-        .unwrap_or_else(|e| panic!("{model}: {e}"));
-    let req = Sd3Request {
+    Sd3Request {
         prompt: prompt.into(),
         negative_prompt: p["negative_prompt"].as_str().expect("negative_prompt").into(),
         width: number("width"),
         height: number("height"),
         steps: number("num_inference_steps"),
         guidance_scale: p["guidance_scale"].as_f64().expect("guidance_scale"),
-        seed: p["seed"].as_u64().expect("seed"),
         max_sequence_length: number("max_sequence_length"),
-        init_image: None,
-        strength: 0.75,
-        mask: None,
-        sampler: FlowSampler::Euler,
-        skip_layer_guidance: None,
-    };
+        ..Sd3Request::new(prompt, p["seed"].as_u64().expect("seed"))
+    }
+}
+
+fn case(model: &str) {
+    let golden = fixtures().join(format!("golden/sd3_pipe_{model}.safetensors"));
+    let g = candle_core::safetensors::load(&golden, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e} (run xtask/fixtures/gen_sd3.py)", golden.display()));
+    let json = sd3_json();
+    let prompt = json["goldens"][format!("sd3_pipe_{model}.safetensors")]["prompt"].as_str().expect("prompt");
+    let sd3 = load_model(model);
+    let req = pipeline_request(&json["pipeline"], prompt);
     let out = sd3.generate(&req).unwrap_or_else(|e| panic!("{model}: {e}"));
     let cpu = |t: &Tensor| t.to_device(&Device::Cpu).and_then(|t| t.to_dtype(DType::F32)).expect("to cpu");
     let noise = (cpu(&out.noise) - &g["noise"]).expect("noise diff");
@@ -209,6 +211,21 @@ fn golden_request(file: &str) -> Sd3Request {
             _ => FlowSampler::Euler,
         },
         skip_layer_guidance: slg,
+    }
+}
+
+/// The engine's request for a golden's pipeline call (prompts, steps, CFG, size, seed, skip-layer guidance).
+fn engine_request(r: &Sd3Request) -> GenerateRequest {
+    GenerateRequest {
+        prompt: r.prompt.clone(),
+        negative_prompt: r.negative_prompt.clone(),
+        steps: r.steps as u32,
+        cfg_scale: r.guidance_scale as f32,
+        width: Some(r.width as u32),
+        height: Some(r.height as u32),
+        seed: Some(r.seed),
+        skip_layer_guidance: r.skip_layer_guidance.clone(),
+        ..Default::default()
     }
 }
 
@@ -406,20 +423,7 @@ fn run(engine: &mut Sd3Engine, req: &GenerateRequest) -> Result<sdhive_engine::G
 /// the pipeline, and the infotext records what ran.
 #[test]
 fn the_engine_runs_dpm_and_skip_layer_guidance_as_the_goldens() {
-    let request = |file: &str| {
-        let r = golden_request(file);
-        GenerateRequest {
-            prompt: r.prompt,
-            negative_prompt: r.negative_prompt,
-            steps: r.steps as u32,
-            cfg_scale: r.guidance_scale as f32,
-            width: Some(r.width as u32),
-            height: Some(r.height as u32),
-            seed: Some(r.seed),
-            skip_layer_guidance: r.skip_layer_guidance,
-            ..Default::default()
-        }
-    };
+    let request = |file: &str| engine_request(&golden_request(file));
     let tol = test_device().tolerance;
     let check = |label: &str, out: &sdhive_engine::GenerateOutput, file: &str| {
         let want: Vec<u8> =
@@ -456,18 +460,11 @@ fn the_engine_inpaints_as_the_golden() {
     let mut sd3 = engine("sd3");
     assert!(sd3.info().supports_inpaint);
     let req = GenerateRequest {
-        prompt: r.prompt,
-        negative_prompt: r.negative_prompt,
-        steps: r.steps as u32,
-        cfg_scale: r.guidance_scale as f32,
-        width: Some(r.width as u32),
-        height: Some(r.height as u32),
-        seed: Some(r.seed),
         sampler: Sampler::Euler,
-        init_image: r.init_image,
+        init_image: r.init_image.clone(),
         strength: r.strength as f32,
-        mask: r.mask,
-        ..Default::default()
+        mask: r.mask.clone(),
+        ..engine_request(&r)
     };
     let mut steps = Vec::new();
     let out = sd3
@@ -575,17 +572,7 @@ fn previews_show_the_steps_estimate() {
     let r = golden_request(file);
     let mut sd35l = engine("sd35l");
     assert_eq!(sd35l.info().preview, sdhive_engine::PreviewDecoder::Latent);
-    let req = GenerateRequest {
-        prompt: r.prompt,
-        negative_prompt: r.negative_prompt,
-        steps: r.steps as u32,
-        cfg_scale: r.guidance_scale as f32,
-        width: Some(r.width as u32),
-        height: Some(r.height as u32),
-        seed: Some(r.seed),
-        preview_every: 2,
-        ..Default::default()
-    };
+    let req = GenerateRequest { preview_every: 2, ..engine_request(&r) };
     let mut previews = Vec::new();
     sd35l
         .generate(&req, &mut |p| {

@@ -4,38 +4,14 @@
 //! `xtask/fixtures/gen_sd3.py`): the sigma and timestep tables bit for bit, a five-step loop on random model
 //! outputs (first-order start, second-order multistep, first-order end) to f32 rounding, and dynamic shifting.
 
-use std::path::PathBuf;
+mod common;
 
 use candle_core::{Device, Tensor};
+use common::*;
 use sdhive_schedulers::{FlowDpmSolverMultistep, FlowMatchConfig};
 
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
 fn golden() -> serde_json::Value {
-    let path = fixtures().join("golden/sd3_dpm_scheduler.json");
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (run xtask/fixtures/gen_sd3.py)", path.display()));
-    serde_json::from_str(&text).expect("golden json")
-}
-
-fn config() -> FlowMatchConfig {
-    let path = fixtures().join("models/sd3/scheduler/scheduler_config.json");
-    FlowMatchConfig::from_file(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-fn f32s(v: &serde_json::Value) -> Vec<f32> {
-    v.as_array().expect("array").iter().map(|x| x.as_f64().expect("number") as f32).collect()
-}
-
-fn f64s(v: &serde_json::Value) -> Vec<f64> {
-    v.as_array().expect("array").iter().map(|x| x.as_f64().expect("number")).collect()
-}
-
-fn matrix(v: &serde_json::Value, dev: &Device) -> Tensor {
-    let rows: Vec<Vec<f32>> = v.as_array().expect("rows").iter().map(f32s).collect();
-    Tensor::new(rows, dev).expect("tensor")
+    common::golden("sd3_dpm_scheduler.json")
 }
 
 #[test]

@@ -2,34 +2,14 @@
 //! gives the sigma and timestep tables of `tests/fixtures/golden/sd3_scheduler.json` (written by
 //! `xtask/fixtures/gen_sd3.py`) bit for bit, and its Euler step the recorded `prev_sample`.
 
-use std::path::PathBuf;
+mod common;
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
+use common::*;
 use sdhive_schedulers::{FlowMatchConfig, FlowMatchEulerDiscrete};
 
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
 fn golden() -> serde_json::Value {
-    let path = fixtures().join("golden/sd3_scheduler.json");
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (run xtask/fixtures/gen_sd3.py)", path.display()));
-    serde_json::from_str(&text).expect("golden json")
-}
-
-fn config() -> FlowMatchConfig {
-    let path = fixtures().join("models/sd3/scheduler/scheduler_config.json");
-    FlowMatchConfig::from_file(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-fn f32s(v: &serde_json::Value) -> Vec<f32> {
-    v.as_array().expect("array").iter().map(|x| x.as_f64().expect("number") as f32).collect()
-}
-
-fn matrix(v: &serde_json::Value, dev: &Device) -> Tensor {
-    let rows: Vec<Vec<f32>> = v.as_array().expect("rows").iter().map(f32s).collect();
-    Tensor::new(rows, dev).expect("tensor")
+    common::golden("sd3_scheduler.json")
 }
 
 #[test]
