@@ -48,13 +48,14 @@ enum Task {
         #[arg(long, env = "SDHIVE_PYTHON", default_value = "python3")]
         python: String,
     },
-    /// Write the full-size SD1.5 with deterministic random weights (tests/fixtures/sd15-random/manifest.json)
-    /// that the stable-diffusion.cpp parity check runs; see xtask/fixtures/gen_sd15_random.py.
+    /// Write a full-size model with deterministic random weights from its manifest (SD1.5:
+    /// tests/fixtures/sd15-random/manifest.json, SD3.5-medium: tests/fixtures/sd35m-random/manifest.json) that
+    /// the stable-diffusion.cpp parity checks run; see xtask/fixtures/gen_sd15_random.py, gen_sd35m_random.py.
     RandomModel {
         /// Default: tests/fixtures/sd15-random/manifest.json.
         #[arg(long)]
         manifest: Option<std::path::PathBuf>,
-        /// Default: ~/.cache/sdhive/sd15-random.
+        /// Default: ~/.cache/sdhive/<the manifest's folder name>.
         #[arg(long)]
         out: Option<std::path::PathBuf>,
     },
@@ -85,10 +86,10 @@ fn main() -> Result<()> {
         Task::Vulkan => vulkan::run(),
         Task::Webui => webui::run(),
         Task::K8s => k8s::run(),
-        Task::RandomModel { manifest, out } => random_model::write(
-            &manifest
-                .unwrap_or_else(|| util::workspace_root().join("tests/fixtures/sd15-random/manifest.json")),
-            &out.unwrap_or_else(random_model::default_out),
-        ),
+        Task::RandomModel { manifest, out } => {
+            let manifest = manifest
+                .unwrap_or_else(|| util::workspace_root().join("tests/fixtures/sd15-random/manifest.json"));
+            random_model::write(&manifest, &out.unwrap_or_else(|| random_model::default_out(&manifest)))
+        }
     }
 }

@@ -1,10 +1,12 @@
-//! `cargo xtask random-model`: writes the full-size SD1.5 with deterministic random weights that
-//! `xtask/fixtures/gen_sd15_random.py` fed to diffusers for the committed golden image. Only the tensor list
-//! (`tests/fixtures/sd15-random/manifest.json`) is committed; the 2 GB of f16 weights are regenerated from it,
-//! bit for bit, with the generator described in that script. Beside it go the script's random kohya LoRA for
-//! that model ([`LORA_FILE`] in the model folder), made from the manifest by the same generator, and its
-//! standalone VAE file in A1111's layout ([`VAE_FILE`], from `vae_manifest.json` beside the manifest): the
-//! model's VAE under its original names, filled again with other generator keys.
+//! `cargo xtask random-model`: writes a full-size model with deterministic random weights that a script of
+//! `xtask/fixtures/` fed to diffusers for committed golden images: SD1.5 (`gen_sd15_random.py`,
+//! `tests/fixtures/sd15-random/`) and SD3.5-medium without T5 (`gen_sd35m_random.py`, `tests/fixtures/sd35m-random/`).
+//! Only the tensor list (`manifest.json`) and the small config files are committed; the f16 weights (2 GB, 6 GB)
+//! are regenerated from it, bit for bit, with the generator described in those scripts, in the diffusers layout.
+//! Beside SD1.5 go the script's random kohya LoRA for that model ([`LORA_FILE`] in the model folder), made from
+//! the manifest by the same generator, and its standalone VAE file in A1111's layout ([`VAE_FILE`], from
+//! `vae_manifest.json` beside the manifest): the model's VAE under its original names, filled again with other
+//! generator keys.
 
 use anyhow::{bail, ensure, Context, Result};
 use half::f16;
@@ -13,12 +15,14 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// The component folders and file names of the diffusers layout, which stable-diffusion.cpp also reads.
-const FILES: [(&str, &str); 3] = [
-    ("unet", "unet/diffusion_pytorch_model.safetensors"),
-    ("vae", "vae/diffusion_pytorch_model.safetensors"),
-    ("text_encoder", "text_encoder/model.safetensors"),
-];
+/// A component's weights file in the diffusers layout (transformers' models are `model.safetensors`).
+fn component_file(component: &str) -> String {
+    if component.starts_with("text_encoder") {
+        format!("{component}/model.safetensors")
+    } else {
+        format!("{component}/diffusion_pytorch_model.safetensors")
+    }
+}
 
 /// The random LoRA, inside the model folder (a `--lora-dir` of its own: `<lora:sd15_random_lora:…>`).
 pub const LORA_FILE: &str = "Lora/sd15_random_lora.safetensors";
@@ -38,29 +42,38 @@ struct Entry {
     component: String,
     name: String,
     shape: Vec<usize>,
+    /// `"identity"`: a square identity matrix instead of generator values (the SD3.5 manifest's CLIP-L
+    /// projection; see gen_sd35m_random.py).
+    identity: bool,
 }
 
-/// Writes the model into `out` (unless it already holds a complete copy made from the same manifest), and the
-/// LoRA (2 MB: always, so a folder written before the LoRA existed gains it).
+/// Writes the model into `out` (unless it already holds a complete copy made from the same manifest), and for
+/// SD1.5 (a `vae_manifest.json` beside the manifest) the LoRA (2 MB: always, so a folder written before the LoRA
+/// existed gains it) and the standalone VAE.
 pub fn write(manifest: &Path, out: &Path) -> Result<()> {
     let text =
         std::fs::read_to_string(manifest).with_context(|| format!("cannot read {}", manifest.display()))?;
     let entries = parse(&text).with_context(|| format!("bad manifest {}", manifest.display()))?;
-    write_lora(&entries, &out.join(LORA_FILE))?;
     let vae_manifest = manifest.with_file_name("vae_manifest.json");
-    write_vae(&vae_manifest, &out.join(VAE_FILE), &out.join(VAE_STAMP))?;
+    if vae_manifest.is_file() {
+        write_lora(&entries, &out.join(LORA_FILE))?;
+        write_vae(&vae_manifest, &out.join(VAE_FILE), &out.join(VAE_STAMP))?;
+    }
     let stamp = out.join("manifest.json");
     if std::fs::read_to_string(&stamp).ok().as_deref() == Some(text.as_str()) {
         eprintln!("xtask: {} is up to date", out.display());
         return Ok(());
     }
-    for (component, file) in FILES {
-        let path = out.join(file);
+    let mut components: Vec<&str> = entries.iter().map(|e| e.component.as_str()).collect();
+    components.dedup();
+    for component in components {
+        let path = out.join(component_file(component));
         let parent = path.parent().context("component file has a folder")?;
         std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
         let mut data: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
         for (k, e) in entries.iter().enumerate().filter(|(_, e)| e.component == component) {
-            data.insert(e.name.clone(), (e.shape.clone(), fill(k as u64, &e.name, &e.shape)));
+            let bytes = if e.identity { identity(&e.shape)? } else { fill(k as u64, &e.name, &e.shape) };
+            data.insert(e.name.clone(), (e.shape.clone(), bytes));
         }
         ensure!(!data.is_empty(), "manifest has no tensors for {component}");
         let views = data
@@ -174,16 +187,23 @@ fn write_vae(manifest: &Path, path: &Path, stamp: &Path) -> Result<()> {
     Ok(())
 }
 
-/// `model_index.json` and the components' configs, committed next to the manifest.
+/// `model_index.json` and the components' configs (`*/*config.json`), committed next to the manifest.
 fn copy_small_files(from: &Path, to: &Path) -> Result<()> {
-    for rel in [
-        "model_index.json",
-        "unet/config.json",
-        "vae/config.json",
-        "text_encoder/config.json",
-        "scheduler/scheduler_config.json",
-    ] {
-        let (src, dst) = (from.join(rel), to.join(rel));
+    let mut files = vec![PathBuf::from("model_index.json")];
+    for dir in std::fs::read_dir(from).with_context(|| format!("cannot list {}", from.display()))? {
+        let dir = dir?.path();
+        if !dir.is_dir() {
+            continue;
+        }
+        for file in std::fs::read_dir(&dir).with_context(|| format!("cannot list {}", dir.display()))? {
+            let file = file?.path();
+            if file.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.ends_with("config.json")) {
+                files.push(file.strip_prefix(from)?.to_path_buf());
+            }
+        }
+    }
+    for rel in files {
+        let (src, dst) = (from.join(&rel), to.join(&rel));
         if let Some(parent) = dst.parent() {
             std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
         }
@@ -193,13 +213,15 @@ fn copy_small_files(from: &Path, to: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The default place: outside the clone, reused between runs on one machine.
-pub fn default_out() -> PathBuf {
+/// The default place for the model of `manifest` (its folder's name, e.g. `sd15-random`): outside the clone,
+/// reused between runs on one machine.
+pub fn default_out(manifest: &Path) -> PathBuf {
     let cache = std::env::var_os("XDG_CACHE_HOME")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
         .unwrap_or_else(std::env::temp_dir);
-    cache.join("sdhive").join("sd15-random")
+    let name = manifest.parent().and_then(Path::file_name).unwrap_or("random-model".as_ref());
+    cache.join("sdhive").join(name)
 }
 
 fn parse(text: &str) -> Result<Vec<Entry>> {
@@ -217,9 +239,25 @@ fn parse(text: &str) -> Result<Vec<Entry>> {
                 .iter()
                 .map(|d| d.as_u64().map(|d| d as usize).context("shape entries are integers"))
                 .collect::<Result<Vec<_>>>()?;
-            Ok(Entry { component: field("component")?, name: field("name")?, shape })
+            let identity = match t["fill"].as_str() {
+                None => false,
+                Some("identity") => true,
+                Some(other) => bail!("unknown fill rule {other}"),
+            };
+            Ok(Entry { component: field("component")?, name: field("name")?, shape, identity })
         })
         .collect()
+}
+
+/// A square identity matrix as little-endian f16 bytes.
+fn identity(shape: &[usize]) -> Result<Vec<u8>> {
+    let &[n, m] = shape else { bail!("an identity fill needs a matrix, not shape {shape:?}") };
+    ensure!(n == m, "an identity fill needs a square matrix, not {n}×{m}");
+    let mut out = vec![0u8; 2 * n * n];
+    for i in 0..n {
+        out[2 * (i * n + i)..2 * (i * n + i) + 2].copy_from_slice(&f16::ONE.to_le_bytes());
+    }
+    Ok(out)
 }
 
 fn splitmix64(x: u64) -> u64 {
@@ -232,7 +270,10 @@ fn splitmix64(x: u64) -> u64 {
 /// Tensor `k`'s values as little-endian f16 bytes; the same arithmetic, in f32, as the Python generator.
 fn fill(k: u64, name: &str, shape: &[usize]) -> Vec<u8> {
     let n: usize = shape.iter().product();
-    let (scale, offset) = if shape.len() >= 2 {
+    // SD3's position table: v itself, so positions differ at the scale of the patch embeddings.
+    let (scale, offset) = if name.ends_with("pos_embed") {
+        (1.0, 0.0)
+    } else if shape.len() >= 2 {
         let fan_in: usize = shape[1..].iter().product();
         ((3.0f64 / fan_in as f64).sqrt() as f32, 0.0f32)
     } else if name.ends_with(".weight") {
@@ -267,6 +308,7 @@ mod tests {
             component: component.into(),
             name: name.into(),
             shape: shape.to_vec(),
+            identity: false,
         };
         let entries = [
             e("unet", "down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k.weight", &[320, 768]),
@@ -293,6 +335,20 @@ mod tests {
                 ("lora_te_text_model_encoder_layers_2_mlp_fc2".to_string(), 768, 3072),
             ]
         );
+    }
+
+    #[test]
+    fn identity_fills_are_square_identities() {
+        let id = identity(&[3, 3]).unwrap();
+        let val = |i: usize| f16::from_le_bytes([id[2 * i], id[2 * i + 1]]).to_f32();
+        let values: Vec<f32> = (0..9).map(val).collect();
+        assert_eq!(values, [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]);
+        assert!(identity(&[2, 3]).is_err() && identity(&[4]).is_err());
+        let parsed = parse(r#"{"generator":"splitmix64-v1","tensors":[{"component":"c","name":"p","shape":[2,2],"fill":"identity"}]}"#)
+            .unwrap();
+        assert!(parsed[0].identity);
+        assert!(parse(r#"{"generator":"splitmix64-v1","tensors":[{"component":"c","name":"p","shape":[2,2],"fill":"zeros"}]}"#)
+            .is_err());
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! `cargo xtask vulkan`: builds `sd-worker-vulkan` (stable-diffusion.cpp on ggml's Vulkan backend), lints and
 //! tests it with its feature on (including the engine's tests on the random SD1.5 on ggml's CPU backend: stopping
-//! inside an image, LoRAs, hires fix, a standalone VAE file and a q8_0 GGUF checkpoint against diffusers), checks
+//! inside an image, LoRAs, hires fix, a standalone VAE file and a q8_0 GGUF checkpoint against diffusers, and the
+//! full-size random SD3.5-medium against diffusers), checks
 //! that it refuses to start without a Vulkan device, and checks the engine against diffusers: the full-size SD1.5
 //! with deterministic random weights (`cargo xtask random-model`) generates at 64² and the image is compared with
 //! diffusers' committed one for the same weights, prompt, seed, with the random LoRA `cargo xtask random-model`
@@ -49,11 +50,16 @@ pub fn run() -> Result<()> {
         cargo(&root, &refs)
     };
     run_cargo(with(&["clippy", "--all-targets"], &["--", "-D", "warnings"]))?;
-    // The engine's stop-inside-an-image test needs the full-size random SD1.5, which the image check below
-    // uses too; it is ignored in plain `cargo test` runs and included here.
-    let model = random_model::default_out();
-    random_model::write(&root.join("tests/fixtures/sd15-random/manifest.json"), &model)?;
+    // The engine's checks against diffusers need the full-size random SD1.5 (which the image check below uses
+    // too) and SD3.5-medium; they are ignored in plain `cargo test` runs and included here.
+    let manifest = root.join("tests/fixtures/sd15-random/manifest.json");
+    let model = random_model::default_out(&manifest);
+    random_model::write(&manifest, &model)?;
     std::env::set_var("SDHIVE_SD15_RANDOM", &model);
+    let sd35m_manifest = root.join("tests/fixtures/sd35m-random/manifest.json");
+    let sd35m = random_model::default_out(&sd35m_manifest);
+    random_model::write(&sd35m_manifest, &sd35m)?;
+    std::env::set_var("SDHIVE_SD35M_RANDOM", &sd35m);
     run_cargo(with(&["test"], &["--", "--include-ignored"]))?;
     run_cargo(with(&["build"], &[]))?;
     let exe = target_dir(&root).join("debug/sd-worker-vulkan");

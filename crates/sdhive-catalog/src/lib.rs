@@ -241,15 +241,24 @@ pub fn default_hash_cache() -> Option<PathBuf> {
 }
 
 fn hash_cache_from(var: impl Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
-    let var = |key| var(key).filter(|v| !v.is_empty()).map(PathBuf::from);
-    if let Some(file) = var("SDHIVE_HASH_CACHE") {
-        return Some(file);
+    if let Some(file) = var("SDHIVE_HASH_CACHE").filter(|v| !v.is_empty()) {
+        return Some(PathBuf::from(file));
     }
+    cache_dir_from(var).map(|dir| dir.join("hashes.json"))
+}
+
+/// sdhive's cache folder: `$XDG_CACHE_HOME/sdhive`, else `$HOME/.cache/sdhive`; `None` when neither is set.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    cache_dir_from(|key| std::env::var_os(key))
+}
+
+fn cache_dir_from(var: impl Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
+    let var = |key| var(key).filter(|v| !v.is_empty()).map(PathBuf::from);
     // The XDG spec says relative values are invalid and must be ignored.
     if let Some(xdg) = var("XDG_CACHE_HOME").filter(|p| p.is_absolute()) {
-        return Some(xdg.join("sdhive").join("hashes.json"));
+        return Some(xdg.join("sdhive"));
     }
-    var("HOME").map(|home| home.join(".cache").join("sdhive").join("hashes.json"))
+    var("HOME").map(|home| home.join(".cache").join("sdhive"))
 }
 
 #[cfg(test)]

@@ -84,6 +84,12 @@ impl CheckpointFile {
             .take_while(move |k| k.starts_with(prefix))
     }
 
+    /// The stored bytes of tensor `name`.
+    pub fn bytes(&self, name: &str) -> Result<&[u8]> {
+        let meta = self.meta(name)?;
+        Ok(&self.mmap[self.data_start + meta.start..self.data_start + meta.end])
+    }
+
     pub fn has_prefix(&self, prefix: &str) -> bool {
         self.names_with_prefix(prefix).next().is_some()
     }

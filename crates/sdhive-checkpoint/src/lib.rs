@@ -35,6 +35,7 @@ mod layout;
 mod plan;
 mod prediction;
 mod sd3;
+mod sd3_sai;
 mod unet;
 mod vae;
 
@@ -42,7 +43,8 @@ pub use config::{Component, ConfigDir, Configs};
 pub use error::{CheckpointError, ConfigMismatch, Result};
 pub use layout::{Family, Variant};
 pub use prediction::{Prediction, PredictionSource, PredictionType};
-pub use sd3::{is_sd3_file, load_sd3_single_file_on, Sd3Configs, Sd3Converted};
+pub use sd3::{is_sd3_file, load_sd3_single_file_on, sd3_file_parts, Sd3Configs, Sd3Converted, Sd3FileParts};
+pub use sd3_sai::write_sd3_transformer_as_sai;
 
 use candle_core::{Device, Tensor};
 use clip::ClipStructure;

@@ -43,6 +43,51 @@ pub fn is_sd3_file(path: impl AsRef<Path>) -> Result<bool> {
     Ok(is_sd3(&CheckpointFile::open(path.as_ref())?))
 }
 
+/// What an SD3 single file carries besides its MMDiT, and how many values (read from the header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sd3FileParts {
+    pub vae: bool,
+    pub clip_l: bool,
+    pub clip_g: bool,
+    pub t5: bool,
+    /// MMDiT blocks (SAI's MMDiTs have as many 64-wide attention heads).
+    pub depth: usize,
+    /// Elements of the MMDiT, VAE and CLIP tensors (the weights a worker without T5 holds).
+    pub elements_without_t5: u64,
+    /// Elements of the T5 tensors.
+    pub t5_elements: u64,
+}
+
+/// The parts of the SD3 / SD3.5 single file at `path`; reads the header only.
+pub fn sd3_file_parts(path: impl AsRef<Path>) -> Result<Sd3FileParts> {
+    let file = CheckpointFile::open(path.as_ref())?;
+    if !is_sd3(&file) {
+        return Err(CheckpointError::UnknownLayout {
+            path: file.path.clone(),
+            reason: format!("not an SD3/SD3.5 checkpoint: no `{JOINT_BLOCKS}*` tensors"),
+        });
+    }
+    let elements = |prefix: &str| -> u64 {
+        file.names_with_prefix(prefix)
+            .filter_map(|n| file.shape(n))
+            .map(|s| s.iter().product::<usize>() as u64)
+            .sum()
+    };
+    Ok(Sd3FileParts {
+        vae: file.has_prefix(VAE),
+        clip_l: file.has_prefix(CLIP_L),
+        clip_g: file.has_prefix(CLIP_G),
+        t5: file.has_prefix(T5),
+        depth: file
+            .names_with_prefix(JOINT_BLOCKS)
+            .filter_map(|n| n[JOINT_BLOCKS.len()..].split('.').next()?.parse::<usize>().ok())
+            .max()
+            .map_or(0, |last| last + 1),
+        elements_without_t5: elements(MMDIT) + elements(VAE) + elements(CLIP_L) + elements(CLIP_G),
+        t5_elements: elements(T5),
+    })
+}
+
 /// Diffusers-schema configs of a converted SD3 file; a text encoder's is `None` when the file has none.
 #[derive(Debug, Clone)]
 pub struct Sd3Configs {

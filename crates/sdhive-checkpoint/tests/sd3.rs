@@ -224,3 +224,86 @@ fn missing_components_are_named() {
     assert!(matches!(e, CheckpointError::ConfigMismatch(_)), "{e}");
     assert_msg(&e, &["sd35m", "sd3.safetensors"]);
 }
+
+#[test]
+fn file_parts_come_from_the_header() {
+    let (sd3, _) = fixture("sd3");
+    let parts = sdhive_checkpoint::sd3_file_parts(&sd3).unwrap();
+    assert!(parts.vae && parts.clip_l && parts.clip_g && parts.t5, "{parts:?}");
+    let (sd35m, _) = fixture("sd35m");
+    let bare = sdhive_checkpoint::sd3_file_parts(&sd35m).unwrap();
+    assert!(bare.vae && !bare.clip_l && !bare.clip_g && !bare.t5, "{bare:?}");
+    assert_eq!(bare.t5_elements, 0);
+    let layers = |name: &str| folder_config(&models_dir().join(name), "transformer")["num_layers"].as_u64();
+    assert_eq!((parts.depth as u64, bare.depth as u64), (layers("sd3").unwrap(), layers("sd35m").unwrap()));
+    // The counts are the header's: every tensor of the file, split at T5.
+    let file = safetensors::SafeTensors::read_metadata(&std::fs::read(&sd3).unwrap()).unwrap().1;
+    let total: u64 = file.tensors().values().map(|t| t.shape.iter().product::<usize>() as u64).sum();
+    assert!(parts.t5_elements > 0);
+    assert_eq!(parts.elements_without_t5 + parts.t5_elements, total);
+    let not_sd3 = models_dir().join("sd1.safetensors");
+    assert!(sdhive_checkpoint::sd3_file_parts(&not_sd3).is_err());
+}
+
+/// The MMDiT of a diffusers folder written in SAI's layout is the SAI file's MMDiT, byte for byte: the exact
+/// inverse of the conversion (q/k/v fused in order, the adaLN halves swapped back where diffusers swapped them).
+#[test]
+fn a_folder_transformer_written_in_sais_layout_is_the_files() {
+    for name in ["sd3", "sd35m"] {
+        let (file, folder) = fixture(name);
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("mmdit.safetensors");
+        let src = folder.join("transformer/diffusion_pytorch_model.safetensors");
+        let written = sdhive_checkpoint::write_sd3_transformer_as_sai(&src, &out).unwrap();
+        let (ours, theirs) = (std::fs::read(&out).unwrap(), std::fs::read(&file).unwrap());
+        let ours = safetensors::SafeTensors::deserialize(&ours).unwrap();
+        let theirs = safetensors::SafeTensors::deserialize(&theirs).unwrap();
+        let mmdit: BTreeSet<String> = theirs
+            .names()
+            .into_iter()
+            .filter(|n| n.starts_with("model.diffusion_model."))
+            .map(str::to_string)
+            .collect();
+        let names: BTreeSet<String> = ours.names().into_iter().map(str::to_string).collect();
+        assert_eq!(names, mmdit, "{name}: tensor names");
+        let mut bytes = 0;
+        for n in &names {
+            let (a, b) = (ours.tensor(n).unwrap(), theirs.tensor(n).unwrap());
+            assert_eq!(a.shape(), b.shape(), "{name}: {n}");
+            bytes += a.data().len() as u64;
+            if a.dtype() == b.dtype() {
+                assert_eq!(a.data(), b.data(), "{name}: {n}");
+            } else {
+                // sd35m's file is f16 and its folder f32: compare values.
+                let value = |t: &safetensors::tensor::TensorView| {
+                    Tensor::from_raw_buffer(
+                        t.data(),
+                        DType::try_from(t.dtype()).unwrap(),
+                        t.shape(),
+                        &Device::Cpu,
+                    )
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                };
+                let (va, vb) = (value(&a), value(&b));
+                let worst =
+                    va.iter().zip(&vb).map(|(x, y)| (x - y).abs() / y.abs().max(1e-3)).fold(0f32, f32::max);
+                assert!(worst < 1e-3, "{name}: {n} differs by {worst} (relative)");
+            }
+        }
+        assert_eq!(written, bytes);
+    }
+    // A file that is no diffusers MMDiT is refused naming a tensor.
+    let tmp = tempfile::tempdir().unwrap();
+    let err = sdhive_checkpoint::write_sd3_transformer_as_sai(
+        &models_dir().join("sd1/unet/diffusion_pytorch_model.safetensors"),
+        &tmp.path().join("x.safetensors"),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("unexpected tensor"), "{err}");
+}

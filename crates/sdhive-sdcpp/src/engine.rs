@@ -3,19 +3,23 @@
 //! mapped onto `sd_img_gen_params_t` and run one image at a time (seed, seed+1, …), each stoppable after any
 //! denoising step (`callbacks::generate`), and seeds use sd.cpp's torch-compatible CPU generator so they match
 //! diffusers'. A request's LoRAs are checked (`networks`) and handed to sd.cpp with the image's parameters. A GGUF
-//! checkpoint loads in its own (quantised) types; a standalone VAE file is checked before sd.cpp reads it.
+//! checkpoint loads in its own (quantised) types; a standalone VAE file is checked before sd.cpp reads it. An SD3
+//! model is handed over part by part (`sd3`) and sampled on diffusers' flow-matching sigmas, which this engine
+//! computes and passes as sd.cpp's schedule, so its images follow diffusers' `StableDiffusion3Pipeline`.
 
 use crate::callbacks::{self, Generated};
 use crate::device;
 use crate::model_info::ModelInfo;
 use crate::networks::{self, LoraChecks};
 use crate::params::{self, SAMPLERS};
+use crate::sd3;
 use diffusion_rs_sys as sys;
 use sdhive_engine::extra_networks::strip_networks;
 use sdhive_engine::{
     budgeted_free, infotext, random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput,
     GenerateRequest, GeneratedImage, GrayImage, HiresFix, HiresUpscaler, InfotextContext, LatentMode, Limits,
-    MemoryReport, ModelShape, Placement, PlacementError, Progress, RgbImage, UpscaleRequest, ValidationError,
+    MemoryReport, ModelShape, Placement, PlacementError, Progress, RgbImage, Sampler, Schedule,
+    UpscaleRequest, ValidationError,
 };
 use sdhive_modelsource::{ModelLocation, ResolvedModel};
 use std::ffi::{CStr, CString};
@@ -39,6 +43,8 @@ pub struct LoadOptions {
     pub threads: Option<usize>,
     /// The most device memory jobs may be planned for, weights included.
     pub memory_budget: Option<u64>,
+    /// SD3/SD3.5: leave T5 out (its part of the context is zeros).
+    pub no_t5: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,6 +92,8 @@ pub struct SdCppEngine {
     limits: Limits,
     loras: LoraChecks,
     upscalers: crate::upscale::SdCppUpscalers,
+    /// An SD3-family model's flow-matching schedule config (`None` for SD1/SD2/SDXL).
+    flow: Option<sdhive_schedulers::FlowMatchConfig>,
 }
 
 /// sd.cpp runs the conditional and unconditional passes as separate batch-1 calls.
@@ -101,14 +109,62 @@ impl SdCppEngine {
         let path = model.location.path().to_path_buf();
         let info =
             ModelInfo::read(model).map_err(|message| LoadError::Model { path: path.clone(), message })?;
+        let model_error = |message: String| LoadError::Model { path: path.clone(), message };
+        let sd3 = match (&model.location, info.family.as_str()) {
+            (ModelLocation::DiffusersDir(dir), "sd3") => Some(sd3::folder_files(dir, !opts.no_t5)),
+            (ModelLocation::SingleFile(file), "sd3") => Some(sd3::single_file_files(file, !opts.no_t5)),
+            _ => None,
+        }
+        .transpose()
+        .map_err(model_error)?;
         if let Some(vae) = &model.vae {
+            if sd3.is_some() {
+                return Err(LoadError::Vae {
+                    path: vae.clone(),
+                    message: "a standalone VAE is not available for SD3 models on this engine".into(),
+                });
+            }
             check_vae(vae)?;
         }
+        let flow = match (&sd3, &model.location) {
+            (None, _) => None,
+            (Some(_), ModelLocation::DiffusersDir(dir)) => {
+                let file = dir.join("scheduler").join("scheduler_config.json");
+                Some(
+                    sdhive_schedulers::FlowMatchConfig::from_file(&file)
+                        .map_err(|e| model_error(format!("{}: {e}", file.display())))?,
+                )
+            }
+            // SAI's files carry no scheduler config; every SD3/SD3.5 ships shift 3.
+            (Some(_), ModelLocation::SingleFile(_)) => {
+                Some(sdhive_schedulers::FlowMatchConfig { shift: 3.0, ..Default::default() })
+            }
+        };
         // A GGUF's quantised weights stay as they are stored.
         let weight_type = if info.gguf.is_some() { None } else { opts.weight_type };
         let (runtime, params_backend) = params::backend_specs(&opts.ggml_device, &opts.placement)?;
         let c_path =
             CString::new(path.to_string_lossy().into_owned()).map_err(|_| LoadError::Nul("model path"))?;
+        let c_file = |p: &Option<PathBuf>, what: &'static str| {
+            p.as_ref()
+                .map(|p| CString::new(p.to_string_lossy().into_owned()).map_err(|_| LoadError::Nul(what)))
+                .transpose()
+        };
+        // A folder's MMDiT goes to sd.cpp as its SAI-layout copy, in place of a checkpoint file.
+        let sai = match sd3.as_ref().and_then(|f| f.diffusion_model.as_ref()) {
+            Some(src) => Some(sd3::sai_transformer(src).map_err(model_error)?),
+            None => None,
+        };
+        let sd3_paths = match &sd3 {
+            Some(f) => [
+                c_file(&f.checkpoint.clone().or(sai), "model path")?,
+                c_file(&f.vae, "VAE path")?,
+                c_file(&f.clip_l, "CLIP-L path")?,
+                c_file(&f.clip_g, "CLIP-G path")?,
+                c_file(&f.t5xxl, "T5 path")?,
+            ],
+            None => Default::default(),
+        };
         let c_runtime = CString::new(runtime).map_err(|_| LoadError::Nul("placement"))?;
         let c_params = CString::new(params_backend).map_err(|_| LoadError::Nul("offload"))?;
         // A1111's `sd_vae`: stable-diffusion.cpp loads a standalone VAE file in place of the model's own.
@@ -123,12 +179,18 @@ impl SdCppEngine {
         let ctx = unsafe {
             let mut p: sys::sd_ctx_params_t = std::mem::zeroed();
             sys::sd_ctx_params_init(&mut p);
-            match model.location {
+            let ptr = |s: &Option<CString>| s.as_ref().map_or(std::ptr::null(), |s| s.as_ptr());
+            if sd3.is_some() {
+                let [checkpoint, vae, clip_l, clip_g, t5xxl] = &sd3_paths;
+                p.model_path = ptr(checkpoint);
+                p.vae_path = ptr(vae);
+                p.clip_l_path = ptr(clip_l);
+                p.clip_g_path = ptr(clip_g);
+                p.t5xxl_path = ptr(t5xxl);
+            } else {
                 // A diffusers folder and an original single file both go in `model_path`: sd.cpp tells them
                 // apart itself (folder → unet/, vae/, text_encoder/ in diffusers naming).
-                ModelLocation::DiffusersDir(_) | ModelLocation::SingleFile(_) => {
-                    p.model_path = c_path.as_ptr()
-                }
+                p.model_path = c_path.as_ptr();
             }
             if let Some(vae) = &c_vae {
                 p.vae_path = vae.as_ptr();
@@ -174,7 +236,10 @@ impl SdCppEngine {
             (None, Some(WeightType::F16)) => ("f16".into(), 2),
             (None, None) => ("file".into(), 2),
         };
-        let shape = info.shape(bytes_per_weight);
+        let shape = match &sd3 {
+            Some(files) => files.shape(bytes_per_weight),
+            None => info.shape(bytes_per_weight),
+        };
         let plan_device = match opts.placement.device_of(sdhive_engine::Module::Diffusion) {
             Some(d) => params::ggml_device_name(d).unwrap_or_else(|| opts.ggml_device.clone()),
             None => opts.ggml_device.clone(),
@@ -204,7 +269,11 @@ impl SdCppEngine {
             family: info.family.clone(),
             native_width: info.native_width,
             native_height: info.native_height,
-            samplers: SAMPLERS.iter().map(|s| s.name().to_string()).collect(),
+            samplers: if sd3.is_some() {
+                vec![Sampler::Euler.name().to_string()]
+            } else {
+                SAMPLERS.iter().map(|s| s.name().to_string()).collect()
+            },
             supports_img2img: true,
             supports_inpaint: true,
             memory: Some(memory),
@@ -223,6 +292,7 @@ impl SdCppEngine {
             limits: Limits::default(),
             loras: LoraChecks::default(),
             upscalers: Default::default(),
+            flow,
         })
     }
 
@@ -238,6 +308,10 @@ impl SdCppEngine {
         width: u32,
         height: u32,
     ) -> Result<sys::sample_method_t, ValidationError> {
+        if self.flow.is_some() {
+            self.check_sd3(req, width, height)?;
+            return Ok(sys::sample_method_t::EULER_SAMPLE_METHOD);
+        }
         let Some(method) = params::sample_method(req.sampler) else {
             let offered: Vec<&str> = SAMPLERS.iter().map(|s| s.name()).collect();
             return Err(ValidationError {
@@ -266,6 +340,81 @@ impl SdCppEngine {
             return Err(ValidationError { field: "skip_layer_guidance", message: message.into() });
         }
         Ok(method)
+    }
+
+    /// What this engine runs of an SD3 request: flow-matching Euler on diffusers' schedule (sd.cpp's other
+    /// samplers are k-diffusion's, which diffusers' SD3 pipelines do not run), without hires fix, LoRAs or
+    /// skip-layer guidance yet (the candle engine runs them).
+    fn check_sd3(&self, req: &GenerateRequest, width: u32, height: u32) -> Result<(), ValidationError> {
+        let refuse = |field: &'static str, message: String| Err(ValidationError { field, message });
+        if !matches!(req.sampler, Sampler::Euler | Sampler::EulerA) {
+            return refuse(
+                "sampler",
+                format!(
+                    "SD3 models run flow-matching `Euler` on the stable-diffusion.cpp engine, not `{}`",
+                    req.sampler.name()
+                ),
+            );
+        }
+        if req.schedule != Schedule::Automatic {
+            return refuse(
+                "scheduler",
+                format!(
+                    "SD3 models take the schedule of their scheduler config (`Automatic`), not `{}`",
+                    req.schedule
+                ),
+            );
+        }
+        for (field, v) in [("width", width), ("height", height)] {
+            if v % 16 != 0 {
+                return refuse(field, format!("must be a multiple of 16 for SD3 models, got {v}"));
+            }
+        }
+        let not_yet = |field: &'static str, what: &str| {
+            refuse(
+                field,
+                format!("{what} on SD3 models is not available on the stable-diffusion.cpp engine yet (the candle engine runs it)"),
+            )
+        };
+        if req.skip_layer_guidance.is_some() {
+            return not_yet("skip_layer_guidance", "skip-layer guidance");
+        }
+        if req.hires.is_some() {
+            return not_yet("enable_hr", "hires fix");
+        }
+        if !req.loras.is_empty() {
+            return not_yet("loras", "a LoRA");
+        }
+        if !req.embeddings.is_empty() {
+            return refuse("prompt", "textual-inversion embeddings do not apply to SD3 models".into());
+        }
+        if req.init_image.is_some() && self.sd3_start(req).0 >= req.steps as usize {
+            return refuse(
+                "denoising_strength",
+                format!("{} leaves no step of {} to run", req.strength, req.steps),
+            );
+        }
+        Ok(())
+    }
+
+    /// The first step an SD3 img2img job runs, as diffusers' img2img pipeline starts it (`int(n − n·strength)`),
+    /// and the sigmas from there (with the final 0): the schedule handed to sd.cpp.
+    fn sd3_start(&self, req: &GenerateRequest) -> (usize, Vec<f32>) {
+        let Some(config) = &self.flow else { return (0, Vec::new()) };
+        let steps = req.steps as usize;
+        let sigmas = match sdhive_schedulers::FlowMatchEulerDiscrete::new(config, steps) {
+            Ok(s) => s.sigmas().to_vec(),
+            Err(_) => return (steps, Vec::new()),
+        };
+        let start = if req.init_image.is_some() {
+            sdhive_schedulers::FlowMatchEulerDiscrete::img2img_start(
+                steps,
+                sdhive_engine::decimal_f64(req.strength),
+            )
+        } else {
+            0
+        };
+        (start, sigmas.get(start..).map(<[f32]>::to_vec).unwrap_or_default())
     }
 }
 
@@ -349,6 +498,8 @@ impl Engine for SdCppEngine {
         let mask: Option<GrayImage> = req.mask.as_ref().map(|m| fit_gray(m, width, height));
         // Borrows `loras`' paths, alive until the end of this call.
         let sd_loras = networks::sd_loras(&loras);
+        // Read by sd.cpp through `custom_sigmas`; alive until the end of this call.
+        let (_, sd3_sigmas) = self.sd3_start(req);
 
         let mut images = Vec::with_capacity(req.n as usize);
         for index in 0..req.n {
@@ -378,9 +529,20 @@ impl Engine for SdCppEngine {
             let mut p = image_params(&prompt, &negative, (width, height), seed, method, scheduler, req.steps);
             p.clip_skip = req.clip_skip as i32;
             p.strength = req.strength;
+            // SD3: diffusers' sigmas from the job's first step on. Handed over whole, with strength 1: sd.cpp
+            // would otherwise cut an img2img schedule A1111's way (one step more than diffusers runs). CLIP's
+            // penultimate layer is A1111's clip skip 1 (diffusers' `clip_skip=None`); CFG at or below 1 is none.
+            if self.flow.is_some() {
+                p.sample_params.custom_sigmas = sd3_sigmas.as_ptr().cast_mut();
+                p.sample_params.custom_sigmas_count = sd3_sigmas.len() as i32;
+                p.sample_params.sample_steps = sd3_sigmas.len() as i32 - 1;
+                p.strength = 1.0;
+                p.clip_skip = req.clip_skip as i32 + 1;
+            }
             p.init_image = init.as_ref().map_or(EMPTY_IMAGE, |i| sd_image(i.width, i.height, 3, &i.data));
             p.mask_image = mask.as_ref().map_or(EMPTY_IMAGE, |m| sd_image(m.width, m.height, 1, &m.data));
-            p.sample_params.guidance.txt_cfg = req.cfg_scale;
+            p.sample_params.guidance.txt_cfg =
+                if self.flow.is_some() && req.cfg_scale <= 1.0 { 1.0 } else { req.cfg_scale };
             p.vae_tiling_params.enabled = plan.vae_tiling;
             // Every image passes the set, empty included: sd.cpp applies what each call names and nothing else.
             if let Some(h) = &hires {

@@ -10,6 +10,7 @@ mod engine;
 mod model_info;
 mod networks;
 mod params;
+pub mod sd3;
 mod upscale;
 
 pub use convert::{convert_to_gguf, ConvertError, GgufType};

@@ -9,7 +9,7 @@ use std::path::Path;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelInfo {
-    /// `sd1`, `sd2`, `sdxl`.
+    /// `sd1`, `sd2`, `sdxl`, `sd3` (SD3 and SD3.5).
     pub family: String,
     pub native_width: u32,
     pub native_height: u32,
@@ -30,9 +30,30 @@ pub struct GgufWeights {
 impl ModelInfo {
     pub fn read(model: &ResolvedModel) -> Result<ModelInfo, String> {
         match &model.location {
+            ModelLocation::DiffusersDir(dir) if crate::sd3::is_sd3_folder(dir) => {
+                let cfg = crate::sd3::transformer_config(dir)?;
+                let side = cfg["sample_size"].as_u64().map_or(1024, |s| s as u32 * 8);
+                Ok(ModelInfo::sd3(side))
+            }
             ModelLocation::DiffusersDir(dir) => from_unet_config(&dir.join("unet").join("config.json")),
             ModelLocation::SingleFile(file) if model.location.is_gguf() => from_gguf(file),
-            ModelLocation::SingleFile(file) => from_single_file(file),
+            ModelLocation::SingleFile(file) => {
+                if sdhive_checkpoint::is_sd3_file(file).map_err(|e| e.to_string())? {
+                    // SAI's files carry no config; every SD3/SD3.5 is made for 1024².
+                    return Ok(ModelInfo::sd3(1024));
+                }
+                from_single_file(file)
+            }
+        }
+    }
+
+    fn sd3(side: u32) -> ModelInfo {
+        ModelInfo {
+            family: "sd3".into(),
+            native_width: side,
+            native_height: side,
+            inpainting: false,
+            gguf: None,
         }
     }
 }
@@ -137,6 +158,19 @@ mod tests {
         assert!(inpaint.inpainting);
         let full = from_unet_config(&fixture("sd15-random/unet/config.json")).unwrap();
         assert_eq!((full.family.as_str(), full.native_width, full.native_height), ("sd1", 512, 512));
+    }
+
+    #[test]
+    fn sd3_models() {
+        let read =
+            |location| ModelInfo::read(&ResolvedModel { name: "x".into(), location, vae: None }).unwrap();
+        let folder = read(ModelLocation::DiffusersDir(fixture("models/sd35m")));
+        // The tiny fixture's transformer has sample_size 8 (64 pixels); the full-size one 128.
+        assert_eq!((folder.family.as_str(), folder.native_width, folder.inpainting), ("sd3", 64, false));
+        let full = read(ModelLocation::DiffusersDir(fixture("sd35m-random")));
+        assert_eq!((full.native_width, full.native_height), (1024, 1024));
+        let file = read(ModelLocation::SingleFile(fixture("models/sd3.safetensors")));
+        assert_eq!((file.family.as_str(), file.native_width), ("sd3", 1024));
     }
 
     #[test]

@@ -229,6 +229,7 @@ fn load_sdcpp(
         placement: opts.placement,
         threads: None,
         memory_budget: opts.memory_budget,
+        no_t5: opts.no_t5,
     };
     Ok(Box::new(SdCppEngine::load(model, load_opts)?.with_limits(opts.limits)))
 }

@@ -54,6 +54,7 @@ pub fn load_options() -> LoadOptions {
         placement: Placement::default(),
         threads: None,
         memory_budget: None,
+        no_t5: false,
     }
 }
 
