@@ -1,8 +1,9 @@
 //! SD3 / SD3.5 text-to-image on the candle engine, as diffusers' `StableDiffusion3Pipeline` computes it: a model
 //! read from a diffusers folder (CLIP-L and CLIP-G with their projection heads, T5 — optional, zeros when left
 //! out as diffusers makes them —, the MMDiT transformer, the 16-channel VAE, the flow-match scheduler), the joint
-//! context built as `encode_prompt` builds it (each CLIP's penultimate hidden state, joined along the features,
-//! zero-padded to T5's width, then T5's states appended along the sequence; the projected pooled outputs joined),
+//! context built as `encode_prompt` builds it (each CLIP's penultimate hidden state — an earlier one with clip
+//! skip, for the prompt only —, joined along the features, zero-padded to T5's width, then T5's states appended
+//! along the sequence; the projected pooled outputs joined),
 //! classifier-free guidance with the negative prompt first, flow-matching Euler steps (or DPM++ 2M on flow sigmas,
 //! as diffusers runs it when the pipeline's scheduler is swapped for it), skip-layer guidance's extra pass on the
 //! positive prompt where asked, and the decode of `latents / scaling_factor + shift_factor`. img2img as
@@ -128,6 +129,10 @@ pub struct Sd3Request {
     pub sampler: FlowSampler,
     /// Skip-layer guidance: text-to-image with CFG only, as diffusers' `StableDiffusion3Pipeline` has it.
     pub skip_layer_guidance: Option<SkipLayerGuidance>,
+    /// A1111's clip skip n (1 = the default): diffusers' `clip_skip = n − 1`, each CLIP's prompt states read from
+    /// `hidden_states[-(n + 1)]` (n = 1: the penultimate layer). As in diffusers' SD3 pipelines it applies to the
+    /// prompt only: the negative prompt reads the penultimate layer, and the pooled outputs never change.
+    pub clip_skip: u32,
 }
 
 impl Sd3Request {
@@ -146,6 +151,7 @@ impl Sd3Request {
             mask: None,
             sampler: FlowSampler::Euler,
             skip_layer_guidance: None,
+            clip_skip: 1,
         }
     }
 }
@@ -412,21 +418,33 @@ impl Sd3Model {
         self.transformer.device()
     }
 
-    /// One CLIP tower: the penultimate hidden state `(1, 77, H)` and the projected pooled output `(1, P)`.
+    /// One CLIP tower: the hidden state `(1, 77, H)` A1111's clip skip `skip` reads (`hidden_states[-(skip + 1)]`,
+    /// the penultimate for 1) and the projected pooled output `(1, P)`, which clip skip leaves alone as diffusers'
+    /// `_get_clip_prompt_embeds` does. A skip past the embedding output is refused naming `clip_skip`.
     fn clip(
-        model: &ClipTextModel,
+        (model, name): (&ClipTextModel, &'static str),
         tokenizer: &ClipTokenizer,
         text: &str,
-    ) -> candle_core::Result<(Tensor, Tensor)> {
+        skip: u32,
+    ) -> Result<(Tensor, Tensor), Sd3Error> {
+        let layers = model.config().num_hidden_layers;
+        if skip == 0 || skip as usize > layers {
+            return Err(Sd3Error::Invalid {
+                field: "clip_skip",
+                message: format!("{skip} is not between 1 and {layers}, the layers of this model's {name}"),
+            });
+        }
         let ids = tokenizer.encode_padded(text);
         let n = ids.len();
-        let ids = Tensor::from_vec(ids, (1, n), model.device())?;
-        let out = model.forward(&ids).map_err(candle_core::Error::wrap)?;
-        let k = out.hidden_states.len();
-        let pooled = out
-            .text_embeds
-            .ok_or_else(|| candle_core::Error::Msg("the CLIP encoder has no projection head".into()))?;
-        Ok((out.hidden_states[k - 2].clone(), pooled))
+        let out = Tensor::from_vec(ids, (1, n), model.device())
+            .and_then(|ids| model.forward(&ids).map_err(candle_core::Error::wrap))
+            .map_err(failed(name))?;
+        let pooled = out.text_embeds.ok_or_else(|| Sd3Error::Failed {
+            stage: name,
+            message: "the CLIP encoder has no projection head".into(),
+        })?;
+        // `hidden_states` is the embedding output and one state per layer, `layers + 1` in all.
+        Ok((out.hidden_states[layers - skip as usize].clone(), pooled))
     }
 
     /// The three text encoders for a stretch of prompts: built once when offloaded (a job's prompt and negative
@@ -442,14 +460,15 @@ impl Sd3Model {
         })
     }
 
-    /// diffusers' `encode_prompt` for one prompt: the joint context `(1, 77 + max_sequence_length, D)` and the
-    /// pooled embedding `(1, P_l + P_g)`.
+    /// diffusers' `encode_prompt` for one prompt with A1111's clip skip `clip_skip` (diffusers' `clip_skip − 1`):
+    /// the joint context `(1, 77 + max_sequence_length, D)` and the pooled embedding `(1, P_l + P_g)`.
     pub fn encode_prompt(
         &self,
         text: &str,
         max_sequence_length: usize,
+        clip_skip: u32,
     ) -> Result<(Tensor, Tensor), Sd3Error> {
-        self.encode_prompt_with(&self.text_encoders()?, text, max_sequence_length)
+        self.encode_prompt_with(&self.text_encoders()?, text, max_sequence_length, clip_skip)
     }
 
     fn encode_prompt_with(
@@ -457,12 +476,11 @@ impl Sd3Model {
         encoders: &TextEncoders<'_>,
         text: &str,
         max_sequence_length: usize,
+        clip_skip: u32,
     ) -> Result<(Tensor, Tensor), Sd3Error> {
         let joint = self.transformer.config().joint_attention_dim;
-        let (l, pooled_l) =
-            Self::clip(&encoders.clip_l, &self.tokenizer_l, text).map_err(failed("CLIP-L"))?;
-        let (g, pooled_g) =
-            Self::clip(&encoders.clip_g, &self.tokenizer_g, text).map_err(failed("CLIP-G"))?;
+        let (l, pooled_l) = Self::clip((&*encoders.clip_l, "CLIP-L"), &self.tokenizer_l, text, clip_skip)?;
+        let (g, pooled_g) = Self::clip((&*encoders.clip_g, "CLIP-G"), &self.tokenizer_g, text, clip_skip)?;
         let t5 = match (&encoders.t5, &self.t5) {
             (Some(encoder), Some((_, tokenizer))) => {
                 let ids = tokenizer.encode(text, max_sequence_length).map_err(|e| Sd3Error::Invalid {
@@ -615,10 +633,11 @@ impl Sd3Model {
         self.check_sampling(req, cfg, req.init_image.is_some() || init_latents.is_some())?;
         let encoders = self.text_encoders()?;
         let (positive, positive_pooled) =
-            self.encode_prompt_with(&encoders, &req.prompt, req.max_sequence_length)?;
+            self.encode_prompt_with(&encoders, &req.prompt, req.max_sequence_length, req.clip_skip)?;
         let (context, pooled) = if cfg {
+            // diffusers' SD3 pipelines encode the negative prompt with `clip_skip=None` whatever they are given.
             let (nc, np) =
-                self.encode_prompt_with(&encoders, &req.negative_prompt, req.max_sequence_length)?;
+                self.encode_prompt_with(&encoders, &req.negative_prompt, req.max_sequence_length, 1)?;
             (
                 Tensor::cat(&[&nc, &positive], 0).map_err(failed("context"))?,
                 Tensor::cat(&[&np, &positive_pooled], 0).map_err(failed("pooled"))?,

@@ -4,8 +4,9 @@
 //! the flow-matching Euler sampler, text-to-image also with DPM++ 2M on flow sigmas and with skip-layer guidance,
 //! n images from seed, seed+1, …, progress after every step (with the latent preview of the step's estimate every
 //! `preview_every` steps) and cancellation between steps, A1111 infotext, and each job's LoRAs merged into the
-//! MMDiT and both CLIPs (`lora.rs`; put back exactly for the next job), and A1111's hires fix (`hires.rs`: any
-//! upscaler SD1/SDXL take, the second pass as SD3 img2img with Euler). What it refuses, naming the field:
+//! MMDiT and both CLIPs (`lora.rs`; put back exactly for the next job), A1111's clip skip (diffusers'
+//! `clip_skip = n − 1`, both passes), and A1111's hires fix (`hires.rs`: any upscaler SD1/SDXL take, the second
+//! pass as SD3 img2img with Euler). What it refuses, naming the field:
 //! embeddings, samplers other than Euler and DPM++ 2M (A1111's default `Euler a` runs as Euler, and the infotext
 //! says so), the Karras schedule, DPM++ 2M and skip-layer guidance with an init image, a hires `hr_sampler_name`
 //! other than Euler and a hires size that is not a multiple of 16 (skip-layer guidance guides the first pass only).
@@ -269,6 +270,7 @@ impl Engine for Sd3Engine {
             mask: None,
             sampler: FlowSampler::Euler,
             skip_layer_guidance: None,
+            clip_skip: req.clip_skip,
         });
         if let Some(second) = &second_pass {
             sd3_second_pass_steps(second).map_err(|e| match e {
@@ -295,6 +297,7 @@ impl Engine for Sd3Engine {
                 mask: req.mask.clone(),
                 sampler,
                 skip_layer_guidance: req.skip_layer_guidance.clone(),
+                clip_skip: req.clip_skip,
             };
             let mut on_step = |step: usize, steps: usize, estimate: &StepEstimate<'_>| {
                 let wants_preview = req.preview_every > 0 && step.is_multiple_of(req.preview_every as usize);

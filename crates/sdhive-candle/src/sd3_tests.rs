@@ -91,7 +91,7 @@ fn the_joint_context_is_encode_prompts_with_and_without_t5() {
         assert_eq!(sd3.t5.is_some(), with_t5);
         for (i, prompt) in prompts.iter().enumerate() {
             let (context, pooled) =
-                sd3.encode_prompt(prompt, seq).unwrap_or_else(|e| panic!("{prompt:?}: {e}"));
+                sd3.encode_prompt(prompt, seq, 1).unwrap_or_else(|e| panic!("{prompt:?}: {e}"));
             let key = if with_t5 { format!("prompt_embeds_{i}") } else { format!("prompt_embeds_not5_{i}") };
             let want = &g[&key];
             assert_eq!(context.dims(), want.dims(), "{key}");
@@ -102,6 +102,53 @@ fn the_joint_context_is_encode_prompts_with_and_without_t5() {
             let p = max_abs(&(cpu(&pooled) - want_pooled).expect("diff")) / max_abs(want_pooled).max(1.0);
             eprintln!("{key}: context {d:.3e}, pooled {p:.3e}");
             assert!(d <= tol && p <= tol, "{key}: context off by {d}, pooled by {p} (tolerance {tol})");
+        }
+    }
+}
+
+/// A1111's clip skip n as diffusers' `encode_prompt(clip_skip=n − 1)`: each CLIP's prompt states from an earlier
+/// layer (3 reads the tiny CLIPs' embedding output), the pooled outputs unchanged; far from clip skip 1. A skip past
+/// the embedding output is refused naming `clip_skip`.
+#[test]
+fn clip_skip_is_encode_prompts_clip_skip_minus_one() {
+    let dev = test_device();
+    let g = load_golden("sd3_text.safetensors");
+    let json = sd3_json();
+    let seq = json["max_sequence_length"].as_u64().expect("max_sequence_length") as usize;
+    let prompts: Vec<&str> =
+        json["prompts"].as_array().expect("prompts").iter().map(|p| p.as_str().expect("prompt")).collect();
+    let skips: Vec<u32> = json["goldens"]["sd3_text.safetensors"]["a1111_clip_skips"]
+        .as_array()
+        .expect("a1111_clip_skips (run xtask/fixtures/gen_sd3.py --only text)")
+        .iter()
+        .map(|n| n.as_u64().expect("clip skip") as u32)
+        .collect();
+    assert_eq!(skips, [2, 3]);
+    let sd3 = load_model("sd3");
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu).and_then(|t| t.to_dtype(DType::F32)).expect("to cpu");
+    let rel = |a: &Tensor, want: &Tensor| max_abs(&(cpu(a) - want).expect("diff")) / max_abs(want).max(1.0);
+    let tol = dev.tolerance.text;
+    for (i, prompt) in prompts.iter().enumerate() {
+        let (plain, _) = sd3.encode_prompt(prompt, seq, 1).expect("clip skip 1");
+        for &n in &skips {
+            let key = format!("prompt_embeds_clipskip{n}_{i}");
+            let (context, pooled) =
+                sd3.encode_prompt(prompt, seq, n).unwrap_or_else(|e| panic!("{key}: {e}"));
+            let d = rel(&context, &g[&key]);
+            let p = rel(&pooled, &g[&format!("pooled_{i}")]);
+            let apart = rel(&plain, &g[&key]);
+            eprintln!("{key}: context {d:.3e}, pooled {p:.3e}, clip skip 1 is {apart:.3e} away");
+            assert!(d <= tol && p <= tol, "{key}: context off by {d}, pooled by {p} (tolerance {tol})");
+            assert!(apart > 1e3 * tol, "{key}: clip skip {n} is only {apart} from clip skip 1");
+        }
+    }
+    for n in [0, 4] {
+        match sd3.encode_prompt("x", seq, n) {
+            Err(crate::sd3::Sd3Error::Invalid { field, message }) => {
+                assert_eq!(field, "clip_skip", "{message}");
+                assert!(message.contains("between 1 and 3"), "{message}");
+            }
+            other => panic!("clip skip {n} on 3-layer CLIPs: {:?}", other.map(|_| ())),
         }
     }
 }
@@ -135,6 +182,7 @@ fn sd3_img2img() {
         mask: None,
         sampler: FlowSampler::Euler,
         skip_layer_guidance: None,
+        clip_skip: 1,
     };
     let mut reported = Vec::new();
     let out = sd3.generate_with(&req, &mut |step, steps, _| {
@@ -211,6 +259,8 @@ fn golden_request(file: &str) -> Sd3Request {
             _ => FlowSampler::Euler,
         },
         skip_layer_guidance: slg,
+        // The pipeline's `clip_skip` is A1111's less one.
+        clip_skip: a["clip_skip"].as_u64().map_or(1, |c| c as u32 + 1),
     }
 }
 
@@ -225,6 +275,7 @@ fn engine_request(r: &Sd3Request) -> GenerateRequest {
         height: Some(r.height as u32),
         seed: Some(r.seed),
         skip_layer_guidance: r.skip_layer_guidance.clone(),
+        clip_skip: r.clip_skip,
         ..Default::default()
     }
 }
@@ -290,6 +341,29 @@ fn sd35_medium_skip_layer_guidance() {
     let plain = sd3.generate(&Sd3Request { skip_layer_guidance: None, ..req }).expect("plain");
     let moved = max_abs(&(&plain.latents - &out.latents).expect("diff"));
     assert!(moved > 1e-2, "skip-layer guidance changed the latents by only {moved}");
+}
+
+/// `pipe(..., clip_skip=1)`, A1111's clip skip 2: the prompt's CLIP states one layer earlier, the negative
+/// prompt's still the penultimate (the golden tells that apart from skipping both: `sd3.json` records how far);
+/// through the engine too, whose infotext says `Clip skip: 2`.
+#[test]
+fn sd3_clip_skip_as_the_pipeline() {
+    let file = "sd3_pipe_clipskip_sd3.safetensors";
+    let (sd3, req, out) = variant("sd3", file);
+    assert_eq!(req.clip_skip, 2);
+    let plain = sd3.generate(&Sd3Request { clip_skip: 1, ..req.clone() }).expect("clip skip 1");
+    let moved = max_abs(&(&plain.latents - &out.latents).expect("diff"));
+    assert!(moved > 1e-2, "clip skip 2 changed the latents by only {moved}");
+    drop(sd3);
+    let mut engine = engine("sd3");
+    let got = run(&mut engine, &GenerateRequest { sampler: Sampler::Euler, ..engine_request(&req) })
+        .expect("engine with clip skip 2");
+    let want: Vec<u8> = load_golden(file)["image_u8"].flatten_all().and_then(|t| t.to_vec1()).expect("u8");
+    let image = &got.images[0].image.data;
+    let off = image.iter().zip(&want).filter(|(a, b)| a.abs_diff(**b) > 1).count();
+    let tol = test_device().tolerance;
+    assert!(off as f32 <= tol.pixels_off * want.len() as f32, "engine: {off} values off by > 1 level");
+    assert!(got.images[0].infotext.contains("Clip skip: 2"), "{}", got.images[0].infotext);
 }
 
 /// SD3.5-large-turbo's setting: guidance 0 and 4 steps runs one transformer call per step, without the negative
