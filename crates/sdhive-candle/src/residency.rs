@@ -117,24 +117,29 @@ impl<T> Resident<T> {
         build: impl Fn(VarBuilder<'static>) -> sdhive_models::Result<T> + Send + Sync + 'static,
     ) -> sdhive_models::Result<Self> {
         let mut weights = weights;
-        if target.offload {
-            // A host copy holds what the network will be built from: converted once here (half the memory of
-            // an f32 checkpoint used in f16, half the upload), not at every build.
-            for tensor in weights.values_mut() {
-                if tensor.dtype() != target.dtype && tensor.dtype().is_float() {
-                    *tensor = tensor
-                        .to_dtype(target.dtype)
-                        .map_err(|source| sdhive_models::ModelError::Tensor { model: "host copy", source })?;
-                }
-            }
-        }
         let weight_bytes =
             weights.values().map(|t| (t.elem_count() * target.dtype.size_in_bytes()) as u64).sum();
         let build: Build<T> = Arc::new(build);
         let (state, params) = if target.offload {
-            // Built once now so a bad checkpoint fails at load, not at the first request.
-            if !target.host_copy {
-                build(builder(&weights, &target))?;
+            // Built once now so a bad checkpoint fails at load, not at the first request; the build also says in
+            // which dtype the network reads each weight (T5 reads `wo` in f32 when in f16).
+            let used = if target.host_copy {
+                HashMap::new()
+            } else {
+                let (model, params) = params::record(|| build(builder(&weights, &target)));
+                model?;
+                weights.keys().filter_map(|n| Some((n.clone(), params.get(n)?.dtype()))).collect()
+            };
+            // A host copy holds what the network will be built from: converted once here (half the memory of
+            // an f32 checkpoint used in f16, half the upload), not at every build, into the dtype each weight is
+            // read in, so a build from it computes as the network built straight from the file.
+            for (name, tensor) in weights.iter_mut() {
+                let dtype = used.get(name).copied().unwrap_or(target.dtype);
+                if tensor.dtype() != dtype && tensor.dtype().is_float() {
+                    *tensor = tensor
+                        .to_dtype(dtype)
+                        .map_err(|source| sdhive_models::ModelError::Tensor { model: "host copy", source })?;
+                }
             }
             (State::Host { weights, build }, ParamMap::default())
         } else {

@@ -139,7 +139,7 @@ fn clip_skip_is_encode_prompts_clip_skip_minus_one() {
             let apart = rel(&plain, &g[&key]);
             eprintln!("{key}: context {d:.3e}, pooled {p:.3e}, clip skip 1 is {apart:.3e} away");
             assert!(d <= tol && p <= tol, "{key}: context off by {d}, pooled by {p} (tolerance {tol})");
-            assert!(apart > 1e3 * tol, "{key}: clip skip {n} is only {apart} from clip skip 1");
+            assert!(apart > 5.0 * tol, "{key}: clip skip {n} is only {apart} from clip skip 1");
         }
     }
     for n in [0, 4] {

@@ -19,7 +19,7 @@ use sdhive_engine::{
     budgeted_free, infotext, random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput,
     GenerateRequest, GeneratedImage, GrayImage, HiresFix, HiresUpscaler, InfotextContext, LatentMode, Limits,
     MemoryReport, ModelShape, Placement, PlacementError, Progress, RgbImage, Sampler, Schedule,
-    UpscaleRequest, ValidationError,
+    SkipLayerGuidance, UpscaleRequest, ValidationError,
 };
 use sdhive_modelsource::{ModelLocation, ResolvedModel};
 use std::ffi::{CStr, CString};
@@ -94,6 +94,8 @@ pub struct SdCppEngine {
     upscalers: crate::upscale::SdCppUpscalers,
     /// An SD3-family model's flow-matching schedule config (`None` for SD1/SD2/SDXL).
     flow: Option<sdhive_schedulers::FlowMatchConfig>,
+    /// An SD3-family model's MMDiT blocks (what skip-layer guidance may name).
+    sd3_blocks: usize,
 }
 
 /// sd.cpp runs the conditional and unconditional passes as separate batch-1 calls.
@@ -293,6 +295,7 @@ impl SdCppEngine {
             loras: LoraChecks::default(),
             upscalers: Default::default(),
             flow,
+            sd3_blocks: sd3.as_ref().map_or(0, |f| f.blocks),
         })
     }
 
@@ -376,8 +379,32 @@ impl SdCppEngine {
                 format!("{what} on SD3 models is not available on the stable-diffusion.cpp engine yet (the candle engine runs it)"),
             )
         };
-        if req.skip_layer_guidance.is_some() {
-            return not_yet("skip_layer_guidance", "skip-layer guidance");
+        if let Some(g) = &req.skip_layer_guidance {
+            g.validate()?;
+            if req.init_image.is_some() {
+                let message = "applies to text-to-image only, as in diffusers (its SD3 img2img and inpaint \
+                               pipelines have none)";
+                return refuse("skip_layer_guidance", message.into());
+            }
+            if req.cfg_scale <= 1.0 {
+                return refuse(
+                    "skip_layer_guidance",
+                    format!(
+                        "runs beside classifier-free guidance, which cfg_scale {} turns off (it must be above 1)",
+                        req.cfg_scale
+                    ),
+                );
+            }
+            let blocks = self.sd3_blocks;
+            if let Some(l) = g.layers.iter().find(|&&l| l >= blocks) {
+                return refuse(
+                    "skip_layer_guidance.layers",
+                    format!(
+                        "block {l} does not exist: this model's transformer has {blocks} (0 to {})",
+                        blocks - 1
+                    ),
+                );
+            }
         }
         if req.hires.is_some() {
             return not_yet("enable_hr", "hires fix");
@@ -498,8 +525,9 @@ impl Engine for SdCppEngine {
         let mask: Option<GrayImage> = req.mask.as_ref().map(|m| fit_gray(m, width, height));
         // Borrows `loras`' paths, alive until the end of this call.
         let sd_loras = networks::sd_loras(&loras);
-        // Read by sd.cpp through `custom_sigmas`; alive until the end of this call.
+        // Read by sd.cpp through `custom_sigmas` and the SLG parameters; alive until the end of this call.
         let (_, sd3_sigmas) = self.sd3_start(req);
+        let slg = req.skip_layer_guidance.as_ref().and_then(|g| sd3_slg(g, req.steps));
 
         let mut images = Vec::with_capacity(req.n as usize);
         for index in 0..req.n {
@@ -538,6 +566,15 @@ impl Engine for SdCppEngine {
                 p.sample_params.sample_steps = sd3_sigmas.len() as i32 - 1;
                 p.strength = 1.0;
                 p.clip_skip = req.clip_skip as i32 + 1;
+                if let Some((layers, start, stop, scale)) = &slg {
+                    p.sample_params.guidance.slg = sys::sd_slg_params_t {
+                        layers: layers.as_ptr().cast_mut(),
+                        layer_count: layers.len(),
+                        layer_start: *start,
+                        layer_end: *stop,
+                        scale: *scale,
+                    };
+                }
             }
             p.init_image = init.as_ref().map_or(EMPTY_IMAGE, |i| sd_image(i.width, i.height, 3, &i.data));
             p.mask_image = mask.as_ref().map_or(EMPTY_IMAGE, |m| sd_image(m.width, m.height, 1, &m.data));
@@ -579,6 +616,19 @@ impl Engine for SdCppEngine {
         let threads = unsafe { sys::sd_get_num_physical_cores() };
         self.upscalers.extras(req, &self.plan_device, threads)
     }
+}
+
+/// Skip-layer guidance in sd.cpp's terms: the blocks, and a window that runs the extra pass at exactly diffusers'
+/// steps (`n·start < i < n·stop`, `i` from 0). sd.cpp runs it at its 1-based step `s` when
+/// `int(start'·S) < s < int(stop'·S)` with `S` its sigma count (n + 1), so the window is given as the midpoints
+/// `start' = (first + 0.5)/S` and `stop' = (last + 2.5)/S`. `None` when no step is in diffusers' window.
+fn sd3_slg(g: &SkipLayerGuidance, steps: u32) -> Option<(Vec<i32>, f32, f32, f32)> {
+    let n = steps as usize;
+    let first = (0..n).find(|&i| g.active_at(i, n))?;
+    let last = (0..n).rev().find(|&i| g.active_at(i, n))?;
+    let s = (n + 1) as f32;
+    let layers = g.layers.iter().map(|&l| l as i32).collect();
+    Some((layers, (first as f32 + 0.5) / s, (last as f32 + 2.5) / s, g.scale as f32))
 }
 
 /// A hires fix as sd.cpp runs it: its upscaler, the model file, the output size and the second pass's steps.
@@ -796,4 +846,34 @@ unsafe fn take_image(out: *mut sys::sd_image_t) -> Option<RgbImage> {
         result
     };
     image
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// sd.cpp's test (guidance.cpp, `SkipLayerGuidance::is_enabled_for_step`) at its 1-based step of an Euler run.
+    fn sdcpp_runs(window: &(Vec<i32>, f32, f32, f32), steps: usize) -> Vec<usize> {
+        let s = (steps + 1) as f32;
+        let (lo, hi) = ((window.1 * s) as i32, (window.2 * s) as i32);
+        (0..steps).filter(|&i| lo < i as i32 + 1 && (i as i32 + 1) < hi).collect()
+    }
+
+    #[test]
+    fn skip_layer_guidance_runs_at_diffusers_steps_in_sdcpp() {
+        for steps in 1..=60 {
+            for (start, stop) in [(0.01, 0.2), (0.0, 1.0), (0.01, 0.7), (0.25, 0.5), (0.3, 0.31), (0.5, 0.5)]
+            {
+                let g = SkipLayerGuidance { start, stop, ..SkipLayerGuidance::with_layers(vec![7, 8, 9]) };
+                let want: Vec<usize> = (0..steps).filter(|&i| g.active_at(i, steps)).collect();
+                match sd3_slg(&g, steps as u32) {
+                    Some(window) => {
+                        assert_eq!(sdcpp_runs(&window, steps), want, "{steps} steps, {start}..{stop}");
+                        assert_eq!((window.0.as_slice(), window.3), (&[7, 8, 9][..], 2.8));
+                    }
+                    None => assert!(want.is_empty(), "{steps} steps, {start}..{stop}: {want:?}"),
+                }
+            }
+        }
+    }
 }

@@ -29,6 +29,8 @@ pub struct Sd3Files {
     pub elements: u64,
     /// The MMDiT's attention heads.
     pub heads: u32,
+    /// The MMDiT's blocks.
+    pub blocks: usize,
 }
 
 impl Sd3Files {
@@ -130,6 +132,7 @@ pub fn folder_files(dir: &Path, t5: bool) -> Result<Sd3Files, String> {
     let transformer = one_file(dir, "transformer", "diffusion_pytorch_model", "the MMDiT")?;
     let vae = one_file(dir, "vae", "diffusion_pytorch_model", "the VAE")?;
     let encoders = encoders(dir, t5)?;
+    let config = transformer_config(dir)?;
     let mut files = Sd3Files {
         checkpoint: None,
         diffusion_model: Some(transformer),
@@ -138,7 +141,8 @@ pub fn folder_files(dir: &Path, t5: bool) -> Result<Sd3Files, String> {
         clip_g: Some(encoders.clip_g),
         t5xxl: encoders.t5xxl,
         elements: 0,
-        heads: transformer_config(dir)?["num_attention_heads"].as_u64().unwrap_or(24) as u32,
+        heads: config["num_attention_heads"].as_u64().unwrap_or(24) as u32,
+        blocks: config["num_layers"].as_u64().unwrap_or(24) as usize,
     };
     files.elements = [&files.diffusion_model, &files.vae, &files.clip_l, &files.clip_g, &files.t5xxl]
         .into_iter()
@@ -172,6 +176,7 @@ pub fn single_file_files(file: &Path, t5: bool) -> Result<Sd3Files, String> {
         t5xxl: None,
         elements: parts.elements_without_t5 + parts.t5_elements,
         heads: parts.depth as u32,
+        blocks: parts.depth,
     };
     if parts.clip_l && parts.clip_g {
         return Ok(files);

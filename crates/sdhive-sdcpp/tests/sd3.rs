@@ -1,15 +1,16 @@
 //! SD3.5-medium through stable-diffusion.cpp against diffusers: the full-size model with deterministic random
 //! weights (`cargo xtask random-model --manifest tests/fixtures/sd35m-random/manifest.json`, its folder in
 //! `SDHIVE_SD35M_RANDOM`), without T5, handed to sd.cpp part by part from its diffusers folder, generates diffusers'
-//! image of golden `sd35m_random_euler` (xtask/fixtures/gen_sd35m_random.py: 64², 2 flow-Euler steps, CFG 5) within
-//! the bounds of the engine's SD1.5 image check (`cargo xtask vulkan`). Ignored by default because it needs that
+//! image of golden `sd35m_random_euler` (xtask/fixtures/gen_sd35m_random.py: 64², 2 flow-Euler steps, CFG 5), and of
+//! `sd35m_random_slg` (3 steps with skip-layer guidance on blocks 7-9 at steps 1 and 2), within the bounds of the
+//! engine's SD1.5 image check (`cargo xtask vulkan`). Ignored by default because it needs that
 //! 6 GB model; `cargo xtask vulkan` writes the model and runs it on ggml's CPU backend. Measured there (2 cores):
-//! mean |diff| 0.09 levels, max 1, PSNR 58.6 dB; load (the MMDiT's conversion to SAI's layout and a warm-up
-//! image included) 33 s, the image 25 s.
+//! mean |diff| 0.09 levels, max 1, PSNR 58.6 dB for both images; load (the MMDiT's conversion to SAI's layout and
+//! a warm-up image included) 28-55 s, the images 25 s and 45 s.
 
 mod common;
 
-use sdhive_engine::{Engine, GenerateRequest, LoraUse, Sampler};
+use sdhive_engine::{Engine, GenerateRequest, LoraUse, Sampler, SkipLayerGuidance};
 use sdhive_modelsource::{ModelLocation, ResolvedModel};
 use sdhive_sdcpp::{LoadOptions, SdCppEngine};
 use std::path::PathBuf;
@@ -64,6 +65,27 @@ fn sd35_medium_without_t5_generates_diffusers_image() {
         kept.display()
     );
 
+    // SD3.5-medium's skip-layer guidance (blocks 7-9, scale 2.8) at diffusers' steps 1 and 2 of 3.
+    let (slg_req, slg_theirs) = common::golden_case("sd35m_random_slg");
+    let g = &common::golden_json("sd35m_random_slg")["skip_layer_guidance"];
+    let layers = g["layers"].as_array().expect("layers").iter().map(|l| l.as_u64().expect("layer") as usize);
+    let slg = SkipLayerGuidance {
+        layers: layers.collect(),
+        scale: g["scale"].as_f64().expect("scale"),
+        start: g["start"].as_f64().expect("start"),
+        stop: g["stop"].as_f64().expect("stop"),
+    };
+    let slg_req = GenerateRequest { skip_layer_guidance: Some(slg.clone()), ..slg_req };
+    let started = std::time::Instant::now();
+    let ours = common::image(&mut engine, &slg_req);
+    eprintln!("generated with skip-layer guidance in {:.1} s", started.elapsed().as_secs_f64());
+    let cmp = common::compare(&ours, &slg_theirs);
+    eprintln!("... with skip-layer guidance: {cmp:?}");
+    assert!(
+        cmp.psnr_db >= MIN_PSNR_DB && cmp.mean_abs <= MAX_MEAN_ABS_DIFF,
+        "sd.cpp's image with skip-layer guidance is too far from diffusers' ({cmp:?})"
+    );
+
     // What the engine does not run on SD3 is refused naming the field, before anything runs.
     let mut refused =
         |req: GenerateRequest| match engine.generate(&req, &mut |_| unreachable!("nothing runs")) {
@@ -73,6 +95,11 @@ fn sd35_medium_without_t5_generates_diffusers_image() {
     assert_eq!(refused(GenerateRequest { sampler: Sampler::DpmPp2M, ..req.clone() }), "sampler");
     assert_eq!(refused(GenerateRequest { sampler: Sampler::Pndm, ..req.clone() }), "sampler");
     assert_eq!(refused(GenerateRequest { width: Some(72), ..req.clone() }), "width");
+    let past_the_end = SkipLayerGuidance { layers: vec![24], ..slg.clone() };
+    let field = refused(GenerateRequest { skip_layer_guidance: Some(past_the_end), ..req.clone() });
+    assert_eq!(field, "skip_layer_guidance.layers");
+    let without_cfg = GenerateRequest { cfg_scale: 1.0, skip_layer_guidance: Some(slg), ..req.clone() };
+    assert_eq!(refused(without_cfg), "skip_layer_guidance");
     let lora = LoraUse { name: "x".into(), path: dir.join("x.safetensors"), te: 1.0, unet: 1.0, hash: None };
     assert_eq!(refused(GenerateRequest { loras: vec![lora], ..req.clone() }), "loras");
 }

@@ -72,12 +72,21 @@ pub fn golden_request(prompt: String) -> GenerateRequest {
     }
 }
 
-/// The golden case `tests/fixtures/golden/<name>.{json,png}` (written by xtask/fixtures/gen_sd15_random.py) as a
-/// request, and diffusers' image for it.
+/// The golden case `tests/fixtures/golden/<name>.json` as written.
+pub fn golden_json(name: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(golden_dir().join(format!("{name}.json"))).expect("golden case");
+    serde_json::from_str(&text).expect("golden case JSON")
+}
+
+fn golden_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/golden")
+}
+
+/// The golden case `tests/fixtures/golden/<name>.{json,png}` (written by xtask/fixtures/gen_sd15_random.py or
+/// gen_sd35m_random.py) as a request, and diffusers' image for it.
 pub fn golden_case(name: &str) -> (GenerateRequest, RgbImage) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/golden");
-    let text = std::fs::read_to_string(dir.join(format!("{name}.json"))).expect("golden case");
-    let case: serde_json::Value = serde_json::from_str(&text).expect("golden case JSON");
+    let dir = golden_dir();
+    let case = golden_json(name);
     let num = |k: &str| case[k].as_f64().unwrap_or_else(|| panic!("golden case {name} lacks {k}"));
     assert_eq!(case["sampler"], "Euler", "{name}");
     let req = GenerateRequest {
