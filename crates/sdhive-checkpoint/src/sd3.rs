@@ -52,6 +52,8 @@ pub struct Sd3FileParts {
     pub t5: bool,
     /// MMDiT blocks (SAI's MMDiTs have as many 64-wide attention heads).
     pub depth: usize,
+    /// The MMDiT's hidden width (`x_embedder.proj`'s output channels).
+    pub hidden: usize,
     /// Elements of the MMDiT, VAE and CLIP tensors (the weights a worker without T5 holds).
     pub elements_without_t5: u64,
     /// Elements of the T5 tensors.
@@ -83,6 +85,10 @@ pub fn sd3_file_parts(path: impl AsRef<Path>) -> Result<Sd3FileParts> {
             .filter_map(|n| n[JOINT_BLOCKS.len()..].split('.').next()?.parse::<usize>().ok())
             .max()
             .map_or(0, |last| last + 1),
+        hidden: file
+            .shape(&format!("{MMDIT}x_embedder.proj.weight"))
+            .and_then(|s| s.first().copied())
+            .unwrap_or(0),
         elements_without_t5: elements(MMDIT) + elements(VAE) + elements(CLIP_L) + elements(CLIP_G),
         t5_elements: elements(T5),
     })

@@ -94,8 +94,8 @@ pub struct SdCppEngine {
     upscalers: crate::upscale::SdCppUpscalers,
     /// An SD3-family model's flow-matching schedule config (`None` for SD1/SD2/SDXL).
     flow: Option<sdhive_schedulers::FlowMatchConfig>,
-    /// An SD3-family model's MMDiT blocks (what skip-layer guidance may name).
-    sd3_blocks: usize,
+    /// An SD3-family model's MMDiT (what skip-layer guidance may name, what its LoRAs must fit).
+    mmdit: Option<networks::Mmdit>,
 }
 
 /// sd.cpp runs the conditional and unconditional passes as separate batch-1 calls.
@@ -295,7 +295,7 @@ impl SdCppEngine {
             loras: LoraChecks::default(),
             upscalers: Default::default(),
             flow,
-            sd3_blocks: sd3.as_ref().map_or(0, |f| f.blocks),
+            mmdit: sd3.as_ref().map(|f| networks::Mmdit { hidden: f.hidden, blocks: f.blocks }),
         })
     }
 
@@ -395,7 +395,7 @@ impl SdCppEngine {
                     ),
                 );
             }
-            let blocks = self.sd3_blocks;
+            let blocks = self.mmdit.map_or(0, |m| m.blocks);
             if let Some(l) = g.layers.iter().find(|&&l| l >= blocks) {
                 return refuse(
                     "skip_layer_guidance.layers",
@@ -408,9 +408,6 @@ impl SdCppEngine {
         }
         if req.hires.is_some() {
             return not_yet("enable_hr", "hires fix");
-        }
-        if !req.loras.is_empty() {
-            return not_yet("loras", "a LoRA");
         }
         if !req.embeddings.is_empty() {
             return refuse("prompt", "textual-inversion embeddings do not apply to SD3 models".into());
@@ -490,7 +487,7 @@ impl Engine for SdCppEngine {
         let (width, height) = req.output_size((self.model.native_width, self.model.native_height));
         let method = self.check(req, width, height)?;
         networks::check_embeddings(&req.embeddings)?;
-        let loras = self.loras.check(&req.loras, &self.model.family)?;
+        let loras = self.loras.check(&req.loras, &self.model.family, self.mmdit)?;
         let base_seed = req.seed.unwrap_or_else(random_seed);
         let last_seed = base_seed.checked_add(u64::from(req.n.saturating_sub(1)));
         // sd.cpp takes a signed seed and treats negative values as "pick one at random".

@@ -31,6 +31,13 @@ fn widths(family: &str) -> Option<Widths> {
     }
 }
 
+/// An SD3-family model's MMDiT, as its LoRAs must fit it: the hidden width and the block count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Mmdit {
+    pub hidden: usize,
+    pub blocks: usize,
+}
+
 /// One LoRA checked for the model, as sd.cpp will be given it.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct CheckedLora {
@@ -47,7 +54,13 @@ pub(crate) struct LoraChecks {
 
 impl LoraChecks {
     /// The LoRAs to hand sd.cpp for `loras` on a model of `family`, or why they cannot be used.
-    pub fn check(&mut self, loras: &[LoraUse], family: &str) -> Result<Vec<CheckedLora>, ValidationError> {
+    /// `mmdit`: an SD3-family model's transformer (its LoRAs are checked against it instead of UNet widths).
+    pub fn check(
+        &mut self,
+        loras: &[LoraUse],
+        family: &str,
+        mmdit: Option<Mmdit>,
+    ) -> Result<Vec<CheckedLora>, ValidationError> {
         if let Some((checked_for, uses, checked)) = &self.last {
             if checked_for == family && uses.as_slice() == loras {
                 return Ok(checked.clone());
@@ -55,7 +68,7 @@ impl LoraChecks {
         }
         let mut checked = Vec::with_capacity(loras.len());
         for lora in loras {
-            if let Some(c) = check_one(lora, family)? {
+            if let Some(c) = check_one(lora, family, mmdit)? {
                 checked.push(c);
             }
         }
@@ -69,9 +82,21 @@ fn invalid(lora: &LoraUse, message: impl std::fmt::Display) -> ValidationError {
 }
 
 /// `None` when the LoRA changes nothing at the weights asked (both 0), so sd.cpp need not merge it.
-fn check_one(lora: &LoraUse, family: &str) -> Result<Option<CheckedLora>, ValidationError> {
+fn check_one(
+    lora: &LoraUse,
+    family: &str,
+    mmdit: Option<Mmdit>,
+) -> Result<Option<CheckedLora>, ValidationError> {
     let file = LoraFile::read(&lora.path).map_err(|e| invalid(lora, e))?;
-    fits_family(&file, family).map_err(|m| invalid(lora, m))?;
+    let sdcpp_path = match mmdit {
+        Some(m) => crate::sd3::cache_root()
+            .and_then(|cache| sd3_lora_for_sdcpp(&file, m, &cache))
+            .map_err(|msg| invalid(lora, msg))?,
+        None => {
+            fits_family(&file, family).map_err(|m| invalid(lora, m))?;
+            lora.path.clone()
+        }
+    };
     // sd.cpp reads a module's alpha from `.alpha` tensors only: a diffusers/PEFT file whose alpha is in its adapter
     // metadata would be applied at another strength, silently.
     if let Some(m) = file.modules.iter().find(|m| m.scale_from_metadata && m.scale() != 1.0) {
@@ -105,7 +130,7 @@ fn check_one(lora: &LoraUse, family: &str) -> Result<Option<CheckedLora>, Valida
     if multiplier == 0.0 {
         return Ok(None);
     }
-    let path = CString::new(lora.path.to_string_lossy().into_owned())
+    let path = CString::new(sdcpp_path.to_string_lossy().into_owned())
         .map_err(|_| invalid(lora, "its path contains a NUL byte"))?;
     Ok(Some(CheckedLora { path, multiplier }))
 }
@@ -157,6 +182,167 @@ fn fits_family(file: &LoraFile, family: &str) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// An SD3 LoRA for this MMDiT as sd.cpp reads it. Its kohya loader turns every `_` of a name into `.`, which
+/// SAI's names (`joint_blocks`, `x_block`, `adaLN_modulation`) do not survive, so the file is checked, then written
+/// once into the cache with the dotted SAI names sd.cpp maps (`diffusion_model.joint_blocks.0.x_block.attn.qkv.…`;
+/// the same tensors) and that copy is what sd.cpp loads. Checked: every block named exists and every layer takes
+/// the model's width (its MLP's second layer four times it). Refused naming the module: text-encoder and T5
+/// modules (sd.cpp's SD3 mapping of them is unchecked; diffusers applies no T5 LoRA), diffusers/PEFT names
+/// (`transformer.transformer_blocks.…`, unchecked on this engine), and names SAI's MMDiT has no layer for.
+fn sd3_lora_for_sdcpp(
+    file: &LoraFile,
+    m: Mmdit,
+    cache: &std::path::Path,
+) -> Result<std::path::PathBuf, String> {
+    let path = file.path.display();
+    let misfit = |module: &LoraModule, why: String| {
+        format!(
+            "{path}: module {} does not fit this model (SD3, {} wide, {} blocks): {why}",
+            module.key, m.hidden, m.blocks
+        )
+    };
+    let mut renamed: Vec<(String, String)> = Vec::new();
+    for module in &file.modules {
+        let sai = match (&module.name, module.name.network()) {
+            (_, Network::TextEncoder(i)) => {
+                let what = if i >= 2 { "T5, which no SD3 LoRA loader applies (diffusers has none)" } else {
+                    "a text encoder, which the stable-diffusion.cpp engine does not take from SD3 LoRAs (the candle \
+                     engine does)"
+                };
+                return Err(misfit(module, format!("it changes {what}")));
+            }
+            (sdhive_lora::ModuleName::Kohya { name, .. }, Network::Unet) => kohya_sai_path(name)
+                .ok_or_else(|| misfit(module, "SAI's MMDiT has no such layer".into()))?,
+            (sdhive_lora::ModuleName::Diffusers { path: p, .. }, Network::Unet)
+                if module.key.starts_with("diffusion_model.") || module.key.starts_with("model.diffusion_model.") =>
+            {
+                p.clone()
+            }
+            (sdhive_lora::ModuleName::Diffusers { .. }, Network::Unet) => {
+                return Err(format!(
+                    "{path}: module {} is in diffusers' (PEFT) names, which the stable-diffusion.cpp engine does not \
+                     take for SD3 models; use a kohya/SAI-named file (`lora_unet_joint_blocks_…`) or a worker with \
+                     the candle engine",
+                    module.key
+                ))
+            }
+        };
+        let shape = file.natural_shape(module).map_err(|e| e.to_string())?;
+        if let [out, inp, ..] = shape.as_slice() {
+            let block =
+                sai.strip_prefix("joint_blocks.").and_then(|r| r.split('.').next()?.parse::<usize>().ok());
+            match block {
+                Some(b) if b >= m.blocks => {
+                    return Err(misfit(module, format!("block {b} does not exist (0 to {})", m.blocks - 1)))
+                }
+                Some(_) if *inp != m.hidden && *inp != 4 * m.hidden => {
+                    return Err(misfit(
+                        module,
+                        format!("it takes {inp} features, the model's blocks {}", m.hidden),
+                    ))
+                }
+                None if *out != m.hidden && *inp != m.hidden => {
+                    return Err(misfit(
+                        module,
+                        format!("it is a {out}×{inp} update, the model is {} wide", m.hidden),
+                    ))
+                }
+                _ => {}
+            }
+        }
+        renamed.push((module.key.clone(), format!("diffusion_model.{sai}")));
+    }
+    write_renamed(&file.path, &renamed, cache)
+}
+
+/// SAI's dotted path of a kohya SD3 module name (`joint_blocks_0_x_block_attn_qkv` → `joint_blocks.0.x_block.attn.qkv`).
+fn kohya_sai_path(name: &str) -> Option<String> {
+    const LAYERS: [(&str, &str); 13] = [
+        ("attn_qkv", "attn.qkv"),
+        ("attn_proj", "attn.proj"),
+        ("attn_ln_q", "attn.ln_q"),
+        ("attn_ln_k", "attn.ln_k"),
+        ("attn2_qkv", "attn2.qkv"),
+        ("attn2_proj", "attn2.proj"),
+        ("attn2_ln_q", "attn2.ln_q"),
+        ("attn2_ln_k", "attn2.ln_k"),
+        ("mlp_fc1", "mlp.fc1"),
+        ("mlp_fc2", "mlp.fc2"),
+        ("adaLN_modulation_1", "adaLN_modulation.1"),
+        ("adaLN_modulation_0", "adaLN_modulation.0"),
+        ("linear", "linear"),
+    ];
+    if let Some(rest) = name.strip_prefix("joint_blocks_") {
+        let (block, rest) = rest.split_once('_')?;
+        block.parse::<usize>().ok()?;
+        let (stream, layer) = ["x_block_", "context_block_"]
+            .iter()
+            .find_map(|s| Some((&s[..s.len() - 1], rest.strip_prefix(s)?)))?;
+        let (_, dotted) = LAYERS.iter().find(|(k, _)| *k == layer)?;
+        return Some(format!("joint_blocks.{block}.{stream}.{dotted}"));
+    }
+    let outside = [
+        ("context_embedder", "context_embedder"),
+        ("x_embedder_proj", "x_embedder.proj"),
+        ("t_embedder_mlp_0", "t_embedder.mlp.0"),
+        ("t_embedder_mlp_2", "t_embedder.mlp.2"),
+        ("y_embedder_mlp_0", "y_embedder.mlp.0"),
+        ("y_embedder_mlp_2", "y_embedder.mlp.2"),
+        ("final_layer_linear", "final_layer.linear"),
+        ("final_layer_adaLN_modulation_1", "final_layer.adaLN_modulation.1"),
+    ];
+    outside.iter().find(|(k, _)| *k == name).map(|(_, v)| v.to_string())
+}
+
+/// The LoRA at `src` with each module key renamed as `renamed` says (every tensor kept, bytes unchanged), written
+/// once into the cache (`sdcpp/loras/<stem>-<key>.safetensors`, keyed by the file's path, size and modification
+/// time).
+fn write_renamed(
+    src: &std::path::Path,
+    renamed: &[(String, String)],
+    cache: &std::path::Path,
+) -> Result<std::path::PathBuf, String> {
+    let fail = |e: String| format!("{}: {e}", src.display());
+    let meta = std::fs::metadata(src).map_err(|e| fail(e.to_string()))?;
+    let modified = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    let canonical = std::fs::canonicalize(src).map_err(|e| fail(e.to_string()))?;
+    let key = crate::sd3::fnv1a(format!("{}\0{}\0{modified}", canonical.display(), meta.len()).as_bytes());
+    let dir = cache.join("sdcpp").join("loras");
+    let stem = src.file_stem().map_or_else(|| "lora".into(), |s| s.to_string_lossy().into_owned());
+    let out = dir.join(format!("{stem}-{key:016x}.safetensors"));
+    if out.is_file() {
+        return Ok(out);
+    }
+    let bytes = std::fs::read(src).map_err(|e| fail(e.to_string()))?;
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| fail(e.to_string()))?;
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let new = renamed
+                .iter()
+                .find_map(|(from, to)| {
+                    name.strip_prefix(from.as_str())
+                        .filter(|r| r.starts_with('.'))
+                        .map(|r| format!("{to}{r}"))
+                })
+                .unwrap_or(name);
+            (new, view)
+        })
+        .collect();
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let tmp = out.with_extension(format!("{}.tmp", std::process::id()));
+    safetensors::serialize_to_file(views, None, &tmp)
+        .map_err(|e| e.to_string())
+        .and_then(|()| std::fs::rename(&tmp, &out).map_err(|e| e.to_string()))
+        .map_err(|e| format!("cannot write {}: {e}", out.display()))?;
+    Ok(out)
 }
 
 /// A UNet module on a cross-attention key or value projection, in kohya's or diffusers' spelling.
@@ -245,11 +431,12 @@ mod tests {
     #[test]
     fn an_alpha_only_in_metadata_is_refused() {
         let mut checks = LoraChecks::default();
-        let err = checks.check(&[lora("models/Lora/sd1_peft.safetensors", 1.0, 1.0)], "other").unwrap_err();
+        let err =
+            checks.check(&[lora("models/Lora/sd1_peft.safetensors", 1.0, 1.0)], "other", None).unwrap_err();
         assert_eq!(err.field, "loras");
         assert!(err.message.contains("adapter metadata") && err.message.contains("`my_lora`"), "{err:?}");
         // kohya files carry alpha as tensors, which sd.cpp reads.
-        assert!(checks.check(&[lora("models/Lora/sd1_kohya.safetensors", 1.0, 1.0)], "other").is_ok());
+        assert!(checks.check(&[lora("models/Lora/sd1_kohya.safetensors", 1.0, 1.0)], "other", None).is_ok());
     }
 
     #[test]
@@ -257,9 +444,9 @@ mod tests {
         let mut checks = LoraChecks::default();
         let (_d, sd1) =
             made(&[(SD1_K, 320, 768), ("lora_te_text_model_encoder_layers_0_mlp_fc2", 768, 3072)], 1.0, 1.0);
-        assert_eq!(checks.check(std::slice::from_ref(&sd1), "sd1").unwrap().len(), 1);
+        assert_eq!(checks.check(std::slice::from_ref(&sd1), "sd1", None).unwrap().len(), 1);
         for family in ["sd2", "sdxl"] {
-            let err = checks.check(std::slice::from_ref(&sd1), family).unwrap_err();
+            let err = checks.check(std::slice::from_ref(&sd1), family, None).unwrap_err();
             assert_eq!(err.field, "loras");
             assert!(
                 err.message.contains("`made`") && err.message.contains("does not fit this model"),
@@ -272,20 +459,20 @@ mod tests {
             1.0,
             1.0,
         );
-        assert_eq!(checks.check(std::slice::from_ref(&xl), "sdxl").unwrap().len(), 1);
-        let err = checks.check(std::slice::from_ref(&xl), "sd1").unwrap_err();
+        assert_eq!(checks.check(std::slice::from_ref(&xl), "sdxl", None).unwrap().len(), 1);
+        let err = checks.check(std::slice::from_ref(&xl), "sd1", None).unwrap_err();
         assert!(err.message.contains("does not fit this model"), "{err:?}");
         let (_d, xl_unet) = made(&[(SDXL_K, 640, 2048)], 1.0, 1.0);
-        let err = checks.check(std::slice::from_ref(&xl_unet), "sd1").unwrap_err();
+        let err = checks.check(std::slice::from_ref(&xl_unet), "sd1", None).unwrap_err();
         assert!(err.message.contains("text context 2048 wide, the model's is 768"), "{err:?}");
         // A second text encoder is SDXL's alone, whatever its width.
         let (_d, te2) =
             made(&[("lora_te2_text_model_encoder_layers_0_self_attn_q_proj", 768, 768)], 1.0, 1.0);
-        let err = checks.check(std::slice::from_ref(&te2), "sd1").unwrap_err();
+        let err = checks.check(std::slice::from_ref(&te2), "sd1", None).unwrap_err();
         assert!(err.message.contains("text encoder 2"), "{err:?}");
         // SD2's text encoder is 1024 wide; an SD1 encoder module (768) is not.
         let (_d, te) = made(&[("lora_te_text_model_encoder_layers_0_self_attn_q_proj", 768, 768)], 1.0, 1.0);
-        let err = checks.check(std::slice::from_ref(&te), "sd2").unwrap_err();
+        let err = checks.check(std::slice::from_ref(&te), "sd2", None).unwrap_err();
         assert!(err.message.contains("1024 wide"), "{err:?}");
     }
 
@@ -296,7 +483,7 @@ mod tests {
         let mut checks = LoraChecks::default();
         for file in ["models/Lora/sd1_kohya.safetensors", "models/Lora/sdxl_kohya.safetensors"] {
             for family in ["sd1", "sdxl"] {
-                let err = checks.check(&[lora(file, 1.0, 1.0)], family).unwrap_err();
+                let err = checks.check(&[lora(file, 1.0, 1.0)], family, None).unwrap_err();
                 assert_eq!(err.field, "loras");
                 assert!(
                     err.message.contains("`my_lora`") && err.message.contains("does not fit this model"),
@@ -311,25 +498,25 @@ mod tests {
         let mut checks = LoraChecks::default();
         let both = [(SD1_K, 320, 768), ("lora_te_text_model_encoder_layers_0_self_attn_q_proj", 768, 768)];
         let (_d, l) = made(&both, 0.5, 1.0);
-        let err = checks.check(std::slice::from_ref(&l), "sd1").unwrap_err();
+        let err = checks.check(std::slice::from_ref(&l), "sd1", None).unwrap_err();
         assert_eq!(err.field, "loras");
         assert!(
             err.message.contains("`made`") && err.message.contains("one weight for both parts"),
             "{err:?}"
         );
         let (_d, l) = made(&both, 0.75, 0.75);
-        let checked = checks.check(std::slice::from_ref(&l), "sd1").unwrap();
+        let checked = checks.check(std::slice::from_ref(&l), "sd1", None).unwrap();
         assert_eq!(checked[0].multiplier, 0.75);
         assert_eq!(checked[0].path.to_str().unwrap(), l.path.to_str().unwrap());
         // With one part in the file, the other part's weight does not matter.
         let (_d, unet_only) = made(&[(SD1_K, 320, 768)], 0.0, 0.6);
-        assert_eq!(checks.check(std::slice::from_ref(&unet_only), "sd1").unwrap()[0].multiplier, 0.6);
+        assert_eq!(checks.check(std::slice::from_ref(&unet_only), "sd1", None).unwrap()[0].multiplier, 0.6);
         let (_d, te_only) =
             made(&[("lora_te_text_model_encoder_layers_0_self_attn_q_proj", 768, 768)], 0.3, 1.0);
-        assert_eq!(checks.check(std::slice::from_ref(&te_only), "sd1").unwrap()[0].multiplier, 0.3);
+        assert_eq!(checks.check(std::slice::from_ref(&te_only), "sd1", None).unwrap()[0].multiplier, 0.3);
         // Both weights 0: nothing to merge.
         let (_d, off) = made(&both, 0.0, 0.0);
-        assert!(checks.check(std::slice::from_ref(&off), "sd1").unwrap().is_empty());
+        assert!(checks.check(std::slice::from_ref(&off), "sd1", None).unwrap().is_empty());
     }
 
     #[test]
@@ -339,10 +526,90 @@ mod tests {
         let pickle = dir.path().join("old.pt");
         std::fs::write(&pickle, b"not read").unwrap();
         let use_ = |path: PathBuf| LoraUse { name: "old".into(), path, te: 1.0, unet: 1.0, hash: None };
-        let err = checks.check(&[use_(pickle)], "sd1").unwrap_err();
+        let err = checks.check(&[use_(pickle)], "sd1", None).unwrap_err();
         assert!(err.message.contains("`old`") && err.message.contains("pickle"), "{err:?}");
-        let err = checks.check(&[use_(dir.path().join("missing.safetensors"))], "sd1").unwrap_err();
+        let err = checks.check(&[use_(dir.path().join("missing.safetensors"))], "sd1", None).unwrap_err();
         assert!(err.message.contains("cannot read"), "{err:?}");
+    }
+
+    #[test]
+    fn sd3_loras_fit_the_mmdit_they_are_for() {
+        let cache = tempfile::tempdir().unwrap();
+        let medium = Mmdit { hidden: 1536, blocks: 24 };
+        let check = |l: &LoraUse| {
+            let file = LoraFile::read(&l.path).map_err(|e| e.to_string())?;
+            sd3_lora_for_sdcpp(&file, medium, cache.path())
+        };
+        let (_d1, fits) = made(
+            &[
+                ("lora_unet_joint_blocks_0_x_block_attn_qkv", 4608, 1536),
+                ("lora_unet_joint_blocks_23_x_block_mlp_fc2", 1536, 6144),
+                ("lora_unet_joint_blocks_2_context_block_adaLN_modulation_1", 9216, 1536),
+                ("lora_unet_final_layer_linear", 64, 1536),
+            ],
+            1.0,
+            1.0,
+        );
+        // The copy sd.cpp reads: the same tensors under SAI's dotted names, written once.
+        let copy = check(&fits).unwrap();
+        assert!(copy.starts_with(cache.path().join("sdcpp/loras")), "{}", copy.display());
+        let (ours, theirs) = (std::fs::read(&copy).unwrap(), std::fs::read(&fits.path).unwrap());
+        let (ours, theirs) = (
+            safetensors::SafeTensors::deserialize(&ours).unwrap(),
+            safetensors::SafeTensors::deserialize(&theirs).unwrap(),
+        );
+        let mut names: Vec<String> = ours.names().into_iter().map(str::to_string).collect();
+        names.sort();
+        assert!(
+            names.contains(&"diffusion_model.joint_blocks.0.x_block.attn.qkv.lora_down.weight".to_string())
+        );
+        assert!(names.contains(
+            &"diffusion_model.joint_blocks.2.context_block.adaLN_modulation.1.lora_up.weight".to_string()
+        ));
+        assert!(names.contains(&"diffusion_model.final_layer.linear.lora_up.weight".to_string()));
+        assert_eq!(names.len(), theirs.len());
+        let a = ours.tensor("diffusion_model.joint_blocks.23.x_block.mlp.fc2.lora_down.weight").unwrap();
+        let b = theirs.tensor("lora_unet_joint_blocks_23_x_block_mlp_fc2.lora_down.weight").unwrap();
+        assert_eq!((a.shape(), a.data()), (b.shape(), b.data()));
+        assert_eq!(check(&fits).unwrap(), copy);
+        // SD3.5-large's width, a block past the last, a text encoder, T5, an unknown layer: refused naming why.
+        for (module, out, inp, why) in [
+            ("lora_unet_joint_blocks_0_x_block_attn_qkv", 7296, 2432, "takes 2432 features"),
+            ("lora_unet_joint_blocks_24_x_block_attn_proj", 1536, 1536, "block 24 does not exist"),
+            ("lora_te1_text_model_encoder_layers_0_mlp_fc1", 3072, 768, "a text encoder"),
+            ("lora_te3_encoder_block_0_layer_0_SelfAttention_q", 4096, 4096, "T5"),
+            ("lora_unet_joint_blocks_0_x_block_attn_to_q", 1536, 1536, "no such layer"),
+        ] {
+            let (_d, l) = made(&[(module, out, inp)], 1.0, 1.0);
+            let err = check(&l).unwrap_err();
+            assert!(err.contains(why) && err.contains(module), "{module}: {err}");
+        }
+        // Unchecked on this engine: diffusers/PEFT names; and an SD1 LoRA does not fit.
+        let (_d, peft) = made(&[("transformer.transformer_blocks.0.attn.to_q", 1536, 1536)], 1.0, 1.0);
+        let err = check(&peft).unwrap_err();
+        assert!(err.contains("diffusers' (PEFT) names"), "{err}");
+        assert!(check(&lora("models/Lora/sd1_kohya.safetensors", 1.0, 1.0)).is_err());
+        // Dotted SAI names are taken as they are.
+        let (_d, dotted) = made(&[("lora_unet_joint_blocks_1_x_block_attn_proj", 1536, 1536)], 1.0, 1.0);
+        let bytes = std::fs::read(&dotted.path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let renamed: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| {
+                (
+                    n.replace(
+                        "lora_unet_joint_blocks_1_x_block_attn_proj",
+                        "diffusion_model.joint_blocks.1.x_block.attn.proj",
+                    ),
+                    v,
+                )
+            })
+            .collect();
+        let dotted_path = cache.path().join("dotted.safetensors");
+        safetensors::serialize_to_file(renamed, None, &dotted_path).unwrap();
+        let l = LoraUse { path: dotted_path, ..dotted };
+        assert!(check(&l).is_ok());
     }
 
     #[test]

@@ -29,8 +29,9 @@ pub struct Sd3Files {
     pub elements: u64,
     /// The MMDiT's attention heads.
     pub heads: u32,
-    /// The MMDiT's blocks.
+    /// The MMDiT's blocks and hidden width.
     pub blocks: usize,
+    pub hidden: usize,
 }
 
 impl Sd3Files {
@@ -74,6 +75,18 @@ fn model_index(dir: &Path) -> Option<serde_json::Value> {
 /// (`sdcpp/<folder>-<key>.safetensors`, keyed by the file's path, size and modification time; a changed file
 /// replaces its old conversion). Written under a temporary name and renamed, so a worker never reads half a file.
 pub fn sai_transformer(src: &Path) -> Result<PathBuf, String> {
+    sai_transformer_in(src, &cache_root()?)
+}
+
+/// sdhive's cache folder, or why there is none.
+pub(crate) fn cache_root() -> Result<PathBuf, String> {
+    sdhive_catalog::default_cache_dir().ok_or_else(|| {
+        "no cache folder for the copies stable-diffusion.cpp reads (set HOME or XDG_CACHE_HOME)".into()
+    })
+}
+
+/// [`sai_transformer`] with the cache in `cache`.
+fn sai_transformer_in(src: &Path, cache: &Path) -> Result<PathBuf, String> {
     let fail = |e: String| format!("{}: {e}", src.display());
     let meta = std::fs::metadata(src).map_err(|e| fail(e.to_string()))?;
     let modified = meta
@@ -83,9 +96,7 @@ pub fn sai_transformer(src: &Path) -> Result<PathBuf, String> {
         .map_or(0, |d| d.as_nanos());
     let canonical = std::fs::canonicalize(src).map_err(|e| fail(e.to_string()))?;
     let key = fnv1a(format!("{}\0{}\0{modified}", canonical.display(), meta.len()).as_bytes());
-    let dir = sdhive_catalog::default_cache_dir()
-        .ok_or_else(|| fail("no cache folder for its SAI-layout copy (set HOME or XDG_CACHE_HOME)".into()))?
-        .join("sdcpp");
+    let dir = cache.join("sdcpp");
     // `<model folder>/transformer/<file>`: named after the model folder.
     let stem = canonical
         .parent()
@@ -123,7 +134,7 @@ pub fn sai_transformer(src: &Path) -> Result<PathBuf, String> {
     Ok(out)
 }
 
-fn fnv1a(bytes: &[u8]) -> u64 {
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
 }
 
@@ -143,6 +154,8 @@ pub fn folder_files(dir: &Path, t5: bool) -> Result<Sd3Files, String> {
         elements: 0,
         heads: config["num_attention_heads"].as_u64().unwrap_or(24) as u32,
         blocks: config["num_layers"].as_u64().unwrap_or(24) as usize,
+        hidden: (config["num_attention_heads"].as_u64().unwrap_or(24)
+            * config["attention_head_dim"].as_u64().unwrap_or(64)) as usize,
     };
     files.elements = [&files.diffusion_model, &files.vae, &files.clip_l, &files.clip_g, &files.t5xxl]
         .into_iter()
@@ -177,6 +190,7 @@ pub fn single_file_files(file: &Path, t5: bool) -> Result<Sd3Files, String> {
         elements: parts.elements_without_t5 + parts.t5_elements,
         heads: parts.depth as u32,
         blocks: parts.depth,
+        hidden: parts.hidden,
     };
     if parts.clip_l && parts.clip_g {
         return Ok(files);
@@ -352,12 +366,11 @@ mod tests {
     #[test]
     fn a_folders_mmdit_is_converted_once_into_the_cache() {
         let cache = tempfile::tempdir().unwrap();
-        // The only test of this binary that reads the cache location.
-        std::env::set_var("XDG_CACHE_HOME", cache.path());
+        let sai_transformer = |src: &Path| sai_transformer_in(src, cache.path());
         let model = edited(|_| ());
         let src = model.path().join("transformer/diffusion_pytorch_model.safetensors");
         let out = sai_transformer(&src).unwrap();
-        assert!(out.starts_with(cache.path().join("sdhive/sdcpp")), "{}", out.display());
+        assert!(out.starts_with(cache.path().join("sdcpp")), "{}", out.display());
         let parts = sdhive_checkpoint::sd3_file_parts(&out).unwrap();
         assert_eq!(
             parts.depth as u64,

@@ -2,18 +2,18 @@
 //! weights (`cargo xtask random-model --manifest tests/fixtures/sd35m-random/manifest.json`, its folder in
 //! `SDHIVE_SD35M_RANDOM`), without T5, handed to sd.cpp part by part from its diffusers folder, generates diffusers'
 //! image of golden `sd35m_random_euler` (xtask/fixtures/gen_sd35m_random.py: 64², 2 flow-Euler steps, CFG 5), and of
-//! `sd35m_random_slg` (3 steps with skip-layer guidance on blocks 7-9 at steps 1 and 2), within the bounds of the
-//! engine's SD1.5 image check (`cargo xtask vulkan`). Ignored by default because it needs that
+//! `sd35m_random_slg` (3 steps with skip-layer guidance on blocks 7-9 at steps 1 and 2) and `sd35m_random_lora` (a
+//! kohya/SAI-named LoRA at 0.8), within the bounds of the engine's SD1.5 image check (`cargo xtask vulkan`). Ignored by default because it needs that
 //! 6 GB model; `cargo xtask vulkan` writes the model and runs it on ggml's CPU backend. Measured there (2 cores):
 //! mean |diff| 0.09 levels, max 1, PSNR 58.6 dB for both images; load (the MMDiT's conversion to SAI's layout and
-//! a warm-up image included) 28-55 s, the images 25 s and 45 s.
+//! a warm-up image included) 28-55 s, the images 25-45 s; with the LoRA 0.09 levels, 58.7 dB.
 
 mod common;
 
 use sdhive_engine::{Engine, GenerateRequest, LoraUse, Sampler, SkipLayerGuidance};
 use sdhive_modelsource::{ModelLocation, ResolvedModel};
 use sdhive_sdcpp::{LoadOptions, SdCppEngine};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// The bounds of `cargo xtask vulkan`'s SD1.5 check (xtask/src/vulkan.rs), in 8-bit levels.
 const MAX_MEAN_ABS_DIFF: f64 = 1.0;
@@ -86,6 +86,23 @@ fn sd35_medium_without_t5_generates_diffusers_image() {
         "sd.cpp's image with skip-layer guidance is too far from diffusers' ({cmp:?})"
     );
 
+    // A kohya/SAI-named LoRA (tests/fixtures/sd35m-random/Lora/) at 0.8, against diffusers' image with it fused.
+    let (lora_req, lora_theirs) = common::golden_case("sd35m_random_lora");
+    let spec = &common::golden_json("sd35m_random_lora")["lora"];
+    let weight = spec["weight"].as_f64().expect("weight") as f32;
+    let file = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/sd35m-random")
+        .join(spec["file"].as_str().expect("file"));
+    let lora = LoraUse { name: "sd35m_random_lora".into(), path: file, te: weight, unet: weight, hash: None };
+    let lora_req = GenerateRequest { loras: vec![lora], ..lora_req };
+    let ours = common::image(&mut engine, &lora_req);
+    let cmp = common::compare(&ours, &lora_theirs);
+    eprintln!("... with the LoRA: {cmp:?}");
+    assert!(
+        cmp.psnr_db >= MIN_PSNR_DB && cmp.mean_abs <= MAX_MEAN_ABS_DIFF,
+        "sd.cpp's image with the LoRA is too far from diffusers' ({cmp:?})"
+    );
+
     // What the engine does not run on SD3 is refused naming the field, before anything runs.
     let mut refused =
         |req: GenerateRequest| match engine.generate(&req, &mut |_| unreachable!("nothing runs")) {
@@ -100,6 +117,8 @@ fn sd35_medium_without_t5_generates_diffusers_image() {
     assert_eq!(field, "skip_layer_guidance.layers");
     let without_cfg = GenerateRequest { cfg_scale: 1.0, skip_layer_guidance: Some(slg), ..req.clone() };
     assert_eq!(refused(without_cfg), "skip_layer_guidance");
-    let lora = LoraUse { name: "x".into(), path: dir.join("x.safetensors"), te: 1.0, unet: 1.0, hash: None };
+    let sd1 =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models/Lora/sd1_kohya.safetensors");
+    let lora = LoraUse { name: "sd1_kohya".into(), path: sd1, te: 1.0, unet: 1.0, hash: None };
     assert_eq!(refused(GenerateRequest { loras: vec![lora], ..req.clone() }), "loras");
 }
