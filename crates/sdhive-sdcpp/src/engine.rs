@@ -346,8 +346,8 @@ impl SdCppEngine {
     }
 
     /// What this engine runs of an SD3 request: flow-matching Euler on diffusers' schedule (sd.cpp's other
-    /// samplers are k-diffusion's, which diffusers' SD3 pipelines do not run), without hires fix, LoRAs or
-    /// skip-layer guidance yet (the candle engine runs them).
+    /// samplers are k-diffusion's, which diffusers' SD3 pipelines do not run); skip-layer guidance as the candle
+    /// engine takes it. Hires fix and LoRAs are checked where they are prepared (`sd3_hires`, `networks`).
     fn check_sd3(&self, req: &GenerateRequest, width: u32, height: u32) -> Result<(), ValidationError> {
         let refuse = |field: &'static str, message: String| Err(ValidationError { field, message });
         if !matches!(req.sampler, Sampler::Euler | Sampler::EulerA) {
@@ -373,12 +373,6 @@ impl SdCppEngine {
                 return refuse(field, format!("must be a multiple of 16 for SD3 models, got {v}"));
             }
         }
-        let not_yet = |field: &'static str, what: &str| {
-            refuse(
-                field,
-                format!("{what} on SD3 models is not available on the stable-diffusion.cpp engine yet (the candle engine runs it)"),
-            )
-        };
         if let Some(g) = &req.skip_layer_guidance {
             g.validate()?;
             if req.init_image.is_some() {
@@ -405,9 +399,6 @@ impl SdCppEngine {
                     ),
                 );
             }
-        }
-        if req.hires.is_some() {
-            return not_yet("enable_hr", "hires fix");
         }
         if !req.embeddings.is_empty() {
             return refuse("prompt", "textual-inversion embeddings do not apply to SD3 models".into());
@@ -498,8 +489,11 @@ impl Engine for SdCppEngine {
             }));
         }
         // Hires fix runs inside sd.cpp's generate_image; its second pass is the largest UNet call.
-        let hires =
+        let mut hires =
             req.hires.as_ref().map(|h| check_hires(h, req, width, height, &self.limits)).transpose()?;
+        if let (Some(h), Some(config)) = (hires.as_mut(), &self.flow) {
+            sd3_hires(h, req, config)?;
+        }
         let (plan_w, plan_h) = hires.as_ref().map_or((width, height), |h| h.output);
         let plan = self.shape.plan(
             plan_w,
@@ -635,12 +629,17 @@ struct SdHires {
     output: (u32, u32),
     steps: u32,
     denoising_strength: f32,
+    /// SD3: the second pass's sigmas, diffusers' img2img schedule from its first step on (empty otherwise).
+    sigmas: Vec<f32>,
 }
 
 impl SdHires {
     /// The steps sd.cpp's second pass runs (`make_hires_sigma_schedule`): the schedule stretched to
     /// `steps / strength` steps, of which it keeps the last `int(stretched × strength) + 1`, in C's float arithmetic.
     fn second_pass_steps(&self, first_pass_steps: u32) -> u32 {
+        if !self.sigmas.is_empty() {
+            return self.sigmas.len() as u32 - 1;
+        }
         let steps = if self.steps == 0 { first_pass_steps } else { self.steps }.max(1) as f32;
         let strength = self.denoising_strength.clamp(0.0001, 1.0);
         let stretched = ((steps / strength) as i32).max(1);
@@ -663,8 +662,71 @@ impl SdHires {
         h.target_height = self.output.1 as i32;
         h.steps = self.steps as i32;
         h.denoising_strength = self.denoising_strength;
+        if !self.sigmas.is_empty() {
+            h.custom_sigmas = self.sigmas.as_ptr().cast_mut();
+            h.custom_sigmas_count = self.sigmas.len() as i32;
+        }
         h
     }
+}
+
+/// An SD3 hires fix as the candle engine composes it from diffusers: a Latent upscale of the first pass's latents,
+/// then `StableDiffusion3Img2ImgPipeline` at the hires size (its sigmas from `int(n − n·strength)` on, handed to
+/// sd.cpp's second pass; `n` the hires steps or the first pass's). Image upscalers (a decode and re-encode) and
+/// skip-layer guidance (which would guide both passes here; the candle engine guides the first only) are refused.
+fn sd3_hires(
+    h: &mut SdHires,
+    req: &GenerateRequest,
+    config: &sdhive_schedulers::FlowMatchConfig,
+) -> Result<(), ValidationError> {
+    let refuse = |field: &'static str, message: String| Err(ValidationError { field, message });
+    let latent = [
+        sys::sd_hires_upscaler_t::SD_HIRES_UPSCALER_LATENT,
+        sys::sd_hires_upscaler_t::SD_HIRES_UPSCALER_LATENT_ANTIALIASED,
+        sys::sd_hires_upscaler_t::SD_HIRES_UPSCALER_LATENT_BICUBIC,
+        sys::sd_hires_upscaler_t::SD_HIRES_UPSCALER_LATENT_BICUBIC_ANTIALIASED,
+        sys::sd_hires_upscaler_t::SD_HIRES_UPSCALER_LATENT_NEAREST,
+        sys::sd_hires_upscaler_t::SD_HIRES_UPSCALER_LATENT_NEAREST_EXACT,
+    ];
+    if !latent.contains(&h.upscaler) {
+        return refuse(
+            "hr_upscaler",
+            "on SD3 models the stable-diffusion.cpp engine's hires fix takes the Latent upscalers (the candle engine \
+             runs image upscalers too)"
+                .into(),
+        );
+    }
+    let (w, hh) = h.output;
+    if w % 16 != 0 || hh % 16 != 0 {
+        return refuse(
+            "hr_scale",
+            format!("the hires size {w}x{hh} must be a multiple of 16 on each side for SD3"),
+        );
+    }
+    if req.skip_layer_guidance.is_some() {
+        return refuse(
+            "skip_layer_guidance",
+            "with hires fix on SD3 it is not available on the stable-diffusion.cpp engine (it would guide the \
+             second pass too; the candle engine guides the first only)"
+                .into(),
+        );
+    }
+    let steps = if h.steps == 0 { req.steps } else { h.steps } as usize;
+    let sigmas = sdhive_schedulers::FlowMatchEulerDiscrete::new(config, steps)
+        .map(|s| s.sigmas().to_vec())
+        .map_err(|e| ValidationError { field: "hr_second_pass_steps", message: e.to_string() })?;
+    let start = sdhive_schedulers::FlowMatchEulerDiscrete::img2img_start(
+        steps,
+        sdhive_engine::decimal_f64(h.denoising_strength),
+    );
+    if start >= steps {
+        return refuse(
+            "denoising_strength",
+            format!("{} leaves no hires step of {steps} to run", h.denoising_strength),
+        );
+    }
+    h.sigmas = sigmas[start..].to_vec();
+    Ok(())
 }
 
 /// What of A1111's hires fix sd.cpp can run: one sampler, prompt and CFG for both passes, and no crop.
@@ -740,6 +802,7 @@ fn check_hires(
         output: target.output,
         steps: h.steps,
         denoising_strength: h.denoising_strength,
+        sigmas: Vec::new(),
     })
 }
 

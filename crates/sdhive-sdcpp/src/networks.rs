@@ -305,17 +305,9 @@ fn write_renamed(
     cache: &std::path::Path,
 ) -> Result<std::path::PathBuf, String> {
     let fail = |e: String| format!("{}: {e}", src.display());
-    let meta = std::fs::metadata(src).map_err(|e| fail(e.to_string()))?;
-    let modified = meta
-        .modified()
-        .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_nanos());
-    let canonical = std::fs::canonicalize(src).map_err(|e| fail(e.to_string()))?;
-    let key = crate::sd3::fnv1a(format!("{}\0{}\0{modified}", canonical.display(), meta.len()).as_bytes());
     let dir = cache.join("sdcpp").join("loras");
     let stem = src.file_stem().map_or_else(|| "lora".into(), |s| s.to_string_lossy().into_owned());
-    let out = dir.join(format!("{stem}-{key:016x}.safetensors"));
+    let out = crate::sd3::cached_copy(src, &dir, &stem)?;
     if out.is_file() {
         return Ok(out);
     }

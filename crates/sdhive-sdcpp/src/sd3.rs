@@ -87,23 +87,15 @@ pub(crate) fn cache_root() -> Result<PathBuf, String> {
 
 /// [`sai_transformer`] with the cache in `cache`.
 fn sai_transformer_in(src: &Path, cache: &Path) -> Result<PathBuf, String> {
-    let fail = |e: String| format!("{}: {e}", src.display());
-    let meta = std::fs::metadata(src).map_err(|e| fail(e.to_string()))?;
-    let modified = meta
-        .modified()
-        .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_nanos());
-    let canonical = std::fs::canonicalize(src).map_err(|e| fail(e.to_string()))?;
-    let key = fnv1a(format!("{}\0{}\0{modified}", canonical.display(), meta.len()).as_bytes());
     let dir = cache.join("sdcpp");
     // `<model folder>/transformer/<file>`: named after the model folder.
+    let canonical = std::fs::canonicalize(src).map_err(|e| format!("{}: {e}", src.display()))?;
     let stem = canonical
         .parent()
         .and_then(Path::parent)
         .and_then(Path::file_name)
         .map_or_else(|| "sd3".to_string(), |n| n.to_string_lossy().into_owned());
-    let out = dir.join(format!("{stem}-{key:016x}.safetensors"));
+    let out = cached_copy(src, &dir, &stem)?;
     if out.is_file() {
         return Ok(out);
     }
@@ -134,7 +126,22 @@ fn sai_transformer_in(src: &Path, cache: &Path) -> Result<PathBuf, String> {
     Ok(out)
 }
 
-pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
+/// Where the cache keeps its copy of `src` made for sd.cpp: `dir/<stem>-<key>.safetensors`, the key a hash of the
+/// file's canonical path, size and modification time (a changed file gets another name).
+pub(crate) fn cached_copy(src: &Path, dir: &Path, stem: &str) -> Result<PathBuf, String> {
+    let fail = |e: std::io::Error| format!("{}: {e}", src.display());
+    let meta = std::fs::metadata(src).map_err(fail)?;
+    let modified = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    let canonical = std::fs::canonicalize(src).map_err(fail)?;
+    let key = fnv1a(format!("{}\0{}\0{modified}", canonical.display(), meta.len()).as_bytes());
+    Ok(dir.join(format!("{stem}-{key:016x}.safetensors")))
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
 }
 

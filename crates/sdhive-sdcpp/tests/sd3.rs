@@ -2,15 +2,19 @@
 //! weights (`cargo xtask random-model --manifest tests/fixtures/sd35m-random/manifest.json`, its folder in
 //! `SDHIVE_SD35M_RANDOM`), without T5, handed to sd.cpp part by part from its diffusers folder, generates diffusers'
 //! image of golden `sd35m_random_euler` (xtask/fixtures/gen_sd35m_random.py: 64², 2 flow-Euler steps, CFG 5), and of
-//! `sd35m_random_slg` (3 steps with skip-layer guidance on blocks 7-9 at steps 1 and 2) and `sd35m_random_lora` (a
-//! kohya/SAI-named LoRA at 0.8), within the bounds of the engine's SD1.5 image check (`cargo xtask vulkan`). Ignored by default because it needs that
+//! `sd35m_random_slg` (3 steps with skip-layer guidance on blocks 7-9 at steps 1 and 2), `sd35m_random_lora` (a
+//! kohya/SAI-named LoRA at 0.8) and `sd35m_random_hires` (hires fix: Latent 2×, 2 of 4 second-pass steps), within the bounds of the engine's SD1.5 image check (`cargo xtask vulkan`). Ignored by default because it needs that
 //! 6 GB model; `cargo xtask vulkan` writes the model and runs it on ggml's CPU backend. Measured there (2 cores):
 //! mean |diff| 0.09 levels, max 1, PSNR 58.6 dB for both images; load (the MMDiT's conversion to SAI's layout and
-//! a warm-up image included) 28-55 s, the images 25-45 s; with the LoRA 0.09 levels, 58.7 dB.
+//! a warm-up image included) 28-55 s, the images 25-45 s; with the LoRA 0.09 levels, 58.7 dB; hires fix 0.10 levels,
+//! 58.1 dB. The whole test ~200 s.
 
 mod common;
 
-use sdhive_engine::{Engine, GenerateRequest, LoraUse, Sampler, SkipLayerGuidance};
+use sdhive_engine::{
+    Control, Engine, GenerateRequest, HiresFix, HiresUpscaler, LatentMode, LoraUse, Sampler,
+    SkipLayerGuidance,
+};
 use sdhive_modelsource::{ModelLocation, ResolvedModel};
 use sdhive_sdcpp::{LoadOptions, SdCppEngine};
 use std::path::{Path, PathBuf};
@@ -103,6 +107,36 @@ fn sd35_medium_without_t5_generates_diffusers_image() {
         "sd.cpp's image with the LoRA is too far from diffusers' ({cmp:?})"
     );
 
+    // Hires fix, composed as the candle engine composes it from diffusers: the Latent upscale to 128², then SD3
+    // img2img with strength 0.5 over 4 steps (the last 2 run), diffusers' sigmas handed to sd.cpp's second pass.
+    let (hires_req, hires_theirs) = common::golden_case("sd35m_random_hires");
+    let h = &common::golden_json("sd35m_random_hires")["hires"];
+    assert_eq!(h["upscaler"], "Latent");
+    let fix = HiresFix {
+        upscaler: HiresUpscaler::Latent(LatentMode::Bilinear),
+        scale: h["scale"].as_f64().expect("scale") as f32,
+        steps: h["steps"].as_u64().expect("steps") as u32,
+        denoising_strength: h["denoising_strength"].as_f64().expect("strength") as f32,
+        ..Default::default()
+    };
+    let hires_req = GenerateRequest { hires: Some(fix.clone()), ..hires_req };
+    let mut steps = Vec::new();
+    let out = engine
+        .generate(&hires_req, &mut |p| {
+            steps.push((p.step, p.steps));
+            Control::Continue
+        })
+        .unwrap_or_else(|e| panic!("hires: {e}"));
+    assert_eq!(steps.last(), Some(&(4, 4)), "2 first-pass steps and 2 of the second pass, told as one run");
+    let ours = &out.images[0].image;
+    assert_eq!((ours.width, ours.height), (128, 128));
+    let cmp = common::compare(ours, &hires_theirs);
+    eprintln!("... hires fix: {cmp:?}");
+    assert!(
+        cmp.psnr_db >= MIN_PSNR_DB && cmp.mean_abs <= MAX_MEAN_ABS_DIFF,
+        "sd.cpp's hires image is too far from diffusers' ({cmp:?})"
+    );
+
     // What the engine does not run on SD3 is refused naming the field, before anything runs.
     let mut refused =
         |req: GenerateRequest| match engine.generate(&req, &mut |_| unreachable!("nothing runs")) {
@@ -115,8 +149,15 @@ fn sd35_medium_without_t5_generates_diffusers_image() {
     let past_the_end = SkipLayerGuidance { layers: vec![24], ..slg.clone() };
     let field = refused(GenerateRequest { skip_layer_guidance: Some(past_the_end), ..req.clone() });
     assert_eq!(field, "skip_layer_guidance.layers");
-    let without_cfg = GenerateRequest { cfg_scale: 1.0, skip_layer_guidance: Some(slg), ..req.clone() };
+    let without_cfg =
+        GenerateRequest { cfg_scale: 1.0, skip_layer_guidance: Some(slg.clone()), ..req.clone() };
     assert_eq!(refused(without_cfg), "skip_layer_guidance");
+    let image_upscaler = HiresFix { upscaler: HiresUpscaler::Lanczos, ..fix.clone() };
+    assert_eq!(refused(GenerateRequest { hires: Some(image_upscaler), ..req.clone() }), "hr_upscaler");
+    let guided = GenerateRequest { hires: Some(fix.clone()), skip_layer_guidance: Some(slg), ..req.clone() };
+    assert_eq!(refused(guided), "skip_layer_guidance");
+    let nothing_left = HiresFix { denoising_strength: 0.0, steps: 4, ..fix };
+    assert_eq!(refused(GenerateRequest { hires: Some(nothing_left), ..req.clone() }), "denoising_strength");
     let sd1 =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models/Lora/sd1_kohya.safetensors");
     let lora = LoraUse { name: "sd1_kohya".into(), path: sd1, te: 1.0, unet: 1.0, hash: None };
