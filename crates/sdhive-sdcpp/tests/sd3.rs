@@ -1,18 +1,18 @@
 //! SD3.5-medium through stable-diffusion.cpp against diffusers: the full-size model with deterministic random
 //! weights (`cargo xtask random-model --manifest tests/fixtures/sd35m-random/manifest.json`, its folder in
 //! `SDHIVE_SD35M_RANDOM`), without T5, handed to sd.cpp part by part from its diffusers folder, generates diffusers'
-//! image of golden `sd35m_random_euler` (xtask/fixtures/gen_sd35m_random.py: 64², 2 flow-Euler steps, CFG 5), and of
-//! `sd35m_random_slg` (3 steps with skip-layer guidance on blocks 7-9 at steps 1 and 2), `sd35m_random_lora` (a
-//! kohya/SAI-named LoRA at 0.8) and `sd35m_random_hires` (hires fix: Latent 2×, 2 of 4 second-pass steps), within the bounds of the engine's SD1.5 image check (`cargo xtask vulkan`). Ignored by default because it needs that
+//! images of the goldens of xtask/fixtures/gen_sd35m_random.py (64², CFG 5): `sd35m_random_euler` (2 flow-Euler
+//! steps), `sd35m_random_slg` (3 steps, skip-layer guidance on blocks 7-9 at steps 1 and 2), `sd35m_random_lora` (a
+//! kohya/SAI-named LoRA at 0.8) and `sd35m_random_hires` (hires fix: Latent 2×, 2 of 4 second-pass steps), within
+//! the bounds of the engine's SD1.5 image check (`cargo xtask vulkan`). Ignored by default because it needs that
 //! 6 GB model; `cargo xtask vulkan` writes the model and runs it on ggml's CPU backend. Measured there (2 cores):
-//! mean |diff| 0.09 levels, max 1, PSNR 58.6 dB for both images; load (the MMDiT's conversion to SAI's layout and
-//! a warm-up image included) 28-55 s, the images 25-45 s; with the LoRA 0.09 levels, 58.7 dB; hires fix 0.10 levels,
-//! 58.1 dB. The whole test ~200 s.
+//! mean |diff| 0.09-0.10 levels, max 1, PSNR 58.1-58.7 dB; load (the MMDiT's conversion to SAI's layout and a
+//! warm-up image included) 28-55 s, each image 25-45 s, the whole test ~200 s.
 
 mod common;
 
 use sdhive_engine::{
-    Control, Engine, GenerateRequest, HiresFix, HiresUpscaler, LatentMode, LoraUse, Sampler,
+    Control, Engine, GenerateRequest, HiresFix, HiresUpscaler, LatentMode, LoraUse, RgbImage, Sampler,
     SkipLayerGuidance,
 };
 use sdhive_modelsource::{ModelLocation, ResolvedModel};
@@ -22,6 +22,20 @@ use std::path::{Path, PathBuf};
 /// The bounds of `cargo xtask vulkan`'s SD1.5 check (xtask/src/vulkan.rs), in 8-bit levels.
 const MAX_MEAN_ABS_DIFF: f64 = 1.0;
 const MIN_PSNR_DB: f64 = 45.0;
+
+/// Our image of golden case `name` within the bounds of diffusers'; kept in the temporary folder for a look.
+fn assert_close(name: &str, ours: &RgbImage, theirs: &RgbImage) {
+    let cmp = common::compare(ours, theirs);
+    eprintln!("{name}: stable-diffusion.cpp vs diffusers: {cmp:?}");
+    let kept = std::env::temp_dir().join(format!("{name}.sdcpp.png"));
+    std::fs::write(&kept, sdhive_engine::encode_png(ours, None).expect("PNG")).expect("write the image");
+    assert!(
+        cmp.psnr_db >= MIN_PSNR_DB && cmp.mean_abs <= MAX_MEAN_ABS_DIFF,
+        "{name}: sd.cpp's image ({}) is too far from diffusers' ({cmp:?}; bounds: PSNR ≥ {MIN_PSNR_DB} dB, mean \
+         |diff| ≤ {MAX_MEAN_ABS_DIFF})",
+        kept.display()
+    );
+}
 
 fn model_dir() -> PathBuf {
     std::env::var_os("SDHIVE_SD35M_RANDOM").map(PathBuf::from).expect(
@@ -58,16 +72,7 @@ fn sd35_medium_without_t5_generates_diffusers_image() {
     let started = std::time::Instant::now();
     let ours = common::image(&mut engine, &req);
     eprintln!("generated in {:.1} s", started.elapsed().as_secs_f64());
-    let cmp = common::compare(&ours, &theirs);
-    eprintln!("SD3.5-medium (random, no T5) on stable-diffusion.cpp vs diffusers: {cmp:?}");
-    let kept = std::env::temp_dir().join("sd35m_random_euler.sdcpp.png");
-    std::fs::write(&kept, sdhive_engine::encode_png(&ours, None).expect("PNG")).expect("write the image");
-    assert!(
-        cmp.psnr_db >= MIN_PSNR_DB && cmp.mean_abs <= MAX_MEAN_ABS_DIFF,
-        "sd.cpp's image ({}) is too far from diffusers' ({cmp:?}; bounds: PSNR ≥ {MIN_PSNR_DB} dB, mean |diff| ≤ \
-         {MAX_MEAN_ABS_DIFF})",
-        kept.display()
-    );
+    assert_close("sd35m_random_euler", &ours, &theirs);
 
     // SD3.5-medium's skip-layer guidance (blocks 7-9, scale 2.8) at diffusers' steps 1 and 2 of 3.
     let (slg_req, slg_theirs) = common::golden_case("sd35m_random_slg");
@@ -83,12 +88,7 @@ fn sd35_medium_without_t5_generates_diffusers_image() {
     let started = std::time::Instant::now();
     let ours = common::image(&mut engine, &slg_req);
     eprintln!("generated with skip-layer guidance in {:.1} s", started.elapsed().as_secs_f64());
-    let cmp = common::compare(&ours, &slg_theirs);
-    eprintln!("... with skip-layer guidance: {cmp:?}");
-    assert!(
-        cmp.psnr_db >= MIN_PSNR_DB && cmp.mean_abs <= MAX_MEAN_ABS_DIFF,
-        "sd.cpp's image with skip-layer guidance is too far from diffusers' ({cmp:?})"
-    );
+    assert_close("sd35m_random_slg", &ours, &slg_theirs);
 
     // A kohya/SAI-named LoRA (tests/fixtures/sd35m-random/Lora/) at 0.8, against diffusers' image with it fused.
     let (lora_req, lora_theirs) = common::golden_case("sd35m_random_lora");
@@ -100,12 +100,7 @@ fn sd35_medium_without_t5_generates_diffusers_image() {
     let lora = LoraUse { name: "sd35m_random_lora".into(), path: file, te: weight, unet: weight, hash: None };
     let lora_req = GenerateRequest { loras: vec![lora], ..lora_req };
     let ours = common::image(&mut engine, &lora_req);
-    let cmp = common::compare(&ours, &lora_theirs);
-    eprintln!("... with the LoRA: {cmp:?}");
-    assert!(
-        cmp.psnr_db >= MIN_PSNR_DB && cmp.mean_abs <= MAX_MEAN_ABS_DIFF,
-        "sd.cpp's image with the LoRA is too far from diffusers' ({cmp:?})"
-    );
+    assert_close("sd35m_random_lora", &ours, &lora_theirs);
 
     // Hires fix, composed as the candle engine composes it from diffusers: the Latent upscale to 128², then SD3
     // img2img with strength 0.5 over 4 steps (the last 2 run), diffusers' sigmas handed to sd.cpp's second pass.
@@ -130,12 +125,7 @@ fn sd35_medium_without_t5_generates_diffusers_image() {
     assert_eq!(steps.last(), Some(&(4, 4)), "2 first-pass steps and 2 of the second pass, told as one run");
     let ours = &out.images[0].image;
     assert_eq!((ours.width, ours.height), (128, 128));
-    let cmp = common::compare(ours, &hires_theirs);
-    eprintln!("... hires fix: {cmp:?}");
-    assert!(
-        cmp.psnr_db >= MIN_PSNR_DB && cmp.mean_abs <= MAX_MEAN_ABS_DIFF,
-        "sd.cpp's hires image is too far from diffusers' ({cmp:?})"
-    );
+    assert_close("sd35m_random_hires", ours, &hires_theirs);
 
     // What the engine does not run on SD3 is refused naming the field, before anything runs.
     let mut refused =
