@@ -29,7 +29,8 @@ pub use model::{Family, LoadError, SdModel};
 pub use preview::{latent_preview, taesd_preview, Previews, TaesdDecoders};
 pub use residency::{InUse, ModuleTarget, Resident, Targets};
 pub use sd3::{Sd3Error, Sd3Model, Sd3Output, Sd3Request, Sd3Transformer, StepEstimate};
-pub use sd3_engine::{is_sd3_folder, Sd3Engine};
+pub use sd3_engine::Sd3Engine;
+pub use sdhive_checkpoint::is_sd3_folder;
 
 #[cfg(test)]
 mod hires_tests;

@@ -40,15 +40,6 @@ pub struct Sd3Engine {
     upscalers: Upscalers,
 }
 
-/// Whether `dir` holds a diffusers SD3-family pipeline (`model_index.json` names `StableDiffusion3…`).
-pub fn is_sd3_folder(dir: &Path) -> bool {
-    std::fs::read_to_string(dir.join("model_index.json"))
-        .ok()
-        .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
-        .and_then(|v| v["_class_name"].as_str().map(|c| c.starts_with("StableDiffusion3")))
-        .unwrap_or(false)
-}
-
 fn invalid(field: &'static str, message: impl Into<String>) -> EngineError {
     EngineError::Invalid(ValidationError { field, message: message.into() })
 }

@@ -43,7 +43,10 @@ pub use config::{Component, ConfigDir, Configs};
 pub use error::{CheckpointError, ConfigMismatch, Result};
 pub use layout::{Family, Variant};
 pub use prediction::{Prediction, PredictionSource, PredictionType};
-pub use sd3::{is_sd3_file, load_sd3_single_file_on, sd3_file_parts, Sd3Configs, Sd3Converted, Sd3FileParts};
+pub use sd3::{
+    is_sd3_file, is_sd3_folder, load_sd3_single_file_on, sd3_file_parts, Sd3Configs, Sd3Converted,
+    Sd3FileParts,
+};
 pub use sd3_sai::write_sd3_transformer_as_sai;
 
 use candle_core::{Device, Tensor};
@@ -156,6 +159,12 @@ pub struct VaeFileInfo {
 
 /// Checks a standalone VAE file as [`load_vae_file_on`] reads it (layout, every tensor explained, shapes
 /// consistent) from its header alone, for an engine that hands the file to another loader.
+/// Elements of every tensor of the safetensors file at `path`; reads the header only.
+pub fn tensor_elements(path: impl AsRef<Path>) -> Result<u64> {
+    let file = CheckpointFile::open(path.as_ref())?;
+    Ok(file.tensors.values().map(|t| t.shape.iter().product::<usize>() as u64).sum())
+}
+
 pub fn inspect_vae_file(path: impl AsRef<Path>) -> Result<VaeFileInfo> {
     let file = CheckpointFile::open(path.as_ref())?;
     let prefix = if file.has_prefix(layout::VAE) { layout::VAE } else { "" };

@@ -38,6 +38,15 @@ pub(crate) fn is_sd3(file: &CheckpointFile) -> bool {
     file.has_prefix(JOINT_BLOCKS)
 }
 
+/// Whether `dir` holds a diffusers SD3-family pipeline (`model_index.json` names `StableDiffusion3…`).
+pub fn is_sd3_folder(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join("model_index.json"))
+        .ok()
+        .and_then(|text| serde_json::from_str::<Value>(&text).ok())
+        .and_then(|v| v["_class_name"].as_str().map(|c| c.starts_with("StableDiffusion3")))
+        .unwrap_or(false)
+}
+
 /// Whether `path` is an SD3 / SD3.5 single file; reads the header only.
 pub fn is_sd3_file(path: impl AsRef<Path>) -> Result<bool> {
     Ok(is_sd3(&CheckpointFile::open(path.as_ref())?))

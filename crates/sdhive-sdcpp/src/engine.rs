@@ -304,16 +304,16 @@ impl SdCppEngine {
         self
     }
 
-    /// Model-specific checks; returns sd.cpp's sample method for the request.
+    /// Model-specific checks; returns sd.cpp's sample method for the request and, for SD3, the schedule.
     fn check(
         &self,
         req: &GenerateRequest,
         width: u32,
         height: u32,
-    ) -> Result<sys::sample_method_t, ValidationError> {
-        if self.flow.is_some() {
-            self.check_sd3(req, width, height)?;
-            return Ok(sys::sample_method_t::EULER_SAMPLE_METHOD);
+    ) -> Result<(sys::sample_method_t, Vec<f32>), ValidationError> {
+        if let Some(config) = &self.flow {
+            let sigmas = self.check_sd3(req, width, height, config)?;
+            return Ok((sys::sample_method_t::EULER_SAMPLE_METHOD, sigmas));
         }
         let Some(method) = params::sample_method(req.sampler) else {
             let offered: Vec<&str> = SAMPLERS.iter().map(|s| s.name()).collect();
@@ -342,13 +342,20 @@ impl SdCppEngine {
                 "skip-layer guidance is for SD3-family (MMDiT) models; this engine serves SD1, SD2 and SDXL";
             return Err(ValidationError { field: "skip_layer_guidance", message: message.into() });
         }
-        Ok(method)
+        Ok((method, Vec::new()))
     }
 
     /// What this engine runs of an SD3 request: flow-matching Euler on diffusers' schedule (sd.cpp's other
     /// samplers are k-diffusion's, which diffusers' SD3 pipelines do not run); skip-layer guidance as the candle
     /// engine takes it. Hires fix and LoRAs are checked where they are prepared (`sd3_hires`, `networks`).
-    fn check_sd3(&self, req: &GenerateRequest, width: u32, height: u32) -> Result<(), ValidationError> {
+    /// Returns the schedule handed to sd.cpp.
+    fn check_sd3(
+        &self,
+        req: &GenerateRequest,
+        width: u32,
+        height: u32,
+        config: &sdhive_schedulers::FlowMatchConfig,
+    ) -> Result<Vec<f32>, ValidationError> {
         let refuse = |field: &'static str, message: String| Err(ValidationError { field, message });
         if !matches!(req.sampler, Sampler::Euler | Sampler::EulerA) {
             return refuse(
@@ -403,33 +410,11 @@ impl SdCppEngine {
         if !req.embeddings.is_empty() {
             return refuse("prompt", "textual-inversion embeddings do not apply to SD3 models".into());
         }
-        if req.init_image.is_some() && self.sd3_start(req).0 >= req.steps as usize {
-            return refuse(
-                "denoising_strength",
-                format!("{} leaves no step of {} to run", req.strength, req.steps),
-            );
-        }
-        Ok(())
-    }
-
-    /// The first step an SD3 img2img job runs, as diffusers' img2img pipeline starts it (`int(n − n·strength)`),
-    /// and the sigmas from there (with the final 0): the schedule handed to sd.cpp.
-    fn sd3_start(&self, req: &GenerateRequest) -> (usize, Vec<f32>) {
-        let Some(config) = &self.flow else { return (0, Vec::new()) };
-        let steps = req.steps as usize;
-        let sigmas = match sdhive_schedulers::FlowMatchEulerDiscrete::new(config, steps) {
-            Ok(s) => s.sigmas().to_vec(),
-            Err(_) => return (steps, Vec::new()),
-        };
-        let start = if req.init_image.is_some() {
-            sdhive_schedulers::FlowMatchEulerDiscrete::img2img_start(
-                steps,
-                sdhive_engine::decimal_f64(req.strength),
-            )
-        } else {
-            0
-        };
-        (start, sigmas.get(start..).map(<[f32]>::to_vec).unwrap_or_default())
+        let strength = req.init_image.is_some().then_some(req.strength);
+        flow_sigmas(config, req.steps, strength, "steps")?.ok_or_else(|| ValidationError {
+            field: "denoising_strength",
+            message: format!("{} leaves no step of {} to run", req.strength, req.steps),
+        })
     }
 }
 
@@ -476,7 +461,8 @@ impl Engine for SdCppEngine {
     ) -> Result<GenerateOutput, EngineError> {
         req.validate(&self.limits)?;
         let (width, height) = req.output_size((self.model.native_width, self.model.native_height));
-        let method = self.check(req, width, height)?;
+        // SD3: the schedule handed to sd.cpp (read through `custom_sigmas`; alive until the end of this call).
+        let (method, sd3_sigmas) = self.check(req, width, height)?;
         networks::check_embeddings(&req.embeddings)?;
         let loras = self.loras.check(&req.loras, &self.model.family, self.mmdit)?;
         let base_seed = req.seed.unwrap_or_else(random_seed);
@@ -516,8 +502,7 @@ impl Engine for SdCppEngine {
         let mask: Option<GrayImage> = req.mask.as_ref().map(|m| fit_gray(m, width, height));
         // Borrows `loras`' paths, alive until the end of this call.
         let sd_loras = networks::sd_loras(&loras);
-        // Read by sd.cpp through `custom_sigmas` and the SLG parameters; alive until the end of this call.
-        let (_, sd3_sigmas) = self.sd3_start(req);
+        // Read by sd.cpp through the SLG parameters; alive until the end of this call.
         let slg = req.skip_layer_guidance.as_ref().and_then(|g| sd3_slg(g, req.steps));
 
         let mut images = Vec::with_capacity(req.n as usize);
@@ -711,22 +696,34 @@ fn sd3_hires(
                 .into(),
         );
     }
-    let steps = if h.steps == 0 { req.steps } else { h.steps } as usize;
-    let sigmas = sdhive_schedulers::FlowMatchEulerDiscrete::new(config, steps)
-        .map(|s| s.sigmas().to_vec())
-        .map_err(|e| ValidationError { field: "hr_second_pass_steps", message: e.to_string() })?;
-    let start = sdhive_schedulers::FlowMatchEulerDiscrete::img2img_start(
-        steps,
-        sdhive_engine::decimal_f64(h.denoising_strength),
-    );
-    if start >= steps {
-        return refuse(
-            "denoising_strength",
-            format!("{} leaves no hires step of {steps} to run", h.denoising_strength),
-        );
-    }
-    h.sigmas = sigmas[start..].to_vec();
+    let steps = if h.steps == 0 { req.steps } else { h.steps };
+    h.sigmas =
+        flow_sigmas(config, steps, Some(h.denoising_strength), "hr_second_pass_steps")?.ok_or_else(|| {
+            ValidationError {
+                field: "denoising_strength",
+                message: format!("{} leaves no hires step of {steps} to run", h.denoising_strength),
+            }
+        })?;
     Ok(())
+}
+
+/// diffusers' flow-matching sigmas for `steps` steps (with the final 0), from the step an img2img of `strength`
+/// starts at as diffusers' img2img pipeline starts it (`int(n − n·strength)`; `None`: text to image, all of
+/// them): the schedule handed to sd.cpp. `None` when the strength leaves no step to run; a schedule the config
+/// cannot make is refused naming `field`.
+fn flow_sigmas(
+    config: &sdhive_schedulers::FlowMatchConfig,
+    steps: u32,
+    strength: Option<f32>,
+    field: &'static str,
+) -> Result<Option<Vec<f32>>, ValidationError> {
+    use sdhive_schedulers::FlowMatchEulerDiscrete;
+    let steps = steps as usize;
+    let schedule = FlowMatchEulerDiscrete::new(config, steps)
+        .map_err(|e| ValidationError { field, message: e.to_string() })?;
+    let start =
+        strength.map_or(0, |s| FlowMatchEulerDiscrete::img2img_start(steps, sdhive_engine::decimal_f64(s)));
+    Ok((start < steps).then(|| schedule.sigmas()[start..].to_vec()))
 }
 
 /// What of A1111's hires fix sd.cpp can run: one sampler, prompt and CFG for both passes, and no crop.

@@ -30,7 +30,7 @@ pub struct GgufWeights {
 impl ModelInfo {
     pub fn read(model: &ResolvedModel) -> Result<ModelInfo, String> {
         match &model.location {
-            ModelLocation::DiffusersDir(dir) if crate::sd3::is_sd3_folder(dir) => {
+            ModelLocation::DiffusersDir(dir) if sdhive_checkpoint::is_sd3_folder(dir) => {
                 let cfg = crate::sd3::transformer_config(dir)?;
                 let side = cfg["sample_size"].as_u64().map_or(1024, |s| s as u32 * 8);
                 Ok(ModelInfo::sd3(side))

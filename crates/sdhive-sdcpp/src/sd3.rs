@@ -52,13 +52,6 @@ impl Sd3Files {
     }
 }
 
-/// Whether `dir` is a diffusers SD3-family folder (`model_index.json` names a `StableDiffusion3…` pipeline).
-pub fn is_sd3_folder(dir: &Path) -> bool {
-    model_index(dir)
-        .and_then(|v| v["_class_name"].as_str().map(|c| c.starts_with("StableDiffusion3")))
-        .unwrap_or(false)
-}
-
 /// The folder's `transformer/config.json`.
 pub fn transformer_config(dir: &Path) -> Result<serde_json::Value, String> {
     let path = dir.join("transformer").join("config.json");
@@ -297,27 +290,7 @@ fn one_file(dir: &Path, sub: &str, stem: &str, what: &str) -> Result<PathBuf, St
 
 /// Elements of the tensors of the safetensors file at `path`, from its header.
 fn elements(path: &Path) -> Result<u64, String> {
-    use std::io::Read;
-    let fail = |e: String| format!("{}: {e}", path.display());
-    let mut f = std::fs::File::open(path).map_err(|e| fail(e.to_string()))?;
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len).map_err(|e| fail(format!("not a safetensors file ({e})")))?;
-    let len = u64::from_le_bytes(len);
-    if len > 100 << 20 {
-        return Err(fail(format!("not a safetensors file (header of {len} bytes)")));
-    }
-    let mut header = vec![0u8; len as usize];
-    f.read_exact(&mut header).map_err(|e| fail(format!("truncated header ({e})")))?;
-    let header: serde_json::Value =
-        serde_json::from_slice(&header).map_err(|e| fail(format!("bad header ({e})")))?;
-    let tensors = header.as_object().ok_or_else(|| fail("bad header (not an object)".into()))?;
-    Ok(tensors
-        .iter()
-        .filter(|(k, _)| *k != "__metadata__")
-        .map(|(_, t)| {
-            t["shape"].as_array().map_or(0, |s| s.iter().map(|d| d.as_u64().unwrap_or(0)).product::<u64>())
-        })
-        .sum())
+    sdhive_checkpoint::tensor_elements(path).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
@@ -331,7 +304,7 @@ mod tests {
     #[test]
     fn folders_hand_over_each_part() {
         let dir = fixture("sd3");
-        assert!(is_sd3_folder(&dir) && !is_sd3_folder(&fixture("sd1")));
+        assert!(sdhive_checkpoint::is_sd3_folder(&dir) && !sdhive_checkpoint::is_sd3_folder(&fixture("sd1")));
         let files = folder_files(&dir, true).unwrap();
         assert_eq!(files.checkpoint, None);
         assert_eq!(files.diffusion_model, Some(dir.join("transformer/diffusion_pytorch_model.safetensors")));
