@@ -57,13 +57,7 @@ impl FlowDpmSolverMultistep {
     /// `set_timesteps(num_inference_steps)` with `flow_shift` = the config's `shift`. A config with
     /// `use_dynamic_shifting` needs `mu`: use [`Self::with_mu`].
     pub fn new(config: &FlowMatchConfig, num_inference_steps: usize) -> Result<Self> {
-        if config.use_dynamic_shifting {
-            return Err(SchedulerError::InvalidConfig {
-                class: CLASS,
-                reason: "use_dynamic_shifting is set: the schedule needs `mu` (FlowMatchConfig::mu_for)"
-                    .into(),
-            });
-        }
+        config.require_static_shift(CLASS)?;
         Self::build(config, num_inference_steps, config.shift)
     }
 

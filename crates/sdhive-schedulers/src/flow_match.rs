@@ -167,6 +167,18 @@ impl FlowMatchConfig {
         Ok(())
     }
 
+    /// A schedule without `mu` needs a static shift: `use_dynamic_shifting` refused for `class`.
+    pub(crate) fn require_static_shift(&self, class: &'static str) -> Result<()> {
+        if self.use_dynamic_shifting {
+            return Err(SchedulerError::InvalidConfig {
+                class,
+                reason: "use_dynamic_shifting is set: the schedule needs `mu` (FlowMatchConfig::mu_for)"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
     /// The pipelines' `calculate_shift`: `mu` for an image of `image_seq_len` patches, interpolated linearly
     /// between `base_shift` at `base_image_seq_len` and `max_shift` at `max_image_seq_len`.
     pub fn mu_for(&self, image_seq_len: usize) -> f64 {
@@ -207,13 +219,7 @@ impl FlowMatchEulerDiscrete {
     /// `set_timesteps(num_inference_steps)` with the config's static shift. A config with
     /// `use_dynamic_shifting` needs `mu`: use [`Self::with_mu`].
     pub fn new(config: &FlowMatchConfig, num_inference_steps: usize) -> Result<Self> {
-        if config.use_dynamic_shifting {
-            return Err(SchedulerError::InvalidConfig {
-                class: CLASS,
-                reason: "use_dynamic_shifting is set: the schedule needs `mu` (FlowMatchConfig::mu_for)"
-                    .into(),
-            });
-        }
+        config.require_static_shift(CLASS)?;
         Self::build(config, num_inference_steps, None)
     }
 
