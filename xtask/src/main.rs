@@ -48,7 +48,7 @@ enum Task {
         #[arg(long, env = "SDHIVE_PYTHON", default_value = "python3")]
         python: String,
     },
-    /// Write a full-size model with deterministic random weights from its manifest (SD1.5:
+    /// Write a model of real architecture with deterministic random weights from its manifest (SD1.5:
     /// tests/fixtures/sd15-random/manifest.json, SD3.5-medium: tests/fixtures/sd35m-random/manifest.json) that
     /// the stable-diffusion.cpp parity checks run; see xtask/fixtures/gen_sd15_random.py, gen_sd35m_random.py.
     RandomModel {

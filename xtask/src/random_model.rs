@@ -1,7 +1,7 @@
-//! `cargo xtask random-model`: writes a full-size model with deterministic random weights that a script of
+//! `cargo xtask random-model`: writes a model of real architecture with deterministic random weights that a script of
 //! `xtask/fixtures/` fed to diffusers for committed golden images: SD1.5 (`gen_sd15_random.py`,
 //! `tests/fixtures/sd15-random/`) and SD3.5-medium without T5 (`gen_sd35m_random.py`, `tests/fixtures/sd35m-random/`).
-//! Only the tensor list (`manifest.json`) and the small config files are committed; the f16 weights (2 GB, 6 GB)
+//! Only the tensor list (`manifest.json`) and the small config files are committed; the f16 weights (2 GB each)
 //! are regenerated from it, bit for bit, with the generator described in those scripts, in the diffusers layout.
 //! Beside SD1.5 go the script's random kohya LoRA for that model ([`LORA_FILE`] in the model folder), made from
 //! the manifest by the same generator, and its standalone VAE file in A1111's layout ([`VAE_FILE`], from

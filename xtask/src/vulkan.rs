@@ -1,7 +1,7 @@
 //! `cargo xtask vulkan`: builds `sd-worker-vulkan` (stable-diffusion.cpp on ggml's Vulkan backend), lints and
 //! tests it with its feature on (including the engine's tests on the random SD1.5 on ggml's CPU backend: stopping
 //! inside an image, LoRAs, hires fix, a standalone VAE file and a q8_0 GGUF checkpoint against diffusers, and the
-//! full-size random SD3.5-medium against diffusers), checks
+//! random SD3.5-medium against diffusers), checks
 //! that it refuses to start without a Vulkan device, and checks the engine against diffusers: the full-size SD1.5
 //! with deterministic random weights (`cargo xtask random-model`) generates at 64² and the image is compared with
 //! diffusers' committed one for the same weights, prompt, seed, with the random LoRA `cargo xtask random-model`
@@ -56,8 +56,8 @@ pub fn run() -> Result<()> {
     let model = random_model::default_out(&manifest);
     random_model::write(&manifest, &model)?;
     std::env::set_var("SDHIVE_SD15_RANDOM", &model);
-    // The SD3.5-medium's 6.7 GB are written for this step only (25 s) and removed after it: CI machines' disks are
-    // tight by the end of the run, when the CUDA builds come.
+    // The SD3.5-medium's 2 GB are written for this step only and removed after it: CI machines' disks are shared
+    // and tight by the end of the run, when the CUDA builds come.
     let sd35m_manifest = root.join("tests/fixtures/sd35m-random/manifest.json");
     let sd35m = std::env::temp_dir().join("sdhive-sd35m-random");
     random_model::write(&sd35m_manifest, &sd35m)?;
