@@ -9,6 +9,7 @@ mod cuda;
 mod fixtures;
 mod k8s;
 mod random_model;
+mod rocm;
 mod util;
 mod vulkan;
 mod webui;
@@ -61,6 +62,10 @@ enum Task {
     },
     /// Build and lint sd-worker-vulkan, then check it on lavapipe against diffusers' image for the random SD1.5.
     Vulkan,
+    /// Build sd-worker-rocm for GFX_NAME (default gfx1030;gfx1100) in a Debian sid root with ROCm 6.4 (made once
+    /// by xtask/scripts/rocm-root.sh; needs root for chroot), then check that it refuses to run without the HIP
+    /// runtime and without an AMD GPU.
+    Rocm,
     /// The web page: npm ci, rebuild web/dist and check it matches what is committed, type-check, then the
     /// browser tests (Playwright + Debian's chromium) against a real hive on the fixture models.
     Webui,
@@ -84,6 +89,7 @@ fn main() -> Result<()> {
         Task::Fixtures { python } => fixtures::run(&python),
         Task::Bench { which } => bench::run(which),
         Task::Vulkan => vulkan::run(),
+        Task::Rocm => rocm::run(),
         Task::Webui => webui::run(),
         Task::K8s => k8s::run(),
         Task::RandomModel { manifest, out } => {
