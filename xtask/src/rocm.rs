@@ -131,6 +131,15 @@ pub fn is_warm() -> bool {
     sid.join(STAMP).is_file() && home.join(".cache/sdhive-rocm-target/debug/sd-worker-rocm-engine").is_file()
 }
 
+/// GB free on the disk of the home folder (where the root and the build folder go); `None` where df cannot say.
+pub fn free_gb() -> Option<u64> {
+    let home = std::env::var_os("HOME")?;
+    let out = Command::new("df").arg("-Pk").arg(home).output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let kb: u64 = text.lines().nth(1)?.split_whitespace().nth(3)?.parse().ok()?;
+    Some(kb / (1024 * 1024))
+}
+
 pub fn is_root() -> bool {
     Command::new("id").arg("-u").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
 }
