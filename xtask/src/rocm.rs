@@ -22,6 +22,12 @@ const DEFAULT_TARGETS: &str = "gfx1030;gfx1100";
 const STAMP: &str = ".sdhive-root";
 
 pub fn run() -> Result<()> {
+    prepare()?.build_and_check()
+}
+
+/// The sid root made, its build folder ready, the folders mounted: everything before the build, where only the
+/// machine (network, disk, privileges) can fail.
+pub fn prepare() -> Result<Prepared> {
     let root = workspace_root();
     ensure!(is_root(), "cargo xtask rocm builds in a chroot and bind-mounts folders: run it as root");
     let sid = PathBuf::from(script_output(&root.join("xtask/scripts/rocm-root.sh"))?);
@@ -45,7 +51,7 @@ pub fn run() -> Result<()> {
     )?;
     let path =
         format!("/usr/lib/llvm-21/bin:{}:/usr/local/bin:/usr/bin:/bin", cargo_home.join("bin").display());
-    let mut env: Vec<(&str, OsString)> = vec![
+    let mut env: Vec<(&'static str, OsString)> = vec![
         // The HIP compiler is clang-21 (hipcc's); the build calls `clang`/`clang++`, found first here.
         ("PATH", path.into()),
         ("HOME", home.clone().into()),
@@ -59,68 +65,86 @@ pub fn run() -> Result<()> {
     if let Some(toolchain) = std::env::var_os("RUSTUP_TOOLCHAIN") {
         env.push(("RUSTUP_TOOLCHAIN", toolchain));
     }
-    let started = std::time::Instant::now();
-    let cargo = |args: &[&str]| -> Result<()> {
-        let out = in_root(&sid, &root, &env, "cargo", args)?;
-        ensure!(
-            out.status.success(),
-            "cargo {} in {} failed ({})",
-            args.join(" "),
-            sid.display(),
-            out.status
-        );
-        Ok(())
-    };
-    // The code behind the `rocm` features (shared-worker's device opening, the worker's backend) is linted
-    // here only; the build script's run (ggml) is shared with the build.
-    let built = cargo(&[
-        "clippy",
-        "-p",
-        "sd-worker-rocm",
-        "--features",
-        "rocm",
-        "--all-targets",
-        "--",
-        "-D",
-        "warnings",
-    ])
-    .and_then(|()| cargo(&["build", "-p", "sd-worker-rocm", "--features", "rocm"]));
-    eprintln!(
-        "xtask: sd-worker-rocm for {targets} linted and built in {:.0} s (in {})",
-        started.elapsed().as_secs_f64(),
-        sid.display()
-    );
-    built?;
-    let exe = target_dir.join("debug/sd-worker-rocm");
+    Ok(Prepared { root, sid, targets, target_dir, env, mounts })
+}
 
-    // A machine without ROCm: a root with the C and C++ runtime only.
-    let bare = BareRoot::make(&sid, &exe)?;
-    let version = bare.run(&["--version"])?;
-    let line = String::from_utf8_lossy(&version.stdout).trim().to_string();
-    let want: Vec<String> =
-        targets.split([';', ',', ' ']).filter(|t| !t.is_empty()).map(String::from).collect();
-    ensure!(
+pub struct Prepared {
+    root: PathBuf,
+    sid: PathBuf,
+    targets: String,
+    target_dir: PathBuf,
+    env: Vec<(&'static str, OsString)>,
+    mounts: Mounts,
+}
+
+impl Prepared {
+    /// Lints and builds sd-worker-rocm, then checks its refusals; any failure here is the code's.
+    pub fn build_and_check(self) -> Result<()> {
+        let Prepared { root, sid, targets, target_dir, env, mounts } = self;
+
+        let started = std::time::Instant::now();
+        let cargo = |args: &[&str]| -> Result<()> {
+            let out = in_root(&sid, &root, &env, "cargo", args)?;
+            ensure!(
+                out.status.success(),
+                "cargo {} in {} failed ({})",
+                args.join(" "),
+                sid.display(),
+                out.status
+            );
+            Ok(())
+        };
+        // The code behind the `rocm` features (shared-worker's device opening, the worker's backend) is linted
+        // here only; the build script's run (ggml) is shared with the build.
+        let built = cargo(&[
+            "clippy",
+            "-p",
+            "sd-worker-rocm",
+            "--features",
+            "rocm",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ])
+        .and_then(|()| cargo(&["build", "-p", "sd-worker-rocm", "--features", "rocm"]));
+        eprintln!(
+            "xtask: sd-worker-rocm for {targets} linted and built in {:.0} s (in {})",
+            started.elapsed().as_secs_f64(),
+            sid.display()
+        );
+        built?;
+        let exe = target_dir.join("debug/sd-worker-rocm");
+
+        // A machine without ROCm: a root with the C and C++ runtime only.
+        let bare = BareRoot::make(&sid, &exe)?;
+        let version = bare.run(&["--version"])?;
+        let line = String::from_utf8_lossy(&version.stdout).trim().to_string();
+        let want: Vec<String> =
+            targets.split([';', ',', ' ']).filter(|t| !t.is_empty()).map(String::from).collect();
+        ensure!(
         version.status.success() && line.contains(&format!("gfx: {}", want.join(","))),
         "sd-worker-rocm --version without the HIP runtime must name its gfx targets ({}); it said: {line}",
         want.join(",")
     );
-    eprintln!("xtask: sd-worker-rocm --version without ROCm: {line}");
-    let no_hip =
-        bare.run(&["generate", "--model", "/model", "--prompt", "a cat", "--steps", "1", "-o", "/x.png"])?;
-    refuses("without the HIP runtime", &no_hip, &["libamdhip64"], &bare.path.join("x.png"))?;
-    drop(bare);
+        eprintln!("xtask: sd-worker-rocm --version without ROCm: {line}");
+        let no_hip = bare
+            .run(&["generate", "--model", "/model", "--prompt", "a cat", "--steps", "1", "-o", "/x.png"])?;
+        refuses("without the HIP runtime", &no_hip, &["libamdhip64"], &bare.path.join("x.png"))?;
+        drop(bare);
 
-    // The sid root: the HIP runtime, but no AMD GPU.
-    let out = std::env::temp_dir().join("sdhive-rocm-no-gpu.png");
-    let _ = std::fs::remove_file(&out);
-    let (model, out_arg) = (root.join("tests/fixtures/models/sd1"), out.to_string_lossy().into_owned());
-    let exe_arg = exe.to_string_lossy().into_owned();
-    let model = model.to_string_lossy();
-    let args = ["generate", "--model", &model, "--prompt", "a cat", "--steps", "1", "-o", &out_arg];
-    let no_gpu = in_root(&sid, &root, &env, &exe_arg, &args)?;
-    refuses("with the HIP runtime and no AMD GPU", &no_gpu, &["device"], &out)?;
-    drop(mounts);
-    Ok(())
+        // The sid root: the HIP runtime, but no AMD GPU.
+        let out = std::env::temp_dir().join("sdhive-rocm-no-gpu.png");
+        let _ = std::fs::remove_file(&out);
+        let (model, out_arg) = (root.join("tests/fixtures/models/sd1"), out.to_string_lossy().into_owned());
+        let exe_arg = exe.to_string_lossy().into_owned();
+        let model = model.to_string_lossy();
+        let args = ["generate", "--model", &model, "--prompt", "a cat", "--steps", "1", "-o", &out_arg];
+        let no_gpu = in_root(&sid, &root, &env, &exe_arg, &args)?;
+        refuses("with the HIP runtime and no AMD GPU", &no_gpu, &["device"], &out)?;
+        drop(mounts);
+        Ok(())
+    }
 }
 
 /// Whether an earlier run left the sid root and a built engine on this machine (a build then takes a minute).
