@@ -122,11 +122,11 @@ impl Prepared {
         let line = String::from_utf8_lossy(&version.stdout).trim().to_string();
         let want: Vec<String> =
             targets.split([';', ',', ' ']).filter(|t| !t.is_empty()).map(String::from).collect();
+        let want = want.join(",");
         ensure!(
-        version.status.success() && line.contains(&format!("gfx: {}", want.join(","))),
-        "sd-worker-rocm --version without the HIP runtime must name its gfx targets ({}); it said: {line}",
-        want.join(",")
-    );
+            version.status.success() && line.contains(&format!("gfx: {want}")),
+            "sd-worker-rocm --version without the HIP runtime must name its gfx targets ({want}); it said: {line}"
+        );
         eprintln!("xtask: sd-worker-rocm --version without ROCm: {line}");
         let no_hip = bare
             .run(&["generate", "--model", "/model", "--prompt", "a cat", "--steps", "1", "-o", "/x.png"])?;
@@ -136,9 +136,8 @@ impl Prepared {
         // The sid root: the HIP runtime, but no AMD GPU.
         let out = std::env::temp_dir().join("sdhive-rocm-no-gpu.png");
         let _ = std::fs::remove_file(&out);
-        let (model, out_arg) = (root.join("tests/fixtures/models/sd1"), out.to_string_lossy().into_owned());
-        let exe_arg = exe.to_string_lossy().into_owned();
-        let model = model.to_string_lossy();
+        let model = root.join("tests/fixtures/models/sd1").to_string_lossy().into_owned();
+        let (exe_arg, out_arg) = (exe.to_string_lossy().into_owned(), out.to_string_lossy().into_owned());
         let args = ["generate", "--model", &model, "--prompt", "a cat", "--steps", "1", "-o", &out_arg];
         let no_gpu = in_root(&sid, &root, &env, &exe_arg, &args)?;
         refuses("with the HIP runtime and no AMD GPU", &no_gpu, &["device"], &out)?;
