@@ -56,8 +56,21 @@ pub fn write(manifest: &Path, out: &Path) -> Result<()> {
     let entries = parse(&text).with_context(|| format!("bad manifest {}", manifest.display()))?;
     let vae_manifest = manifest.with_file_name("vae_manifest.json");
     if vae_manifest.is_file() {
-        write_lora(&entries, &out.join(LORA_FILE))?;
-        write_vae(&vae_manifest, &out.join(VAE_FILE), &out.join(VAE_STAMP))?;
+        if entries.iter().any(|e| e.component == "unet") {
+            write_lora(&entries, &out.join(LORA_FILE))?;
+        }
+        // The VAE list may name its file (the SD3.5-medium's); SD1.5's is VAE_FILE.
+        let listed: Value = serde_json::from_str(
+            &std::fs::read_to_string(&vae_manifest)
+                .with_context(|| format!("cannot read {}", vae_manifest.display()))?,
+        )?;
+        let file = listed["file"].as_str().unwrap_or(VAE_FILE);
+        let stamp = match file.rsplit_once('/') {
+            _ if file == VAE_FILE => VAE_STAMP.to_string(),
+            Some((dir, name)) => format!("{dir}/.{}.manifest.json", name.trim_end_matches(".safetensors")),
+            None => format!(".{}.manifest.json", file.trim_end_matches(".safetensors")),
+        };
+        write_vae(&vae_manifest, &out.join(file), &out.join(stamp))?;
     }
     let stamp = out.join("manifest.json");
     if std::fs::read_to_string(&stamp).ok().as_deref() == Some(text.as_str()) {

@@ -120,13 +120,7 @@ impl SdCppEngine {
         .transpose()
         .map_err(model_error)?;
         if let Some(vae) = &model.vae {
-            if sd3.is_some() {
-                return Err(LoadError::Vae {
-                    path: vae.clone(),
-                    message: "a standalone VAE is not available for SD3 models on this engine".into(),
-                });
-            }
-            check_vae(vae)?;
+            check_vae(vae, sd3.is_some())?;
         }
         let flow = match (&sd3, &model.location) {
             (None, _) => None,
@@ -418,16 +412,19 @@ impl SdCppEngine {
     }
 }
 
-/// A standalone VAE must be one stable-diffusion.cpp can put in place of a Stable Diffusion model's own: read as
-/// the candle engine reads VAE files (so both accept the same ones), with SD's latent channels and widths, which
-/// sd.cpp's autoencoder has built in. sd.cpp itself would take a file of other tensors for a VAE that changes
-/// nothing, and a misshapen one only fails at the first decode.
-fn check_vae(path: &std::path::Path) -> Result<(), LoadError> {
+/// A standalone VAE must be one stable-diffusion.cpp can put in place of the model's own: read as the candle
+/// engine reads VAE files (so both accept the same ones), with the latent channels and widths of the model's
+/// family, which sd.cpp's autoencoder has built in (4 channels for SD 1.x, 2.x and XL, 16 for SD3). sd.cpp itself
+/// would take a file of other tensors for a VAE that changes nothing, and a misshapen one only fails at the first
+/// decode.
+fn check_vae(path: &std::path::Path, sd3: bool) -> Result<(), LoadError> {
     let fail = |message: String| LoadError::Vae { path: path.to_path_buf(), message };
     let vae = sdhive_checkpoint::inspect_vae_file(path).map_err(|e| fail(e.to_string()))?;
-    if vae.latent_channels != 4 || vae.block_out_channels != [128, 256, 512, 512] {
+    let (channels, family) =
+        if sd3 { (16, "SD3 and SD3.5") } else { (4, "Stable Diffusion 1.x, 2.x and XL") };
+    if vae.latent_channels != channels || vae.block_out_channels != [128, 256, 512, 512] {
         return Err(fail(format!(
-            "an autoencoder with {} latent channels and widths {:?}; Stable Diffusion 1.x, 2.x and XL use 4 and \
+            "an autoencoder with {} latent channels and widths {:?}; {family} models take {channels} and \
              [128, 256, 512, 512]",
             vae.latent_channels, vae.block_out_channels
         )));

@@ -3,7 +3,8 @@
 //! `SDHIVE_SD35M_RANDOM`), without T5, handed to sd.cpp part by part from its diffusers folder, generates diffusers'
 //! images of the goldens of xtask/fixtures/gen_sd35m_random.py (64², CFG 5): `sd35m_random_euler` (2 flow-Euler
 //! steps), `sd35m_random_slg` (3 steps, skip-layer guidance on blocks 7-9 at steps 1 and 2), `sd35m_random_lora` (a
-//! kohya/SAI-named LoRA at 0.8) and `sd35m_random_hires` (hires fix: Latent 2×, 2 of 4 second-pass steps), within
+//! kohya/SAI-named LoRA at 0.8), `sd35m_random_hires` (hires fix: Latent 2×, 2 of 4 second-pass steps) and
+//! `sd35m_random_vae` (a standalone VAE in the original names, the model folder's `VAE/`), within
 //! the bounds of the engine's SD1.5 image check (`cargo xtask vulkan`). Ignored by default because it needs that
 //! 2 GB model; `cargo xtask vulkan` writes the model and runs it on ggml's CPU backend. Measured there (2 cores):
 //! mean |diff| 0.10-0.15 levels, max 1, PSNR 56.4-58.3 dB; load (the MMDiT's conversion to SAI's layout and a
@@ -152,4 +153,72 @@ fn sd35_medium_without_t5_generates_diffusers_image() {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models/Lora/sd1_kohya.safetensors");
     let lora = LoraUse { name: "sd1_kohya".into(), path: sd1, te: 1.0, unet: 1.0, hash: None };
     assert_eq!(refused(GenerateRequest { loras: vec![lora], ..req.clone() }), "loras");
+    drop(engine);
+
+    // A standalone VAE (A1111's `sd_vae`: SD3's VAE in the original names, other weights) in place of the
+    // folder's, against diffusers' image decoded by `AutoencoderKL.from_single_file` of the same file.
+    let (vae_req, vae_theirs) = common::golden_case("sd35m_random_vae");
+    let vae = dir.join(common::golden_json("sd35m_random_vae")["vae"].as_str().expect("vae"));
+    let with_vae = ResolvedModel { vae: Some(vae), ..model.clone() };
+    let mut engine = SdCppEngine::load(&with_vae, LoadOptions { no_t5: true, ..common::load_options() })
+        .unwrap_or_else(|e| panic!("cannot load {} with a standalone VAE: {e}", dir.display()));
+    assert_close("sd35m_random_vae", &common::image(&mut engine, &vae_req), &vae_theirs);
+    drop(engine);
+
+    // A VAE of 4 latent channels (SD1's, in the original names) is refused naming the file and what SD3 takes,
+    // before stable-diffusion.cpp reads it.
+    let sd1_vae =
+        std::env::temp_dir().join(format!("sdhive-sd3-test-sd1-vae-{}.safetensors", std::process::id()));
+    write_four_channel_vae(&dir.join("VAE/sd35m_random_vae.safetensors"), &sd1_vae);
+    let wrong = ResolvedModel { vae: Some(sd1_vae.clone()), ..model };
+    let refused = SdCppEngine::load(&wrong, LoadOptions { no_t5: true, ..common::load_options() });
+    let _ = std::fs::remove_file(&sd1_vae);
+    match refused {
+        Ok(_) => panic!("a 4-channel VAE was taken for SD3"),
+        Err(e) => {
+            let message = e.to_string();
+            assert!(
+                message.contains(&sd1_vae.display().to_string()) && message.contains("take 16"),
+                "{message}"
+            );
+        }
+    }
+}
+
+/// `sd3_vae` (LDM names) cut to SD1's 4 latent channels where the latent meets the networks: the encoder's
+/// output (2 × 4 moments) and the decoder's input.
+fn write_four_channel_vae(sd3_vae: &Path, out: &Path) {
+    let bytes = std::fs::read(sd3_vae).expect("the SD3 VAE file");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("a safetensors VAE");
+    let mut tensors = Vec::new();
+    for (name, t) in st.tensors() {
+        let mut shape = t.shape().to_vec();
+        let row = t.data().len() / shape[0];
+        let data = match name.as_str() {
+            "encoder.conv_out.weight" | "encoder.conv_out.bias" => {
+                shape[0] = 8;
+                t.data()[..8 * row].to_vec()
+            }
+            "decoder.conv_in.weight" => {
+                // [out, in, 3, 3]: keep the first 4 input channels of each output row.
+                let per_in = t.data().len() / (shape[0] * shape[1]);
+                let kept: Vec<u8> = t
+                    .data()
+                    .chunks(shape[1] * per_in)
+                    .flat_map(|out_row| out_row[..4 * per_in].to_vec())
+                    .collect();
+                shape[1] = 4;
+                kept
+            }
+            _ => t.data().to_vec(),
+        };
+        tensors.push((name, shape, t.dtype(), data));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, s, d, data)| {
+            (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), data).expect("view"))
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, out).expect("write the 4-channel VAE");
 }
