@@ -31,10 +31,9 @@ const LORA_ALPHA: f32 = 2.0;
 /// Generator keys of the LoRA's tensors start here, far past the model's.
 const LORA_BASE: u64 = 1 << 20;
 
-/// The standalone VAE, inside the model folder (its tensors listed in `vae_manifest.json` beside the manifest).
+/// The standalone VAE, inside the model folder (its tensors listed in `vae_manifest.json` beside the manifest),
+/// unless that list names another file (`"file"`, as the SD3.5-medium's does).
 pub const VAE_FILE: &str = "VAE/sd15_random_vae.safetensors";
-/// What the VAE was last written from, beside it (a dot file: no model library lists it).
-const VAE_STAMP: &str = "VAE/.sd15_random_vae.manifest.json";
 /// Generator keys of the VAE file's tensors start here, past the LoRA's.
 const VAE_BASE: u64 = 1 << 21;
 
@@ -59,18 +58,7 @@ pub fn write(manifest: &Path, out: &Path) -> Result<()> {
         if entries.iter().any(|e| e.component == "unet") {
             write_lora(&entries, &out.join(LORA_FILE))?;
         }
-        // The VAE list may name its file (the SD3.5-medium's); SD1.5's is VAE_FILE.
-        let listed: Value = serde_json::from_str(
-            &std::fs::read_to_string(&vae_manifest)
-                .with_context(|| format!("cannot read {}", vae_manifest.display()))?,
-        )?;
-        let file = listed["file"].as_str().unwrap_or(VAE_FILE);
-        let stamp = match file.rsplit_once('/') {
-            _ if file == VAE_FILE => VAE_STAMP.to_string(),
-            Some((dir, name)) => format!("{dir}/.{}.manifest.json", name.trim_end_matches(".safetensors")),
-            None => format!(".{}.manifest.json", file.trim_end_matches(".safetensors")),
-        };
-        write_vae(&vae_manifest, &out.join(file), &out.join(stamp))?;
+        write_vae(&vae_manifest, out)?;
     }
     let stamp = out.join("manifest.json");
     if std::fs::read_to_string(&stamp).ok().as_deref() == Some(text.as_str()) {
@@ -171,14 +159,19 @@ fn write_lora(entries: &[Entry], path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The standalone VAE file (160 MB), unless the one there was written from the same list.
-fn write_vae(manifest: &Path, path: &Path, stamp: &Path) -> Result<()> {
+/// The standalone VAE file (160 MB) into `out`, unless the one there was written from the same list (kept beside
+/// it as a dot file, which no model library lists).
+fn write_vae(manifest: &Path, out: &Path) -> Result<()> {
     let text =
         std::fs::read_to_string(manifest).with_context(|| format!("cannot read {}", manifest.display()))?;
-    if path.is_file() && std::fs::read_to_string(stamp).ok().as_deref() == Some(text.as_str()) {
+    let v: Value = serde_json::from_str(&text)?;
+    let path = out.join(v["file"].as_str().unwrap_or(VAE_FILE));
+    let name = path.file_stem().context("the VAE file has a name")?.to_string_lossy();
+    let stamp = path.with_file_name(format!(".{name}.manifest.json"));
+    let path = path.as_path();
+    if path.is_file() && std::fs::read_to_string(&stamp).ok().as_deref() == Some(text.as_str()) {
         return Ok(());
     }
-    let v: Value = serde_json::from_str(&text)?;
     ensure!(v["base"].as_u64() == Some(VAE_BASE), "{}: generator base is not {VAE_BASE}", manifest.display());
     let entries = parse(&text).with_context(|| format!("bad manifest {}", manifest.display()))?;
     ensure!(!entries.is_empty(), "{} lists no tensors", manifest.display());
@@ -195,7 +188,7 @@ fn write_vae(manifest: &Path, path: &Path, stamp: &Path) -> Result<()> {
     std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
     safetensors::serialize_to_file(views, None, path)
         .with_context(|| format!("cannot write {}", path.display()))?;
-    std::fs::write(stamp, text).with_context(|| format!("cannot write {}", stamp.display()))?;
+    std::fs::write(&stamp, text).with_context(|| format!("cannot write {}", stamp.display()))?;
     eprintln!("xtask: wrote {} ({} tensors)", path.display(), entries.len());
     Ok(())
 }

@@ -11,7 +11,7 @@
 //! libraries; in the sid root, where the HIP runtime is installed but there is no GPU (no `/dev/kfd`), the engine
 //! starts and refuses naming rocm and the device it did not find. Neither writes an image.
 
-use crate::util::workspace_root;
+use crate::util::{script_output, workspace_root};
 use anyhow::{bail, ensure, Context, Result};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -31,10 +31,10 @@ pub fn prepare() -> Result<Prepared> {
     let root = workspace_root();
     ensure!(is_root(), "cargo xtask rocm builds in a chroot and bind-mounts folders: run it as root");
     let sid = PathBuf::from(script_output(&root.join("xtask/scripts/rocm-root.sh"))?);
+    let home = home()?;
     let targets = std::env::var("GFX_NAME").ok().filter(|t| !t.trim().is_empty());
     let targets = targets.unwrap_or_else(|| DEFAULT_TARGETS.to_string());
-    let home = std::env::var_os("HOME").map(PathBuf::from).context("HOME is not set")?;
-    let target_dir = home.join(".cache/sdhive-rocm-target");
+    let target_dir = build_dir(&home);
     let stamp = std::fs::read_to_string(sid.join(STAMP)).context("the sid root has no stamp")?;
     if std::fs::read_to_string(target_dir.join(STAMP)).ok().as_deref() != Some(stamp.as_str()) {
         let _ = std::fs::remove_dir_all(&target_dir);
@@ -120,9 +120,7 @@ impl Prepared {
         let bare = BareRoot::make(&sid, &exe)?;
         let version = bare.run(&["--version"])?;
         let line = String::from_utf8_lossy(&version.stdout).trim().to_string();
-        let want: Vec<String> =
-            targets.split([';', ',', ' ']).filter(|t| !t.is_empty()).map(String::from).collect();
-        let want = want.join(",");
+        let want = sdhive_launch::parse_targets(&targets).join(",");
         ensure!(
             version.status.success() && line.contains(&format!("gfx: {want}")),
             "sd-worker-rocm --version without the HIP runtime must name its gfx targets ({want}); it said: {line}"
@@ -148,10 +146,20 @@ impl Prepared {
 
 /// Whether an earlier run left the sid root and a built engine on this machine (a build then takes a minute).
 pub fn is_warm() -> bool {
-    let Some(home) = std::env::var_os("HOME").map(PathBuf::from) else { return false };
+    let Ok(home) = home() else { return false };
+    // Where rocm-root.sh keeps the root.
     let sid = std::env::var_os("SDHIVE_ROCM_ROOT")
         .map_or_else(|| home.join(".cache/sdhive/rocm-sid"), PathBuf::from);
-    sid.join(STAMP).is_file() && home.join(".cache/sdhive-rocm-target/debug/sd-worker-rocm-engine").is_file()
+    sid.join(STAMP).is_file() && build_dir(&home).join("debug/sd-worker-rocm-engine").is_file()
+}
+
+fn home() -> Result<PathBuf> {
+    std::env::var_os("HOME").map(PathBuf::from).context("HOME is not set")
+}
+
+/// The ROCm build's own folder (what is linked there needs sid's glibc).
+fn build_dir(home: &Path) -> PathBuf {
+    home.join(".cache/sdhive-rocm-target")
 }
 
 /// GB free on the disk of the home folder (where the root and the build folder go); `None` where df cannot say.
@@ -171,14 +179,14 @@ pub fn is_root() -> bool {
 /// root, and nothing of ROCm; removed when dropped.
 struct BareRoot {
     path: PathBuf,
-    mounted: Vec<PathBuf>,
+    mounts: Option<Mounts>,
 }
 
 impl BareRoot {
     fn make(sid: &Path, exe: &Path) -> Result<BareRoot> {
         let path = std::env::temp_dir().join(format!("sdhive-rocm-bare-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&path);
-        let mut bare = BareRoot { path, mounted: Vec::new() };
+        let mut bare = BareRoot { path, mounts: None };
         let libs = bare.path.join("lib/x86_64-linux-gnu");
         std::fs::create_dir_all(&libs)?;
         std::fs::create_dir_all(bare.path.join("lib64"))?;
@@ -197,14 +205,7 @@ impl BareRoot {
         }
         // The launcher finds the engine beside itself through /proc/self/exe, and asks the loader with stdin on
         // /dev/null.
-        for dir in ["proc", "dev"] {
-            let point = bare.path.join(dir);
-            std::fs::create_dir_all(&point)?;
-            let status =
-                Command::new("mount").arg("--bind").arg(Path::new("/").join(dir)).arg(&point).status()?;
-            ensure!(status.success(), "cannot mount /{dir} in {}", bare.path.display());
-            bare.mounted.push(point);
-        }
+        bare.mounts = Some(Mounts::bind(&bare.path, &[Path::new("/proc"), Path::new("/dev")])?);
         Ok(bare)
     }
 
@@ -222,9 +223,8 @@ impl BareRoot {
 
 impl Drop for BareRoot {
     fn drop(&mut self) {
-        for point in self.mounted.iter().rev() {
-            let _ = Command::new("umount").arg(point).status();
-        }
+        // Unmounted before the folder goes, so nothing of the host's /dev is removed with it.
+        drop(self.mounts.take());
         let _ = std::fs::remove_dir_all(&self.path);
     }
 }
@@ -278,13 +278,13 @@ fn in_root(sid: &Path, dir: &Path, env: &[(&str, OsString)], program: &str, args
     Ok(Output { status, stdout: Vec::new(), stderr: captured })
 }
 
-/// Bind mounts into the sid root, each host path at its own path there; undone when dropped.
+/// Bind mounts into a root (the sid root, the bare one), each host path at its own path there; undone when dropped.
 struct Mounts {
     points: Vec<PathBuf>,
 }
 
 impl Mounts {
-    fn bind(sid: &Path, paths: &[&Path]) -> Result<Mounts> {
+    fn bind(root: &Path, paths: &[&Path]) -> Result<Mounts> {
         let mut mounts = Mounts { points: Vec::new() };
         let mut done: Vec<PathBuf> = Vec::new();
         for path in paths {
@@ -293,7 +293,7 @@ impl Mounts {
             if done.iter().any(|d| path.starts_with(d)) {
                 continue;
             }
-            let point = sid.join(path.strip_prefix("/").unwrap_or(&path));
+            let point = root.join(path.strip_prefix("/").unwrap_or(&path));
             std::fs::create_dir_all(&point).with_context(|| format!("cannot create {}", point.display()))?;
             let already =
                 Command::new("mountpoint").arg("-q").arg(&point).status().is_ok_and(|s| s.success());
@@ -322,17 +322,4 @@ impl Drop for Mounts {
             }
         }
     }
-}
-
-/// Runs a helper script and returns its one line of output (its progress goes to stderr, shown as it comes).
-fn script_output(script: &Path) -> Result<String> {
-    let out = Command::new(script)
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .with_context(|| format!("cannot run {}", script.display()))?;
-    ensure!(out.status.success(), "{} failed", script.display());
-    Ok(String::from_utf8(out.stdout)
-        .with_context(|| format!("{} printed a path that is not UTF-8", script.display()))?
-        .trim()
-        .to_string())
 }

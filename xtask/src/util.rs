@@ -39,3 +39,19 @@ pub fn run(dir: &Path, program: &str, args: &[&str]) -> Result<()> {
     }
     Ok(())
 }
+
+/// Runs a helper script that prints one line (a path) and returns it; the script's progress and errors go to
+/// stderr as they come.
+pub fn script_output(script: &Path) -> Result<String> {
+    let out = Command::new(script)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .with_context(|| format!("cannot run {}", script.display()))?;
+    if !out.status.success() {
+        bail!("{} failed ({})", script.display(), out.status);
+    }
+    Ok(String::from_utf8(out.stdout)
+        .with_context(|| format!("{} printed a path that is not UTF-8", script.display()))?
+        .trim()
+        .to_string())
+}

@@ -17,7 +17,7 @@
 //! keeps them in its shader cache: on 2 cores the image took 4 min 46 s with the cache empty, 1 min 42 s filled.
 
 use crate::random_model;
-use crate::util::{cargo, workspace_root};
+use crate::util::{cargo, script_output, workspace_root};
 use anyhow::{ensure, Context, Result};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -185,16 +185,6 @@ fn lavapipe_icd(root: &Path) -> Result<Lavapipe> {
         .map(|v| v.trim().to_string())
         .unwrap_or_else(|| manifest.display().to_string());
     Ok(Lavapipe { manifest, version })
-}
-
-/// Runs a helper script and returns its one line of output.
-fn script_output(script: &Path) -> Result<String> {
-    let out = Command::new(script).output().with_context(|| format!("cannot run {}", script.display()))?;
-    ensure!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
-    Ok(String::from_utf8(out.stdout)
-        .with_context(|| format!("{} printed a path that is not UTF-8", script.display()))?
-        .trim()
-        .to_string())
 }
 
 /// Debian 12's Vulkan headers are too old for ggml; unless `VULKAN_SDK` points elsewhere, use the header prefix
