@@ -4,7 +4,9 @@
 //! workspace, the Rust toolchain, the cargo registry and the build folder (`~/.cache/sdhive-rocm-target`, its own:
 //! what is linked there needs sid's glibc) bind-mounted at their own paths. The gfx targets are `GFX_NAME`
 //! (default `gfx1030;gfx1100`: RDNA2 and RDNA3 desktop cards), which the worker then names in `--version` and
-//! `/v1/info`.
+//! `/v1/info`. ggml's flash-attention kernels are not built (`GGML_CUDA_FA=OFF`, through a CMake toolchain
+//! file, the one way into diffusion-rs-sys's CMake call): the engine never asks stable-diffusion.cpp for flash
+//! attention, and they were 37 % of the HIP compile.
 //!
 //! The checks, with no AMD GPU here: in a root that holds only the C and C++ runtime (a machine without ROCm),
 //! the launcher answers `--version` with those targets and refuses `generate` naming rocm and the missing HIP
@@ -18,6 +20,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 const DEFAULT_TARGETS: &str = "gfx1030;gfx1100";
+/// Read by CMake before ggml's options are declared, so this value stands.
+const TOOLCHAIN_FILE: &str =
+    "set(GGML_CUDA_FA OFF CACHE BOOL \"sdhive never asks for flash attention\" FORCE)\n";
 /// The stamp of the root the build folder was made with: a new root (other compilers) starts it afresh.
 const STAMP: &str = ".sdhive-root";
 
@@ -42,6 +47,9 @@ pub fn prepare() -> Result<Prepared> {
     std::fs::create_dir_all(&target_dir)
         .with_context(|| format!("cannot create {}", target_dir.display()))?;
     std::fs::write(target_dir.join(STAMP), &stamp)?;
+    let toolchain_file = target_dir.join("sdhive-rocm.cmake");
+    std::fs::write(&toolchain_file, TOOLCHAIN_FILE)
+        .with_context(|| format!("cannot write {}", toolchain_file.display()))?;
     let cargo_home = std::env::var_os("CARGO_HOME").map_or_else(|| home.join(".cargo"), PathBuf::from);
     let rustup_home = std::env::var_os("RUSTUP_HOME").map_or_else(|| home.join(".rustup"), PathBuf::from);
 
@@ -61,6 +69,7 @@ pub fn prepare() -> Result<Prepared> {
         ("CARGO_TERM_COLOR", "never".into()),
         ("HIP_PATH", "/usr".into()),
         ("GFX_NAME", targets.clone().into()),
+        ("CMAKE_TOOLCHAIN_FILE", toolchain_file.into()),
     ];
     if let Some(toolchain) = std::env::var_os("RUSTUP_TOOLCHAIN") {
         env.push(("RUSTUP_TOOLCHAIN", toolchain));
@@ -114,6 +123,7 @@ impl Prepared {
             sid.display()
         );
         built?;
+        ensure_no_flash_attention(&target_dir)?;
         let exe = target_dir.join("debug/sd-worker-rocm");
 
         // A machine without ROCm: a root with the C and C++ runtime only.
@@ -142,6 +152,28 @@ impl Prepared {
         drop(mounts);
         Ok(())
     }
+}
+
+/// ggml's CMake cache of this build (the newest: an older configuration may be left beside it) says its
+/// flash-attention kernels were left out, so the toolchain file took.
+fn ensure_no_flash_attention(target_dir: &Path) -> Result<()> {
+    let builds = target_dir.join("debug/build");
+    let cache = std::fs::read_dir(&builds)
+        .with_context(|| format!("cannot list {}", builds.display()))?
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("diffusion-rs-sys-"))
+        .map(|e| e.path().join("out/build/CMakeCache.txt"))
+        .filter_map(|p| Some((p.metadata().ok()?.modified().ok()?, p)))
+        .max()
+        .map(|(_, p)| p)
+        .with_context(|| format!("no CMake cache of diffusion-rs-sys under {}", builds.display()))?;
+    let text = std::fs::read_to_string(&cache)?;
+    ensure!(
+        text.lines().any(|l| l == "GGML_CUDA_FA:BOOL=OFF"),
+        "{} does not have GGML_CUDA_FA off: the toolchain file was not used",
+        cache.display()
+    );
+    Ok(())
 }
 
 /// Whether an earlier run left the sid root and a built engine on this machine (a build then takes a minute).
