@@ -298,6 +298,7 @@ pub fn estimate_with(path: &Path, backend: Backend, with_t5: bool) -> Result<Foo
         fused_attention: backend == Backend::Cuda,
         score_chunk_elements: None,
         vae_tile_latent: 64,
+        mmdit: None,
     };
     let side = parts.native.max(8);
     let activation_bytes =

@@ -94,7 +94,7 @@ pub(crate) fn finished_image(
 }
 
 /// Images per UNet call with classifier-free guidance (the negative and positive halves of one batch).
-const CFG_BATCH: u64 = 2;
+pub(crate) const CFG_BATCH: u64 = 2;
 
 /// The most images denoised together; the memory plan may allow fewer.
 const MAX_BATCH: u32 = 64;
@@ -168,6 +168,7 @@ impl CandleEngine {
             fused_attention: attention_is_fused(model.unet.device(), dtype),
             score_chunk_elements: Some(MAX_SCORE_ELEMENTS as u64),
             vae_tile_latent: model.vae_config.tile_latent_size() as u64,
+            mmdit: None,
         };
         let (total, free) = opts.memory.as_ref().map_or((None, None), |m| m());
         let free = budgeted_free(free, opts.memory_budget, shape.weights_bytes);

@@ -15,7 +15,7 @@
 //! weights in place, or into an offloaded network's host copy (`lora.rs`).
 
 use crate::model::component;
-use crate::residency::{InUse, Resident, Targets};
+use crate::residency::{InUse, ModuleTarget, Resident, Targets};
 use crate::tensor_image::{image_to_tensor, mask_to_tensor, nearest_downsample, tensor_to_image};
 use candle_core::{DType, Device, Tensor, D};
 use sdhive_engine::memory::ATTENTION_SLICES;
@@ -66,6 +66,8 @@ pub struct Sd3Model {
     pub vae: Resident<AutoencoderKL>,
     vae_config: AutoencoderKLConfig,
     pub scheduler: FlowMatchConfig,
+    /// Decode in overlapping tiles (diffusers' `enable_tiling()`), as a job's memory plan asks.
+    pub vae_tiling: bool,
 }
 
 /// The MMDiT with its config, kept beside it because an offloaded MMDiT is not built between uses; derefs to its
@@ -275,6 +277,7 @@ impl Sd3Model {
             vae,
             vae_config,
             scheduler: load(&scheduler_file, FlowMatchConfig::from_file(&scheduler_file))?,
+            vae_tiling: false,
         })
     }
 
@@ -403,7 +406,52 @@ impl Sd3Model {
             vae,
             vae_config,
             scheduler,
+            vae_tiling: false,
         })
+    }
+
+    /// Swaps in a standalone VAE file (A1111's `sd_vae`; diffusers' `AutoencoderKL.from_single_file(file,
+    /// config=<model>, subfolder="vae")`): read in the original layout, with or without the checkpoint's
+    /// `first_stage_model.` prefix, and built with this model's VAE config, so the scaling and shift factors stay
+    /// the model's. An autoencoder of another shape (an SD1/SDXL VAE has 4 latent channels) is refused naming
+    /// the file; the model keeps its own VAE then.
+    pub fn replace_vae(&mut self, file: &Path, target: &ModuleTarget) -> Result<(), Sd3Error> {
+        let shape = load(file, sdhive_checkpoint::inspect_vae_file(file))?;
+        let own = &self.vae_config;
+        if shape.latent_channels != own.latent_channels || shape.block_out_channels != own.block_out_channels
+        {
+            return Err(Sd3Error::Load {
+                path: file.to_path_buf(),
+                message: format!(
+                    "an autoencoder with {} latent channels and widths {:?}; this SD3-family model's VAE has {} \
+                     and {:?}",
+                    shape.latent_channels, shape.block_out_channels, own.latent_channels, own.block_out_channels
+                ),
+            });
+        }
+        let weights = load(file, sdhive_checkpoint::load_vae_file_on(file, &Device::Cpu))?;
+        let cfg = own.clone();
+        self.vae =
+            load(file, Resident::from_host(weights, target.clone(), move |vb| AutoencoderKL::new(vb, &cfg)))?;
+        Ok(())
+    }
+
+    /// Bytes of the weights built on `device` (offloaded networks are not).
+    pub fn resident_bytes_on(&self, device: &Device) -> u64 {
+        let on = |d: &Device| d.same_device(device);
+        let mut n = 0;
+        for (d, bytes) in [
+            (self.clip_l.device(), self.clip_l.resident_bytes()),
+            (self.clip_g.device(), self.clip_g.resident_bytes()),
+            (self.transformer.device(), self.transformer.resident_bytes()),
+            (self.vae.device(), self.vae.resident_bytes()),
+        ] {
+            n += if on(d) { bytes } else { 0 };
+        }
+        if let Some((t5, _)) = &self.t5 {
+            n += if on(t5.device()) { t5.resident_bytes() } else { 0 };
+        }
+        n
     }
 
     pub fn transformer_config(&self) -> &SD3TransformerConfig {
@@ -771,8 +819,9 @@ impl Sd3Model {
         Ok((noise, latents))
     }
 
-    /// The image of final latents: `vae.decode(latents / scaling_factor + shift_factor)` in 8 bits. An offloaded
-    /// MMDiT has left the device by now (`denoise` drops its use), before the VAE is built there.
+    /// The image of final latents: `vae.decode(latents / scaling_factor + shift_factor)` in 8 bits, in tiles when
+    /// [`Sd3Model::vae_tiling`] says so. An offloaded MMDiT has left the device by now (`denoise` drops its use),
+    /// before the VAE is built there.
     pub fn decode(&self, latents: &Tensor) -> Result<RgbImage, Sd3Error> {
         let vae = &self.vae_config;
         let shift = vae.shift_factor.unwrap_or(0.0);
@@ -784,7 +833,9 @@ impl Sd3Model {
         // The VAE's mid-block attention is one head over every latent pixel (16384² scores at 1024²): sliced as the
         // SD1/SDXL memory plan slices it, so the decode does not set the job's peak above the denoising loop's.
         let _slices = limit_attention_scores(MAX_SCORE_ELEMENTS / ATTENTION_SLICES as usize);
-        let decoded = self.vae.in_use().map_err(failed("vae"))?.decode(&z).map_err(failed("decode"))?;
+        let network = self.vae.in_use().map_err(failed("vae"))?;
+        let decoded = if self.vae_tiling { network.decode_tiled(&z) } else { network.decode(&z) };
+        let decoded = decoded.map_err(failed("decode"))?;
         tensor_to_image(&decoded).map_err(failed("decode"))
     }
 }

@@ -6,12 +6,14 @@
 //! `preview_every` steps) and cancellation between steps, A1111 infotext, and each job's LoRAs merged into the
 //! MMDiT and both CLIPs (`lora.rs`; put back exactly for the next job), A1111's clip skip (diffusers'
 //! `clip_skip = n − 1`, both passes), and A1111's hires fix (`hires.rs`: any upscaler SD1/SDXL take, the second
-//! pass as SD3 img2img with Euler). What it refuses, naming the field:
+//! pass as SD3 img2img with Euler). Each job is planned against the device's free memory as on SD1/SDXL (the
+//! MMDiT's activations over patch and text tokens, the VAE decode): attention in slices, the VAE in tiles, or a
+//! refusal with what the job needs. What it refuses, naming the field:
 //! embeddings, samplers other than Euler and DPM++ 2M (A1111's default `Euler a` runs as Euler, and the infotext
 //! says so), the Karras schedule, DPM++ 2M and skip-layer guidance with an init image, a hires `hr_sampler_name`
 //! other than Euler and a hires size that is not a multiple of 16 (skip-layer guidance guides the first pass only).
 
-use crate::engine::{finished_image, lora_error};
+use crate::engine::{finished_image, lora_error, MemoryQuery, CFG_BATCH};
 use crate::hires::{sd3_hires_image, sd3_second_pass_steps, Sd3SecondPass};
 use crate::lora::AppliedLoras;
 use crate::preview::sd3_latent_preview;
@@ -19,10 +21,12 @@ use crate::sd3::{Sd3Error, Sd3Model, Sd3Request, StepEstimate};
 use crate::upscalers::Upscalers;
 use candle_core::{DType, Device};
 use sdhive_engine::extra_networks::strip_networks;
+use sdhive_engine::memory::{budgeted_free, JobPlan, MemoryReport, MmditShape, ModelShape, ATTENTION_SLICES};
 use sdhive_engine::{
     random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest, GeneratedImage,
     HiresFix, HiresTarget, Limits, PreviewDecoder, Progress, RgbImage, Sampler, Schedule, ValidationError,
 };
+use sdhive_models::ops::{attention_is_fused, limit_attention_scores, MAX_SCORE_ELEMENTS};
 use sdhive_schedulers::FlowSampler;
 use sdhive_tokenizer::T5_DEFAULT_MAX_LEN;
 use std::path::Path;
@@ -38,6 +42,11 @@ pub struct Sd3Engine {
     loras: AppliedLoras,
     /// Hires fix's image upscalers (models loaded on first use), shared with the SD1/SDXL engine's code.
     upscalers: Upscalers,
+    /// The memory plan's view of the model, the device's memory (asked before every job) and the operator's budget.
+    shape: ModelShape,
+    memory: Option<MemoryQuery>,
+    memory_budget: Option<u64>,
+    report: MemoryReport,
 }
 
 fn invalid(field: &'static str, message: impl Into<String>) -> EngineError {
@@ -58,18 +67,6 @@ impl Sd3Engine {
         Ok(Self::from_model(model, name, dtype, (backend_name, device_name)))
     }
 
-    /// Loads each network on its own target (`--placement`, `--offload`); the MMDiT's dtype is the one reported.
-    pub fn load_on(
-        dir: &Path,
-        name: &str,
-        targets: &crate::residency::Targets,
-        with_t5: bool,
-        names: (&str, &str),
-    ) -> Result<Sd3Engine, Sd3Error> {
-        let model = Sd3Model::from_dir_on(dir, targets, with_t5)?;
-        Ok(Self::from_model(model, name, targets.unet.dtype, names))
-    }
-
     /// Serves an already loaded model (e.g. [`Sd3Model::from_single_file`]) in `dtype`.
     pub fn from_model(
         model: Sd3Model,
@@ -77,7 +74,26 @@ impl Sd3Engine {
         dtype: DType,
         (backend_name, device_name): (&str, &str),
     ) -> Sd3Engine {
-        Sd3Engine {
+        let device = model.transformer.device().clone();
+        let cfg = model.transformer_config();
+        let shape = ModelShape {
+            weights_bytes: model.resident_bytes_on(&device),
+            activation_bytes: dtype.size_in_bytes() as u64,
+            vae_factor: 8,
+            first_attention_level: 0,
+            heads_at_first_attention: 0,
+            fused_attention: attention_is_fused(&device, dtype),
+            score_chunk_elements: Some(MAX_SCORE_ELEMENTS as u64),
+            vae_tile_latent: model.vae_config().tile_latent_size() as u64,
+            // The joint context is CLIP's 77 tokens and T5's 256, zeros when T5 is left out.
+            mmdit: Some(MmditShape {
+                hidden: cfg.inner_dim() as u32,
+                heads: cfg.num_attention_heads as u32,
+                patch: cfg.patch_size as u32,
+                context_tokens: (77 + T5_DEFAULT_MAX_LEN) as u32,
+            }),
+        };
+        let mut engine = Sd3Engine {
             model,
             name: name.into(),
             dtype,
@@ -86,7 +102,55 @@ impl Sd3Engine {
             limits: Limits::default(),
             loras: AppliedLoras::default(),
             upscalers: Upscalers::default(),
+            shape,
+            memory: None,
+            memory_budget: None,
+            report: MemoryReport {
+                weights_bytes: 0,
+                device_total_bytes: None,
+                device_free_bytes: None,
+                native_job: None,
+                vae_tiling_available: true,
+                attention_slicing_available: true,
+            },
+        };
+        engine.report = engine.memory_report();
+        engine
+    }
+
+    /// Plans every job against `memory` (the device's total and free bytes, asked before each job) and `budget`
+    /// (the most the worker may use, weights included): attention in slices, the VAE in tiles, or a refusal
+    /// naming what the job needs, as on SD1/SDXL.
+    pub fn with_memory(mut self, memory: Option<MemoryQuery>, budget: Option<u64>) -> Self {
+        self.memory = memory;
+        self.memory_budget = budget;
+        self.report = self.memory_report();
+        self
+    }
+
+    fn memory_report(&self) -> MemoryReport {
+        let (total, free) = self.memory.as_ref().map_or((None, None), |m| m());
+        let free = budgeted_free(free, self.memory_budget, self.shape.weights_bytes);
+        let size = self.native_size();
+        MemoryReport {
+            weights_bytes: self.shape.weights_bytes,
+            device_total_bytes: total,
+            device_free_bytes: free,
+            native_job: self.shape.plan(size, size, CFG_BATCH, free, true, true).ok(),
+            vae_tiling_available: true,
+            attention_slicing_available: true,
         }
+    }
+
+    /// The memory plan for a job whose largest pass is `width`×`height` (CFG batch), against the device's free
+    /// memory now; the originals of LoRA-merged weights are held on the device beside the weights.
+    fn plan(&self, width: u32, height: u32) -> Result<JobPlan, EngineError> {
+        let free = budgeted_free(
+            self.memory.as_ref().and_then(|m| m().1),
+            self.memory_budget,
+            self.shape.weights_bytes + self.loras.kept_bytes(),
+        );
+        Ok(self.shape.plan(width, height, CFG_BATCH, free, true, true)?)
     }
 
     pub fn with_limits(mut self, limits: Limits) -> Self {
@@ -199,7 +263,7 @@ impl Engine for Sd3Engine {
             samplers: [Sampler::Euler, Sampler::DpmPp2M].iter().map(|s| s.name().to_string()).collect(),
             supports_img2img: true,
             supports_inpaint: true,
-            memory: None,
+            memory: Some(self.report.clone()),
             text_widths: Vec::new(),
             preview: PreviewDecoder::Latent,
         }
@@ -270,6 +334,23 @@ impl Engine for Sd3Engine {
             })?;
         }
         self.loras.set(&mut self.model, &req.loras).map_err(|e| lora_error(&e))?;
+        // Hires fix: the largest MMDiT call and decode are the second pass's, at the output size.
+        let (plan_w, plan_h) = hires.map_or((width, height), |(_, t)| t.output);
+        let plan = self.plan(plan_w, plan_h)?;
+        if plan.attention_slicing || plan.vae_tiling {
+            tracing::info!(
+                width = plan_w,
+                height = plan_h,
+                attention_slicing = plan.attention_slicing,
+                vae_tiling = plan.vae_tiling,
+                "memory plan for this job"
+            );
+        }
+        // Dropped at the end of the job, restoring the engine thread's default.
+        let _slicing = plan
+            .attention_slicing
+            .then(|| limit_attention_scores(MAX_SCORE_ELEMENTS / ATTENTION_SLICES as usize));
+        self.model.vae_tiling = plan.vae_tiling;
         let base_seed = req.seed.unwrap_or_else(random_seed);
         let mut images: Vec<GeneratedImage> = Vec::with_capacity(req.n as usize);
         for index in 0..req.n {

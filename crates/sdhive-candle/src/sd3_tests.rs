@@ -314,6 +314,46 @@ fn variant(model: &str, file: &str) -> (Sd3Model, Sd3Request, Sd3Output) {
     (sd3, req, out)
 }
 
+/// A standalone VAE file in place of the model's own (A1111's `sd_vae`) as diffusers' pipeline with
+/// `vae=AutoencoderKL.from_single_file(file, config=<folder>, subfolder="vae")`, through the diffusers folder and
+/// the SAI single file. An SD1 VAE (4 latent channels) is refused naming the file, and the model keeps its own.
+#[test]
+fn a_standalone_vae_replaces_the_models_own() {
+    let dev = test_device();
+    let file = "sd3_pipe_altvae_sd3.safetensors";
+    let json = sd3_json();
+    let entry = &json["goldens"][file];
+    let vae = fixtures().join("models").join(entry["vae"].as_str().expect("vae"));
+    let req = pipeline_request(&json["pipeline"], entry["prompt"].as_str().expect("prompt"));
+    let target = crate::ModuleTarget {
+        device: dev.device.clone(),
+        dtype: dev.dtype,
+        offload: false,
+        host_copy: false,
+    };
+    let models = fixtures().join("models");
+    let single = Sd3Model::from_single_file(
+        &models.join("sd3.safetensors"),
+        Some(&models.join("sd3")),
+        dev.dtype,
+        &dev.device,
+        true,
+    )
+    .expect("sd3.safetensors");
+    for (label, mut sd3) in [("folder", load_model("sd3")), ("single file", single)] {
+        sd3.replace_vae(&vae, &target).unwrap_or_else(|e| panic!("{label}: {e}"));
+        let out = sd3.generate(&req).unwrap_or_else(|e| panic!("{label}: {e}"));
+        assert_matches(&format!("{file} ({label})"), &out, &load_golden(file));
+    }
+
+    let mut sd3 = load_model("sd3");
+    let sd1_vae = models.join("VAE/sd1-alt.safetensors");
+    let err = sd3.replace_vae(&sd1_vae, &target).expect_err("an SD1 VAE").to_string();
+    assert!(err.contains("sd1-alt.safetensors") && err.contains("4 latent channels"), "{err}");
+    let out = sd3.generate(&req).expect("the model's own VAE");
+    assert_matches("after the refusal", &out, &load_golden("sd3_pipe_sd3.safetensors"));
+}
+
 /// DPM++ 2M as `DPMSolverMultistepScheduler.from_config(pipe.scheduler.config, use_flow_sigmas=True,
 /// prediction_type="flow_prediction", flow_shift=3.0)` swapped into the pipeline: 4 steps, so two of them are
 /// second-order multistep updates.
@@ -491,6 +531,54 @@ fn engine(model: &str) -> Sd3Engine {
 
 fn run(engine: &mut Sd3Engine, req: &GenerateRequest) -> Result<sdhive_engine::GenerateOutput, EngineError> {
     engine.generate(req, &mut |_| Control::Continue)
+}
+
+/// Jobs are planned against the device's memory as on SD1/SDXL, here under an operator's budget
+/// (`--memory-budget`): with 600 MiB beside the weights, a 64² job runs as is and a 128² one (16² latents, past
+/// the tiny VAE's 8-latent tiles) decodes in tiles — the image of the model decoding its final latents tiled, which
+/// `sdhive-models`' tests hold against diffusers' `enable_tiling()`; with 520 MiB (less than the planner's margin
+/// and a tile) the job is refused with the size and what it needs. The engine's info reports the plan.
+#[test]
+fn the_memory_plan_tiles_the_vae_or_refuses_the_job() {
+    let mib = 1u64 << 20;
+    let weights = engine("sd3").info().memory.expect("a memory report").weights_bytes;
+    assert!(weights > 0);
+    let mut roomy = engine("sd3").with_memory(None, Some(weights + 600 * mib));
+    let native = roomy.info().memory.and_then(|m| m.native_job).expect("the native job's plan");
+    assert!(!native.vae_tiling, "{native:?}");
+
+    let golden = golden_request("sd3_pipe_dpm_sd3.safetensors");
+    let small = GenerateRequest { sampler: Sampler::Euler, steps: 2, ..engine_request(&golden) };
+    let big = GenerateRequest { width: Some(128), height: Some(128), ..small.clone() };
+    let plain_small = run(&mut engine("sd3"), &small).expect("64²");
+    assert_eq!(
+        run(&mut roomy, &small).expect("64² within the budget").images[0].image,
+        plain_small.images[0].image
+    );
+
+    let tiled = run(&mut roomy, &big).expect("128² within the budget").images.remove(0).image;
+    let plain = run(&mut engine("sd3"), &big).expect("128²").images.remove(0).image;
+    assert_eq!((tiled.width, tiled.height), (128, 128));
+    assert_ne!(tiled, plain, "a tiled decode blends its seams: the budget did not change the plan");
+    let mut sd3 = load_model("sd3");
+    sd3.vae_tiling = true;
+    let req = Sd3Request {
+        width: 128,
+        height: 128,
+        steps: 2,
+        sampler: FlowSampler::Euler,
+        max_sequence_length: sdhive_tokenizer::T5_DEFAULT_MAX_LEN,
+        ..golden
+    };
+    assert_eq!(sd3.generate(&req).expect("tiled by hand").image, tiled);
+
+    let mut tight = engine("sd3").with_memory(None, Some(weights + 520 * mib));
+    match run(&mut tight, &big) {
+        Err(EngineError::InsufficientMemory(e)) => {
+            assert!(e.to_string().contains("128×128 job needs about"), "{e}")
+        }
+        other => panic!("a job past the budget must be refused, got {:?}", other.map(|_| "images")),
+    }
 }
 
 /// The engine's request as the golden's: the A1111 names map onto the flow samplers, skip-layer guidance reaches

@@ -26,7 +26,7 @@ pub use image_io::{
     RgbImage,
 };
 pub use infotext::{infotext, InfotextContext};
-pub use memory::{budgeted_free, InsufficientMemory, JobPlan, MemoryReport, ModelShape};
+pub use memory::{budgeted_free, InsufficientMemory, JobPlan, MemoryReport, MmditShape, ModelShape};
 pub use placement::{DeviceRef, Module, Placement, PlacementError};
 pub use preview::{PreviewDecoder, PreviewMode};
 pub use request::{

@@ -1,9 +1,9 @@
 //! Memory planning for a job, shared by both engines: an estimate of what a request needs on the device beyond
-//! the resident weights (UNet activations and attention scores for the CFG batch, the VAE decode), checked
+//! the resident weights (UNet or MMDiT activations and attention scores for the CFG batch, the VAE decode), checked
 //! against the device's free memory. The plan turns on VAE tiling or attention slicing when the plain run would
 //! not fit, and refuses the job — with the amount it needs — when even those would not. The estimates are upper
-//! bounds from the architectures' shapes (live feature maps per latent pixel, the largest attention-score matrix
-//! and the VAE's full-resolution block and mid-block attention), not measurements.
+//! bounds from the architectures' shapes (live feature maps per latent pixel or per token, the largest
+//! attention-score matrix and the VAE's full-resolution block and mid-block attention), not measurements.
 
 use serde::Serialize;
 use thiserror::Error;
@@ -27,7 +27,26 @@ pub struct ModelShape {
     pub score_chunk_elements: Option<u64>,
     /// Latent pixels a side of one VAE tile when the engine decodes in tiles.
     pub vae_tile_latent: u64,
+    /// An SD3-family MMDiT in place of a UNet (the attention level and heads above are then unused).
+    pub mmdit: Option<MmditShape>,
 }
+
+/// What the planner needs of an MMDiT: one attention over the image's patch tokens and the text tokens joined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct MmditShape {
+    /// The transformer's width and attention heads.
+    pub hidden: u32,
+    pub heads: u32,
+    /// Latent pixels a side of one patch token.
+    pub patch: u32,
+    /// Text tokens joined to the image's (77 of CLIP + T5's).
+    pub context_tokens: u32,
+}
+
+/// Live MMDiT activations, in widths per token per image: the image and text residual streams, the normed and
+/// modulated input, q, k and v and a second set of them in MMDiT-X's dual-attention blocks, the attention output,
+/// and the MLP's 4× hidden before and after its GELU.
+const MMDIT_WIDTHS_PER_TOKEN: u64 = 2 + 1 + 6 + 1 + 8;
 
 /// Live UNet feature maps, in channel-equivalents per latent pixel per image: the skip connections kept for the
 /// up path (≈1,700 for SD1.5's 320/640/1280 levels), the widest working tensors of the full-resolution up
@@ -71,12 +90,24 @@ impl ModelShape {
     fn unet_bytes(&self, width: u32, height: u32, batch: u64, slicing: bool) -> u64 {
         let f = u64::from(self.vae_factor.max(1));
         let latent_pixels = (u64::from(width) / f) * (u64::from(height) / f);
-        let maps = UNET_CHANNELS_PER_LATENT_PIXEL * latent_pixels * batch * self.activation_bytes;
+        let (maps, tokens, heads) = match self.mmdit {
+            None => (
+                UNET_CHANNELS_PER_LATENT_PIXEL * latent_pixels * batch * self.activation_bytes,
+                latent_pixels >> (2 * self.first_attention_level),
+                u64::from(self.heads_at_first_attention),
+            ),
+            Some(m) => {
+                let patch = u64::from(m.patch.max(1));
+                let tokens = latent_pixels / (patch * patch) + u64::from(m.context_tokens);
+                let maps =
+                    MMDIT_WIDTHS_PER_TOKEN * u64::from(m.hidden) * tokens * batch * self.activation_bytes;
+                (maps, tokens, u64::from(m.heads))
+            }
+        };
         if self.fused_attention {
             return maps;
         }
-        let tokens = latent_pixels >> (2 * self.first_attention_level);
-        let scores = self.score_bytes(batch * u64::from(self.heads_at_first_attention) * tokens * tokens);
+        let scores = self.score_bytes(batch * heads * tokens * tokens);
         maps + if slicing { scores.div_ceil(ATTENTION_SLICES) } else { scores }
     }
 
@@ -186,7 +217,24 @@ mod tests {
             fused_attention: false,
             score_chunk_elements: None,
             vae_tile_latent: 32,
+            mmdit: None,
         }
+    }
+
+    #[test]
+    fn mmdit_estimates_count_patch_and_text_tokens() {
+        // SD3.5-medium in bf16 at 1024²: 64² patch tokens + 333 text tokens, width 1536, 24 heads, CFG batch 2.
+        let medium = MmditShape { hidden: 1536, heads: 24, patch: 2, context_tokens: 333 };
+        let m = ModelShape { mmdit: Some(medium), ..sd15_f16() };
+        let tokens = 4096 + 333;
+        let maps = MMDIT_WIDTHS_PER_TOKEN * 1536 * tokens * 2 * 2;
+        assert_eq!(m.unet_bytes(1024, 1024, 2, false), maps + 2 * 24 * tokens * tokens * 4);
+        assert_eq!(m.unet_bytes(1024, 1024, 2, true), maps + (2 * 24 * tokens * tokens * 4).div_ceil(16));
+        let fused = ModelShape { fused_attention: true, ..m };
+        assert_eq!(fused.unet_bytes(1024, 1024, 2, false), maps);
+        // The UNet's fields do not enter an MMDiT's estimate.
+        let other = ModelShape { first_attention_level: 1, heads_at_first_attention: 10, ..m };
+        assert_eq!(other.unet_bytes(1024, 1024, 2, false), m.unet_bytes(1024, 1024, 2, false));
     }
 
     #[test]

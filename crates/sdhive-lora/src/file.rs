@@ -54,6 +54,18 @@ impl LoraModule {
         self.weights.rank()
     }
 
+    /// A plain LoRA of a linear layer as its two factors in f32, the module's scale folded into `up`:
+    /// `(scale · up [out, rank], down [rank, in])`, whose product is ΔW. `None` for LoHa, LoKr, a tucker core or a
+    /// convolution.
+    pub fn linear_factors(&self) -> Option<candle_core::Result<(Tensor, Tensor)>> {
+        let Weights::Lora { up, down, mid: None } = &self.weights else { return None };
+        if up.rank() != 2 || down.rank() != 2 {
+            return None;
+        }
+        let scale = f64::from(self.scale());
+        Some((|| Ok((up.to_dtype(DType::F32)?.affine(scale, 0.0)?, down.to_dtype(DType::F32)?)))())
+    }
+
     /// The factor ΔW is multiplied by before the user's weight: `scale`, else alpha/rank, else 1 (A1111's
     /// `calc_scale`).
     pub fn scale(&self) -> f32 {

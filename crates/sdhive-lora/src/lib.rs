@@ -20,4 +20,4 @@ pub use embedding::{read_embedding_header, Embedding, EmbeddingInfo};
 pub use error::LoraError;
 pub use file::{LoraFile, LoraModule, ModuleName};
 pub use header::read_metadata;
-pub use names::{Denoiser, ModelParams, Network, Patch, Rows};
+pub use names::{sd3_sai_module, Denoiser, ModelParams, Network, Patch, Rows, Slot};

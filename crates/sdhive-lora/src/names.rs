@@ -201,11 +201,20 @@ fn unet_table(params: &HashMap<String, Vec<usize>>, lpb: usize) -> Table {
 
 /// Which part of an SAI module a diffusers MMDiT weight is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Slot {
+pub enum Slot {
     Whole,
     /// q, k or v of a fused `qkv`.
     Third(usize),
+    /// The whole layer with its two halves of rows exchanged (an adaLN whose `(scale, shift)` diffusers swapped).
     Swapped,
+}
+
+/// The dotted SAI module of a diffusers MMDiT module path (`transformer_blocks.0.attn.to_k` →
+/// `joint_blocks.0.x_block.attn.qkv`, its second third) in a model of `blocks` blocks, whose last block's context
+/// stream ends there; `None` for a path SAI's MMDiT has no layer for.
+pub fn sd3_sai_module(path: &str, blocks: usize) -> Option<(String, Slot)> {
+    let pre_only: HashSet<usize> = blocks.checked_sub(1).into_iter().collect();
+    sai_name(path, &pre_only)
 }
 
 /// The SAI name of a diffusers MMDiT module (`transformer_blocks.0.attn.to_k` → `joint_blocks.0.x_block.attn.qkv`,

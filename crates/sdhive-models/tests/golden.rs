@@ -181,22 +181,33 @@ fn vae_sdxl() {
     vae_case("sdxl");
 }
 
-/// diffusers' `enable_tiling()` decode: same tiles, same blending, same crop (xtask/fixtures/gen_vae_tiled.py).
-#[test]
-fn vae_sd1_tiled() {
-    let g = golden("vae_sd1_tiled.safetensors");
-    let vae = AutoencoderKL::from_dir(&model_dir("sd1", "vae"), DType::F32, &Device::Cpu)
-        .unwrap_or_else(|e| panic!("sd1/vae: {e}"));
+/// diffusers' `enable_tiling()` decode: same tiles, same blending, same crop (xtask/fixtures/gen_vae_tiled.py), on
+/// SD1's VAE and SD3's (16 latent channels).
+fn vae_tiled_case(model: &str) {
+    let g = golden(&format!("vae_{model}_tiled.safetensors"));
+    let vae = AutoencoderKL::from_dir(&model_dir(model, "vae"), DType::F32, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{model}/vae: {e}"));
     assert_eq!(vae.config().tile_latent_size(), 8);
     let latent = get(&g, "latent");
     let tiled = vae.decode_tiled(latent).unwrap_or_else(|e| panic!("{e}"));
     let plain = vae.decode(latent).unwrap_or_else(|e| panic!("{e}"));
+    let (t, p) = (format!("{model} vae tiled decode"), format!("{model} vae plain decode"));
     check(&[
-        ("sd1 vae tiled decode".into(), max_diff("sd1 vae tiled decode", &tiled, get(&g, "decoded_tiled"))),
-        ("sd1 vae plain decode".into(), max_diff("sd1 vae plain decode", &plain, get(&g, "decoded_plain"))),
+        (t.clone(), max_diff(&t, &tiled, get(&g, "decoded_tiled"))),
+        (p.clone(), max_diff(&p, &plain, get(&g, "decoded_plain"))),
     ]);
     // Latents within one tile decode exactly as without tiling.
     let small = latent.narrow(2, 0, 8).and_then(|t| t.narrow(3, 0, 8)).expect("narrow");
     let (a, b) = (vae.decode_tiled(&small).expect("tiled"), vae.decode(&small).expect("plain"));
     assert_eq!(max_diff("one tile", &a, &b), 0.0);
+}
+
+#[test]
+fn vae_sd1_tiled() {
+    vae_tiled_case("sd1");
+}
+
+#[test]
+fn vae_sd3_tiled() {
+    vae_tiled_case("sd3");
 }

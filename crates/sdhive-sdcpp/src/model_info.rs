@@ -79,6 +79,7 @@ impl ModelInfo {
             score_chunk_elements: None,
             // sd.cpp's default VAE tile (32 latent pixels a side).
             vae_tile_latent: 32,
+            mmdit: None,
         }
     }
 }

@@ -88,18 +88,19 @@ fn check_one(
     mmdit: Option<Mmdit>,
 ) -> Result<Option<CheckedLora>, ValidationError> {
     let file = LoraFile::read(&lora.path).map_err(|e| invalid(lora, e))?;
-    let sdcpp_path = match mmdit {
+    let (sdcpp_path, scales_folded) = match mmdit {
         Some(m) => crate::sd3::cache_root()
             .and_then(|cache| sd3_lora_for_sdcpp(&file, m, &cache))
             .map_err(|msg| invalid(lora, msg))?,
         None => {
             fits_family(&file, family).map_err(|m| invalid(lora, m))?;
-            lora.path.clone()
+            (lora.path.clone(), false)
         }
     };
     // sd.cpp reads a module's alpha from `.alpha` tensors only: a diffusers/PEFT file whose alpha is in its adapter
-    // metadata would be applied at another strength, silently.
-    if let Some(m) = file.modules.iter().find(|m| m.scale_from_metadata && m.scale() != 1.0) {
+    // metadata would be applied at another strength, silently (unless rewritten with its scales folded in).
+    if let Some(m) = file.modules.iter().find(|m| m.scale_from_metadata && m.scale() != 1.0 && !scales_folded)
+    {
         return Err(invalid(
             lora,
             format!(
@@ -184,77 +185,205 @@ fn fits_family(file: &LoraFile, family: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// An SD3 LoRA for this MMDiT as sd.cpp reads it. Its kohya loader turns every `_` of a name into `.`, which
-/// SAI's names (`joint_blocks`, `x_block`, `adaLN_modulation`) do not survive, so the file is checked, then written
-/// once into the cache with the dotted SAI names sd.cpp maps (`diffusion_model.joint_blocks.0.x_block.attn.qkv.…`;
-/// the same tensors) and that copy is what sd.cpp loads. Checked: every block named exists and every layer takes
-/// the model's width (its MLP's second layer four times it). Refused naming the module: text-encoder and T5
-/// modules (sd.cpp's SD3 mapping of them is unchecked; diffusers applies no T5 LoRA), diffusers/PEFT names
-/// (`transformer.transformer_blocks.…`, unchecked on this engine), and names SAI's MMDiT has no layer for.
+/// An SD3 LoRA for this MMDiT as sd.cpp reads it, and whether the modules' scales were folded into the copy.
+/// sd.cpp's kohya loader turns every `_` of a name into `.`, which SAI's names (`joint_blocks`, `x_block`,
+/// `adaLN_modulation`) do not survive, so the file is checked, then written once into the cache with the dotted
+/// SAI names sd.cpp maps (`diffusion_model.joint_blocks.0.x_block.attn.qkv.…`; the same tensors) and that copy is
+/// what sd.cpp loads. A file in diffusers' (PEFT) names is rewritten into SAI's layers instead
+/// ([`sd3_peft_for_sdcpp`]). Checked: every block named exists and every layer takes the model's width (its MLP's
+/// second layer four times it). Refused naming the module: text-encoder and T5 modules (sd.cpp's SD3 mapping of
+/// them is unchecked; diffusers applies no T5 LoRA), a file mixing diffusers' names with SAI's, and names SAI's
+/// MMDiT has no layer for.
 fn sd3_lora_for_sdcpp(
     file: &LoraFile,
     m: Mmdit,
     cache: &std::path::Path,
-) -> Result<std::path::PathBuf, String> {
+) -> Result<(std::path::PathBuf, bool), String> {
     let path = file.path.display();
-    let misfit = |module: &LoraModule, why: String| {
-        format!(
-            "{path}: module {} does not fit this model (SD3, {} wide, {} blocks): {why}",
-            module.key, m.hidden, m.blocks
-        )
-    };
+    for module in &file.modules {
+        if let Network::TextEncoder(i) = module.name.network() {
+            let what = if i >= 2 {
+                "T5, which no SD3 LoRA loader applies (diffusers has none)"
+            } else {
+                "a text encoder, which the stable-diffusion.cpp engine does not take from SD3 LoRAs (the candle \
+                 engine does)"
+            };
+            return Err(misfit(file, module, m, format!("it changes {what}")));
+        }
+    }
+    let peft: Vec<&LoraModule> = file.modules.iter().filter(|module| is_peft(module)).collect();
+    if let Some(first) = peft.first() {
+        if let Some(other) = file.modules.iter().find(|module| !is_peft(module)) {
+            return Err(format!(
+                "{path}: module {} is in diffusers' (PEFT) names and module {} in SAI's; a file in one of them is \
+                 taken",
+                first.key, other.key
+            ));
+        }
+        return sd3_peft_for_sdcpp(file, m, cache).map(|p| (p, true));
+    }
     let mut renamed: Vec<(String, String)> = Vec::new();
     for module in &file.modules {
-        let sai = match (&module.name, module.name.network()) {
-            (_, Network::TextEncoder(i)) => {
-                let what = if i >= 2 { "T5, which no SD3 LoRA loader applies (diffusers has none)" } else {
-                    "a text encoder, which the stable-diffusion.cpp engine does not take from SD3 LoRAs (the candle \
-                     engine does)"
-                };
-                return Err(misfit(module, format!("it changes {what}")));
-            }
-            (sdhive_lora::ModuleName::Kohya { name, .. }, Network::Unet) => kohya_sai_path(name)
-                .ok_or_else(|| misfit(module, "SAI's MMDiT has no such layer".into()))?,
-            (sdhive_lora::ModuleName::Diffusers { path: p, .. }, Network::Unet)
-                if module.key.starts_with("diffusion_model.") || module.key.starts_with("model.diffusion_model.") =>
-            {
-                p.clone()
-            }
-            (sdhive_lora::ModuleName::Diffusers { .. }, Network::Unet) => {
-                return Err(format!(
-                    "{path}: module {} is in diffusers' (PEFT) names, which the stable-diffusion.cpp engine does not \
-                     take for SD3 models; use a kohya/SAI-named file (`lora_unet_joint_blocks_…`) or a worker with \
-                     the candle engine",
-                    module.key
-                ))
-            }
+        let sai = match &module.name {
+            sdhive_lora::ModuleName::Kohya { name, .. } => kohya_sai_path(name)
+                .ok_or_else(|| misfit(file, module, m, "SAI's MMDiT has no such layer".into()))?,
+            sdhive_lora::ModuleName::Diffusers { path: p, .. } => p.clone(),
         };
         let shape = file.natural_shape(module).map_err(|e| e.to_string())?;
         if let [out, inp, ..] = shape.as_slice() {
-            let block =
-                sai.strip_prefix("joint_blocks.").and_then(|r| r.split('.').next()?.parse::<usize>().ok());
-            match block {
-                Some(b) if b >= m.blocks => {
-                    return Err(misfit(module, format!("block {b} does not exist (0 to {})", m.blocks - 1)))
-                }
-                Some(_) if *inp != m.hidden && *inp != 4 * m.hidden => {
-                    return Err(misfit(
-                        module,
-                        format!("it takes {inp} features, the model's blocks {}", m.hidden),
-                    ))
-                }
-                None if *out != m.hidden && *inp != m.hidden => {
-                    return Err(misfit(
-                        module,
-                        format!("it is a {out}×{inp} update, the model is {} wide", m.hidden),
-                    ))
-                }
-                _ => {}
-            }
+            fits_mmdit(file, module, m, &sai, *out, *inp)?;
         }
         renamed.push((module.key.clone(), format!("diffusion_model.{sai}")));
     }
-    write_renamed(&file.path, &renamed, cache)
+    write_renamed(&file.path, &renamed, cache).map(|p| (p, false))
+}
+
+fn misfit(file: &LoraFile, module: &LoraModule, m: Mmdit, why: String) -> String {
+    format!(
+        "{}: module {} does not fit this model (SD3, {} wide, {} blocks): {why}",
+        file.path.display(),
+        module.key,
+        m.hidden,
+        m.blocks
+    )
+}
+
+/// A module in diffusers' names of the MMDiT (`transformer.transformer_blocks.…`), not SAI's dotted ones.
+fn is_peft(module: &LoraModule) -> bool {
+    matches!(module.name, sdhive_lora::ModuleName::Diffusers { network: Network::Unet, .. })
+        && !module.key.starts_with("diffusion_model.")
+        && !module.key.starts_with("model.diffusion_model.")
+}
+
+/// The SAI layer `sai` can take an `out`×`in` update: its block exists, a block's layer takes the model's width
+/// (the MLP's second layer four times it), a layer outside the blocks gives or takes it.
+fn fits_mmdit(
+    file: &LoraFile,
+    module: &LoraModule,
+    m: Mmdit,
+    sai: &str,
+    out: usize,
+    inp: usize,
+) -> Result<(), String> {
+    let block = sai.strip_prefix("joint_blocks.").and_then(|r| r.split('.').next()?.parse::<usize>().ok());
+    match block {
+        Some(b) if b >= m.blocks => {
+            Err(misfit(file, module, m, format!("block {b} does not exist (0 to {})", m.blocks - 1)))
+        }
+        Some(_) if inp != m.hidden && inp != 4 * m.hidden => {
+            Err(misfit(file, module, m, format!("it takes {inp} features, the model's blocks {}", m.hidden)))
+        }
+        None if out != m.hidden && inp != m.hidden => Err(misfit(
+            file,
+            module,
+            m,
+            format!("it is a {out}×{inp} update, the model is {} wide", m.hidden),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A diffusers/PEFT-named SD3 LoRA (`transformer.transformer_blocks.0.attn.to_q.lora_A.weight`: diffusers' own
+/// format and most trainers') rewritten into SAI's layers, which sd.cpp reads: each module goes to the SAI layer
+/// holding its weight (`to_q`, `to_k`, `to_v` are the thirds of one fused `qkv`; the last block's context adaLN
+/// and `norm_out` have their halves swapped back), and the modules of one layer become one LoRA of their summed
+/// rank — the `down`s stacked, each scaled `up` on its rows and its own columns — whose ΔW is theirs side by side,
+/// exactly. The scales are folded into `up` (sd.cpp reads no adapter metadata). Plain LoRA modules of linear
+/// layers only; written once into the cache like the renamed copies.
+fn sd3_peft_for_sdcpp(
+    file: &LoraFile,
+    m: Mmdit,
+    cache: &std::path::Path,
+) -> Result<std::path::PathBuf, String> {
+    use sdhive_lora::Slot;
+    struct Part {
+        slot: Slot,
+        key: String,
+        up: Vec<Vec<f32>>,
+        down: Vec<Vec<f32>>,
+    }
+    let path = file.path.display();
+    let mut layers: std::collections::BTreeMap<String, Vec<Part>> = std::collections::BTreeMap::new();
+    for module in &file.modules {
+        let sdhive_lora::ModuleName::Diffusers { path: p, .. } = &module.name else { continue };
+        let (sai, slot) = sdhive_lora::sd3_sai_module(p, m.blocks)
+            .ok_or_else(|| misfit(file, module, m, "SAI's MMDiT has no such layer".into()))?;
+        let factors = module.linear_factors().ok_or_else(|| {
+            format!(
+                "{path}: module {} is a {:?} module, and SD3 LoRAs in diffusers' names are rewritten for the \
+                 stable-diffusion.cpp engine from plain LoRA modules (lora_A/lora_B) of linear layers only",
+                module.key,
+                module.kind()
+            )
+        })?;
+        let (up, down) = factors
+            .and_then(|(u, d)| Ok((u.to_vec2::<f32>()?, d.to_vec2::<f32>()?)))
+            .map_err(|e| format!("{path}: module {}: {e}", module.key))?;
+        let (out, inp) = (up.len(), down.first().map_or(0, Vec::len));
+        fits_mmdit(file, module, m, &sai, out, inp)?;
+        let parts = layers.entry(sai).or_default();
+        if let Some(twin) = parts.iter().find(|q| q.slot == slot) {
+            return Err(format!("{path}: modules {} and {} change the same weight", twin.key, module.key));
+        }
+        parts.push(Part { slot, key: module.key.clone(), up, down });
+    }
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    for (sai, parts) in &layers {
+        let rank: usize = parts.iter().map(|q| q.down.len()).sum();
+        let inp = parts[0].down.first().map_or(0, Vec::len);
+        let out = parts[0].up.len();
+        if let Some(q) = parts.iter().find(|q| q.up.len() != out || q.down.first().map_or(0, Vec::len) != inp)
+        {
+            return Err(format!(
+                "{path}: modules {} and {} are parts of {sai} but differ in shape",
+                parts[0].key, q.key
+            ));
+        }
+        let rows = if parts.iter().any(|q| matches!(q.slot, Slot::Third(_))) { 3 * out } else { out };
+        let mut up = vec![0f32; rows * rank];
+        let mut down = Vec::with_capacity(rank * inp);
+        let mut col = 0;
+        for q in parts {
+            let r = q.down.len();
+            for (i, row) in q.up.iter().enumerate() {
+                let to = match q.slot {
+                    Slot::Whole => i,
+                    Slot::Third(t) => t * out + i,
+                    Slot::Swapped => (i + out / 2) % out,
+                };
+                up[to * rank + col..to * rank + col + r].copy_from_slice(row);
+            }
+            down.extend(q.down.iter().flatten());
+            col += r;
+        }
+        tensors.push((format!("diffusion_model.{sai}.lora_up.weight"), vec![rows, rank], up));
+        tensors.push((format!("diffusion_model.{sai}.lora_down.weight"), vec![rank, inp], down));
+    }
+    write_tensors(&file.path, &tensors, cache)
+}
+
+/// `tensors` (f32) written once into the cache as the copy of the LoRA at `src` (see [`write_renamed`]).
+fn write_tensors(
+    src: &std::path::Path,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+    cache: &std::path::Path,
+) -> Result<std::path::PathBuf, String> {
+    let out = cached_lora(src, cache)?;
+    if out.is_file() {
+        return Ok(out);
+    }
+    let bytes: Vec<Vec<u8>> =
+        tensors.iter().map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
+    let views = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((name, shape, _), b)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), b)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| format!("{}: {name}: {e}", src.display()))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    write_views(&out, views)
 }
 
 /// SAI's dotted path of a kohya SD3 module name (`joint_blocks_0_x_block_attn_qkv` → `joint_blocks.0.x_block.attn.qkv`).
@@ -297,20 +426,17 @@ fn kohya_sai_path(name: &str) -> Option<String> {
 }
 
 /// The LoRA at `src` with each module key renamed as `renamed` says (every tensor kept, bytes unchanged), written
-/// once into the cache (`sdcpp/loras/<stem>-<key>.safetensors`, keyed by the file's path, size and modification
-/// time).
+/// once into the cache.
 fn write_renamed(
     src: &std::path::Path,
     renamed: &[(String, String)],
     cache: &std::path::Path,
 ) -> Result<std::path::PathBuf, String> {
-    let fail = |e: String| format!("{}: {e}", src.display());
-    let dir = cache.join("sdcpp").join("loras");
-    let stem = src.file_stem().map_or_else(|| "lora".into(), |s| s.to_string_lossy().into_owned());
-    let out = crate::sd3::cached_copy(src, &dir, &stem)?;
+    let out = cached_lora(src, cache)?;
     if out.is_file() {
         return Ok(out);
     }
+    let fail = |e: String| format!("{}: {e}", src.display());
     let bytes = std::fs::read(src).map_err(|e| fail(e.to_string()))?;
     let tensors = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| fail(e.to_string()))?;
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
@@ -328,13 +454,30 @@ fn write_renamed(
             (new, view)
         })
         .collect();
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    write_views(&out, views)
+}
+
+/// Where the copy sd.cpp reads of the LoRA at `src` goes: `sdcpp/loras/<stem>-<key>.safetensors` in the cache,
+/// keyed by the file's path, size and modification time.
+fn cached_lora(src: &std::path::Path, cache: &std::path::Path) -> Result<std::path::PathBuf, String> {
+    let stem = src.file_stem().map_or_else(|| "lora".into(), |s| s.to_string_lossy().into_owned());
+    crate::sd3::cached_copy(src, &cache.join("sdcpp").join("loras"), &stem)
+}
+
+/// `views` written to `out` under a temporary name, then renamed, so a worker never reads half a file.
+fn write_views(
+    out: &std::path::Path,
+    views: Vec<(String, safetensors::tensor::TensorView<'_>)>,
+) -> Result<std::path::PathBuf, String> {
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    }
     let tmp = out.with_extension(format!("{}.tmp", std::process::id()));
     safetensors::serialize_to_file(views, None, &tmp)
         .map_err(|e| e.to_string())
-        .and_then(|()| std::fs::rename(&tmp, &out).map_err(|e| e.to_string()))
+        .and_then(|()| std::fs::rename(&tmp, out).map_err(|e| e.to_string()))
         .map_err(|e| format!("cannot write {}: {e}", out.display()))?;
-    Ok(out)
+    Ok(out.to_path_buf())
 }
 
 /// A UNet module on a cross-attention key or value projection, in kohya's or diffusers' spelling.
@@ -530,7 +673,7 @@ mod tests {
         let medium = Mmdit { hidden: 1536, blocks: 24 };
         let check = |l: &LoraUse| {
             let file = LoraFile::read(&l.path).map_err(|e| e.to_string())?;
-            sd3_lora_for_sdcpp(&file, medium, cache.path())
+            sd3_lora_for_sdcpp(&file, medium, cache.path()).map(|(path, _)| path)
         };
         let (_d1, fits) = made(
             &[
@@ -576,10 +719,17 @@ mod tests {
             let err = check(&l).unwrap_err();
             assert!(err.contains(why) && err.contains(module), "{module}: {err}");
         }
-        // Unchecked on this engine: diffusers/PEFT names; and an SD1 LoRA does not fit.
-        let (_d, peft) = made(&[("transformer.transformer_blocks.0.attn.to_q", 1536, 1536)], 1.0, 1.0);
-        let err = check(&peft).unwrap_err();
-        assert!(err.contains("diffusers' (PEFT) names"), "{err}");
+        // A file mixing diffusers' names with SAI's; an SD1 LoRA does not fit.
+        let (_d, mixed) = made(
+            &[
+                ("transformer.transformer_blocks.0.attn.to_q", 1536, 1536),
+                ("lora_unet_joint_blocks_0_x_block_attn_proj", 1536, 1536),
+            ],
+            1.0,
+            1.0,
+        );
+        let err = check(&mixed).unwrap_err();
+        assert!(err.contains("diffusers' (PEFT) names") && err.contains("in SAI's"), "{err}");
         assert!(check(&lora("models/Lora/sd1_kohya.safetensors", 1.0, 1.0)).is_err());
         // Dotted SAI names are taken as they are.
         let (_d, dotted) = made(&[("lora_unet_joint_blocks_1_x_block_attn_proj", 1536, 1536)], 1.0, 1.0);
@@ -602,6 +752,117 @@ mod tests {
         safetensors::serialize_to_file(renamed, None, &dotted_path).unwrap();
         let l = LoraUse { path: dotted_path, ..dotted };
         assert!(check(&l).is_ok());
+    }
+
+    /// A diffusers/PEFT-named SD3 LoRA rewritten into SAI's layers changes every weight of the MMDiT exactly as
+    /// the file does: q, k and v (ranks 2, 3 and 1) become thirds of one `qkv` LoRA, the last block's context adaLN
+    /// and `norm_out` get their halves swapped, the rest keep their rows; a module on no SAI layer is refused.
+    #[test]
+    fn diffusers_named_sd3_loras_become_sai_layers_with_the_same_updates() {
+        use sdhive_lora::{Denoiser, ModelParams};
+        let (d, blocks) = (8usize, 2usize);
+        let mut params = ModelParams { denoiser: Denoiser::Mmdit, ..Default::default() };
+        for b in 0..blocks {
+            let p = format!("transformer_blocks.{b}.");
+            for (name, shape) in [
+                ("attn.to_q", [d, d]),
+                ("attn.to_k", [d, d]),
+                ("attn.to_v", [d, d]),
+                ("attn.add_q_proj", [d, d]),
+                ("attn.add_k_proj", [d, d]),
+                ("attn.add_v_proj", [d, d]),
+                ("attn.to_out.0", [d, d]),
+                ("norm1.linear", [6 * d, d]),
+                ("ff.net.0.proj", [4 * d, d]),
+                ("ff.net.2", [d, 4 * d]),
+            ] {
+                params.unet.insert(format!("{p}{name}.weight"), shape.to_vec());
+            }
+            // The last block's context stream ends in it: no output projection, a (scale, shift) adaLN.
+            let context_rows = if b + 1 == blocks { 2 } else { 6 };
+            params.unet.insert(format!("{p}norm1_context.linear.weight"), vec![context_rows * d, d]);
+            if b + 1 < blocks {
+                params.unet.insert(format!("{p}attn.to_add_out.weight"), vec![d, d]);
+            }
+        }
+        params.unet.insert("norm_out.linear.weight".into(), vec![2 * d, d]);
+        let modules: [(&str, usize, usize, usize); 7] = [
+            ("transformer.transformer_blocks.0.attn.to_q", d, d, 2),
+            ("transformer.transformer_blocks.0.attn.to_k", d, d, 3),
+            ("transformer.transformer_blocks.0.attn.to_v", d, d, 1),
+            ("transformer.transformer_blocks.1.attn.add_k_proj", d, d, 2),
+            ("transformer.transformer_blocks.1.norm1_context.linear", 2 * d, d, 2),
+            ("transformer.transformer_blocks.0.ff.net.2", d, 4 * d, 2),
+            ("transformer.norm_out.linear", 2 * d, d, 1),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("peft.safetensors");
+        let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+        let mut x = 0.37f32;
+        let mut next = || {
+            x = (x * 3.7 + 0.11).fract();
+            x - 0.5
+        };
+        for (name, out, inp, rank) in modules {
+            tensors.push((
+                format!("{name}.lora_A.weight"),
+                vec![rank, inp],
+                (0..rank * inp).map(|_| next()).collect(),
+            ));
+            tensors.push((
+                format!("{name}.lora_B.weight"),
+                vec![out, rank],
+                (0..out * rank).map(|_| next()).collect(),
+            ));
+        }
+        let bytes: Vec<Vec<u8>> =
+            tensors.iter().map(|(_, _, v)| v.iter().flat_map(|f| f.to_le_bytes()).collect()).collect();
+        let views: Vec<_> = tensors
+            .iter()
+            .zip(&bytes)
+            .map(|((n, shape, _), b)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &src).unwrap();
+
+        let cache = tempfile::tempdir().unwrap();
+        let original = LoraFile::read(&src).unwrap();
+        let (copy, folded) =
+            sd3_lora_for_sdcpp(&original, Mmdit { hidden: d, blocks }, cache.path()).unwrap();
+        assert!(folded);
+        let converted = LoraFile::read(&copy).unwrap();
+        assert_eq!(converted.modules.len(), 5, "q, k and v in one qkv module");
+        let updates = |file: &LoraFile| {
+            let mut by_weight: std::collections::BTreeMap<String, Vec<f32>> = Default::default();
+            for patch in file.resolve(&params).unwrap() {
+                let shape = &params.unet[&patch.target];
+                let delta = file.delta(&patch, shape, &candle_core::Device::Cpu).unwrap();
+                let values: Vec<f32> = delta.flatten_all().unwrap().to_vec1().unwrap();
+                let sum = by_weight.entry(patch.target.clone()).or_insert_with(|| vec![0.0; values.len()]);
+                sum.iter_mut().zip(values).for_each(|(s, v)| *s += v);
+            }
+            by_weight
+        };
+        let (want, got) = (updates(&original), updates(&converted));
+        assert_eq!(want.len(), 7);
+        for (weight, g) in &got {
+            // The thirds of a fused layer the file left alone (block 1's add_q and add_v) get zeros.
+            let zeros = vec![0.0; g.len()];
+            let w = want.get(weight).unwrap_or(&zeros);
+            let worst = w.iter().zip(g).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst < 1e-6, "{weight}: off by {worst}");
+        }
+        assert!(want.keys().all(|k| got.contains_key(k)));
+
+        // A module on no SAI layer is refused naming it.
+        let (_d, odd) = made(&[("transformer.transformer_blocks.0.attn.to_x", d, d)], 1.0, 1.0);
+        let file = LoraFile::read(&odd.path).unwrap();
+        let err = sd3_lora_for_sdcpp(&file, Mmdit { hidden: d, blocks }, cache.path()).unwrap_err();
+        assert!(err.contains("attn.to_x") && err.contains("no such layer"), "{err}");
     }
 
     #[test]

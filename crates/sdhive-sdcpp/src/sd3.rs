@@ -11,7 +11,7 @@
 //! therefore written once in SAI's layout into the cache ([`sai_transformer`]: the same bytes, renamed and fused),
 //! which sd.cpp loads as the model file; the VAE and the encoders it reads from the folder as they are.
 
-use sdhive_engine::ModelShape;
+use sdhive_engine::{MmditShape, ModelShape};
 use std::path::{Path, PathBuf};
 
 /// The files one SD3 model loads from; `None` parts are absent (T5 when left out).
@@ -36,8 +36,8 @@ pub struct Sd3Files {
 
 impl Sd3Files {
     /// The model's shape for memory planning: every loaded tensor at `bytes_per_weight`, and the MMDiT's
-    /// attention over 2×2 latent patches (one level below the latents; the text tokens are left out) with its
-    /// scores materialised, as sd.cpp computes them without flash attention.
+    /// attention over the 2×2 latent patches and the text tokens (CLIP's 77 and T5's first 77, as sd.cpp
+    /// chunks them) with its scores materialised, as sd.cpp computes them without flash attention.
     pub fn shape(&self, bytes_per_weight: u64) -> ModelShape {
         ModelShape {
             weights_bytes: self.elements * bytes_per_weight,
@@ -48,6 +48,12 @@ impl Sd3Files {
             fused_attention: false,
             score_chunk_elements: None,
             vae_tile_latent: 32,
+            mmdit: Some(MmditShape {
+                hidden: self.hidden as u32,
+                heads: self.heads,
+                patch: 2,
+                context_tokens: 2 * 77,
+            }),
         }
     }
 }

@@ -1,14 +1,15 @@
-//! SD3.5-medium through stable-diffusion.cpp against diffusers: its architecture (the MMDiT-X a quarter wide, the text
-//! encoders and VAE full-size) with deterministic random weights (`cargo xtask random-model --manifest tests/fixtures/sd35m-random/manifest.json`, its folder in
-//! `SDHIVE_SD35M_RANDOM`), without T5, handed to sd.cpp part by part from its diffusers folder, generates diffusers'
-//! images of the goldens of xtask/fixtures/gen_sd35m_random.py (64², CFG 5): `sd35m_random_euler` (2 flow-Euler
-//! steps), `sd35m_random_slg` (3 steps, skip-layer guidance on blocks 7-9 at steps 1 and 2), `sd35m_random_lora` (a
-//! kohya/SAI-named LoRA at 0.8), `sd35m_random_hires` (hires fix: Latent 2×, 2 of 4 second-pass steps) and
-//! `sd35m_random_vae` (a standalone VAE in the original names, the model folder's `VAE/`), within
-//! the bounds of the engine's SD1.5 image check (`cargo xtask vulkan`). Ignored by default because it needs that
-//! 2 GB model; `cargo xtask vulkan` writes the model and runs it on ggml's CPU backend. Measured there (2 cores):
-//! mean |diff| 0.10-0.15 levels, max 1, PSNR 56.4-58.3 dB; load (the MMDiT's conversion to SAI's layout and a
-//! warm-up image included) 8 s, each image 11-12 s, the whole test ~60 s.
+//! SD3.5-medium through stable-diffusion.cpp against diffusers: its architecture (the MMDiT-X a quarter wide, the
+//! text encoders and VAE full-size) with deterministic random weights (`cargo xtask random-model --manifest
+//! tests/fixtures/sd35m-random/manifest.json`, its folder in `SDHIVE_SD35M_RANDOM`), without T5, handed to sd.cpp
+//! part by part from its diffusers folder, generates diffusers' images of the goldens of
+//! xtask/fixtures/gen_sd35m_random.py (64², CFG 5): `sd35m_random_euler` (2 flow-Euler steps), `sd35m_random_slg` (3
+//! steps, skip-layer guidance on blocks 7-9 at steps 1 and 2), `sd35m_random_lora` (a kohya/SAI-named LoRA at 0.8),
+//! `sd35m_random_peft` (a diffusers/PEFT-named one at 0.8), `sd35m_random_hires` (hires fix: Latent 2×, 2 of 4
+//! second-pass steps) and `sd35m_random_vae` (a standalone VAE in the original names, the model folder's `VAE/`),
+//! within the bounds of the engine's SD1.5 image check (`cargo xtask vulkan`). Ignored by default because it needs
+//! that 2 GB model; `cargo xtask vulkan` writes the model and runs it on ggml's CPU backend. Measured there (2
+//! cores): mean |diff| 0.10-0.15 levels, max 1, PSNR 56.4-58.3 dB; load (the MMDiT's conversion to SAI's layout and
+//! a warm-up image included) 8 s, each image 11-12 s, the whole test ~60 s.
 
 mod common;
 
@@ -102,6 +103,18 @@ fn sd35_medium_without_t5_generates_diffusers_image() {
     let lora_req = GenerateRequest { loras: vec![lora], ..lora_req };
     let ours = common::image(&mut engine, &lora_req);
     assert_close("sd35m_random_lora", &ours, &lora_theirs);
+
+    // A LoRA in diffusers' (PEFT) names with its alpha in the adapter metadata, rewritten into SAI's layers for
+    // sd.cpp, against diffusers' own `load_lora_weights` at 0.8.
+    let (peft_req, peft_theirs) = common::golden_case("sd35m_random_peft");
+    let spec = &common::golden_json("sd35m_random_peft")["lora"];
+    let file = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/sd35m-random")
+        .join(spec["file"].as_str().expect("file"));
+    let lora = LoraUse { name: "sd35m_random_peft".into(), path: file, te: weight, unet: weight, hash: None };
+    let peft_req = GenerateRequest { loras: vec![lora], ..peft_req };
+    let ours = common::image(&mut engine, &peft_req);
+    assert_close("sd35m_random_peft", &ours, &peft_theirs);
 
     // Hires fix, composed as the candle engine composes it from diffusers: the Latent upscale to 128², then SD3
     // img2img with strength 0.5 over 4 steps (the last 2 run), diffusers' sigmas handed to sd.cpp's second pass.

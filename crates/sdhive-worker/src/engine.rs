@@ -182,7 +182,8 @@ fn load_with(
 }
 
 /// An SD3-family diffusers folder or SAI single file, each network on its target (`--placement`, `--offload`;
-/// module `te` is all three text encoders). The RAM cache and memory planning do not cover SD3 yet.
+/// module `te` is all three text encoders), with a standalone VAE in place of its own where one is chosen, its
+/// jobs planned against the memory of the device the MMDiT runs on. The RAM cache does not cover SD3 yet.
 fn load_sd3(
     backend: Backend,
     targets: &Targets,
@@ -190,20 +191,22 @@ fn load_sd3(
     model: &ResolvedModel,
     opts: &EngineOptions,
 ) -> anyhow::Result<Box<dyn Engine>> {
-    if model.vae.is_some() {
-        bail!("a standalone VAE is not available for SD3 models yet");
-    }
     let path = model.location.path();
-    let names = (backend.name(), info.name.as_str());
-    let engine = if path.is_file() {
+    let mut sd3 = if path.is_file() {
         // A single file's configs and missing text encoders come from the diffusers folder of its name beside it.
         let config = Some(path.with_extension("")).filter(|d| d.join("model_index.json").is_file());
-        let sd3 =
-            sdhive_candle::Sd3Model::from_single_file_on(path, config.as_deref(), targets, !opts.no_t5)?;
-        sdhive_candle::Sd3Engine::from_model(sd3, &model.name, targets.unet.dtype, names)
+        sdhive_candle::Sd3Model::from_single_file_on(path, config.as_deref(), targets, !opts.no_t5)?
     } else {
-        sdhive_candle::Sd3Engine::load_on(path, &model.name, targets, !opts.no_t5, names)?
+        sdhive_candle::Sd3Model::from_dir_on(path, targets, !opts.no_t5)?
     };
+    if let Some(vae) = &model.vae {
+        sd3.replace_vae(vae, &targets.vae)?;
+    }
+    let names = (backend.name(), info.name.as_str());
+    let planned = DeviceHandle::Candle(targets.unet.device.clone());
+    let memory: sdhive_candle::MemoryQuery = Arc::new(move || shared_worker::memory(&planned));
+    let engine = sdhive_candle::Sd3Engine::from_model(sd3, &model.name, targets.unet.dtype, names)
+        .with_memory(Some(memory), opts.memory_budget);
     Ok(Box::new(engine.with_limits(opts.limits.clone())))
 }
 

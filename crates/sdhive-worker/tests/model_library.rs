@@ -2,13 +2,13 @@
 //! fixture models: switching through every API gives each model's own image (what a fresh worker loaded with
 //! that model makes), the Open WebUI and SillyTavern flows, a standalone VAE, failed switches that leave the
 //! previous model serving, unknown names, lazy hashes, refresh, unload/reload, and memory that does not grow
-//! as models come and go.
+//! as models come and go; an SD3 model with a standalone SD3 VAE.
 
 mod common;
 
 use base64::Engine as _;
 use common::{copy_dir, Worker};
-use sdhive_candle::{CandleEngine, LoadOptions};
+use sdhive_candle::{CandleEngine, LoadOptions, ModuleTarget, Sd3Engine, Sd3Model};
 use sdhive_engine::{Control, Engine, GenerateRequest, RgbImage, Sampler, Schedule};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -93,6 +93,23 @@ fn fresh_image(model: &Path, vae: Option<&Path>, seed: u64) -> RgbImage {
     resolved.vae = vae.map(Path::to_path_buf);
     let opts = LoadOptions::single_device(&candle_core::Device::Cpu, candle_core::DType::F32, "cpu", "cpu");
     let mut engine = CandleEngine::load(&resolved, opts).unwrap();
+    let out = engine.generate(&request(seed), &mut |_| Control::Continue).unwrap();
+    out.images.into_iter().next().unwrap().image
+}
+
+/// What an SD3 engine loaded from `model` (a diffusers folder) with `vae` in place of its own makes of the
+/// request every API below sends.
+fn fresh_sd3_image(model: &Path, vae: Option<&Path>, seed: u64) -> RgbImage {
+    let (device, dtype) = (candle_core::Device::Cpu, candle_core::DType::F32);
+    let mut sd3 = Sd3Model::from_dir(model, dtype, &device, true).unwrap();
+    if let Some(vae) = vae {
+        sd3.replace_vae(
+            vae,
+            &ModuleTarget { device: device.clone(), dtype, offload: false, host_copy: false },
+        )
+        .unwrap();
+    }
+    let mut engine = Sd3Engine::from_model(sd3, "sd3", dtype, ("cpu", "cpu"));
     let out = engine.generate(&request(seed), &mut |_| Control::Continue).unwrap();
     out.images.into_iter().next().unwrap().image
 }
@@ -224,6 +241,33 @@ async fn open_webui_and_sillytavern_model_flows() {
         "override_settings_restore_afterwards": true, "save_images": false, "send_images": true,
         "do_not_save_grid": false, "do_not_save_samples": false});
     assert_eq!(a1111_image(&w, &body).await, fresh_image(&root.join("sd1.safetensors"), None, 6));
+    w.stop().await;
+}
+
+/// An SD3 model takes a standalone SD3 VAE (16 latent channels) per request: the image of an engine loaded with
+/// that VAE (`sdhive-candle`'s SD3 tests hold that one against diffusers). An SD1 VAE for it fails the request
+/// naming the file, and the model serves on with its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sd3_model_takes_a_standalone_sd3_vae() {
+    let dir = models_dir();
+    let root = std::fs::canonicalize(dir.path()).unwrap();
+    copy_dir(&fixtures().join("sd3"), &root.join("sd3"));
+    let w = Worker::start(&root, &["--model", "sd3"]).await;
+    let with_vae = fresh_sd3_image(&root.join("sd3"), Some(&root.join("VAE/sd3-alt.safetensors")), 8);
+    let without = fresh_sd3_image(&root.join("sd3"), None, 8);
+    assert_ne!(with_vae, without, "the other VAE must change the image");
+
+    let mut body = a1111_body(8);
+    body["override_settings"] = json!({"sd_vae": "sd3-alt.safetensors"});
+    assert_eq!(a1111_image(&w, &body).await, with_vae);
+    assert_eq!(a1111_image(&w, &a1111_body(8)).await, without);
+
+    body["override_settings"] = json!({"sd_vae": "sd1-alt.safetensors"});
+    let (status, v) = w.post("/sdapi/v1/txt2img", &body).await;
+    assert!((400..500).contains(&status), "{status} {v}");
+    let said = v.to_string();
+    assert!(said.contains("sd1-alt.safetensors") && said.contains("4 latent channels"), "{said}");
+    assert_eq!(a1111_image(&w, &a1111_body(8)).await, without);
     w.stop().await;
 }
 
