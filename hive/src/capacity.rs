@@ -13,7 +13,7 @@ use crate::registry::{OnDemand, WorkerStatus};
 use crate::router;
 use crate::supervisor::{self, Spec};
 use crate::{models, Hive, State};
-use sdhive_engine::memory::ModelShape;
+use sdhive_engine::memory::{MmditShape, ModelShape};
 use sdhive_protocol::WorkerState;
 use serde::Serialize;
 use shared_worker::Backend;
@@ -39,6 +39,8 @@ pub enum Family {
     Sd1,
     Sd2,
     Sdxl,
+    /// SD3 / SD3.5: an MMDiT in place of the UNet.
+    Sd3,
 }
 
 /// The device memory a model needs in a worker of its own.
@@ -58,10 +60,11 @@ impl Footprint {
     }
 }
 
-/// One tensor of a safetensors header: its dtype and element count.
+/// One tensor of a safetensors header: its dtype, shape and element count.
 struct Tensor {
     name: String,
     dtype: String,
+    shape: Vec<u64>,
     elements: u64,
 }
 
@@ -84,11 +87,12 @@ fn read_tensors(path: &Path) -> Result<Vec<Tensor>, String> {
         .filter(|(name, _)| name != "__metadata__")
         .map(|(name, info)| {
             let dtype = info["dtype"].as_str().unwrap_or("F32").to_string();
-            let elements = info["shape"]
-                .as_array()
-                .map(|dims| dims.iter().map(|d| d.as_u64().unwrap_or(0)).product())
-                .unwrap_or(0);
-            Tensor { name, dtype, elements }
+            let shape: Option<Vec<u64>> =
+                info["shape"].as_array().map(|dims| dims.iter().map(|d| d.as_u64().unwrap_or(0)).collect());
+            // A scalar's shape is empty: one element.
+            let elements = shape.as_ref().map_or(0, |dims| dims.iter().product());
+            let shape = shape.unwrap_or_default();
+            Tensor { name, dtype, shape, elements }
         })
         .collect())
 }
@@ -111,8 +115,12 @@ fn family_defaults(family: Family) -> (u32, u32, u32) {
         Family::Sd1 => (512, 0, 8),
         Family::Sd2 => (768, 0, 5),
         Family::Sdxl => (1024, 1, 10),
+        Family::Sd3 => (1024, 0, 0),
     }
 }
+
+/// The joint context of an SD3 MMDiT: CLIP's 77 tokens and T5's 256 (zeros without T5), as the engines build it.
+const SD3_CONTEXT_TOKENS: u32 = 77 + 256;
 
 struct Parts {
     family: Family,
@@ -122,13 +130,21 @@ struct Parts {
     native: u32,
     first_attention_level: u32,
     heads: u32,
+    /// SD3's MMDiT, which the planner counts over patch and text tokens.
+    mmdit: Option<MmditShape>,
 }
 
 /// A single-file checkpoint: the LDM/SGM prefixes the engines load (EMA copies and the rest are not loaded), and
 /// SD3's text encoders (`text_encoders.*`; an SD3.5 file's come from its folder and are not counted here).
 fn single_file(path: &Path, with_t5: bool) -> Result<Parts, String> {
     let tensors = read_tensors(path)?;
-    let family = if tensors.iter().any(|t| t.name.starts_with("conditioner.embedders.1.")) {
+    let sd3_width = tensors
+        .iter()
+        .find(|t| t.name == "model.diffusion_model.x_embedder.proj.weight")
+        .and_then(|t| t.shape.first().copied());
+    let family = if sd3_width.is_some() {
+        Family::Sd3
+    } else if tensors.iter().any(|t| t.name.starts_with("conditioner.embedders.1.")) {
         Family::Sdxl
     } else if tensors.iter().any(|t| t.name.starts_with("cond_stage_model.model.")) {
         Family::Sd2
@@ -142,6 +158,13 @@ fn single_file(path: &Path, with_t5: bool) -> Result<Parts, String> {
         native: 0,
         first_attention_level: 0,
         heads: 0,
+        // SAI's MMDiTs have heads of 64 and 2×2 patches.
+        mmdit: sd3_width.map(|w| MmditShape {
+            hidden: w as u32,
+            heads: (w / 64).max(1) as u32,
+            patch: 2,
+            context_tokens: SD3_CONTEXT_TOKENS,
+        }),
     };
     let tensors_of_sd3 = tensors.iter().any(|t| t.name.starts_with("model.diffusion_model.joint_blocks."));
     let names: Vec<String> = tensors.iter().map(|t| t.name.clone()).collect();
@@ -210,7 +233,24 @@ fn diffusers(dir: &Path, with_t5: bool) -> Result<Parts, String> {
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or_default();
-    let family = if dir.join("text_encoder_2").is_dir() {
+    // SD3's denoiser is a transformer with its own config; its sample size gives the native size all the same.
+    let transformer: serde_json::Value = std::fs::read_to_string(dir.join("transformer/config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default();
+    let number = |key: &str| transformer[key].as_u64().map(|v| v as u32);
+    let mmdit = match (number("num_attention_heads"), number("attention_head_dim")) {
+        (Some(heads), Some(head)) => Some(MmditShape {
+            hidden: heads * head,
+            heads,
+            patch: number("patch_size").unwrap_or(2),
+            context_tokens: SD3_CONTEXT_TOKENS,
+        }),
+        _ => None,
+    };
+    let family = if mmdit.is_some() {
+        Family::Sd3
+    } else if dir.join("text_encoder_2").is_dir() {
         Family::Sdxl
     } else if config["cross_attention_dim"].as_u64() == Some(1024) {
         Family::Sd2
@@ -218,11 +258,6 @@ fn diffusers(dir: &Path, with_t5: bool) -> Result<Parts, String> {
         Family::Sd1
     };
     let (mut native, mut level, mut heads) = family_defaults(family);
-    // SD3's denoiser is a transformer with its own config; its sample size gives the native size all the same.
-    let transformer: serde_json::Value = std::fs::read_to_string(dir.join("transformer/config.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or_default();
     if let Some(side) = config["sample_size"].as_u64().or(transformer["sample_size"].as_u64()) {
         native = (side * 8) as u32;
     }
@@ -245,6 +280,7 @@ fn diffusers(dir: &Path, with_t5: bool) -> Result<Parts, String> {
         native,
         first_attention_level: level,
         heads,
+        mmdit,
     };
     for component in ["unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae"] {
         if !with_t5 && component == "text_encoder_3" {
@@ -298,7 +334,7 @@ pub fn estimate_with(path: &Path, backend: Backend, with_t5: bool) -> Result<Foo
         fused_attention: backend == Backend::Cuda,
         score_chunk_elements: None,
         vae_tile_latent: 64,
-        mmdit: None,
+        mmdit: parts.mmdit,
     };
     let side = parts.native.max(8);
     let activation_bytes =
@@ -744,8 +780,14 @@ mod tests {
             sd3.weights_bytes > file_bytes * 9 / 10 && sd3.weights_bytes <= file_bytes,
             "{sd3:?} vs {file_bytes}"
         );
+        // Both are SD3, planned over the MMDiT's patch and text tokens: the folder at its config's native size
+        // (64 px), the file, which carries no config, at SD3's 1024² (the VAE decode's 2944 f32 values a pixel).
+        let single_file = estimate(&fixture("sd3.safetensors"), Backend::Cpu).unwrap();
+        assert_eq!((sd3.family, single_file.family), (Family::Sd3, Family::Sd3));
+        assert!(sd3.activation_bytes < 64 << 20, "{sd3:?}");
+        assert!(single_file.activation_bytes > 2944 * 1024 * 1024 * 4, "{single_file:?}");
         // The single file lacks CLIP-L's 8×8 projection only (SAI files carry none; the identity stands in).
-        let single = estimate(&fixture("sd3.safetensors"), Backend::Cpu).unwrap().weights_bytes;
+        let single = single_file.weights_bytes;
         assert_eq!(sd3.weights_bytes - single, 8 * 8 * 4);
         // Without T5 (the hive's `no_t5`) its weights do not count, in the folder as in the file.
         let t5_bytes: u64 = component_files(&fixture("sd3").join("text_encoder_3"))
