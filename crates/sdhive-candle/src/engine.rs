@@ -22,7 +22,7 @@ use sdhive_engine::{
     GenerateRequest, GeneratedImage, InfotextContext, JobPlan, Limits, MemoryReport, ModelShape, Progress,
     RgbImage, Sampler, UpscaleRequest, ValidationError,
 };
-use sdhive_models::ops::{attention_is_fused, limit_attention_scores, MAX_SCORE_ELEMENTS};
+use sdhive_models::ops::{attention_is_fused, limit_attention_scores, ScoreLimitGuard, MAX_SCORE_ELEMENTS};
 use sdhive_modelsource::ResolvedModel;
 use std::sync::Arc;
 
@@ -91,6 +91,21 @@ pub(crate) fn finished_image(
         version: concat!("sdhive ", env!("CARGO_PKG_VERSION")),
     };
     GeneratedImage { image, seed, infotext: infotext(req, &ctx) }
+}
+
+/// A job's memory plan put in force on the engine thread: said in the log when it departs from the plain run, and
+/// attention sliced while the returned guard lives (VAE tiling is the caller's to pass on).
+pub(crate) fn follow_plan(plan: &JobPlan, (width, height): (u32, u32)) -> Option<ScoreLimitGuard> {
+    if plan.attention_slicing || plan.vae_tiling {
+        tracing::info!(
+            width,
+            height,
+            attention_slicing = plan.attention_slicing,
+            vae_tiling = plan.vae_tiling,
+            "memory plan for this job"
+        );
+    }
+    plan.attention_slicing.then(|| limit_attention_scores(MAX_SCORE_ELEMENTS / ATTENTION_SLICES as usize))
 }
 
 /// Images per UNet call with classifier-free guidance (the negative and positive halves of one batch).
@@ -312,19 +327,8 @@ impl Engine for CandleEngine {
         };
         let (plan_w, plan_h) = hires.map_or((width, height), |(_, t)| t.output);
         let plan = self.plan(plan_w, plan_h)?;
-        if plan.attention_slicing || plan.vae_tiling {
-            tracing::info!(
-                width = plan_w,
-                height = plan_h,
-                attention_slicing = plan.attention_slicing,
-                vae_tiling = plan.vae_tiling,
-                "memory plan for this job"
-            );
-        }
         // Dropped at the end of the job, restoring the engine thread's default.
-        let _slicing = plan
-            .attention_slicing
-            .then(|| limit_attention_scores(MAX_SCORE_ELEMENTS / ATTENTION_SLICES as usize));
+        let _slicing = follow_plan(&plan, (plan_w, plan_h));
         let base_seed = req.seed.unwrap_or_else(random_seed);
         let size = (width as usize, height as usize);
         let text_failed = |e: candle_core::Error| failed(format!("text encoder: {e}"));

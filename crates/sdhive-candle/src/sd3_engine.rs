@@ -13,7 +13,7 @@
 //! says so), the Karras schedule, DPM++ 2M and skip-layer guidance with an init image, a hires `hr_sampler_name`
 //! other than Euler and a hires size that is not a multiple of 16 (skip-layer guidance guides the first pass only).
 
-use crate::engine::{finished_image, lora_error, MemoryQuery, CFG_BATCH};
+use crate::engine::{finished_image, follow_plan, lora_error, MemoryQuery, CFG_BATCH};
 use crate::hires::{sd3_hires_image, sd3_second_pass_steps, Sd3SecondPass};
 use crate::lora::AppliedLoras;
 use crate::preview::sd3_latent_preview;
@@ -21,12 +21,12 @@ use crate::sd3::{Sd3Error, Sd3Model, Sd3Request, StepEstimate};
 use crate::upscalers::Upscalers;
 use candle_core::{DType, Device};
 use sdhive_engine::extra_networks::strip_networks;
-use sdhive_engine::memory::{budgeted_free, JobPlan, MemoryReport, MmditShape, ModelShape, ATTENTION_SLICES};
+use sdhive_engine::memory::{budgeted_free, JobPlan, MemoryReport, MmditShape, ModelShape};
 use sdhive_engine::{
     random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest, GeneratedImage,
     HiresFix, HiresTarget, Limits, PreviewDecoder, Progress, RgbImage, Sampler, Schedule, ValidationError,
 };
-use sdhive_models::ops::{attention_is_fused, limit_attention_scores, MAX_SCORE_ELEMENTS};
+use sdhive_models::ops::{attention_is_fused, MAX_SCORE_ELEMENTS};
 use sdhive_schedulers::FlowSampler;
 use sdhive_tokenizer::T5_DEFAULT_MAX_LEN;
 use std::path::Path;
@@ -337,19 +337,8 @@ impl Engine for Sd3Engine {
         // Hires fix: the largest MMDiT call and decode are the second pass's, at the output size.
         let (plan_w, plan_h) = hires.map_or((width, height), |(_, t)| t.output);
         let plan = self.plan(plan_w, plan_h)?;
-        if plan.attention_slicing || plan.vae_tiling {
-            tracing::info!(
-                width = plan_w,
-                height = plan_h,
-                attention_slicing = plan.attention_slicing,
-                vae_tiling = plan.vae_tiling,
-                "memory plan for this job"
-            );
-        }
         // Dropped at the end of the job, restoring the engine thread's default.
-        let _slicing = plan
-            .attention_slicing
-            .then(|| limit_attention_scores(MAX_SCORE_ELEMENTS / ATTENTION_SLICES as usize));
+        let _slicing = follow_plan(&plan, (plan_w, plan_h));
         self.model.vae_tiling = plan.vae_tiling;
         let base_seed = req.seed.unwrap_or_else(random_seed);
         let mut images: Vec<GeneratedImage> = Vec::with_capacity(req.n as usize);

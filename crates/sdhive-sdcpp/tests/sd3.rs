@@ -92,29 +92,20 @@ fn sd35_medium_without_t5_generates_diffusers_image() {
     eprintln!("generated with skip-layer guidance in {:.1} s", started.elapsed().as_secs_f64());
     assert_close("sd35m_random_slg", &ours, &slg_theirs);
 
-    // A kohya/SAI-named LoRA (tests/fixtures/sd35m-random/Lora/) at 0.8, against diffusers' image with it fused.
-    let (lora_req, lora_theirs) = common::golden_case("sd35m_random_lora");
-    let spec = &common::golden_json("sd35m_random_lora")["lora"];
-    let weight = spec["weight"].as_f64().expect("weight") as f32;
-    let file = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/sd35m-random")
-        .join(spec["file"].as_str().expect("file"));
-    let lora = LoraUse { name: "sd35m_random_lora".into(), path: file, te: weight, unet: weight, hash: None };
-    let lora_req = GenerateRequest { loras: vec![lora], ..lora_req };
-    let ours = common::image(&mut engine, &lora_req);
-    assert_close("sd35m_random_lora", &ours, &lora_theirs);
-
-    // A LoRA in diffusers' (PEFT) names with its alpha in the adapter metadata, rewritten into SAI's layers for
+    // A kohya/SAI-named LoRA (tests/fixtures/sd35m-random/Lora/) at 0.8, against diffusers' image with it fused;
+    // one in diffusers' (PEFT) names with its alpha in the adapter metadata, rewritten into SAI's layers for
     // sd.cpp, against diffusers' own `load_lora_weights` at 0.8.
-    let (peft_req, peft_theirs) = common::golden_case("sd35m_random_peft");
-    let spec = &common::golden_json("sd35m_random_peft")["lora"];
-    let file = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/sd35m-random")
-        .join(spec["file"].as_str().expect("file"));
-    let lora = LoraUse { name: "sd35m_random_peft".into(), path: file, te: weight, unet: weight, hash: None };
-    let peft_req = GenerateRequest { loras: vec![lora], ..peft_req };
-    let ours = common::image(&mut engine, &peft_req);
-    assert_close("sd35m_random_peft", &ours, &peft_theirs);
+    for name in ["sd35m_random_lora", "sd35m_random_peft"] {
+        let (req, theirs) = common::golden_case(name);
+        let spec = &common::golden_json(name)["lora"];
+        let weight = spec["weight"].as_f64().expect("weight") as f32;
+        let file = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/sd35m-random")
+            .join(spec["file"].as_str().expect("file"));
+        let lora = LoraUse { name: name.into(), path: file, te: weight, unet: weight, hash: None };
+        let ours = common::image(&mut engine, &GenerateRequest { loras: vec![lora], ..req });
+        assert_close(name, &ours, &theirs);
+    }
 
     // Hires fix, composed as the candle engine composes it from diffusers: the Latent upscale to 128², then SD3
     // img2img with strength 0.5 over 4 steps (the last 2 run), diffusers' sigmas handed to sd.cpp's second pass.
