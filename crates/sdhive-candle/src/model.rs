@@ -155,15 +155,7 @@ impl SdModel {
     /// The model with every network kept as host tensors (on the CPU, each in the dtype its target asks for):
     /// what the RAM cache of recently used checkpoints holds. [`SdModel::place`] builds it on a device.
     pub fn load_host(model: &ResolvedModel, targets: &Targets) -> Result<Self, LoadError> {
-        let host = |t: &ModuleTarget| ModuleTarget {
-            device: Device::Cpu,
-            dtype: t.dtype,
-            offload: true,
-            host_copy: true,
-        };
-        let host_targets =
-            Targets { unet: host(&targets.unet), text: host(&targets.text), vae: host(&targets.vae) };
-        Self::load(model, &host_targets)
+        Self::load(model, &targets.host_copies())
     }
 
     /// Bytes of host memory held by a model from [`SdModel::load_host`].

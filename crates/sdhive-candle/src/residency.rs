@@ -38,6 +38,17 @@ impl Targets {
     pub fn any_offloaded(&self) -> bool {
         [&self.unet, &self.text, &self.vae].iter().any(|t| t.offload)
     }
+
+    /// Each network kept as a host copy on the CPU in the dtype its target asks for: what the RAM cache holds.
+    pub fn host_copies(&self) -> Self {
+        let host = |t: &ModuleTarget| ModuleTarget {
+            device: Device::Cpu,
+            dtype: t.dtype,
+            offload: true,
+            host_copy: true,
+        };
+        Targets { unet: host(&self.unet), text: host(&self.text), vae: host(&self.vae) }
+    }
 }
 
 // Shared so that a host copy kept in the RAM cache can build the network again on another target.

@@ -25,10 +25,12 @@ use sdhive_models::{
     AutoencoderKL, AutoencoderKLConfig, ClipTextConfig, ClipTextModel, SD3Transformer2DModel,
     SD3TransformerConfig, T5Config, T5EncoderModel,
 };
+use sdhive_modelsource::ResolvedModel;
 use sdhive_rng::TorchGenerator;
 use sdhive_schedulers::{FlowMatchConfig, FlowMatchEulerDiscrete, FlowSampler, FlowScheduler};
 use sdhive_tokenizer::{ClipTokenizer, PadToken, T5Tokenizer, T5_DEFAULT_MAX_LEN};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -57,11 +59,11 @@ fn failed<E: std::fmt::Display>(stage: &'static str) -> impl Fn(E) -> Sd3Error {
 /// encode or decode) and dropped after.
 pub struct Sd3Model {
     pub clip_l: Resident<ClipTextModel>,
-    pub tokenizer_l: ClipTokenizer,
+    pub tokenizer_l: Arc<ClipTokenizer>,
     pub clip_g: Resident<ClipTextModel>,
-    pub tokenizer_g: ClipTokenizer,
+    pub tokenizer_g: Arc<ClipTokenizer>,
     /// `None`: left out (diffusers' `text_encoder_3=None`), its part of the context is zeros.
-    pub t5: Option<(Resident<T5EncoderModel>, T5Tokenizer)>,
+    pub t5: Option<(Resident<T5EncoderModel>, Arc<T5Tokenizer>)>,
     pub transformer: Sd3Transformer,
     pub vae: Resident<AutoencoderKL>,
     vae_config: AutoencoderKLConfig,
@@ -236,7 +238,7 @@ impl Sd3Model {
         };
         let tokenizer = |name: &str| {
             let path = sub(name);
-            load(&path, ClipTokenizer::from_dir(&path))
+            load(&path, ClipTokenizer::from_dir(&path)).map(Arc::new)
         };
         let t5 = match (with_t5, sub("text_encoder_3").is_dir()) {
             (true, true) => {
@@ -247,7 +249,7 @@ impl Sd3Model {
                     component(&path, targets.text.clone(), move |vb| T5EncoderModel::new(vb, &cfg)),
                 )?;
                 let tokenizer = load(&sub("tokenizer_3"), T5Tokenizer::from_dir(&sub("tokenizer_3")))?;
-                Some((encoder, tokenizer))
+                Some((encoder, Arc::new(tokenizer)))
             }
             _ => None,
         };
@@ -360,8 +362,8 @@ impl Sd3Model {
         let clip_g = clip(c.text_encoder_2, c.configs.text_encoder_2.as_ref(), "text_encoder_2")?;
         let tokenizer = |name: &str, pad: PadToken| match sub(name).filter(|d| d.join("vocab.json").is_file())
         {
-            Some(path) => load(&path, ClipTokenizer::from_dir(&path)),
-            None => load(file, ClipTokenizer::bundled(pad)),
+            Some(path) => load(&path, ClipTokenizer::from_dir(&path)).map(Arc::new),
+            None => load(file, ClipTokenizer::bundled(pad)).map(Arc::new),
         };
         let t5_tokenizer = || {
             let path = sub("tokenizer_3").filter(|d| d.is_dir()).ok_or_else(|| Sd3Error::Load {
@@ -370,7 +372,7 @@ impl Sd3Model {
                     "T5 needs its tokenizer: give the model's diffusers folder (with `tokenizer_3`) as config"
                         .into(),
             })?;
-            load(&path, T5Tokenizer::from_dir(&path))
+            load(&path, T5Tokenizer::from_dir(&path)).map(Arc::new)
         };
         let t5 = match (with_t5, c.text_encoder_3, c.configs.text_encoder_3.as_ref()) {
             (false, _, _) => None,
@@ -406,6 +408,72 @@ impl Sd3Model {
             vae,
             vae_config,
             scheduler,
+            vae_tiling: false,
+        })
+    }
+
+    /// A worker's model: a diffusers folder or an SAI single file (its configs and missing text encoders from the
+    /// diffusers folder of its name beside it), each network on its target, with the standalone VAE `model.vae`
+    /// in place of its own where one is chosen.
+    pub fn load(model: &ResolvedModel, targets: &Targets, with_t5: bool) -> Result<Sd3Model, Sd3Error> {
+        let path = model.location.path();
+        let mut sd3 = if path.is_file() {
+            let config = Some(path.with_extension("")).filter(|d| d.join("model_index.json").is_file());
+            Self::from_single_file_on(path, config.as_deref(), targets, with_t5)?
+        } else {
+            Self::from_dir_on(path, targets, with_t5)?
+        };
+        if let Some(vae) = &model.vae {
+            sd3.replace_vae(vae, &targets.vae)?;
+        }
+        Ok(sd3)
+    }
+
+    /// [`Sd3Model::load`] with every network kept as host tensors in the dtype its target asks for: what the RAM
+    /// cache of recently used checkpoints holds; [`Sd3Model::place`] builds it on the targets' devices.
+    pub fn load_host(model: &ResolvedModel, targets: &Targets, with_t5: bool) -> Result<Sd3Model, Sd3Error> {
+        Self::load(model, &targets.host_copies(), with_t5)
+    }
+
+    /// Bytes of host memory held by a model from [`Sd3Model::load_host`].
+    pub fn host_bytes(&self) -> u64 {
+        let t5 = self.t5.as_ref().map_or(0, |(t5, _)| t5.host_bytes());
+        self.clip_l.host_bytes()
+            + self.clip_g.host_bytes()
+            + t5
+            + self.transformer.host_bytes()
+            + self.vae.host_bytes()
+    }
+
+    /// A model from [`Sd3Model::load_host`] built on `targets`' devices (each network's dtype is its host copy's),
+    /// sharing its host tensors: nothing is read from disk; on a GPU only the upload remains.
+    pub fn place(&self, targets: &Targets) -> Result<Sd3Model, Sd3Error> {
+        fn put<T>(r: &Resident<T>, t: &ModuleTarget) -> Result<Resident<T>, Sd3Error> {
+            match r.place(&t.device, t.offload) {
+                Some(placed) => placed.map_err(failed("placing a cached network")),
+                None => Err(Sd3Error::Load {
+                    path: PathBuf::from("<host cache>"),
+                    message: "the cached model holds no host copy".into(),
+                }),
+            }
+        }
+        let t5 = match &self.t5 {
+            Some((t5, tokenizer)) => Some((put(t5, &targets.text)?, Arc::clone(tokenizer))),
+            None => None,
+        };
+        Ok(Sd3Model {
+            clip_l: put(&self.clip_l, &targets.text)?,
+            tokenizer_l: Arc::clone(&self.tokenizer_l),
+            clip_g: put(&self.clip_g, &targets.text)?,
+            tokenizer_g: Arc::clone(&self.tokenizer_g),
+            t5,
+            transformer: Sd3Transformer {
+                network: put(&self.transformer.network, &targets.unet)?,
+                config: self.transformer.config.clone(),
+            },
+            vae: put(&self.vae, &targets.vae)?,
+            vae_config: self.vae_config.clone(),
+            scheduler: self.scheduler.clone(),
             vae_tiling: false,
         })
     }

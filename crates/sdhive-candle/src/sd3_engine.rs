@@ -243,6 +243,21 @@ fn flow_sampler(sampler: Sampler) -> Option<FlowSampler> {
     }
 }
 
+impl Drop for Sd3Engine {
+    /// Weights on the CPU share memory with the RAM cache's host copy: a LoRA merged into them is taken out
+    /// before the engine goes, or the cache would keep it.
+    fn drop(&mut self) {
+        if !self.loras.is_empty() {
+            if let Err(e) = self.loras.restore(&mut self.model) {
+                tracing::error!(
+                    "putting LoRA-merged weights back as the SD3 model `{}` is dropped: {e}",
+                    self.name
+                );
+            }
+        }
+    }
+}
+
 impl Engine for Sd3Engine {
     fn info(&self) -> EngineInfo {
         let size = self.native_size();

@@ -158,7 +158,7 @@ fn load_with(
             };
             if sd3 {
                 let targets = targets(opts.dtype.unwrap_or_else(|| backend.default_sd3_dtype()))?;
-                return load_sd3(backend, &targets, info, model, &opts).with_context(context);
+                return load_sd3(backend, &targets, info, model, &opts, cache).with_context(context);
             }
             let targets = targets(dtype)?;
             // Jobs are planned against the memory of the device the UNet runs on.
@@ -182,26 +182,21 @@ fn load_with(
 }
 
 /// An SD3-family diffusers folder or SAI single file, each network on its target (`--placement`, `--offload`;
-/// module `te` is all three text encoders), with a standalone VAE in place of its own where one is chosen, its
-/// jobs planned against the memory of the device the MMDiT runs on. The RAM cache does not cover SD3 yet.
+/// module `te` is all three text encoders), with a standalone VAE in place of its own where one is chosen,
+/// through the RAM cache like SD1/SDXL, its jobs planned against the memory of the device the MMDiT runs on.
 fn load_sd3(
     backend: Backend,
     targets: &Targets,
     info: &DeviceInfo,
     model: &ResolvedModel,
     opts: &EngineOptions,
+    cache: Option<&mut sdhive_candle::HostCache>,
 ) -> anyhow::Result<Box<dyn Engine>> {
-    let path = model.location.path();
-    let mut sd3 = if path.is_file() {
-        // A single file's configs and missing text encoders come from the diffusers folder of its name beside it.
-        let config = Some(path.with_extension("")).filter(|d| d.join("model_index.json").is_file());
-        sdhive_candle::Sd3Model::from_single_file_on(path, config.as_deref(), targets, !opts.no_t5)?
-    } else {
-        sdhive_candle::Sd3Model::from_dir_on(path, targets, !opts.no_t5)?
+    let with_t5 = !opts.no_t5;
+    let sd3 = match cache {
+        Some(cache) => cache.load_sd3(model, targets, with_t5)?,
+        None => sdhive_candle::Sd3Model::load(model, targets, with_t5)?,
     };
-    if let Some(vae) = &model.vae {
-        sd3.replace_vae(vae, &targets.vae)?;
-    }
     let names = (backend.name(), info.name.as_str());
     let planned = DeviceHandle::Candle(targets.unet.device.clone());
     let memory: sdhive_candle::MemoryQuery = Arc::new(move || shared_worker::memory(&planned));
