@@ -211,8 +211,7 @@ fn sd3_lora_for_sdcpp(
             return Err(misfit(file, module, m, format!("it changes {what}")));
         }
     }
-    let peft: Vec<&LoraModule> = file.modules.iter().filter(|module| is_peft(module)).collect();
-    if let Some(first) = peft.first() {
+    if let Some(first) = file.modules.iter().find(|module| is_peft(module)) {
         if let Some(other) = file.modules.iter().find(|module| !is_peft(module)) {
             return Err(format!(
                 "{path}: module {} is in diffusers' (PEFT) names and module {} in SAI's; a file in one of them is \
