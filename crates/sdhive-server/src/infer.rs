@@ -182,7 +182,18 @@ fn run_batch(
 /// A job that could not run because its model could not be loaded: the model is what the client asked for, so
 /// the failure is reported against the request's `model` field.
 fn model_failure(message: String) -> Outcome {
-    Outcome::Failed(JobError { kind: JobErrorKind::InvalidRequest, message, param: Some("model".into()) })
+    failure_of("model", message)
+}
+
+/// A failed switch to `model`, reported against the request's `vae` field when the message names the standalone
+/// VAE chosen with it (the engines name the file that failed: a VAE of another family), else against `model`.
+fn switch_failure(model: &ModelSpec, message: String) -> Outcome {
+    let vae_failed = model.vae.as_ref().is_some_and(|vae| message.contains(&*vae.to_string_lossy()));
+    failure_of(if vae_failed { "vae" } else { "model" }, message)
+}
+
+fn failure_of(param: &str, message: String) -> Outcome {
+    Outcome::Failed(JobError { kind: JobErrorKind::InvalidRequest, message, param: Some(param.into()) })
 }
 
 /// Makes `model` the loaded one, recording the outcome in the library. Engine panics during a load are caught
@@ -208,7 +219,7 @@ fn switch(jobs: &JobManager, host: &mut ModelHost, id: &JobId, model: &ModelSpec
             library.hash_in_background(model);
             Ok(())
         }
-        Ok(Err(e)) => Err(model_failure(e.to_string())),
+        Ok(Err(e)) => Err(switch_failure(model, e.to_string())),
         Err(payload) => {
             let message = panic_message(payload.as_ref());
             tracing::error!(model = %title, "loading panicked: {message}");

@@ -210,6 +210,7 @@ impl Spelling {
             "clip_skip" => "override_settings.CLIP_stop_at_last_layers",
             "output_format" => "samples_format",
             "model" => "override_settings.sd_model_checkpoint",
+            "vae" => "override_settings.sd_vae",
             "sampler" => self.sampler,
             other => other,
         }
