@@ -189,28 +189,17 @@ fn fits_family(file: &LoraFile, family: &str) -> Result<(), String> {
 /// sd.cpp's kohya loader turns every `_` of a name into `.`, which SAI's names (`joint_blocks`, `x_block`,
 /// `adaLN_modulation`) do not survive, so the file is checked, then written once into the cache with the dotted
 /// SAI names sd.cpp maps (`diffusion_model.joint_blocks.0.x_block.attn.qkv.…`; the same tensors) and that copy is
-/// what sd.cpp loads. A file in diffusers' (PEFT) names is rewritten into SAI's layers instead
-/// ([`sd3_peft_for_sdcpp`]). Checked: every block named exists and every layer takes the model's width (its MLP's
-/// second layer four times it). Refused naming the module: text-encoder and T5 modules (sd.cpp's SD3 mapping of
-/// them is unchecked; diffusers applies no T5 LoRA), a file mixing diffusers' names with SAI's, and names SAI's
-/// MMDiT has no layer for.
+/// what sd.cpp loads. A file in diffusers' (PEFT) names is rewritten into SAI's layers instead, its CLIP-L and
+/// CLIP-G modules included ([`sd3_peft_for_sdcpp`]). Checked: every block named exists and every layer takes the
+/// model's width (its MLP's second layer four times it). Refused naming the module: T5 modules (diffusers applies
+/// no T5 LoRA), text-encoder modules in kohya's names (unchecked against diffusers on this engine), a file mixing
+/// diffusers' names with SAI's, and names SAI's MMDiT has no layer for.
 fn sd3_lora_for_sdcpp(
     file: &LoraFile,
     m: Mmdit,
     cache: &std::path::Path,
 ) -> Result<(std::path::PathBuf, bool), String> {
     let path = file.path.display();
-    for module in &file.modules {
-        if let Network::TextEncoder(i) = module.name.network() {
-            let what = if i >= 2 {
-                "T5, which no SD3 LoRA loader applies (diffusers has none)"
-            } else {
-                "a text encoder, which the stable-diffusion.cpp engine does not take from SD3 LoRAs (the candle \
-                 engine does)"
-            };
-            return Err(misfit(file, module, m, format!("it changes {what}")));
-        }
-    }
     if let Some(first) = file.modules.iter().find(|module| is_peft(module)) {
         if let Some(other) = file.modules.iter().find(|module| !is_peft(module)) {
             return Err(format!(
@@ -220,6 +209,17 @@ fn sd3_lora_for_sdcpp(
             ));
         }
         return sd3_peft_for_sdcpp(file, m, cache).map(|p| (p, true));
+    }
+    for module in &file.modules {
+        if let Network::TextEncoder(i) = module.name.network() {
+            let what = if i >= 2 {
+                "T5, which no SD3 LoRA loader applies (diffusers has none)"
+            } else {
+                "a text encoder in kohya's names, which the stable-diffusion.cpp engine takes for SD3 in diffusers' \
+                 (PEFT) names only (the candle engine takes both)"
+            };
+            return Err(misfit(file, module, m, format!("it changes {what}")));
+        }
     }
     let mut renamed: Vec<(String, String)> = Vec::new();
     for module in &file.modules {
@@ -247,9 +247,10 @@ fn misfit(file: &LoraFile, module: &LoraModule, m: Mmdit, why: String) -> String
     )
 }
 
-/// A module in diffusers' names of the MMDiT (`transformer.transformer_blocks.…`), not SAI's dotted ones.
+/// A module in diffusers' names (`transformer.transformer_blocks.…`, `text_encoder.text_model.…`), not SAI's
+/// dotted ones.
 fn is_peft(module: &LoraModule) -> bool {
-    matches!(module.name, sdhive_lora::ModuleName::Diffusers { network: Network::Unet, .. })
+    matches!(module.name, sdhive_lora::ModuleName::Diffusers { .. })
         && !module.key.starts_with("diffusion_model.")
         && !module.key.starts_with("model.diffusion_model.")
 }
@@ -282,13 +283,34 @@ fn fits_mmdit(
     }
 }
 
+/// A text-encoder layer's update fits SD3's CLIP-L (768 wide, MLP 3072) or CLIP-G (1280, 5120).
+fn fits_clip(
+    file: &LoraFile,
+    module: &LoraModule,
+    encoder: usize,
+    out: usize,
+    inp: usize,
+) -> Result<(), String> {
+    let (name, width) = if encoder == 0 { ("CLIP-L", 768) } else { ("CLIP-G", 1280) };
+    if [out, inp].iter().all(|&d| d == width || d == 4 * width) {
+        return Ok(());
+    }
+    Err(format!(
+        "{}: module {} does not fit SD3's {name} ({width} wide): it is a {out}×{inp} update",
+        file.path.display(),
+        module.key
+    ))
+}
+
 /// A diffusers/PEFT-named SD3 LoRA (`transformer.transformer_blocks.0.attn.to_q.lora_A.weight`: diffusers' own
 /// format and most trainers') rewritten into SAI's layers, which sd.cpp reads: each module goes to the SAI layer
 /// holding its weight (`to_q`, `to_k`, `to_v` are the thirds of one fused `qkv`; the last block's context adaLN
 /// and `norm_out` have their halves swapped back), and the modules of one layer become one LoRA of their summed
 /// rank — the `down`s stacked, each scaled `up` on its rows and its own columns — whose ΔW is theirs side by side,
-/// exactly. The scales are folded into `up` (sd.cpp reads no adapter metadata). Plain LoRA modules of linear
-/// layers only; written once into the cache like the renamed copies.
+/// exactly. The scales are folded into `up` (sd.cpp reads no adapter metadata). CLIP-L's and CLIP-G's modules keep
+/// their transformers names under SAI's `text_encoders.clip_{l,g}.transformer.`, as sd.cpp's SD3 conditioner
+/// names its weights. Plain LoRA modules of linear layers only; written once into the cache like the renamed
+/// copies.
 fn sd3_peft_for_sdcpp(
     file: &LoraFile,
     m: Mmdit,
@@ -304,9 +326,20 @@ fn sd3_peft_for_sdcpp(
     let path = file.path.display();
     let mut layers: std::collections::BTreeMap<String, Vec<Part>> = std::collections::BTreeMap::new();
     for module in &file.modules {
-        let sdhive_lora::ModuleName::Diffusers { path: p, .. } = &module.name else { continue };
-        let (sai, slot) = sdhive_lora::sd3_sai_module(p, m.blocks)
-            .ok_or_else(|| misfit(file, module, m, "SAI's MMDiT has no such layer".into()))?;
+        let sdhive_lora::ModuleName::Diffusers { path: p, network } = &module.name else { continue };
+        // CLIP-L and CLIP-G keep transformers' names in sd.cpp's SD3 conditioner, under SAI's prefixes.
+        let (sai, slot) = match network {
+            Network::Unet => sdhive_lora::sd3_sai_module(p, m.blocks)
+                .ok_or_else(|| misfit(file, module, m, "SAI's MMDiT has no such layer".into()))?,
+            Network::TextEncoder(i @ (0 | 1)) => {
+                let clip = if *i == 0 { "clip_l" } else { "clip_g" };
+                (format!("text_encoders.{clip}.transformer.{p}"), sdhive_lora::Slot::Whole)
+            }
+            Network::TextEncoder(_) => {
+                let why = "it changes T5, which no SD3 LoRA loader applies (diffusers has none)";
+                return Err(misfit(file, module, m, why.into()));
+            }
+        };
         let factors = module.linear_factors().ok_or_else(|| {
             format!(
                 "{path}: module {} is a {:?} module, and SD3 LoRAs in diffusers' names are rewritten for the \
@@ -319,7 +352,10 @@ fn sd3_peft_for_sdcpp(
             .and_then(|(u, d)| Ok((u.to_vec2::<f32>()?, d.to_vec2::<f32>()?)))
             .map_err(|e| format!("{path}: module {}: {e}", module.key))?;
         let (out, inp) = (up.len(), down.first().map_or(0, Vec::len));
-        fits_mmdit(file, module, m, &sai, out, inp)?;
+        match network {
+            Network::TextEncoder(i) => fits_clip(file, module, *i, out, inp)?,
+            _ => fits_mmdit(file, module, m, &sai, out, inp)?,
+        }
         let parts = layers.entry(sai).or_default();
         if let Some(twin) = parts.iter().find(|q| q.slot == slot) {
             return Err(format!("{path}: modules {} and {} change the same weight", twin.key, module.key));
@@ -355,8 +391,10 @@ fn sd3_peft_for_sdcpp(
             down.extend(q.down.iter().flatten());
             col += r;
         }
-        tensors.push((format!("diffusion_model.{sai}.lora_up.weight"), vec![rows, rank], up));
-        tensors.push((format!("diffusion_model.{sai}.lora_down.weight"), vec![rank, inp], down));
+        let key =
+            if sai.starts_with("text_encoders.") { sai.clone() } else { format!("diffusion_model.{sai}") };
+        tensors.push((format!("{key}.lora_up.weight"), vec![rows, rank], up));
+        tensors.push((format!("{key}.lora_down.weight"), vec![rank, inp], down));
     }
     write_tensors(&file.path, &tensors, cache)
 }
@@ -856,6 +894,33 @@ mod tests {
             assert!(worst < 1e-6, "{weight}: off by {worst}");
         }
         assert!(want.keys().all(|k| got.contains_key(k)));
+
+        // CLIP-L and CLIP-G modules keep transformers' names under SAI's prefixes; one of another width is refused.
+        let (_d, te) = made(
+            &[
+                ("text_encoder.text_model.encoder.layers.0.self_attn.q_proj", 768, 768),
+                ("text_encoder_2.text_model.encoder.layers.1.mlp.fc1", 5120, 1280),
+            ],
+            1.0,
+            1.0,
+        );
+        let file = LoraFile::read(&te.path).unwrap();
+        let (copy, _) = sd3_lora_for_sdcpp(&file, Mmdit { hidden: d, blocks }, cache.path()).unwrap();
+        let copy = LoraFile::read(&copy).unwrap();
+        let mut keys: Vec<&str> = copy.modules.iter().map(|m| m.key.as_str()).collect();
+        keys.sort();
+        assert_eq!(
+            keys,
+            [
+                "text_encoders.clip_g.transformer.text_model.encoder.layers.1.mlp.fc1",
+                "text_encoders.clip_l.transformer.text_model.encoder.layers.0.self_attn.q_proj"
+            ]
+        );
+        let (_d, sd2_te) =
+            made(&[("text_encoder.text_model.encoder.layers.0.self_attn.q_proj", 1024, 1024)], 1.0, 1.0);
+        let file = LoraFile::read(&sd2_te.path).unwrap();
+        let err = sd3_lora_for_sdcpp(&file, Mmdit { hidden: d, blocks }, cache.path()).unwrap_err();
+        assert!(err.contains("CLIP-L (768 wide)") && err.contains("1024×1024"), "{err}");
 
         // A module on no SAI layer is refused naming it.
         let (_d, odd) = made(&[("transformer.transformer_blocks.0.attn.to_x", d, d)], 1.0, 1.0);

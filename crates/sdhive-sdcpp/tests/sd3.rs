@@ -4,12 +4,13 @@
 //! part by part from its diffusers folder, generates diffusers' images of the goldens of
 //! xtask/fixtures/gen_sd35m_random.py (64², CFG 5): `sd35m_random_euler` (2 flow-Euler steps), `sd35m_random_slg` (3
 //! steps, skip-layer guidance on blocks 7-9 at steps 1 and 2), `sd35m_random_lora` (a kohya/SAI-named LoRA at 0.8),
-//! `sd35m_random_peft` (a diffusers/PEFT-named one at 0.8), `sd35m_random_hires` (hires fix: Latent 2×, 2 of 4
-//! second-pass steps) and `sd35m_random_vae` (a standalone VAE in the original names, the model folder's `VAE/`),
-//! within the bounds of the engine's SD1.5 image check (`cargo xtask vulkan`). Ignored by default because it needs
-//! that 2 GB model; `cargo xtask vulkan` writes the model and runs it on ggml's CPU backend. Measured there (2
-//! cores): mean |diff| 0.10-0.15 levels, max 1, PSNR 56.4-58.3 dB; load (the MMDiT's conversion to SAI's layout and
-//! a warm-up image included) 8 s, each image 11-12 s, the whole test ~60 s.
+//! `sd35m_random_peft` (a diffusers/PEFT-named one at 0.8), `sd35m_random_peft_te` (one with CLIP-L and CLIP-G
+//! modules too), `sd35m_random_hires` (hires fix: Latent 2×, 2 of 4 second-pass steps) and `sd35m_random_vae` (a
+//! standalone VAE in the original names, the model folder's `VAE/`), within the bounds of the engine's SD1.5 image
+//! check (`cargo xtask vulkan`). Ignored by default because it needs that 2 GB model; `cargo xtask vulkan` writes
+//! the model and runs it on ggml's CPU backend. Measured there (2 cores): mean |diff| 0.10-0.15 levels, max 1, PSNR
+//! 56.4-58.3 dB; load (the MMDiT's conversion to SAI's layout and a warm-up image included) 8 s, each image 11-12 s,
+//! the whole test ~60 s.
 
 mod common;
 
@@ -93,9 +94,9 @@ fn sd35_medium_without_t5_generates_diffusers_image() {
     assert_close("sd35m_random_slg", &ours, &slg_theirs);
 
     // A kohya/SAI-named LoRA (tests/fixtures/sd35m-random/Lora/) at 0.8, against diffusers' image with it fused;
-    // one in diffusers' (PEFT) names with its alpha in the adapter metadata, rewritten into SAI's layers for
-    // sd.cpp, against diffusers' own `load_lora_weights` at 0.8.
-    for name in ["sd35m_random_lora", "sd35m_random_peft"] {
+    // two in diffusers' (PEFT) names with their alpha in the adapter metadata (the second on both CLIPs too),
+    // rewritten into SAI's layers for sd.cpp, against diffusers' own `load_lora_weights` at 0.8.
+    for name in ["sd35m_random_lora", "sd35m_random_peft", "sd35m_random_peft_te"] {
         let (req, theirs) = common::golden_case(name);
         let spec = &common::golden_json(name)["lora"];
         let weight = spec["weight"].as_f64().expect("weight") as f32;
