@@ -191,9 +191,10 @@ fn fits_family(file: &LoraFile, family: &str) -> Result<(), String> {
 /// SAI names sd.cpp maps (`diffusion_model.joint_blocks.0.x_block.attn.qkv.…`; the same tensors) and that copy is
 /// what sd.cpp loads. A file in diffusers' (PEFT) names is rewritten into SAI's layers instead, its CLIP-L and
 /// CLIP-G modules included ([`sd3_peft_for_sdcpp`]). Checked: every block named exists and every layer takes the
-/// model's width (its MLP's second layer four times it). Refused naming the module: T5 modules (diffusers applies
-/// no T5 LoRA), text-encoder modules in kohya's names (unchecked against diffusers on this engine), a file mixing
-/// diffusers' names with SAI's, and names SAI's MMDiT has no layer for.
+/// model's width (its MLP's second layer four times it); kohya's CLIP-L and CLIP-G modules (`lora_te1_`,
+/// `lora_te2_`) go under SAI's `text_encoders.clip_{l,g}.transformer.` in transformers' names, as sd.cpp's SD3
+/// conditioner names its weights. Refused naming the module: T5 modules (diffusers applies no T5 LoRA), a file
+/// mixing diffusers' names with SAI's, and names SAI's MMDiT or CLIP has no layer for.
 fn sd3_lora_for_sdcpp(
     file: &LoraFile,
     m: Mmdit,
@@ -210,29 +211,37 @@ fn sd3_lora_for_sdcpp(
         }
         return sd3_peft_for_sdcpp(file, m, cache).map(|p| (p, true));
     }
-    for module in &file.modules {
-        if let Network::TextEncoder(i) = module.name.network() {
-            let what = if i >= 2 {
-                "T5, which no SD3 LoRA loader applies (diffusers has none)"
-            } else {
-                "a text encoder in kohya's names, which the stable-diffusion.cpp engine takes for SD3 in diffusers' \
-                 (PEFT) names only (the candle engine takes both)"
-            };
-            return Err(misfit(file, module, m, format!("it changes {what}")));
-        }
-    }
     let mut renamed: Vec<(String, String)> = Vec::new();
     for module in &file.modules {
-        let sai = match &module.name {
-            sdhive_lora::ModuleName::Kohya { name, .. } => kohya_sai_path(name)
-                .ok_or_else(|| misfit(file, module, m, "SAI's MMDiT has no such layer".into()))?,
-            sdhive_lora::ModuleName::Diffusers { path: p, .. } => p.clone(),
-        };
         let shape = file.natural_shape(module).map_err(|e| e.to_string())?;
-        if let [out, inp, ..] = shape.as_slice() {
-            fits_mmdit(file, module, m, &sai, *out, *inp)?;
-        }
-        renamed.push((module.key.clone(), format!("diffusion_model.{sai}")));
+        let (out, inp) = match shape.as_slice() {
+            [out, inp, ..] => (*out, *inp),
+            _ => (0, 0),
+        };
+        let to = match (&module.name, module.name.network()) {
+            (_, Network::TextEncoder(i)) if i >= 2 => {
+                let why = "it changes T5, which no SD3 LoRA loader applies (diffusers has none)";
+                return Err(misfit(file, module, m, why.into()));
+            }
+            // CLIP-L and CLIP-G keep transformers' names in sd.cpp's SD3 conditioner, under SAI's prefixes.
+            (sdhive_lora::ModuleName::Kohya { name, .. }, Network::TextEncoder(i)) => {
+                let dotted = kohya_clip_path(name)
+                    .ok_or_else(|| misfit(file, module, m, "CLIP has no such layer".into()))?;
+                fits_clip(file, module, i, out, inp)?;
+                format!("text_encoders.{}.transformer.{dotted}", if i == 0 { "clip_l" } else { "clip_g" })
+            }
+            (sdhive_lora::ModuleName::Kohya { name, .. }, _) => {
+                let sai = kohya_sai_path(name)
+                    .ok_or_else(|| misfit(file, module, m, "SAI's MMDiT has no such layer".into()))?;
+                fits_mmdit(file, module, m, &sai, out, inp)?;
+                format!("diffusion_model.{sai}")
+            }
+            (sdhive_lora::ModuleName::Diffusers { path: p, .. }, _) => {
+                fits_mmdit(file, module, m, p, out, inp)?;
+                format!("diffusion_model.{p}")
+            }
+        };
+        renamed.push((module.key.clone(), to));
     }
     write_renamed(&file.path, &renamed, cache).map(|p| (p, false))
 }
@@ -421,6 +430,24 @@ fn write_tensors(
         })
         .collect::<Result<Vec<_>, String>>()?;
     write_views(&out, views)
+}
+
+/// transformers' dotted path of a kohya CLIP module name (`text_model_encoder_layers_0_self_attn_q_proj` →
+/// `text_model.encoder.layers.0.self_attn.q_proj`).
+fn kohya_clip_path(name: &str) -> Option<String> {
+    let rest = name.strip_prefix("text_model_encoder_layers_")?;
+    let (layer, rest) = rest.split_once('_')?;
+    layer.parse::<usize>().ok()?;
+    let leaf = match rest {
+        "self_attn_q_proj" => "self_attn.q_proj",
+        "self_attn_k_proj" => "self_attn.k_proj",
+        "self_attn_v_proj" => "self_attn.v_proj",
+        "self_attn_out_proj" => "self_attn.out_proj",
+        "mlp_fc1" => "mlp.fc1",
+        "mlp_fc2" => "mlp.fc2",
+        _ => return None,
+    };
+    Some(format!("text_model.encoder.layers.{layer}.{leaf}"))
 }
 
 /// SAI's dotted path of a kohya SD3 module name (`joint_blocks_0_x_block_attn_qkv` → `joint_blocks.0.x_block.attn.qkv`).
@@ -748,7 +775,7 @@ mod tests {
         for (module, out, inp, why) in [
             ("lora_unet_joint_blocks_0_x_block_attn_qkv", 7296, 2432, "takes 2432 features"),
             ("lora_unet_joint_blocks_24_x_block_attn_proj", 1536, 1536, "block 24 does not exist"),
-            ("lora_te1_text_model_encoder_layers_0_mlp_fc1", 3072, 768, "a text encoder"),
+            ("lora_te1_text_model_encoder_layers_0_mlp_fc1", 4096, 1024, "CLIP-L (768 wide)"),
             ("lora_te3_encoder_block_0_layer_0_SelfAttention_q", 4096, 4096, "T5"),
             ("lora_unet_joint_blocks_0_x_block_attn_to_q", 1536, 1536, "no such layer"),
         ] {

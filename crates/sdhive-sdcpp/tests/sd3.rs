@@ -104,8 +104,16 @@ fn sd35_medium_without_t5_generates_diffusers_image() {
             .join("../../tests/fixtures/sd35m-random")
             .join(spec["file"].as_str().expect("file"));
         let lora = LoraUse { name: name.into(), path: file, te: weight, unet: weight, hash: None };
-        let ours = common::image(&mut engine, &GenerateRequest { loras: vec![lora], ..req });
+        let ours = common::image(&mut engine, &GenerateRequest { loras: vec![lora], ..req.clone() });
         assert_close(name, &ours, &theirs);
+        // The same updates in kohya's names (CLIP modules `lora_te1_`/`lora_te2_`, alpha as tensors).
+        if let Some(kohya) = spec["same_updates_in_kohya_names"].as_str() {
+            let path =
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/sd35m-random").join(kohya);
+            let lora = LoraUse { name: "kohya_te".into(), path, te: weight, unet: weight, hash: None };
+            let ours = common::image(&mut engine, &GenerateRequest { loras: vec![lora], ..req });
+            assert_close(&format!("{name} in kohya's names"), &ours, &theirs);
+        }
     }
 
     // Hires fix, composed as the candle engine composes it from diffusers: the Latent upscale to 128², then SD3
