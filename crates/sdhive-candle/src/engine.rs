@@ -67,12 +67,51 @@ pub struct CandleEngine {
     backend_name: String,
     device_name: String,
     limits: Limits,
-    shape: ModelShape,
-    memory: Option<MemoryQuery>,
-    memory_budget: Option<u64>,
-    report: MemoryReport,
+    memory: MemoryPlanner,
     upscalers: Upscalers,
     preview: Preview,
+}
+
+/// A candle engine's memory planning, the same for SD1/SDXL and SD3: the model's shape, the device's memory
+/// (asked before every job), the operator's budget, and what `/v1/info` reports.
+pub(crate) struct MemoryPlanner {
+    pub(crate) shape: ModelShape,
+    query: Option<MemoryQuery>,
+    budget: Option<u64>,
+    pub(crate) report: MemoryReport,
+}
+
+impl MemoryPlanner {
+    /// The planner of a model of `shape` whose native job is `native`, and its report at load.
+    pub(crate) fn new(
+        shape: ModelShape,
+        query: Option<MemoryQuery>,
+        budget: Option<u64>,
+        (w, h): (u32, u32),
+    ) -> Self {
+        let (total, free) = query.as_ref().map_or((None, None), |m| m());
+        let free = budgeted_free(free, budget, shape.weights_bytes);
+        let report = MemoryReport {
+            weights_bytes: shape.weights_bytes,
+            device_total_bytes: total,
+            device_free_bytes: free,
+            native_job: shape.plan(w, h, CFG_BATCH, free, true, true).ok(),
+            vae_tiling_available: true,
+            attention_slicing_available: true,
+        };
+        MemoryPlanner { shape, query, budget, report }
+    }
+
+    /// The device memory a job may use now, as the planner sees it, `kept` bytes (the originals of LoRA-merged
+    /// weights) held on the device beside the weights.
+    pub(crate) fn free_for_jobs(&self, kept: u64) -> Option<u64> {
+        budgeted_free(self.query.as_ref().and_then(|m| m().1), self.budget, self.shape.weights_bytes + kept)
+    }
+
+    /// The plan for a job at `width`×`height` (CFG batch), against the device's free memory now.
+    pub(crate) fn plan(&self, width: u32, height: u32, kept: u64) -> Result<JobPlan, EngineError> {
+        Ok(self.shape.plan(width, height, CFG_BATCH, self.free_for_jobs(kept), true, true)?)
+    }
 }
 
 /// An image of `req` made with `model` from `seed`, with its A1111 infotext (`size`: the first pass's).
@@ -185,27 +224,14 @@ impl CandleEngine {
             vae_tile_latent: model.vae_config.tile_latent_size() as u64,
             mmdit: None,
         };
-        let (total, free) = opts.memory.as_ref().map_or((None, None), |m| m());
-        let free = budgeted_free(free, opts.memory_budget, shape.weights_bytes);
-        let (w, h) = model.native_size;
-        let report = MemoryReport {
-            weights_bytes: shape.weights_bytes,
-            device_total_bytes: total,
-            device_free_bytes: free,
-            native_job: shape.plan(w, h, CFG_BATCH, free, true, true).ok(),
-            vae_tiling_available: true,
-            attention_slicing_available: true,
-        };
+        let memory = MemoryPlanner::new(shape, opts.memory, opts.memory_budget, model.native_size);
         CandleEngine {
             model,
             dtype,
             backend_name: opts.backend_name,
             device_name: opts.device_name,
             limits: Limits::default(),
-            shape,
-            memory: opts.memory,
-            memory_budget: opts.memory_budget,
-            report,
+            memory,
             upscalers: Upscalers::default(),
             preview: Preview::Latent,
         }
@@ -219,17 +245,7 @@ impl CandleEngine {
 
     /// The memory plan for a job at `width`×`height` (CFG batch), against the device's free memory now.
     fn plan(&self, width: u32, height: u32) -> Result<JobPlan, EngineError> {
-        Ok(self.shape.plan(width, height, CFG_BATCH, self.free_for_jobs(), true, true)?)
-    }
-
-    /// The device memory a job may use now, as the planner sees it.
-    fn free_for_jobs(&self) -> Option<u64> {
-        // The originals of LoRA-merged weights are held on the device beside the weights.
-        budgeted_free(
-            self.memory.as_ref().and_then(|m| m().1),
-            self.memory_budget,
-            self.shape.weights_bytes + self.model.loras.kept_bytes(),
-        )
+        self.memory.plan(width, height, self.model.loras.kept_bytes())
     }
 
     pub fn with_limits(mut self, limits: Limits) -> Self {
@@ -304,7 +320,7 @@ impl Engine for CandleEngine {
             samplers: Sampler::ALL.iter().map(|s| s.name().to_string()).collect(),
             supports_img2img: true,
             supports_inpaint: true,
-            memory: Some(self.report.clone()),
+            memory: Some(self.memory.report.clone()),
             text_widths: self.model.text_widths(),
             preview: self.preview.decoder(),
         }

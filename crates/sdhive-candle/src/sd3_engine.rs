@@ -13,7 +13,7 @@
 //! says so), the Karras schedule, DPM++ 2M and skip-layer guidance with an init image, a hires `hr_sampler_name`
 //! other than Euler and a hires size that is not a multiple of 16 (skip-layer guidance guides the first pass only).
 
-use crate::engine::{finished_image, follow_plan, lora_error, MemoryQuery, CFG_BATCH};
+use crate::engine::{finished_image, follow_plan, lora_error, MemoryPlanner, MemoryQuery};
 use crate::hires::{sd3_hires_image, sd3_second_pass_steps, Sd3SecondPass};
 use crate::lora::AppliedLoras;
 use crate::preview::sd3_latent_preview;
@@ -21,7 +21,7 @@ use crate::sd3::{Sd3Error, Sd3Model, Sd3Request, StepEstimate};
 use crate::upscalers::Upscalers;
 use candle_core::{DType, Device};
 use sdhive_engine::extra_networks::strip_networks;
-use sdhive_engine::memory::{budgeted_free, JobPlan, MemoryReport, MmditShape, ModelShape};
+use sdhive_engine::memory::{MmditShape, ModelShape};
 use sdhive_engine::{
     random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest, GeneratedImage,
     HiresFix, HiresTarget, Limits, PreviewDecoder, Progress, RgbImage, Sampler, Schedule, ValidationError,
@@ -42,11 +42,7 @@ pub struct Sd3Engine {
     loras: AppliedLoras,
     /// Hires fix's image upscalers (models loaded on first use), shared with the SD1/SDXL engine's code.
     upscalers: Upscalers,
-    /// The memory plan's view of the model, the device's memory (asked before every job) and the operator's budget.
-    shape: ModelShape,
-    memory: Option<MemoryQuery>,
-    memory_budget: Option<u64>,
-    report: MemoryReport,
+    memory: MemoryPlanner,
 }
 
 fn invalid(field: &'static str, message: impl Into<String>) -> EngineError {
@@ -93,7 +89,8 @@ impl Sd3Engine {
                 context_tokens: (77 + T5_DEFAULT_MAX_LEN) as u32,
             }),
         };
-        let mut engine = Sd3Engine {
+        let size = (cfg.sample_size * 8) as u32;
+        Sd3Engine {
             model,
             name: name.into(),
             dtype,
@@ -102,55 +99,17 @@ impl Sd3Engine {
             limits: Limits::default(),
             loras: AppliedLoras::default(),
             upscalers: Upscalers::default(),
-            shape,
-            memory: None,
-            memory_budget: None,
-            report: MemoryReport {
-                weights_bytes: 0,
-                device_total_bytes: None,
-                device_free_bytes: None,
-                native_job: None,
-                vae_tiling_available: true,
-                attention_slicing_available: true,
-            },
-        };
-        engine.report = engine.memory_report();
-        engine
+            memory: MemoryPlanner::new(shape, None, None, (size, size)),
+        }
     }
 
     /// Plans every job against `memory` (the device's total and free bytes, asked before each job) and `budget`
     /// (the most the worker may use, weights included): attention in slices, the VAE in tiles, or a refusal
     /// naming what the job needs, as on SD1/SDXL.
     pub fn with_memory(mut self, memory: Option<MemoryQuery>, budget: Option<u64>) -> Self {
-        self.memory = memory;
-        self.memory_budget = budget;
-        self.report = self.memory_report();
-        self
-    }
-
-    fn memory_report(&self) -> MemoryReport {
-        let (total, free) = self.memory.as_ref().map_or((None, None), |m| m());
-        let free = budgeted_free(free, self.memory_budget, self.shape.weights_bytes);
         let size = self.native_size();
-        MemoryReport {
-            weights_bytes: self.shape.weights_bytes,
-            device_total_bytes: total,
-            device_free_bytes: free,
-            native_job: self.shape.plan(size, size, CFG_BATCH, free, true, true).ok(),
-            vae_tiling_available: true,
-            attention_slicing_available: true,
-        }
-    }
-
-    /// The memory plan for a job whose largest pass is `width`×`height` (CFG batch), against the device's free
-    /// memory now; the originals of LoRA-merged weights are held on the device beside the weights.
-    fn plan(&self, width: u32, height: u32) -> Result<JobPlan, EngineError> {
-        let free = budgeted_free(
-            self.memory.as_ref().and_then(|m| m().1),
-            self.memory_budget,
-            self.shape.weights_bytes + self.loras.kept_bytes(),
-        );
-        Ok(self.shape.plan(width, height, CFG_BATCH, free, true, true)?)
+        self.memory = MemoryPlanner::new(self.memory.shape, memory, budget, (size, size));
+        self
     }
 
     pub fn with_limits(mut self, limits: Limits) -> Self {
@@ -278,7 +237,7 @@ impl Engine for Sd3Engine {
             samplers: [Sampler::Euler, Sampler::DpmPp2M].iter().map(|s| s.name().to_string()).collect(),
             supports_img2img: true,
             supports_inpaint: true,
-            memory: Some(self.report.clone()),
+            memory: Some(self.memory.report.clone()),
             text_widths: Vec::new(),
             preview: PreviewDecoder::Latent,
         }
@@ -351,7 +310,7 @@ impl Engine for Sd3Engine {
         self.loras.set(&mut self.model, &req.loras).map_err(|e| lora_error(&e))?;
         // Hires fix: the largest MMDiT call and decode are the second pass's, at the output size.
         let (plan_w, plan_h) = hires.map_or((width, height), |(_, t)| t.output);
-        let plan = self.plan(plan_w, plan_h)?;
+        let plan = self.memory.plan(plan_w, plan_h, self.loras.kept_bytes())?;
         // Dropped at the end of the job, restoring the engine thread's default.
         let _slicing = follow_plan(&plan, (plan_w, plan_h));
         self.model.vae_tiling = plan.vae_tiling;

@@ -126,8 +126,9 @@ impl CandleEngine {
         let per_image = if guided { CFG_BATCH } else { 1 };
         let mut images = max_images.max(1);
         while images > 1 {
-            let free = self.free_for_jobs();
-            if let Ok(plan) = self.shape.plan(width, height, per_image * u64::from(images), free, false, true)
+            let free = self.memory.free_for_jobs(self.model.loras.kept_bytes());
+            if let Ok(plan) =
+                self.memory.shape.plan(width, height, per_image * u64::from(images), free, false, true)
             {
                 return Ok((images, plan));
             }
