@@ -201,6 +201,12 @@ fn sd3_lora_for_sdcpp(
     cache: &std::path::Path,
 ) -> Result<(std::path::PathBuf, bool), String> {
     let path = file.path.display();
+    if let Some(t5) =
+        file.modules.iter().find(|module| matches!(module.name.network(), Network::TextEncoder(2..)))
+    {
+        let why = "it changes T5, which no SD3 LoRA loader applies (diffusers has none)";
+        return Err(misfit(file, t5, m, why.into()));
+    }
     if let Some(first) = file.modules.iter().find(|module| is_peft(module)) {
         if let Some(other) = file.modules.iter().find(|module| !is_peft(module)) {
             return Err(format!(
@@ -219,16 +225,11 @@ fn sd3_lora_for_sdcpp(
             _ => (0, 0),
         };
         let to = match (&module.name, module.name.network()) {
-            (_, Network::TextEncoder(i)) if i >= 2 => {
-                let why = "it changes T5, which no SD3 LoRA loader applies (diffusers has none)";
-                return Err(misfit(file, module, m, why.into()));
-            }
-            // CLIP-L and CLIP-G keep transformers' names in sd.cpp's SD3 conditioner, under SAI's prefixes.
             (sdhive_lora::ModuleName::Kohya { name, .. }, Network::TextEncoder(i)) => {
                 let dotted = kohya_clip_path(name)
                     .ok_or_else(|| misfit(file, module, m, "CLIP has no such layer".into()))?;
                 fits_clip(file, module, i, out, inp)?;
-                format!("text_encoders.{}.transformer.{dotted}", if i == 0 { "clip_l" } else { "clip_g" })
+                clip_key(i, &dotted)
             }
             (sdhive_lora::ModuleName::Kohya { name, .. }, _) => {
                 let sai = kohya_sai_path(name)
@@ -292,6 +293,12 @@ fn fits_mmdit(
     }
 }
 
+/// The name sd.cpp reads a CLIP-L (`encoder` 0) or CLIP-G layer by in an SD3 model: transformers' path under
+/// SAI's prefix, as its SD3 conditioner names the encoders' weights.
+fn clip_key(encoder: usize, path: &str) -> String {
+    format!("text_encoders.{}.transformer.{path}", if encoder == 0 { "clip_l" } else { "clip_g" })
+}
+
 /// A text-encoder layer's update fits SD3's CLIP-L (768 wide, MLP 3072) or CLIP-G (1280, 5120).
 fn fits_clip(
     file: &LoraFile,
@@ -336,19 +343,6 @@ fn sd3_peft_for_sdcpp(
     let mut layers: std::collections::BTreeMap<String, Vec<Part>> = std::collections::BTreeMap::new();
     for module in &file.modules {
         let sdhive_lora::ModuleName::Diffusers { path: p, network } = &module.name else { continue };
-        // CLIP-L and CLIP-G keep transformers' names in sd.cpp's SD3 conditioner, under SAI's prefixes.
-        let (sai, slot) = match network {
-            Network::Unet => sdhive_lora::sd3_sai_module(p, m.blocks)
-                .ok_or_else(|| misfit(file, module, m, "SAI's MMDiT has no such layer".into()))?,
-            Network::TextEncoder(i @ (0 | 1)) => {
-                let clip = if *i == 0 { "clip_l" } else { "clip_g" };
-                (format!("text_encoders.{clip}.transformer.{p}"), sdhive_lora::Slot::Whole)
-            }
-            Network::TextEncoder(_) => {
-                let why = "it changes T5, which no SD3 LoRA loader applies (diffusers has none)";
-                return Err(misfit(file, module, m, why.into()));
-            }
-        };
         let factors = module.linear_factors().ok_or_else(|| {
             format!(
                 "{path}: module {} is a {:?} module, and SD3 LoRAs in diffusers' names are rewritten for the \
@@ -361,25 +355,34 @@ fn sd3_peft_for_sdcpp(
             .and_then(|(u, d)| Ok((u.to_vec2::<f32>()?, d.to_vec2::<f32>()?)))
             .map_err(|e| format!("{path}: module {}: {e}", module.key))?;
         let (out, inp) = (up.len(), down.first().map_or(0, Vec::len));
-        match network {
-            Network::TextEncoder(i) => fits_clip(file, module, *i, out, inp)?,
-            _ => fits_mmdit(file, module, m, &sai, out, inp)?,
-        }
-        let parts = layers.entry(sai).or_default();
+        // Keyed by the name sd.cpp reads.
+        let (key, slot) = match network {
+            Network::TextEncoder(i) => {
+                fits_clip(file, module, *i, out, inp)?;
+                (clip_key(*i, p), Slot::Whole)
+            }
+            Network::Unet => {
+                let (sai, slot) = sdhive_lora::sd3_sai_module(p, m.blocks)
+                    .ok_or_else(|| misfit(file, module, m, "SAI's MMDiT has no such layer".into()))?;
+                fits_mmdit(file, module, m, &sai, out, inp)?;
+                (format!("diffusion_model.{sai}"), slot)
+            }
+        };
+        let parts = layers.entry(key).or_default();
         if let Some(twin) = parts.iter().find(|q| q.slot == slot) {
             return Err(format!("{path}: modules {} and {} change the same weight", twin.key, module.key));
         }
         parts.push(Part { slot, key: module.key.clone(), up, down });
     }
     let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
-    for (sai, parts) in &layers {
+    for (key, parts) in &layers {
         let rank: usize = parts.iter().map(|q| q.down.len()).sum();
         let inp = parts[0].down.first().map_or(0, Vec::len);
         let out = parts[0].up.len();
         if let Some(q) = parts.iter().find(|q| q.up.len() != out || q.down.first().map_or(0, Vec::len) != inp)
         {
             return Err(format!(
-                "{path}: modules {} and {} are parts of {sai} but differ in shape",
+                "{path}: modules {} and {} are parts of {key} but differ in shape",
                 parts[0].key, q.key
             ));
         }
@@ -400,8 +403,6 @@ fn sd3_peft_for_sdcpp(
             down.extend(q.down.iter().flatten());
             col += r;
         }
-        let key =
-            if sai.starts_with("text_encoders.") { sai.clone() } else { format!("diffusion_model.{sai}") };
         tensors.push((format!("{key}.lora_up.weight"), vec![rows, rank], up));
         tensors.push((format!("{key}.lora_down.weight"), vec![rank, inp], down));
     }
