@@ -13,7 +13,7 @@ use crate::registry::{OnDemand, WorkerStatus};
 use crate::router;
 use crate::supervisor::{self, Spec};
 use crate::{models, Hive, State};
-use sdhive_engine::memory::{MmditShape, ModelShape};
+use sdhive_engine::memory::{MmditShape, ModelShape, SD3_CONTEXT_TOKENS};
 use sdhive_protocol::WorkerState;
 use serde::Serialize;
 use shared_worker::Backend;
@@ -118,9 +118,6 @@ fn family_defaults(family: Family) -> (u32, u32, u32) {
         Family::Sd3 => (1024, 0, 0),
     }
 }
-
-/// The joint context of an SD3 MMDiT: CLIP's 77 tokens and T5's 256 (zeros without T5), as the engines build it.
-const SD3_CONTEXT_TOKENS: u32 = 77 + 256;
 
 struct Parts {
     family: Family,

@@ -21,7 +21,7 @@ use crate::sd3::{Sd3Error, Sd3Model, Sd3Request, StepEstimate};
 use crate::upscalers::Upscalers;
 use candle_core::{DType, Device};
 use sdhive_engine::extra_networks::strip_networks;
-use sdhive_engine::memory::{MmditShape, ModelShape};
+use sdhive_engine::memory::{MmditShape, ModelShape, SD3_CONTEXT_TOKENS};
 use sdhive_engine::{
     random_seed, Control, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest, GeneratedImage,
     HiresFix, HiresTarget, Limits, PreviewDecoder, Progress, RgbImage, Sampler, Schedule, ValidationError,
@@ -81,12 +81,11 @@ impl Sd3Engine {
             fused_attention: attention_is_fused(&device, dtype),
             score_chunk_elements: Some(MAX_SCORE_ELEMENTS as u64),
             vae_tile_latent: model.vae_config().tile_latent_size() as u64,
-            // The joint context is CLIP's 77 tokens and T5's 256, zeros when T5 is left out.
             mmdit: Some(MmditShape {
                 hidden: cfg.inner_dim() as u32,
                 heads: cfg.num_attention_heads as u32,
                 patch: cfg.patch_size as u32,
-                context_tokens: (77 + T5_DEFAULT_MAX_LEN) as u32,
+                context_tokens: SD3_CONTEXT_TOKENS,
             }),
         };
         let size = (cfg.sample_size * 8) as u32;

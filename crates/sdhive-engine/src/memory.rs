@@ -43,6 +43,10 @@ pub struct MmditShape {
     pub context_tokens: u32,
 }
 
+/// The text tokens an SD3 MMDiT attends with the image's, as diffusers and the candle engine build the joint
+/// context: CLIP's 77 and T5's 256 (zeros when T5 is left out).
+pub const SD3_CONTEXT_TOKENS: u32 = 77 + 256;
+
 /// Live MMDiT activations, in widths per token per image: the image and text residual streams, the normed and
 /// modulated input, q, k and v and a second set of them in MMDiT-X's dual-attention blocks, the attention output,
 /// and the MLP's 4× hidden before and after its GELU.
