@@ -45,6 +45,11 @@ pub struct Sd3Engine {
     memory: MemoryPlanner,
 }
 
+/// The image side the model was trained at: its transformer's latent sample size, in pixels.
+fn native_size(model: &Sd3Model) -> u32 {
+    (model.transformer_config().sample_size * 8) as u32
+}
+
 fn invalid(field: &'static str, message: impl Into<String>) -> EngineError {
     EngineError::Invalid(ValidationError { field, message: message.into() })
 }
@@ -88,7 +93,7 @@ impl Sd3Engine {
                 context_tokens: SD3_CONTEXT_TOKENS,
             }),
         };
-        let size = (cfg.sample_size * 8) as u32;
+        let size = native_size(&model);
         Sd3Engine {
             model,
             name: name.into(),
@@ -117,7 +122,7 @@ impl Sd3Engine {
     }
 
     fn native_size(&self) -> u32 {
-        (self.model.transformer_config().sample_size * 8) as u32
+        native_size(&self.model)
     }
 
     /// What this engine cannot do yet, refused before anything runs.
