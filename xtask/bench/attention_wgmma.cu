@@ -100,6 +100,8 @@ static const Shape shapes[] = {
     {64, "self", 2, 1024, 1024, 20, true},  {80, "self", 2, 1024, 1024, 8, false},
     {80, "cross", 2, 1024, 77, 8, false},   {80, "ragged", 1, 777, 50, 3, false},
     {80, "self", 2, 1024, 1024, 8, true},
+    // SD3.5-medium at 1024²: the joint attention over 4096 patch + 333 text tokens, MMDiT-X's over the patches.
+    {64, "sd3 joint", 2, 4429, 4429, 24, false}, {64, "sd3 image", 2, 4096, 4096, 24, false},
 };
 
 __global__ void fill(__half *p, size_t n, unsigned seed) {

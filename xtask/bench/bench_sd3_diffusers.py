@@ -9,6 +9,10 @@ usage:
   python3 bench_sd3_diffusers.py time DIR [--compile] [--no-t5] [--size 1024] [--steps 28] [--iters 2]
       the transformer step (one CFG call: batch 2, 77 + 256 context tokens) and whole images
       (StableDiffusion3Pipeline, flow Euler, CFG 7) in bf16.
+  python3 bench_sd3_diffusers.py profile DIR [--compile] [--size 1024]
+      the transformer step's GPU time by kernel (torch.profiler over 3 steps, per step), grouped as
+      kernel_groups.py groups sdhive's, and SDPA's flash, cuDNN and efficient backends alone at the step's
+      attention shapes.
 Prints JSON lines {"part", "median_ms", "ms", "peak_allocated_bytes"}. --compile: torch.compile of the
 transformer (mode from $CMODE, default "default": max-autotune's kernel search on every GEMM shape of SD3.5 takes
 longer than a benchmark call may; compiled in the untimed warm-up)."""
@@ -118,6 +122,59 @@ def time_model(a) -> None:
     report("e2e" + suffix, timed(image, 1, a.iters))
 
 
+def attention_shapes(cfg, side: int) -> list[tuple[str, int, int]]:
+    """(what, query/key tokens, heads) of the step's attention calls: the joint one, and MMDiT-X's image-only one."""
+    image = (side // cfg.patch_size) ** 2
+    out = [("joint", image + 77 + 256, cfg.num_attention_heads)]
+    if cfg.get("dual_attention_layers"):
+        out.append(("image", image, cfg.num_attention_heads))
+    return out
+
+
+def profile_model(a) -> None:
+    from diffusers import SD3Transformer2DModel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+    from kernel_groups import print_groups
+    tr = SD3Transformer2DModel.from_pretrained(os.path.join(a.dir, "transformer"), torch_dtype=DT).to(DEV)
+    if a.compile:
+        tr = torch.compile(tr, mode=os.environ.get("CMODE", "default"), fullgraph=True)
+    cfg = tr.config
+    side = a.size // 8
+    x = torch.randn(2, cfg.in_channels, side, side, device=DEV, dtype=DT)
+    ctx = torch.randn(2, 77 + 256, cfg.joint_attention_dim, device=DEV, dtype=DT)
+    pooled = torch.randn(2, cfg.pooled_projection_dim, device=DEV, dtype=DT)
+    t = torch.full((2,), 500.0, device=DEV, dtype=DT)
+
+    def step():
+        tr(hidden_states=x, timestep=t, encoder_hidden_states=ctx, pooled_projections=pooled, return_dict=False)
+
+    with torch.inference_mode():
+        for _ in range(5 if a.compile else 2):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3 / 3, e.count // 3) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    print_groups("diffusers" + (" compiled" if a.compile else " eager"), rows)
+    for what, n, heads in attention_shapes(cfg, side):
+        q, k, v = (torch.randn(2, heads, n, cfg.attention_head_dim, device=DEV, dtype=DT) for _ in range(3))
+        flop = 4 * 2 * heads * n * n * cfg.attention_head_dim
+        for name, backend in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                              ("efficient", SDPBackend.EFFICIENT_ATTENTION)]:
+            try:
+                with sdpa_kernel(backend), torch.inference_mode():
+                    ms = statistics.median(timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+                                                 3, 20))
+                print(json.dumps({"part": f"sdpa-{name}", "shape": [2, n, heads, cfg.attention_head_dim],
+                                  "what": what, "median_ms": ms, "tflops": flop / ms / 1e9}), flush=True)
+            except RuntimeError as e:
+                print(json.dumps({"part": f"sdpa-{name}", "what": what, "error": str(e)[:200]}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -133,8 +190,12 @@ def main() -> None:
     t.add_argument("--size", type=int, default=1024)
     t.add_argument("--steps", type=int, default=28)
     t.add_argument("--iters", type=int, default=2)
+    p = sub.add_parser("profile")
+    p.add_argument("dir")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--size", type=int, default=1024)
     a = ap.parse_args()
-    write(a) if a.cmd == "write" else time_model(a)
+    {"write": write, "time": time_model, "profile": profile_model}[a.cmd](a)
 
 
 if __name__ == "__main__":

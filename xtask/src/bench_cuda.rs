@@ -68,6 +68,7 @@ pub fn run(out: Option<PathBuf>, python: &str) -> Result<()> {
         "bench_serve_diffusers.py",
         "bench_sd3_diffusers.py",
         "sd3_table.py",
+        "kernel_groups.py",
     ] {
         copy(&root.join("xtask/bench").join(f), &out.join(f))?;
     }

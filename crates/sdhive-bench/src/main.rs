@@ -626,7 +626,7 @@ fn measure(
 
 /// Runs the timed calls inside a CUDA profiler range, so `ncu --profile-from-start off` (or nsys with
 /// `--capture-range=cudaProfilerApi`) records them and not the thousands of launches that build random weights.
-fn profiled<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+pub(crate) fn profiled<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     #[cfg(feature = "cuda")]
     {
         use candle_core::cuda_backend::cudarc::driver::{profiler_start, profiler_stop};

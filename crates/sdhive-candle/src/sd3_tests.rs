@@ -792,6 +792,26 @@ fn assert_same_outputs(label: &str, a: &Sd3Model, b: &Sd3Model) {
     }
 }
 
+/// [`assert_same_outputs`] within the test device's tolerance: latents relative to their largest magnitude, and the
+/// share of channel values more than one level apart.
+fn assert_close_outputs(label: &str, a: &Sd3Model, b: &Sd3Model) {
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu).and_then(|t| t.to_dtype(DType::F32)).expect("to cpu");
+    let tol = test_device().tolerance;
+    for req in offload_requests() {
+        let (x, y) = (a.generate(&req).expect("resident"), b.generate(&req).expect(label));
+        let scale = max_abs(&cpu(&x.latents)).max(1.0);
+        let diff = max_abs(&(cpu(&x.latents) - cpu(&y.latents)).expect("diff")) / scale;
+        assert!(diff <= tol.latent_rel, "{label}: latents {diff} (img2img: {})", req.init_image.is_some());
+        let off = x.image.data.iter().zip(&y.image.data).filter(|(p, q)| p.abs_diff(**q) > 1).count();
+        let share = off as f32 / x.image.data.len() as f32;
+        assert!(
+            share <= tol.pixels_off,
+            "{label}: {share} of channel values off (img2img: {})",
+            req.init_image.is_some()
+        );
+    }
+}
+
 /// `--offload te` and `--offload te,unet,vae` (host copies built for each use) compute bit for bit as the
 /// resident model, from the folder and from the single file (whose converted tensors become the host copies).
 #[test]
@@ -846,7 +866,13 @@ fn loras_apply_to_offloaded_sd3_networks() {
     let with = offloaded.generate(req).expect("offloaded with LoRAs");
     let without = plain.generate(req).expect("plain");
     assert!(with.image.data != without.image.data, "the LoRAs did nothing to the offloaded model");
-    assert_same_outputs("offloaded with LoRAs", &resident, &offloaded);
+    if test_device().device.is_cpu() {
+        assert_same_outputs("offloaded with LoRAs", &resident, &offloaded);
+    } else {
+        // On a GPU the resident weights take their LoRA products there, the host copies on the CPU: the merged
+        // weights may differ in their last bit, so the images agree within the device's tolerance.
+        assert_close_outputs("offloaded with LoRAs", &resident, &offloaded);
+    }
     b.set(&mut offloaded, &[]).expect("take out");
     assert_same_outputs("offloaded, LoRAs taken out", &plain, &offloaded);
 }

@@ -1310,6 +1310,8 @@ struct LayerNorm {
     eps: f32,
     /// Rows that share one weight and bias row; `None`: all of them.
     group_rows: Option<usize>,
+    /// The weight is an adaptive norm's `scale`, applied as `1 + scale`.
+    weight_plus_one: bool,
 }
 
 fn layer_norm_launch<T: CudaDType + DeviceRepr>(
@@ -1322,8 +1324,21 @@ fn layer_norm_launch<T: CudaDType + DeviceRepr>(
     let cols = *x.1.dims().last().unwrap_or(&1);
     let rows = x.1.shape().elem_count() / cols.max(1);
     let xs = contiguous::<T>(x.0, x.1, "layer_norm input")?;
-    let ws = contiguous::<T>(w.0, w.1, "layer_norm weight")?;
-    let bs = contiguous::<T>(b.0, b.1, "layer_norm bias")?;
+    let group_rows = op.group_rows.unwrap_or(rows).max(1);
+    let groups = rows.div_ceil(group_rows);
+    // Per-sample rows may be chunks of a wider modulation table (rows contiguous, further apart).
+    let ((ws, w_stride), (bs, b_stride)) = if op.group_rows.is_some() {
+        (rows_view::<T>(w.0, w.1, "layer_norm weight")?, rows_view::<T>(b.0, b.1, "layer_norm bias")?)
+    } else {
+        (
+            (contiguous::<T>(w.0, w.1, "layer_norm weight")?, cols),
+            (contiguous::<T>(b.0, b.1, "layer_norm bias")?, cols),
+        )
+    };
+    let rows_of = |len: usize, stride: usize| (len + stride - cols) / stride;
+    if rows_of(ws.len(), w_stride) != groups || rows_of(bs.len(), b_stride) != groups {
+        bail!("layer_norm: weight/bias rows do not match {rows} rows in groups of {group_rows}");
+    }
     // SAFETY: written in full by the kernel.
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(rows * cols)? };
     let func = dev.get_or_load_custom_func(&format!("layer_norm_{}", suffix(x.0.dtype())?), MODULE, PTX)?;
@@ -1332,11 +1347,17 @@ fn layer_norm_launch<T: CudaDType + DeviceRepr>(
     a.arg(&ws);
     a.arg(&bs);
     a.arg(&out);
-    let group_rows = op.group_rows.unwrap_or(rows).max(1);
-    if ws.len() != cols * rows.div_ceil(group_rows) || bs.len() != ws.len() {
-        bail!("layer_norm: weight/bias rows do not match {rows} rows in groups of {group_rows}");
-    }
-    builder_arg!(a, rows as u32, cols as u32, op.eps, group_rows as u32);
+    let one_plus = if op.weight_plus_one { 1f32 } else { 0f32 };
+    builder_arg!(
+        a,
+        rows as u32,
+        cols as u32,
+        op.eps,
+        group_rows as u32,
+        w_stride as u32,
+        b_stride as u32,
+        one_plus
+    );
     let warps_per_block = (THREADS / 32) as usize;
     let cfg = LaunchConfig {
         grid_dim: (rows.div_ceil(warps_per_block) as u32, 1, 1),
@@ -1355,21 +1376,22 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     if weight.elem_count() != cols || bias.elem_count() != cols {
         bail!("layer_norm: weight/bias must have {cols} values");
     }
-    x.apply_op3_no_bwd(weight, bias, &LayerNorm { eps: eps as f32, group_rows: None })
+    x.apply_op3_no_bwd(weight, bias, &LayerNorm { eps: eps as f32, group_rows: None, weight_plus_one: false })
 }
 
-/// LayerNorm of `x` `(B, S, D)` with one affine row per sample: `weight` and `bias` `(B, D)` — an adaptive norm's
-/// `norm(x) · (1 + scale) + shift` in one pass, as weight `1 + scale` and bias `shift`.
-pub fn layer_norm_per_sample(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+/// An adaptive norm's `layer_norm(x) · (1 + scale) + shift` for `x` `(B, S, D)` and `(B, D)` rows of `shift` and
+/// `scale` in one pass; the rows may be chunks of a wider modulation table (read in place, no copy).
+pub fn modulated_layer_norm(x: &Tensor, shift: &Tensor, scale: &Tensor, eps: f64) -> Result<Tensor> {
     let (b, s, d) = x.dims3()?;
-    if weight.dims() != [b, d] || bias.dims() != [b, d] {
+    if scale.dims() != [b, d] || shift.dims() != [b, d] {
         bail!(
-            "layer_norm_per_sample: weight/bias must be ({b}, {d}), got {:?} and {:?}",
-            weight.dims(),
-            bias.dims()
+            "modulated_layer_norm: shift/scale must be ({b}, {d}), got {:?} and {:?}",
+            shift.dims(),
+            scale.dims()
         );
     }
-    x.apply_op3_no_bwd(weight, bias, &LayerNorm { eps: eps as f32, group_rows: Some(s) })
+    let op = LayerNorm { eps: eps as f32, group_rows: Some(s), weight_plus_one: true };
+    x.apply_op3_no_bwd(scale, shift, &op)
 }
 
 /// RMSNorm over rows of `d` values (`x`'s elements in order) with a `d`-value weight.
@@ -1419,10 +1441,189 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     if d == 0 || !x.elem_count().is_multiple_of(d) || !x.dims().last().is_some_and(|c| c.is_multiple_of(d)) {
         bail!("rms_norm: rows of {d} do not divide {:?}", x.dims());
     }
+    let vec = 16 / x.dtype().size_in_bytes();
+    let weight_fits = weight.is_contiguous()
+        && weight.dtype() == x.dtype()
+        && weight.layout().start_offset().is_multiple_of(vec);
+    if let Some(joint) = joint_rows_fit(x, None, d).filter(|_| weight_fits) {
+        return joint.run(x, None, Some((weight, weight)), eps);
+    }
     x.apply_op2_no_bwd(weight, &RmsNorm { d, eps: eps as f32 })
 }
 
-/// `x + gate · y` for `(B, S, D)` `x` and `y` with a `(B, D)` gate.
+/// The joint token sequence of an MMDiT attention, `(B, Sa + Sb, C)` from `a` `(B, Sa, C)` and `b` `(B, Sb, C)`,
+/// and with `norms` each `d`-wide head RMS-normalised by `norms.0` (rows of `a`) or `norms.1` (rows of `b`): the
+/// concatenation and the per-head norms of the query or key in one pass (16 bytes per thread).
+struct JointRows {
+    /// `b` and the norm weights, held beside the op's operand `a`.
+    b: Option<Tensor>,
+    norms: Option<(Tensor, Tensor)>,
+    sb: usize,
+    d: usize,
+    eps: f32,
+}
+
+/// `Some` where the joint-rows kernel takes `a` (and `b`) with heads of `d`: contiguous rows 16-byte aligned
+/// (candle's allocations are), widths in whole 16-byte vectors, and a head's vectors a power of two up to 32.
+fn joint_rows_fit(a: &Tensor, b: Option<&Tensor>, d: usize) -> Option<JointRowsFit> {
+    let (batch, _, c) = a.dims3().ok()?;
+    let vec = 16 / a.dtype().size_in_bytes();
+    let head_vectors = d / vec;
+    let fits = a.is_contiguous()
+        && a.layout().start_offset().is_multiple_of(vec)
+        && c.is_multiple_of(d)
+        && d.is_multiple_of(vec)
+        && head_vectors.is_power_of_two()
+        && head_vectors <= 32
+        && b.is_none_or(|b| {
+            b.is_contiguous()
+                && b.layout().start_offset().is_multiple_of(vec)
+                && b.dtype() == a.dtype()
+                && b.dims3().is_ok_and(|(bb, _, bc)| bb == batch && bc == c)
+        });
+    fits.then_some(JointRowsFit { d })
+}
+
+struct JointRowsFit {
+    d: usize,
+}
+
+impl JointRowsFit {
+    fn run(
+        &self,
+        a: &Tensor,
+        b: Option<&Tensor>,
+        norms: Option<(&Tensor, &Tensor)>,
+        eps: f64,
+    ) -> Result<Tensor> {
+        let sb = b.map_or(Ok(0), |b| b.dim(1))?;
+        let op = JointRows {
+            b: b.cloned(),
+            norms: norms.map(|(wa, wb)| (wa.clone(), wb.clone())),
+            sb,
+            d: self.d,
+            eps: eps as f32,
+        };
+        a.apply_op1_no_bwd(&op)
+    }
+}
+
+fn joint_rows_launch<T: CudaDType + DeviceRepr>(
+    op: &JointRows,
+    a: &CudaStorage,
+    al: &Layout,
+) -> Result<CudaStorage> {
+    let dev: &CudaDevice = a.device();
+    let (batch, sa, c) = al.shape().dims3()?;
+    let n = batch * (sa + op.sb) * c;
+    let vectors = n / per_vector::<T>();
+    let av = contiguous::<T>(a, al, "joint rows")?;
+    let held_b = op.b.as_ref().map(|b| b.storage_and_layout());
+    let bv = held_b.as_ref().map(|h| held_view::<T, _>(h, "joint rows")).transpose()?;
+    let held_w = op.norms.as_ref().map(|(wa, wb)| (wa.storage_and_layout(), wb.storage_and_layout()));
+    let wv = held_w
+        .as_ref()
+        .map(|(wa, wb)| {
+            Ok::<_, candle_core::Error>((held_view::<T, _>(wa, "norm")?, held_view::<T, _>(wb, "norm")?))
+        })
+        .transpose()?;
+    // SAFETY: written in full by the kernel.
+    let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
+    let name = if wv.is_some() { "joint_rows_norm" } else { "joint_rows" };
+    let func = dev.get_or_load_custom_func(&format!("{name}_{}", suffix(a.dtype())?), MODULE, PTX)?;
+    let mut k = func.builder();
+    k.arg(&av);
+    // Without `b` its pointer is never read (no row comes from it): `a`'s stands in.
+    match &bv {
+        Some(b) => k.arg(b),
+        None => k.arg(&av),
+    };
+    // Without norms the weights are never read: `a`'s pointer stands in.
+    match &wv {
+        Some((wa, wb)) => {
+            k.arg(wa);
+            k.arg(wb);
+        }
+        None => {
+            k.arg(&av);
+            k.arg(&av);
+        }
+    }
+    k.arg(&out);
+    builder_arg!(k, vectors, sa as u32, op.sb as u32, c as u32, op.d as u32, op.eps);
+    let cfg = LaunchConfig {
+        grid_dim: (vectors.div_ceil(THREADS as usize) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature; the grid covers every vector once.
+    unsafe { k.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+impl CustomOp1 for JointRows {
+    fn name(&self) -> &'static str {
+        "sdhive-joint-rows"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        cpu_only(self.name())
+    }
+
+    fn cuda_fwd(&self, a: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let out = by_dtype!(a.dtype(), joint_rows_launch(self, a, l))?;
+        let (batch, sa, c) = l.shape().dims3()?;
+        Ok((out, Shape::from((batch, sa + self.sb, c))))
+    }
+}
+
+/// `(B, Sa + Sb, C)`: per sample the rows of `a` `(B, Sa, C)` then those of `b` `(B, Sb, C)`, each `d`-wide head
+/// RMS-normalised (statistics in f32, diffusers' roundings) by `norms.0` in `a`'s rows and `norms.1` in `b`'s when
+/// given: an MMDiT's joint query or key (or value, without norms) in one pass. `None` where the kernel does not
+/// take the tensors (the caller composes it).
+pub fn joint_rows(
+    a: &Tensor,
+    b: &Tensor,
+    norms: Option<(&Tensor, &Tensor)>,
+    d: usize,
+    eps: f64,
+) -> Result<Option<Tensor>> {
+    let Some(fit) = joint_rows_fit(a, Some(b), d) else { return Ok(None) };
+    if let Some((wa, wb)) = norms {
+        let vec = 16 / a.dtype().size_in_bytes();
+        let ok = |w: &Tensor| {
+            w.elem_count() == d
+                && w.is_contiguous()
+                && w.dtype() == a.dtype()
+                && w.layout().start_offset().is_multiple_of(vec)
+        };
+        if !ok(wa) || !ok(wb) {
+            return Ok(None);
+        }
+    }
+    fit.run(a, Some(b), norms, eps).map(Some)
+}
+
+/// A `(N, C)` operand whose rows are contiguous but may lie further apart than `C` (a chunk of a wider table,
+/// read in place), as a view from its first to its last element and the distance between its rows.
+fn rows_view<'a, T: CudaDType>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    what: &str,
+) -> Result<(candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>, usize)> {
+    match (l.dims(), l.stride()) {
+        ([n, c], [rs, 1]) if *n > 0 && *c > 0 => {
+            let start = l.start_offset();
+            let end = start + (n - 1) * rs + c;
+            Ok((s.as_cuda_slice::<T>()?.slice(start..end), if *n == 1 { *c } else { *rs }))
+        }
+        (dims, strides) => {
+            bail!("sdhive-cuda-kernels: {what} must be a matrix of contiguous rows, not {dims:?} {strides:?}")
+        }
+    }
+}
+
+/// `x + gate · y` for `(B, S, D)` `x` and `y` with a `(B, D)` gate (rows contiguous, any distance apart).
 struct GatedAdd;
 
 fn gated_add_launch<T: CudaDType + DeviceRepr>(
@@ -1434,7 +1635,7 @@ fn gated_add_launch<T: CudaDType + DeviceRepr>(
     let (_, s, d) = x.1.shape().dims3()?;
     let n = x.1.shape().elem_count();
     let xs = contiguous::<T>(x.0, x.1, "gated_add input")?;
-    let gs = contiguous::<T>(gate.0, gate.1, "gated_add gate")?;
+    let (gs, gate_stride) = rows_view::<T>(gate.0, gate.1, "gated_add gate")?;
     let ys = contiguous::<T>(y.0, y.1, "gated_add update")?;
     // SAFETY: written in full by the kernel.
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
@@ -1444,8 +1645,13 @@ fn gated_add_launch<T: CudaDType + DeviceRepr>(
     a.arg(&gs);
     a.arg(&ys);
     a.arg(&out);
-    builder_arg!(a, n, d as u32, s * d);
-    let cfg = LaunchConfig { grid_dim: (grid_for(n), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    builder_arg!(a, n, d as u32, s * d, gate_stride as u32);
+    let vectorizable = d.is_multiple_of(per_vector::<T>()) && gate_stride.is_multiple_of(per_vector::<T>());
+    let cfg = LaunchConfig {
+        grid_dim: (grid_for(items::<T>(n, vectorizable)), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
     // SAFETY: the arguments match the kernel's signature.
     unsafe { a.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))

@@ -25,8 +25,9 @@ use std::sync::Arc;
 /// Hopper's recommended cuBLASLt workspace; other GPUs are content with less.
 const WORKSPACE: usize = 32 << 20;
 
-/// Device, dtype, input side, output side, batch, tokens, in features, out features, bias, residual.
-type Key = (DeviceId, DType, Side, Side, usize, usize, usize, usize, bool, bool);
+/// Device, dtype, input side, output side, batch, tokens, in features, out features, bias, residual, GELU, and the
+/// distance between samples of a token input whose samples are not back to back (0 when they are).
+type Key = (DeviceId, DType, Side, Side, usize, usize, usize, usize, bool, bool, bool, usize);
 
 fn lt_err(e: CublasError, what: &str) -> candle_core::Error {
     candle_core::Error::Msg(format!("cuBLASLt {what}: {e:?}"))
@@ -147,7 +148,7 @@ fn set_desc<V>(
 /// - output tokens, D = `(N, S)` col-major = W (transposed) · X, the bias running along D's rows (per feature);
 /// - output channels-first, D = `(S, N)` col-major = X (transposed) · W; no epilogue bias (it would run per token).
 fn make_plan(handle: sys::cublasLtHandle_t, key: &Key) -> Result<Plan> {
-    let &(_, dtype, input, output, b, s, k, n, bias, _) = key;
+    let &(_, dtype, input, output, b, s, k, n, bias, _, gelu, sample_stride) = key;
     let ty = data_type(dtype)?;
     let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
     let desc = lt::create_matmul_desc(compute, sys::cudaDataType_t::CUDA_R_32F)
@@ -156,6 +157,14 @@ fn make_plan(handle: sys::cublasLtHandle_t, key: &Key) -> Result<Plan> {
     let (t, nt) = (1i32, 0i32);
     let made = (|| -> std::result::Result<_, CublasError> {
         Ok(match (input, output) {
+            (Side::Tokens, Side::Tokens) if sample_stride != 0 => {
+                // Each sample's tokens are a stretch of a longer sequence (a narrow, read in place): one product
+                // per sample, the weight shared.
+                let a = layout(ty, (k, n, k), b, 0)?;
+                let bl = layout(ty, (k, s, k), b, sample_stride)?;
+                let cd = layout(ty, (n, s, n), b, n * s)?;
+                ((t, nt), [a, bl, cd])
+            }
             (Side::Tokens, Side::Tokens) => {
                 // Tokens of every sample are one matrix: no batching needed.
                 let a = layout(ty, (k, n, k), 1, 0)?;
@@ -191,9 +200,16 @@ fn make_plan(handle: sys::cublasLtHandle_t, key: &Key) -> Result<Plan> {
     let mut plan = Plan { desc, layouts, algo: unsafe { std::mem::zeroed() }, candidates: Vec::new() };
     set_desc(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &op_a)?;
     set_desc(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &op_b)?;
-    if bias {
-        let epilogue = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+    let epilogue = match (bias, gelu) {
+        (true, false) => Some(sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS),
+        (true, true) => Some(sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS),
+        (false, true) => Some(sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU),
+        (false, false) => None,
+    };
+    if let Some(epilogue) = epilogue {
         set_desc(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+    }
+    if bias {
         // One bias for every sample of the batch.
         let zero = 0i64;
         set_desc(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, &zero)?;
@@ -337,6 +353,27 @@ struct Linear {
     input: Side,
     output: Side,
     residual: Option<Tensor>,
+    /// GELU (tanh approximation) in the epilogue, after the bias.
+    gelu: bool,
+}
+
+/// 0 for an input whose samples lie back to back (contiguous), else the distance between a token input's
+/// samples whose rows are contiguous (a stretch of each sample's longer token sequence); any other layout is
+/// refused.
+fn sample_stride(input: Side, l: &Layout) -> Result<usize> {
+    if l.is_contiguous() {
+        return Ok(0);
+    }
+    match (input, l.dims(), l.stride()) {
+        // One sample's rows are one matrix wherever its batch stride points.
+        (Side::Tokens, [1, s, k], [_, ks, 1]) if ks == k => Ok(s * k),
+        (Side::Tokens, [_, s, k], [bs, ks, 1]) if ks == k && *bs >= s * k => Ok(*bs),
+        _ => bail!(
+            "cuBLASLt linear: the input {:?} (strides {:?}) is not contiguous rows",
+            l.dims(),
+            l.stride()
+        ),
+    }
 }
 
 impl Linear {
@@ -372,7 +409,15 @@ fn launch<T: CudaDType + DeviceRepr>(
 ) -> Result<CudaStorage> {
     let dev: &CudaDevice = x.0.device();
     let stream = dev.cuda_stream();
-    let (xv, wv) = (contiguous::<T>(x.0, x.1, "input")?, contiguous::<T>(w.0, w.1, "weight")?);
+    let xv = match key.11 {
+        0 => contiguous::<T>(x.0, x.1, "input")?,
+        stride => {
+            let (b, s, k) = (key.4, key.5, key.6);
+            let start = x.1.start_offset();
+            x.0.as_cuda_slice::<T>()?.slice(start..start + (b - 1) * stride + s * k)
+        }
+    };
+    let wv = contiguous::<T>(w.0, w.1, "weight")?;
     let bv = bias.map(|(s, l)| contiguous::<T>(s, l, "bias")).transpose()?;
     let residual = op.residual.as_ref().map(|r| r.storage_and_layout());
     let rv = residual.as_ref().map(|h| held_view::<T, _>(h, "the linear's residual")).transpose()?;
@@ -475,6 +520,10 @@ impl Linear {
                 bail!("cuBLASLt linear: residual {:?} differs from the output {:?}", r.dims(), shape.dims());
             }
         }
+        let stride = sample_stride(self.input, x.1)?;
+        if stride != 0 && self.output != Side::Tokens {
+            bail!("cuBLASLt linear: a strided token input goes to tokens only");
+        }
         let dev: &CudaDevice = x.0.device();
         let key: Key = (
             dev.id(),
@@ -487,6 +536,8 @@ impl Linear {
             n,
             bias.is_some(),
             self.residual.is_some(),
+            self.gelu,
+            stride,
         );
         let len = shape.elem_count();
         let out = match x.0.dtype() {
@@ -517,10 +568,21 @@ pub fn linear(
         bail!("cuBLASLt linear: channels-first to channels-first is a 1×1 convolution");
     }
     if let (Side::ChannelsFirst, Some(b)) = (output, bias) {
-        let y = x.apply_op2_no_bwd(weight, &Linear { input, output, residual: None })?;
+        let y = x.apply_op2_no_bwd(weight, &Linear { input, output, residual: None, gelu: false })?;
         return crate::cuda::add_channel(&y, b, residual, false);
     }
-    let op = Linear { input, output, residual: residual.cloned() };
+    let op = Linear { input, output, residual: residual.cloned(), gelu: false };
+    match bias {
+        Some(b) => x.apply_op3_no_bwd(weight, b, &op),
+        None => x.apply_op2_no_bwd(weight, &op),
+    }
+}
+
+/// `gelu_tanh(x·Wᵀ + bias)` over tokens `(B, S, K)` or `(S, K)`, the GELU (tanh approximation, as candle's
+/// `gelu` and diffusers' `gelu-approximate`) in cuBLASLt's epilogue: the feed-forward's first product without a
+/// pass over its 4×-wide output. Every tensor must be contiguous.
+pub fn linear_gelu(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let op = Linear { input: Side::Tokens, output: Side::Tokens, residual: None, gelu: true };
     match bias {
         Some(b) => x.apply_op3_no_bwd(weight, b, &op),
         None => x.apply_op2_no_bwd(weight, &op),

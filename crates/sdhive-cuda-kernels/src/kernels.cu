@@ -707,16 +707,18 @@ template <typename T> __device__ void geglu(const T *x, const T *bias, T *out, s
 constexpr uint32_t LN_REGS = 8;
 
 // `group_rows` rows share one weight and bias row: `rows` for one affine over all rows, the sequence length for
-// per-sample modulation (an adaptive norm's `norm(x) · (1 + scale) + shift` as weight `1 + scale`, bias `shift`).
+// per-sample modulation (an adaptive norm's `norm(x) · (1 + scale) + shift`: weight `scale` with `one_plus` 1,
+// rounded to T as the network rounds `1 + scale`, bias `shift`). The groups' weight and bias rows lie `w_stride`
+// and `b_stride` values apart (chunks of a modulation table, read in place).
 template <typename T>
 __device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint32_t rows, uint32_t cols, float eps,
-                                uint32_t group_rows) {
+                                uint32_t group_rows, uint32_t w_stride, uint32_t b_stride, float one_plus) {
     constexpr uint32_t VEC = 16 / sizeof(T);
     const size_t row = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     if (row >= rows) return;
-    w += (row / group_rows) * cols;
-    b += (row / group_rows) * cols;
+    w += (row / group_rows) * w_stride;
+    b += (row / group_rows) * b_stride;
     const T *r = x + row * cols;
     T *o = out + row * cols;
     const uintptr_t addr = reinterpret_cast<uintptr_t>(r) | reinterpret_cast<uintptr_t>(o) |
@@ -763,7 +765,8 @@ __device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint
             uint4 ov;
             T *oe = reinterpret_cast<T *>(&ov);
 #pragma unroll
-            for (uint32_t j = 0; j < VEC; j++) oe[j] = from_f<T>((to_f(xe[j]) - mean) * rstd * to_f(we[j]) + to_f(be[j]));
+            for (uint32_t j = 0; j < VEC; j++)
+                oe[j] = from_f<T>((to_f(xe[j]) - mean) * rstd * to_f(from_f<T>(to_f(we[j]) + one_plus)) + to_f(be[j]));
             reinterpret_cast<uint4 *>(o)[c] = ov;
         }
         return;
@@ -778,7 +781,8 @@ __device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint
     }
     for (int off = 16; off > 0; off >>= 1) m = combine(m, shfl_xor(m, off));
     const float rstd = rsqrtf(m.m2 / m.n + eps);
-    for (uint32_t c = lane; c < cols; c += 32) o[c] = from_f<T>((to_f(r[c]) - m.mean) * rstd * to_f(w[c]) + to_f(b[c]));
+    for (uint32_t c = lane; c < cols; c += 32)
+        o[c] = from_f<T>((to_f(r[c]) - m.mean) * rstd * to_f(from_f<T>(to_f(w[c]) + one_plus)) + to_f(b[c]));
 }
 
 // RMSNorm of every `d`-wide row (an attention head), one warp per row, statistics in f32:
@@ -800,14 +804,72 @@ __device__ void rms_norm_rows(const T *x, const T *w, T *out, size_t rows, uint3
     for (uint32_t c = lane; c < d; c += 32) o[c] = from_f<T>(to_f(from_f<T>(to_f(r[c]) * rstd)) * to_f(w[c]));
 }
 
-// `x + gate · y` with one gate row of `cols` values per `group` elements (a sample's tokens): an adaptive norm's
-// gated residual in one pass, rounded once.
+// `x + gate · y` with one gate row of `cols` values per `group` elements (a sample's tokens), the sample's row
+// `gate_stride` values after the previous one (a chunk of an adaptive norm's modulation table read in place): the
+// gated residual in one pass, rounded once. 16 bytes per thread where the widths and pointers allow it.
 template <typename T>
-__device__ void gated_add(const T *x, const T *gate, const T *y, T *out, size_t n, uint32_t cols, size_t group) {
+__device__ void gated_add(const T *x, const T *gate, const T *y, T *out, size_t n, uint32_t cols, size_t group,
+                          uint32_t gate_stride) {
+    constexpr uint32_t VEC = 16 / sizeof(T);
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(gate) |
+                           reinterpret_cast<uintptr_t>(y) | reinterpret_cast<uintptr_t>(out);
+    if (cols % VEC == 0 && gate_stride % VEC == 0 && addr % 16 == 0) {
+        for (size_t v = blockIdx.x * (size_t)blockDim.x + threadIdx.x; v < n / VEC;
+             v += (size_t)gridDim.x * blockDim.x) {
+            const size_t i = v * VEC;
+            const uint4 xv = reinterpret_cast<const uint4 *>(x)[v], yv = reinterpret_cast<const uint4 *>(y)[v];
+            const uint4 gv = *reinterpret_cast<const uint4 *>(gate + (i / group) * gate_stride + i % cols);
+            const T *xe = reinterpret_cast<const T *>(&xv), *ye = reinterpret_cast<const T *>(&yv),
+                    *ge = reinterpret_cast<const T *>(&gv);
+            uint4 ov;
+            T *oe = reinterpret_cast<T *>(&ov);
+#pragma unroll
+            for (uint32_t j = 0; j < VEC; j++) oe[j] = from_f<T>(to_f(xe[j]) + to_f(ge[j]) * to_f(ye[j]));
+            reinterpret_cast<uint4 *>(out)[v] = ov;
+        }
+        return;
+    }
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const float g = to_f(gate[(i / group) * cols + i % cols]);
+        const float g = to_f(gate[(i / group) * gate_stride + i % cols]);
         out[i] = from_f<T>(to_f(x[i]) + g * to_f(y[i]));
     }
+}
+
+// The joint sequence of an MMDiT attention: per sample, the `sa` rows of `a` then the `sb` rows of `b` (rows of
+// `c` values) into `out`, and with NORM each `d`-wide head RMS-normalised with `wa` (rows of `a`) or `wb` (rows of
+// `b`), rounded as rms_norm_rows rounds. One 16-byte vector per thread; a head's d / VEC threads (a power of two
+// up to 32, so inside one warp) sum its squares by shuffles. The host checks widths and alignment.
+template <typename T, bool NORM>
+__device__ void joint_rows(const T *a, const T *b, const T *wa, const T *wb, T *out, size_t vectors, uint32_t sa,
+                           uint32_t sb, uint32_t c, uint32_t d, float eps) {
+    constexpr uint32_t VEC = 16 / sizeof(T);
+    const uint32_t cv = c / VEC, hv = d / VEC;
+    const size_t v = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    const bool live = v < vectors;
+    const size_t row = v / cv;
+    const uint32_t col = (uint32_t)(v % cv);
+    const size_t sample = row / (sa + sb);
+    const uint32_t s = (uint32_t)(row % (sa + sb));
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (live) {
+        val = s < sa ? reinterpret_cast<const uint4 *>(a)[(sample * sa + s) * cv + col]
+                     : reinterpret_cast<const uint4 *>(b)[(sample * sb + (s - sa)) * cv + col];
+    }
+    if (NORM) {
+        T *e = reinterpret_cast<T *>(&val);
+        float sq = 0.f;
+#pragma unroll
+        for (uint32_t j = 0; j < VEC; j++) sq += to_f(e[j]) * to_f(e[j]);
+        for (uint32_t off = 1; off < hv; off <<= 1) sq += __shfl_xor_sync(0xffffffff, sq, off);
+        const float rstd = rsqrtf(sq / d + eps);
+        if (live) {
+            const uint4 wv = reinterpret_cast<const uint4 *>(s < sa ? wa : wb)[col % hv];
+            const T *we = reinterpret_cast<const T *>(&wv);
+#pragma unroll
+            for (uint32_t j = 0; j < VEC; j++) e[j] = from_f<T>(to_f(from_f<T>(to_f(e[j]) * rstd)) * to_f(we[j]));
+        }
+    }
+    if (live) reinterpret_cast<uint4 *>(out)[v] = val;
 }
 
 // im2col in the (batch, channel·kh·kw, out_h·out_w) layout: a weight (out_channels, channel·kh·kw) times this
@@ -894,15 +956,26 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
         geglu<T>(x, bias, out, rows, half);                                                                     \
     }                                                                                                           \
     extern "C" __global__ void layer_norm_##S(const T *x, const T *w, const T *b, T *out, uint32_t rows,        \
-                                              uint32_t cols, float eps, uint32_t group_rows) {                  \
-        layer_norm_rows<T>(x, w, b, out, rows, cols, eps, group_rows);                                          \
+                                              uint32_t cols, float eps, uint32_t group_rows, uint32_t w_stride, \
+                                              uint32_t b_stride, float one_plus) {                              \
+        layer_norm_rows<T>(x, w, b, out, rows, cols, eps, group_rows, w_stride, b_stride, one_plus);            \
     }                                                                                                           \
     extern "C" __global__ void rms_norm_##S(const T *x, const T *w, T *out, size_t rows, uint32_t d, float eps) { \
         rms_norm_rows<T>(x, w, out, rows, d, eps);                                                              \
     }                                                                                                           \
     extern "C" __global__ void gated_add_##S(const T *x, const T *gate, const T *y, T *out, size_t n,           \
-                                             uint32_t cols, size_t group) {                                     \
-        gated_add<T>(x, gate, y, out, n, cols, group);                                                          \
+                                             uint32_t cols, size_t group, uint32_t gate_stride) {               \
+        gated_add<T>(x, gate, y, out, n, cols, group, gate_stride);                                             \
+    }                                                                                                           \
+    extern "C" __global__ void joint_rows_##S(const T *a, const T *b, const T *wa, const T *wb, T *out,         \
+                                              size_t vectors, uint32_t sa, uint32_t sb, uint32_t c, uint32_t d, \
+                                              float eps) {                                                      \
+        joint_rows<T, false>(a, b, wa, wb, out, vectors, sa, sb, c, d, eps);                                   \
+    }                                                                                                           \
+    extern "C" __global__ void joint_rows_norm_##S(const T *a, const T *b, const T *wa, const T *wb, T *out,    \
+                                                   size_t vectors, uint32_t sa, uint32_t sb, uint32_t c,        \
+                                                   uint32_t d, float eps) {                                     \
+        joint_rows<T, true>(a, b, wa, wb, out, vectors, sa, sb, c, d, eps);                                    \
     }                                                                                                           \
     extern "C" __global__ void im2col_##S(const T *x, T *col, uint32_t channels, uint32_t h, uint32_t w,       \
                                           uint32_t kh, uint32_t kw, uint32_t stride, uint32_t pad,              \

@@ -547,8 +547,9 @@ pub fn conv2d_channels_last_epilogue(
 
 /// `x·Wᵀ (+ bias) (+ residual)` as one cuBLASLt product, bias and residual in its epilogue; `x` tokens
 /// `(B, S, K)` / `(S, K)` or channels-first `(B, K, S)`, the output tokens or channels-first (not both
-/// channels-first: that is a 1×1 convolution). Every tensor contiguous; `SDHIVE_FUSED_LINEAR=0` turns it off
-/// (see [`linear_applies`]).
+/// channels-first: that is a 1×1 convolution). Every tensor contiguous, except that a `(B, S, K)` token input
+/// into tokens may be a stretch of each sample's longer sequence (rows contiguous, samples further apart);
+/// `SDHIVE_FUSED_LINEAR=0` turns it off (see [`linear_applies`]).
 pub fn linear(
     x: &Tensor,
     weight: &Tensor,
@@ -558,6 +559,12 @@ pub fn linear(
     output: Side,
 ) -> Result<Tensor> {
     on_cuda!(gemm::linear(x, weight, bias, residual, input, output); x, weight, bias, residual, input, output)
+}
+
+/// `gelu_tanh(x·Wᵀ + bias)` over tokens `(B, S, K)` / `(S, K)` as one cuBLASLt product, the GELU in its epilogue.
+/// Every tensor contiguous; where [`linear_applies`].
+pub fn linear_gelu(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    on_cuda!(gemm::linear_gelu(x, weight, bias); x, weight, bias)
 }
 
 /// Whether [`linear`] takes these tensors: [`applies`], and `SDHIVE_FUSED_LINEAR` not `0`.
@@ -583,10 +590,10 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     on_cuda!(cuda::layer_norm(x, weight, bias, eps); x, weight, bias, eps)
 }
 
-/// LayerNorm of `(B, S, D)` with one affine row per sample (`(B, D)` weight and bias): an adaptive norm's
-/// `norm(x) · (1 + scale) + shift` in one pass.
-pub fn layer_norm_per_sample(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    on_cuda!(cuda::layer_norm_per_sample(x, weight, bias, eps); x, weight, bias, eps)
+/// An adaptive norm's `layer_norm(x) · (1 + scale) + shift` for `(B, S, D)` `x` and `(B, D)` rows of `shift` and
+/// `scale` (each row contiguous; they may be chunks of a wider modulation table, read in place), in one pass.
+pub fn modulated_layer_norm(x: &Tensor, shift: &Tensor, scale: &Tensor, eps: f64) -> Result<Tensor> {
+    on_cuda!(cuda::modulated_layer_norm(x, shift, scale, eps); x, shift, scale, eps)
 }
 
 /// RMSNorm of every `weight`-wide row of `x` (attention heads), statistics in f32, rounded as diffusers' RMSNorm
@@ -595,7 +602,21 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     on_cuda!(cuda::rms_norm(x, weight, eps); x, weight, eps)
 }
 
-/// `x + gate · y` for `(B, S, D)` `x`, `y` and a `(B, D)` gate, in one pass.
+/// An MMDiT's joint query, key or value `(B, Sa + Sb, C)`: per sample the rows of `a` `(B, Sa, C)` then those of
+/// `b` `(B, Sb, C)`, with `norms` each `d`-wide head RMS-normalised (as [`rms_norm`]) by `norms.0` in `a`'s rows
+/// and `norms.1` in `b`'s, in one pass. `Ok(None)` where the kernel does not take the tensors.
+pub fn joint_rows(
+    a: &Tensor,
+    b: &Tensor,
+    norms: Option<(&Tensor, &Tensor)>,
+    d: usize,
+    eps: f64,
+) -> Result<Option<Tensor>> {
+    on_cuda!(cuda::joint_rows(a, b, norms, d, eps); a, b, norms, d, eps)
+}
+
+/// `x + gate · y` for `(B, S, D)` `x`, `y` and a `(B, D)` gate, in one pass. The gate's rows may lie apart (a
+/// chunk of an adaptive norm's modulation, read in place).
 pub fn gated_add(x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
     on_cuda!(cuda::gated_add(x, gate, y); x, gate, y)
 }

@@ -502,7 +502,7 @@ fn layer_norm_matches_the_reference() {
 }
 
 #[test]
-fn per_sample_layer_norm_matches_the_modulation_it_replaces() {
+fn modulated_layer_norm_matches_the_modulation_it_replaces() {
     let dev = gpu();
     // SD3.5-medium's and -large's widths (1536 in registers, 2432 f16 past them), and a row that is no whole vector.
     for (b, s, d) in [(2, 333, 1536), (2, 64, 2432), (3, 5, 33)] {
@@ -524,10 +524,15 @@ fn per_sample_layer_norm_matches_the_modulation_it_replaces() {
                 .unwrap()
                 .broadcast_add(&f(&c(&shift)).unsqueeze(1).unwrap())
                 .unwrap();
-            let got = layer_norm_per_sample(&c(&x), &weight, &c(&shift), 1e-6).unwrap();
+            // shift and scale as the chunks of one modulation table they are in the network, read in place.
+            let table = Tensor::cat(&[&c(&shift), &c(&scale), &c(&shift)], 1).unwrap();
+            let (shift_rows, scale_rows) = (table.narrow(1, 0, d).unwrap(), table.narrow(1, d, d).unwrap());
+            let got = modulated_layer_norm(&c(&x), &shift_rows, &scale_rows, 1e-6).unwrap();
             let diff = rel_diff(&got, &want);
-            eprintln!("layer_norm_per_sample ({b}, {s}, {d}) {dtype:?}: rel diff {diff:.2e}");
-            assert!(diff <= tol(dtype), "layer_norm_per_sample {dtype:?}: {diff}");
+            eprintln!("modulated_layer_norm ({b}, {s}, {d}) {dtype:?}: rel diff {diff:.2e}");
+            assert!(diff <= tol(dtype), "modulated_layer_norm {dtype:?}: {diff}");
+            let contiguous_rows = modulated_layer_norm(&c(&x), &c(&shift), &c(&scale), 1e-6).unwrap();
+            assert_eq!(max_abs_diff(&got, &contiguous_rows), 0.0, "chunk rows {dtype:?}");
             // Each sample takes its own row: the second sample alone with its row gives the same values.
             let one = layer_norm(
                 &c(&x).narrow(0, 1, 1).unwrap().contiguous().unwrap(),
@@ -577,6 +582,46 @@ fn rms_norm_per_head_rounds_as_diffusers() {
     .is_err());
 }
 
+/// The joint query/key/value of an MMDiT attention: each sample's image rows then its context rows, exactly the
+/// concatenation without norms, and each stream's rows through its own RMSNorm (as `rms_norm_per_head_rounds_as_
+/// diffusers` checks it) with them.
+#[test]
+fn joint_rows_concatenate_and_normalise_each_stream() {
+    let dev = gpu();
+    for (sa, sb, heads, d) in [(4096, 333, 24, 64), (5, 7, 2, 128), (9, 1, 4, 32)] {
+        let a = Tensor::randn(0f32, 3.0, (2, sa, heads * d), &dev).unwrap();
+        let b = Tensor::randn(0f32, 3.0, (2, sb, heads * d), &dev).unwrap();
+        let wa = Tensor::randn(1f32, 0.3, d, &dev).unwrap();
+        let wb = Tensor::randn(1f32, 0.3, d, &dev).unwrap();
+        for dtype in DTYPES {
+            let c = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let plain = joint_rows(&c(&a), &c(&b), None, d, 1e-6).unwrap().expect("the kernel takes these");
+            let cat = Tensor::cat(&[&c(&a), &c(&b)], 1).unwrap();
+            assert_eq!(max_abs_diff(&plain, &cat), 0.0, "joint rows ({sa}+{sb}, {heads}x{d}) {dtype:?}");
+            let reference = |x: &Tensor, w: &Tensor, s: usize| {
+                let xf = c(x).reshape((2, s, heads, d)).unwrap().to_dtype(DType::F32).unwrap();
+                let var = xf.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+                xf.broadcast_div(&(var + 1e-6).unwrap().sqrt().unwrap())
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+                    .broadcast_mul(&c(w))
+                    .unwrap()
+                    .reshape((2, s, heads * d))
+                    .unwrap()
+            };
+            let want = Tensor::cat(&[&reference(&a, &wa, sa), &reference(&b, &wb, sb)], 1).unwrap();
+            let normed = joint_rows(&c(&a), &c(&b), Some((&c(&wa), &c(&wb))), d, 1e-6).unwrap().unwrap();
+            let diff = rel_diff(&normed, &want);
+            eprintln!("joint rows normed ({sa}+{sb}, {heads}x{d}) {dtype:?}: rel diff {diff:.2e}");
+            assert!(diff <= tol(dtype), "joint rows normed {dtype:?}: {diff}");
+        }
+    }
+    // A head of 40 values is no power-of-two count of vectors: the caller composes it.
+    let x = Tensor::zeros((2, 3, 80), DType::F16, &dev).unwrap();
+    assert!(joint_rows(&x, &x, None, 40, 1e-6).unwrap().is_none());
+}
+
 #[test]
 fn gated_add_matches_the_broadcast_ops() {
     let dev = gpu();
@@ -593,6 +638,10 @@ fn gated_add_matches_the_broadcast_ops() {
             let diff = rel_diff(&got, &want);
             eprintln!("gated_add ({b}, {s}, {d}) {dtype:?}: rel diff {diff:.2e}");
             assert!(diff <= tol(dtype), "gated_add {dtype:?}: {diff}");
+            // The gate as the chunk of a modulation table it is in the network, read in place: the same values.
+            let table = Tensor::cat(&[&c(&g), &c(&g), &c(&g)], 1).unwrap();
+            let chunk = gated_add(&c(&x), &table.narrow(1, d, d).unwrap(), &c(&y)).unwrap();
+            assert_eq!(max_abs_diff(&chunk, &got), 0.0, "gate chunk {dtype:?}");
         }
     }
     let dev_x = Tensor::zeros((2, 3, 4), DType::F32, &dev).unwrap();
@@ -1229,6 +1278,73 @@ fn linear_matches_the_reference() {
     assert!(
         linear(&x, &w.t().unwrap().contiguous().unwrap(), None, None, Side::Tokens, Side::Tokens).is_err()
     );
+}
+
+/// A stretch of each sample's longer token sequence (the joint attention's image or text rows, a narrow) is read in
+/// place: the same values as the product of its contiguous copy, with bias and residual.
+#[test]
+fn linear_reads_a_narrow_of_each_samples_tokens_in_place() {
+    let dev = gpu();
+    let (b, total, k, n) = (2, 50, 64, 96);
+    let x = Tensor::randn(0f32, 1.0, (b, total, k), &dev).unwrap();
+    let w = Tensor::randn(0f32, 0.1, (n, k), &dev).unwrap();
+    let bias = Tensor::randn(0f32, 1.0, n, &dev).unwrap();
+    for dtype in DTYPES {
+        let (xd, wd, bd) =
+            (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap(), bias.to_dtype(dtype).unwrap());
+        for (start, len) in [(0, 37), (37, 13)] {
+            let part = xd.narrow(1, start, len).unwrap();
+            assert!(!part.is_contiguous());
+            let res = Tensor::randn(0f32, 1.0, (b, len, n), &dev).unwrap().to_dtype(dtype).unwrap();
+            let copy = part.contiguous().unwrap();
+            let want = linear(&copy, &wd, Some(&bd), Some(&res), Side::Tokens, Side::Tokens).unwrap();
+            let got = linear(&part, &wd, Some(&bd), Some(&res), Side::Tokens, Side::Tokens).unwrap();
+            let d = rel_diff(&got, &want);
+            eprintln!("linear over rows {start}..{} {dtype:?}: rel diff {d:.2e}", start + len);
+            assert!(d <= tol(dtype), "strided input {dtype:?}: {d}");
+        }
+        // One sample's stretch is one matrix.
+        let one = xd.narrow(0, 1, 1).unwrap().narrow(1, 5, 20).unwrap();
+        let want =
+            linear(&one.contiguous().unwrap(), &wd, Some(&bd), None, Side::Tokens, Side::Tokens).unwrap();
+        let got = linear(&one, &wd, Some(&bd), None, Side::Tokens, Side::Tokens).unwrap();
+        assert!(rel_diff(&got, &want) <= tol(dtype), "one sample's rows {dtype:?}");
+        // Into channels-first a strided input is refused rather than read wrongly.
+        let part = xd.narrow(1, 0, 37).unwrap();
+        assert!(linear(&part, &wd, None, None, Side::Tokens, Side::ChannelsFirst).is_err());
+    }
+}
+
+/// The GELU epilogue is the tanh approximation candle's `gelu` computes (SD3's `gelu-approximate`), after the bias.
+#[test]
+fn linear_gelu_matches_the_product_then_gelu() {
+    let dev = gpu();
+    for (b, s, k, n) in [(2, 37, 24, 40), (2, 333, 64, 256)] {
+        let x = Tensor::randn(0f32, 1.0, (b, s, k), &dev).unwrap();
+        let w = Tensor::randn(0f32, 0.3, (n, k), &dev).unwrap();
+        let bias = Tensor::randn(0f32, 1.0, n, &dev).unwrap();
+        for dtype in DTYPES {
+            let cast = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let f32_of = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let (xd, wd, bd) = (cast(&x), cast(&w), cast(&bias));
+            let product = f32_of(&xd).broadcast_matmul(&f32_of(&wd).t().unwrap()).unwrap();
+            for with_bias in [false, true] {
+                let pre =
+                    if with_bias { product.broadcast_add(&f32_of(&bd)).unwrap() } else { product.clone() };
+                let want = pre.gelu().unwrap();
+                let ours = linear_gelu(&xd, &wd, with_bias.then_some(&bd)).unwrap();
+                let d = rel_diff(&ours, &want);
+                eprintln!("linear_gelu b{b} s{s} k{k} n{n} {dtype:?} bias {with_bias}: rel diff {d:.2e}");
+                assert!(d <= 4.0 * tol(dtype), "linear_gelu {dtype:?} bias {with_bias}: {d}");
+                // The exact (erf) GELU differs by more than rounding: the check tells the two apart.
+                if dtype == DType::F32 {
+                    let erf = pre.gelu_erf().unwrap();
+                    let apart = (&ours - &erf).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+                    assert!(apart.to_scalar::<f32>().unwrap() > 1e-4);
+                }
+            }
+        }
+    }
 }
 
 /// The cuBLASLt linear at SD1.5 UNet shapes where timing cuBLASLt's offers on the first call picks another

@@ -6,6 +6,7 @@
 
 use crate::config::read_json;
 use crate::error::{input_err, invalid, weights_err, Result, TensorContext};
+use crate::graphed::{Graphs, Refresh};
 use crate::layers::linear;
 use crate::ops;
 use crate::unet::{TimestepEmbedding, Timesteps};
@@ -13,6 +14,7 @@ use candle_core::{DType, Device, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 const MODEL: &str = "sd3 transformer";
 
@@ -281,28 +283,55 @@ impl JointAttention {
     /// The image tokens' output and, where the block keeps a context stream, the context tokens'.
     fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> candle_core::Result<(Tensor, Option<Tensor>)> {
         let h = self.heads;
-        let q = self.image.query(x, h)?;
-        let (k, v) = self.image.key_value(x, h)?;
         let (Some(proj), Some(c)) = (&self.context, context) else {
+            let q = self.image.query(x, h)?;
+            let (k, v) = self.image.key_value(x, h)?;
             let o = ops::multi_head_attention(&q, &k, &v, h, self.scale, false)?;
             return Ok((ops::linear(&self.to_out, &o, None)?, None));
         };
-        let (ck, cv) = proj.key_value(c, h)?;
-        let k = Tensor::cat(&[&k, &ck], 1)?;
-        let v = Tensor::cat(&[&v, &cv], 1)?;
+        let k = joint(&self.image.k, self.image.norm_k.as_ref(), x, (&proj.k, proj.norm_k.as_ref(), c), h)?;
+        let v = joint(&self.image.v, None, x, (&proj.v, None, c), h)?;
         let Some(to_add_out) = &self.to_add_out else {
             // Each query's softmax runs over all keys alone, so the image queries give the same rows without the
             // context queries, whose outputs this block drops.
+            let q = self.image.query(x, h)?;
             let o = ops::multi_head_attention(&q, &k, &v, h, self.scale, false)?;
             return Ok((ops::linear(&self.to_out, &o, None)?, None));
         };
         let n = x.dim(1)?;
-        let q = Tensor::cat(&[&q, &proj.query(c, h)?], 1)?;
+        let q = joint(&self.image.q, self.image.norm_q.as_ref(), x, (&proj.q, proj.norm_q.as_ref(), c), h)?;
         let o = ops::multi_head_attention(&q, &k, &v, h, self.scale, false)?;
-        let o_x = o.narrow(1, 0, n)?.contiguous()?;
-        let o_c = o.narrow(1, n, o.dim(1)? - n)?.contiguous()?;
+        // Each stream's rows are read in place where the GPU products can (`ops::linear`).
+        let o_x = o.narrow(1, 0, n)?;
+        let o_c = o.narrow(1, n, o.dim(1)? - n)?;
         Ok((ops::linear(&self.to_out, &o_x, None)?, Some(ops::linear(to_add_out, &o_c, None)?)))
     }
+}
+
+/// One projection of the joint sequence: the image tokens' rows, then the context tokens', each stream through its
+/// own linear and, with qk norm, its own per-head RMSNorm. On the GPU the norms and the concatenation are one pass.
+fn joint(
+    image: &Linear,
+    image_norm: Option<&RmsNorm>,
+    x: &Tensor,
+    (context, context_norm, c): (&Linear, Option<&RmsNorm>, &Tensor),
+    heads: usize,
+) -> candle_core::Result<Tensor> {
+    let a = ops::linear(image, x, None)?;
+    let b = ops::linear(context, c, None)?;
+    let norms = match (image_norm, context_norm) {
+        (Some(na), Some(nb)) => Some((&na.weight, &nb.weight)),
+        (None, None) => None,
+        _ => return Err(candle_core::Error::Msg("qk norm on one stream of a joint attention only".into())),
+    };
+    if let Some(j) = ops::fused_joint_rows(&a, &b, norms, a.dim(2)? / heads, EPS)? {
+        return Ok(j);
+    }
+    let (a, b) = match (image_norm, context_norm) {
+        (Some(na), Some(nb)) => (na.forward_heads(&a, heads)?, nb.forward_heads(&b, heads)?),
+        _ => (a, b),
+    };
+    Tensor::cat(&[&a, &b], 1)
 }
 
 /// diffusers' `FeedForward` with `gelu-approximate`: `net.2(gelu_tanh(net.0.proj(x)))`.
@@ -321,7 +350,7 @@ impl FeedForward {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        ops::linear(&self.out, &ops::linear(&self.proj, x, None)?.gelu()?, None)
+        ops::linear(&self.out, &ops::linear_gelu(&self.proj, x)?, None)
     }
 }
 
@@ -444,6 +473,9 @@ impl JointBlock {
     }
 }
 
+/// The positional rows kept for one `(batch, patch rows, patch columns)`.
+type PosRows = ((usize, usize, usize), Tensor);
+
 /// diffusers' `SD3Transformer2DModel`.
 #[derive(Debug, Clone)]
 pub struct SD3Transformer2DModel {
@@ -464,6 +496,11 @@ pub struct SD3Transformer2DModel {
     config: SD3TransformerConfig,
     dtype: DType,
     device: Device,
+    /// The CUDA-graph recordings of the step (the patches and the conditioning copied in at each replay; the
+    /// context and the positional rows, the same tensors through a job, only when another is passed).
+    graphs: Graphs<4>,
+    /// The positional rows of the last shape ([`Self::pos_rows`]).
+    pos_rows: Arc<Mutex<Option<PosRows>>>,
 }
 
 impl SD3Transformer2DModel {
@@ -500,6 +537,11 @@ impl SD3Transformer2DModel {
             config: cfg.clone(),
             dtype: vb.dtype(),
             device: vb.device().clone(),
+            graphs: Graphs::new(
+                MODEL,
+                [Refresh::Always, Refresh::Always, Refresh::WhenAnotherTensor, Refresh::WhenAnotherTensor],
+            ),
+            pos_rows: Arc::default(),
         })
     }
 
@@ -526,6 +568,12 @@ impl SD3Transformer2DModel {
 
     pub fn config(&self) -> &SD3TransformerConfig {
         &self.config
+    }
+
+    /// How many input shapes replay their step from a recorded CUDA graph (none off CUDA), and why recording
+    /// failed for the others.
+    pub fn graph_status(&self) -> (usize, Vec<String>) {
+        self.graphs.status()
     }
 
     pub fn dtype(&self) -> DType {
@@ -636,36 +684,45 @@ impl SD3Transformer2DModel {
                 format!("skip layer {l} does not exist (layers 0 to {})", self.blocks.len() - 1),
             ));
         }
-        self.run(latents, timestep, context, pooled, (b, h, w), skip_layers).ctx(MODEL)
+        let run = || -> candle_core::Result<Tensor> {
+            let prepare = |t: &Tensor| t.to_device(&self.device)?.to_dtype(self.dtype)?.contiguous();
+            // What copies from the host (the timestep features' table, the layouts of strided copies) happens
+            // before the network's body and after it: a recording cannot hold such copies.
+            let temb_act = self.conditioning(timestep, &prepare(pooled)?)?;
+            let patches = self.patchify(&prepare(latents)?, (b, h, w))?;
+            let (context, pos) = (prepare(context)?, self.pos_rows((b, h, w))?);
+            let rows = if skip_layers.is_empty() && sdhive_cuda_kernels::graphs_on(&self.device) {
+                self.graphs
+                    .run([&patches, &temb_act, &context, &pos], |[x, t, c, p]| self.run(x, t, c, p, &[]))?
+            } else {
+                self.run(&patches, &temb_act, &context, &pos, skip_layers)?
+            };
+            self.unpatchify(&rows, (b, h, w))
+        };
+        run().ctx(MODEL)
     }
 
+    /// The blocks' conditioning, already through SiLU: the timestep's embedding plus the pooled text's, `(B, D)`.
+    fn conditioning(&self, timestep: &Tensor, pooled: &Tensor) -> candle_core::Result<Tensor> {
+        let t = self.time_proj.forward(&timestep.to_device(&self.device)?)?.to_dtype(self.dtype)?;
+        let temb = (self.timestep_embedder.forward(&t)? + self.text_embedder.forward(pooled)?)?;
+        ops::silu(&temb)
+    }
+
+    /// The network on `patches` (the latents cut into `(B, H·W, C·p·p)` patch rows) and `context` (on the device,
+    /// in its dtype) with the blocks' conditioning `temb_act` ([`Self::conditioning`]) and the positional rows
+    /// `pos` `(B, H·W, D)`, up to `proj_out`: `(B, H·W, p·p·out_channels)`. Nothing in it copies from the host,
+    /// so a CUDA graph can hold it.
     fn run(
         &self,
-        latents: &Tensor,
-        timestep: &Tensor,
+        patches: &Tensor,
+        temb_act: &Tensor,
         context: &Tensor,
-        pooled: &Tensor,
-        (b, h, w): (usize, usize, usize),
+        pos: &Tensor,
         skip_layers: &[usize],
     ) -> candle_core::Result<Tensor> {
-        let cfg = &self.config;
-        let (p, c) = (cfg.patch_size, cfg.in_channels);
-        let (latents, context, pooled) = (
-            latents.to_device(&self.device)?.to_dtype(self.dtype)?,
-            context.to_device(&self.device)?.to_dtype(self.dtype)?,
-            pooled.to_device(&self.device)?.to_dtype(self.dtype)?,
-        );
-        let patches = latents
-            .reshape((b, c, h, p, w, p))?
-            .permute((0, 2, 4, 1, 3, 5))?
-            .contiguous()?
-            .reshape((b, h * w, c * p * p))?;
-        let mut x = ops::linear(&self.patch_proj, &patches, None)?.broadcast_add(&self.pos_embed((h, w))?)?;
-
-        let t = self.time_proj.forward(&timestep.to_device(&self.device)?)?.to_dtype(self.dtype)?;
-        let temb = (self.timestep_embedder.forward(&t)? + self.text_embedder.forward(&pooled)?)?;
-        let temb_act = ops::silu(&temb)?;
-        let mut ctx = Some(ops::linear(&self.context_embedder, &context, None)?);
+        let mut x = ops::linear(&self.patch_proj, patches, Some(pos))?;
+        let mut ctx = Some(ops::linear(&self.context_embedder, context, None)?);
         for (i, block) in self.blocks.iter().enumerate() {
             if skip_layers.contains(&i) {
                 continue;
@@ -673,18 +730,49 @@ impl SD3Transformer2DModel {
             let Some(cur) = ctx.as_ref() else {
                 candle_core::bail!("block {i} follows the context-pre-only block");
             };
-            let (nx, nc) = block.forward(&x, cur, &temb_act, &self.norm)?;
+            let (nx, nc) = block.forward(&x, cur, temb_act, &self.norm)?;
             x = nx;
             ctx = nc;
         }
-        let m = chunks(&ops::linear(&self.norm_out, &temb_act, None)?, 2)?;
+        let m = chunks(&ops::linear(&self.norm_out, temb_act, None)?, 2)?;
         let x = self.norm.modulate(&x, &m[1], &m[0])?;
-        let out_c = cfg.out_channels();
-        ops::linear(&self.proj_out, &x, None)?
-            .reshape((b, h, w, p, p, out_c))?
-            .permute((0, 5, 1, 3, 2, 4))?
-            .contiguous()?
-            .reshape((b, out_c, h * p, w * p))
+        ops::linear(&self.proj_out, &x, None)
+    }
+
+    /// The latents `(B, C, H·p, W·p)` as patch rows `(B, H·W, C·p·p)`, as the patchifying convolution reads them.
+    fn patchify(&self, latents: &Tensor, (b, h, w): (usize, usize, usize)) -> candle_core::Result<Tensor> {
+        let (p, c) = (self.config.patch_size, self.config.in_channels);
+        latents.reshape((b, c, h, p, w, p))?.permute((0, 2, 4, 1, 3, 5))?.contiguous()?.reshape((
+            b,
+            h * w,
+            c * p * p,
+        ))
+    }
+
+    /// `proj_out`'s rows back to the velocity `(B, out_channels, H·p, W·p)`.
+    fn unpatchify(&self, rows: &Tensor, (b, h, w): (usize, usize, usize)) -> candle_core::Result<Tensor> {
+        let (p, out_c) = (self.config.patch_size, self.config.out_channels());
+        rows.reshape((b, h, w, p, p, out_c))?.permute((0, 5, 1, 3, 2, 4))?.contiguous()?.reshape((
+            b,
+            out_c,
+            h * p,
+            w * p,
+        ))
+    }
+
+    /// The positional rows for `b` samples of `h`×`w` patches, `(B, H·W, D)`: made once per shape and kept, so a
+    /// step adds them in the patch projection's epilogue and a recorded step finds the same tensor again.
+    fn pos_rows(&self, (b, h, w): (usize, usize, usize)) -> candle_core::Result<Tensor> {
+        let mut kept = self.pos_rows.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some((shape, rows)) = kept.as_ref() {
+            if *shape == (b, h, w) {
+                return Ok(rows.clone());
+            }
+        }
+        let dim = self.config.inner_dim();
+        let rows = self.pos_embed((h, w))?.broadcast_as((b, h * w, dim))?.contiguous()?;
+        *kept = Some(((b, h, w), rows.clone()));
+        Ok(rows)
     }
 }
 

@@ -222,6 +222,26 @@ pub fn fused_rms_norm_applies(x: &Tensor, weight: &Tensor) -> bool {
     gpu::applies(&[x, weight])
 }
 
+/// An MMDiT attention's joint sequence: per sample the rows of `a` then those of `b`, each head RMS-normalised by
+/// `norms.0` in `a`'s rows and `norms.1` in `b`'s when given, in one kernel where the kernels take the tensors;
+/// `None` otherwise (the caller composes it).
+pub fn fused_joint_rows(
+    a: &Tensor,
+    b: &Tensor,
+    norms: Option<(&Tensor, &Tensor)>,
+    head_dim: usize,
+    eps: f64,
+) -> Result<Option<Tensor>> {
+    let mut tensors = vec![a, b];
+    if let Some((wa, wb)) = norms {
+        tensors.extend([wa, wb]);
+    }
+    if !gpu::applies(&tensors) {
+        return Ok(None);
+    }
+    gpu::joint_rows(a, b, norms, head_dim, eps)
+}
+
 /// RMSNorm of every `weight`-wide row of `x` (each attention head), statistics in f32, in one kernel.
 pub fn fused_rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     gpu::rms_norm(x, weight, eps)
@@ -238,11 +258,17 @@ pub fn fused_modulated_layer_norm(
     if x.rank() != 3 || !gpu::applies(&[x]) {
         return Ok(None);
     }
-    let (weight, bias) = ((scale + 1.0)?.contiguous()?, shift.contiguous()?);
-    if !gpu::applies(&[x, &weight, &bias]) {
+    // Chunks of the modulation table are read in place: their rows are contiguous, only further apart.
+    let rows = |t: &Tensor| match t.stride() {
+        [_, 1] => Ok(t.clone()),
+        _ => t.contiguous(),
+    };
+    let (shift, scale) = (rows(shift)?, rows(scale)?);
+    let alike = |t: &Tensor| t.dtype() == x.dtype() && t.device().same_device(x.device());
+    if !alike(&shift) || !alike(&scale) {
         return Ok(None);
     }
-    gpu::layer_norm_per_sample(x, &weight, &bias, eps).map(Some)
+    gpu::modulated_layer_norm(x, &shift, &scale, eps).map(Some)
 }
 
 /// `x + gate · y` for `(B, S, D)` `x`, `y` and a `(B, D)` gate in one kernel pass, where the kernels take the
@@ -251,8 +277,12 @@ pub fn fused_gated_add(x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Option<T
     if x.rank() != 3 || !gpu::applies(&[x, y]) {
         return Ok(None);
     }
-    let gate = gate.contiguous()?;
-    if !gpu::applies(&[x, &gate, y]) {
+    // A chunk of the modulation table is read in place: its rows are contiguous, only further apart.
+    let gate = match gate.stride() {
+        [_, 1] => gate.clone(),
+        _ => gate.contiguous()?,
+    };
+    if gate.dtype() != x.dtype() || !gate.device().same_device(x.device()) {
         return Ok(None);
     }
     gpu::gated_add(x, &gate, y).map(Some)
@@ -790,6 +820,17 @@ pub(crate) fn linear(l: &Linear, x: &Tensor, residual: Option<&Tensor>) -> Resul
     if cpu::applies(&tensors) {
         return cpu::linear(x, l.weight(), l.bias(), residual);
     }
+    // A stretch of each sample's longer token sequence (the joint attention's image or text rows) is read in
+    // place by a product per sample, instead of copied out first.
+    if x.rank() == 3 && !x.is_contiguous() && matches!(x.stride(), [_, k, 1] if *k == x.dim(2)?) {
+        let mut others = vec![l.weight()];
+        others.extend(l.bias());
+        others.extend(residual);
+        let alike = others.iter().all(|t| t.dtype() == x.dtype() && t.device().same_device(x.device()));
+        if alike && gpu::linear_applies(&others) {
+            return gpu::linear(x, l.weight(), l.bias(), residual, Side::Tokens, Side::Tokens);
+        }
+    }
     // On Hopper, at the widths the product-and-LayerNorm kernel has, the same kernel without the norm: faster than
     // cuBLASLt there, with the residual (its epilogue's weak case) and without.
     if let Some(bias) = l.bias() {
@@ -810,6 +851,16 @@ pub(crate) fn linear(l: &Linear, x: &Tensor, residual: Option<&Tensor>) -> Resul
         Some(r) => y + r,
         None => Ok(y),
     }
+}
+
+/// `gelu_tanh(linear(x))`: on the GPU the GELU runs in the product's epilogue.
+pub(crate) fn linear_gelu(l: &Linear, x: &Tensor) -> Result<Tensor> {
+    let mut tensors = vec![x, l.weight()];
+    tensors.extend(l.bias());
+    if matches!(x.rank(), 2 | 3) && gpu::linear_applies(&tensors) {
+        return gpu::linear_gelu(&x.contiguous()?, l.weight(), l.bias());
+    }
+    linear(l, x, None)?.gelu()
 }
 
 /// A 1×1 projection (`weight` `(Cout, Cin)` or `(Cout, Cin, 1, 1)`) of NCHW `x` into tokens
