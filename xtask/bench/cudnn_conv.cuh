@@ -1,5 +1,5 @@
-// Shared by the convolution harnesses that time against cuDNN (conv_algos.cu, conv_splitk.cu, conv_streams.cu,
-// conv_tiled.cu, edge_conv.cu): the error check, CUDA-graph timing, random f16 operands and their largest difference,
+// Shared by the convolution harnesses that time against cuDNN (conv_splitk.cu,
+// edge_conv.cu): the error check, CUDA-graph timing, random f16 operands and their largest difference,
 // the descriptors of a channels-last f16 3×3 convolution (stride 1, padding 1, f32 accumulation) with a (1, K, 1, 1)
 // bias and the identity activation, as src/cudnn.rs sets them up, and the engine's call on them.
 #pragma once

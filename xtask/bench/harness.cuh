@@ -1,4 +1,4 @@
-// What the harnesses share (geglu_gemm.cu, linear_norm.cu, linear_algos.cu, conv_igemm.cu): error checks for the
+// What the harnesses share (geglu_gemm.cu, linear_norm.cu, linear_algos.cu): error checks for the
 // CUDA runtime (CK) and cuBLAS/cuBLASLt (CL) calls, the seeded uniform random numbers their data come from, the timer
 // that replays a call as a CUDA graph, and a token product set up in cuBLASLt as src/gemm.rs sets it up.
 #pragma once
