@@ -56,16 +56,24 @@ fn held_rows_view<'a, T: CudaDType, G: std::ops::Deref<Target = Storage>>(
     held: &'a (G, &Layout),
     what: &str,
 ) -> Result<(candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>, usize)> {
-    let l = held.1;
-    let (dims, strides) = (l.dims(), l.stride());
     let Storage::Cuda(s) = &*held.0 else { bail!("sdhive-cuda-kernels: {what} is not on the GPU") };
-    match (dims, strides) {
+    rows_view(s, held.1, what)
+}
+
+/// A `(N, C)` operand whose rows are contiguous but may lie further apart than `C` (a chunk of a wider table,
+/// read in place), as a view from its first to its last element and the distance between its rows.
+fn rows_view<'a, T: CudaDType>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    what: &str,
+) -> Result<(candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>, usize)> {
+    match (l.dims(), l.stride()) {
         ([n, c], [rs, 1]) if *n > 0 && *c > 0 => {
             let start = l.start_offset();
             let end = start + (n - 1) * rs + c;
             Ok((s.as_cuda_slice::<T>()?.slice(start..end), if *n == 1 { *c } else { *rs }))
         }
-        _ => {
+        (dims, strides) => {
             bail!("sdhive-cuda-kernels: {what} must be a matrix of contiguous rows, not {dims:?} {strides:?}")
         }
     }
@@ -1441,12 +1449,9 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     if d == 0 || !x.elem_count().is_multiple_of(d) || !x.dims().last().is_some_and(|c| c.is_multiple_of(d)) {
         bail!("rms_norm: rows of {d} do not divide {:?}", x.dims());
     }
-    let vec = 16 / x.dtype().size_in_bytes();
-    let weight_fits = weight.is_contiguous()
-        && weight.dtype() == x.dtype()
-        && weight.layout().start_offset().is_multiple_of(vec);
-    if let Some(joint) = joint_rows_fit(x, None, d).filter(|_| weight_fits) {
-        return joint.run(x, None, Some((weight, weight)), eps);
+    let norms = Some((weight, weight));
+    if joint_rows_fit(x, None, norms, d) {
+        return run_joint_rows(x, None, norms, d, eps);
     }
     x.apply_op2_no_bwd(weight, &RmsNorm { d, eps: eps as f32 })
 }
@@ -1463,49 +1468,41 @@ struct JointRows {
     eps: f32,
 }
 
-/// `Some` where the joint-rows kernel takes `a` (and `b`) with heads of `d`: contiguous rows 16-byte aligned
-/// (candle's allocations are), widths in whole 16-byte vectors, and a head's vectors a power of two up to 32.
-fn joint_rows_fit(a: &Tensor, b: Option<&Tensor>, d: usize) -> Option<JointRowsFit> {
-    let (batch, _, c) = a.dims3().ok()?;
+/// Whether the joint-rows kernel takes `a` (and `b`, and the norm weights) with heads of `d`: contiguous rows
+/// 16-byte aligned (candle's allocations are), widths in whole 16-byte vectors, and a head's vectors a power of two
+/// up to 32.
+fn joint_rows_fit(a: &Tensor, b: Option<&Tensor>, norms: Option<(&Tensor, &Tensor)>, d: usize) -> bool {
+    let Ok((batch, _, c)) = a.dims3() else { return false };
     let vec = 16 / a.dtype().size_in_bytes();
+    let aligned = |t: &Tensor| {
+        t.is_contiguous() && t.dtype() == a.dtype() && t.layout().start_offset().is_multiple_of(vec)
+    };
     let head_vectors = d / vec;
-    let fits = a.is_contiguous()
-        && a.layout().start_offset().is_multiple_of(vec)
+    aligned(a)
         && c.is_multiple_of(d)
         && d.is_multiple_of(vec)
         && head_vectors.is_power_of_two()
         && head_vectors <= 32
-        && b.is_none_or(|b| {
-            b.is_contiguous()
-                && b.layout().start_offset().is_multiple_of(vec)
-                && b.dtype() == a.dtype()
-                && b.dims3().is_ok_and(|(bb, _, bc)| bb == batch && bc == c)
-        });
-    fits.then_some(JointRowsFit { d })
+        && b.is_none_or(|b| aligned(b) && b.dims3().is_ok_and(|(bb, _, bc)| bb == batch && bc == c))
+        && norms.is_none_or(|(wa, wb)| [wa, wb].iter().all(|w| aligned(w) && w.elem_count() == d))
 }
 
-struct JointRowsFit {
+/// The joint-rows kernel on tensors [`joint_rows_fit`] takes.
+fn run_joint_rows(
+    a: &Tensor,
+    b: Option<&Tensor>,
+    norms: Option<(&Tensor, &Tensor)>,
     d: usize,
-}
-
-impl JointRowsFit {
-    fn run(
-        &self,
-        a: &Tensor,
-        b: Option<&Tensor>,
-        norms: Option<(&Tensor, &Tensor)>,
-        eps: f64,
-    ) -> Result<Tensor> {
-        let sb = b.map_or(Ok(0), |b| b.dim(1))?;
-        let op = JointRows {
-            b: b.cloned(),
-            norms: norms.map(|(wa, wb)| (wa.clone(), wb.clone())),
-            sb,
-            d: self.d,
-            eps: eps as f32,
-        };
-        a.apply_op1_no_bwd(&op)
-    }
+    eps: f64,
+) -> Result<Tensor> {
+    let op = JointRows {
+        b: b.cloned(),
+        norms: norms.map(|(wa, wb)| (wa.clone(), wb.clone())),
+        sb: b.map_or(Ok(0), |b| b.dim(1))?,
+        d,
+        eps: eps as f32,
+    };
+    a.apply_op1_no_bwd(&op)
 }
 
 fn joint_rows_launch<T: CudaDType + DeviceRepr>(
@@ -1588,39 +1585,10 @@ pub fn joint_rows(
     d: usize,
     eps: f64,
 ) -> Result<Option<Tensor>> {
-    let Some(fit) = joint_rows_fit(a, Some(b), d) else { return Ok(None) };
-    if let Some((wa, wb)) = norms {
-        let vec = 16 / a.dtype().size_in_bytes();
-        let ok = |w: &Tensor| {
-            w.elem_count() == d
-                && w.is_contiguous()
-                && w.dtype() == a.dtype()
-                && w.layout().start_offset().is_multiple_of(vec)
-        };
-        if !ok(wa) || !ok(wb) {
-            return Ok(None);
-        }
+    if !joint_rows_fit(a, Some(b), norms, d) {
+        return Ok(None);
     }
-    fit.run(a, Some(b), norms, eps).map(Some)
-}
-
-/// A `(N, C)` operand whose rows are contiguous but may lie further apart than `C` (a chunk of a wider table,
-/// read in place), as a view from its first to its last element and the distance between its rows.
-fn rows_view<'a, T: CudaDType>(
-    s: &'a CudaStorage,
-    l: &Layout,
-    what: &str,
-) -> Result<(candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>, usize)> {
-    match (l.dims(), l.stride()) {
-        ([n, c], [rs, 1]) if *n > 0 && *c > 0 => {
-            let start = l.start_offset();
-            let end = start + (n - 1) * rs + c;
-            Ok((s.as_cuda_slice::<T>()?.slice(start..end), if *n == 1 { *c } else { *rs }))
-        }
-        (dims, strides) => {
-            bail!("sdhive-cuda-kernels: {what} must be a matrix of contiguous rows, not {dims:?} {strides:?}")
-        }
-    }
+    run_joint_rows(a, Some(b), norms, d, eps).map(Some)
 }
 
 /// `x + gate · y` for `(B, S, D)` `x` and `y` with a `(B, D)` gate (rows contiguous, any distance apart).

@@ -258,17 +258,23 @@ pub fn fused_modulated_layer_norm(
     if x.rank() != 3 || !gpu::applies(&[x]) {
         return Ok(None);
     }
-    // Chunks of the modulation table are read in place: their rows are contiguous, only further apart.
-    let rows = |t: &Tensor| match t.stride() {
-        [_, 1] => Ok(t.clone()),
-        _ => t.contiguous(),
+    let (Some(shift), Some(scale)) = (modulation_rows(shift, x)?, modulation_rows(scale, x)?) else {
+        return Ok(None);
     };
-    let (shift, scale) = (rows(shift)?, rows(scale)?);
-    let alike = |t: &Tensor| t.dtype() == x.dtype() && t.device().same_device(x.device());
-    if !alike(&shift) || !alike(&scale) {
+    gpu::modulated_layer_norm(x, &shift, &scale, eps).map(Some)
+}
+
+/// A `(B, D)` row of an adaptive norm's modulation for the kernels beside `x`: a chunk of the modulation table as it
+/// is (its rows are contiguous, only further apart: the kernels read it in place), anything else made contiguous;
+/// `None` when it is not on `x`'s device in `x`'s dtype.
+fn modulation_rows(t: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+    if t.dtype() != x.dtype() || !t.device().same_device(x.device()) {
         return Ok(None);
     }
-    gpu::modulated_layer_norm(x, &shift, &scale, eps).map(Some)
+    match t.stride() {
+        [_, 1] => Ok(Some(t.clone())),
+        _ => t.contiguous().map(Some),
+    }
 }
 
 /// `x + gate · y` for `(B, S, D)` `x`, `y` and a `(B, D)` gate in one kernel pass, where the kernels take the
@@ -277,14 +283,7 @@ pub fn fused_gated_add(x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Option<T
     if x.rank() != 3 || !gpu::applies(&[x, y]) {
         return Ok(None);
     }
-    // A chunk of the modulation table is read in place: its rows are contiguous, only further apart.
-    let gate = match gate.stride() {
-        [_, 1] => gate.clone(),
-        _ => gate.contiguous()?,
-    };
-    if gate.dtype() != x.dtype() || !gate.device().same_device(x.device()) {
-        return Ok(None);
-    }
+    let Some(gate) = modulation_rows(gate, x)? else { return Ok(None) };
     gpu::gated_add(x, &gate, y).map(Some)
 }
 
