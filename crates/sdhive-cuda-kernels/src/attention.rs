@@ -302,6 +302,9 @@ struct Attention {
     scale: f32,
     /// Whether a Hopper kernel may take its TMA instantiation.
     tma: bool,
+    /// Whether cuDNN's attention may take the shapes `cudnn_attention::chosen` gives it.
+    #[cfg_attr(not(feature = "cudnn"), allow(dead_code))]
+    cudnn: bool,
 }
 
 fn view<'a, T: CudaDType>(
@@ -321,6 +324,12 @@ fn attention_launch<T: CudaDType + DeviceRepr + WithDType>(
     let (b, sq, c) = q.1.shape().dims3()?;
     let sk = k.1.shape().dims3()?.1;
     let d = c / op.heads;
+    #[cfg(feature = "cudnn")]
+    if op.cudnn && crate::cudnn_attention::chosen(d, sk) {
+        if let Some(out) = crate::cudnn_attention::attention::<T>((op.heads, op.scale), q, k, v)? {
+            return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
+        }
+    }
     let key_stride = k.1.stride()[1].max(v.1.stride()[1]);
     let mut kernel =
         Kernel::for_launch(dev, d, sk, key_stride, op.tma, |rows| b * op.heads * sq.div_ceil(rows))?;
@@ -421,20 +430,28 @@ impl Attention {
 }
 
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, scale: f64) -> Result<Tensor> {
-    attention_with(q, k, v, heads, scale, tma_on())
+    attention_with(q, k, v, heads, scale, Kernels { tma: tma_on(), cudnn: true })
 }
 
-/// [`attention`] with the TMA instantiation allowed or not (the tests compare the two).
+/// Which of the kernels that take a shape [`attention_with`] may run (the tests compare them).
+#[derive(Clone, Copy)]
+pub(crate) struct Kernels {
+    /// The Hopper kernels' TMA instantiation.
+    pub tma: bool,
+    /// cuDNN's attention (in builds with the `cudnn` feature).
+    pub cudnn: bool,
+}
+
 pub(crate) fn attention_with(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     heads: usize,
     scale: f64,
-    tma: bool,
+    Kernels { tma, cudnn }: Kernels,
 ) -> Result<Tensor> {
     if let Some(why) = unsupported(q, k, v, heads) {
         bail!("fused attention cannot take these tensors: {why}");
     }
-    q.apply_op3_no_bwd(k, v, &Attention { heads, scale: scale as f32, tma })
+    q.apply_op3_no_bwd(k, v, &Attention { heads, scale: scale as f32, tma, cudnn })
 }

@@ -83,16 +83,50 @@ storage!(f32, F32);
 struct State {
     handles: HashMap<DeviceId, Arc<Cudnn>>,
     plans: HashMap<Key, AnyPlan>,
-    workspaces: HashMap<DeviceId, CudaSlice<u8>>,
+}
+
+/// One cuDNN workspace per device that only grows, shared by the convolutions and the attention
+/// (`cudnn_attention`).
+#[derive(Default)]
+struct Workspaces {
+    current: HashMap<DeviceId, CudaSlice<u8>>,
     /// Workspaces outgrown by a larger one, kept for the CUDA graphs recorded with them.
     retired: Vec<CudaSlice<u8>>,
 }
 
 thread_local! {
     static STATE: RefCell<State> = RefCell::new(State::default());
+    static WORKSPACES: RefCell<Workspaces> = RefCell::new(Workspaces::default());
     /// Set when cuDNN refused a convolution with its epilogue (`CUDNN_STATUS_NOT_SUPPORTED`, checked before anything
     /// runs), so [`conv2d_channels_last_epilogue`] takes the separate add instead.
     static EPILOGUE_REFUSED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with this thread's cuDNN workspace on `dev`, grown to at least `need` bytes first (never while a CUDA
+/// graph is recorded: the graph would own the new one, and freeing the old one is not a recordable operation).
+pub(crate) fn with_workspace<R>(
+    dev: &CudaDevice,
+    need: usize,
+    f: impl FnOnce(&mut CudaSlice<u8>) -> Result<R>,
+) -> Result<R> {
+    WORKSPACES.with(|w| {
+        let mut w = w.borrow_mut();
+        let w = &mut *w;
+        let need = need.max(1);
+        if w.current.get(&dev.id()).is_none_or(|s| s.len() < need) {
+            if crate::graph::capturing() {
+                bail!("cuDNN: the workspace would grow during a CUDA graph capture")
+            }
+            // SAFETY: workspace memory is scratch for cuDNN, never read before it writes it.
+            let fresh = unsafe { dev.alloc::<u8>(need)? };
+            // A recorded graph may still use the smaller one.
+            if let Some(old) = w.current.insert(dev.id(), fresh) {
+                w.retired.push(old);
+            }
+        }
+        let Some(workspace) = w.current.get_mut(&dev.id()) else { bail!("cuDNN workspace missing") };
+        f(workspace)
+    })
 }
 
 fn wrap_err(e: impl std::fmt::Debug, what: &str) -> candle_core::Error {
@@ -266,59 +300,48 @@ fn launch<T: Storage>(
         let Some(plan) = T::plan(plan) else {
             bail!("cuDNN convolution: plan cache holds another dtype for {key:?}")
         };
-        let need = plan.workspace.max(1);
-        if state.workspaces.get(&dev.id()).is_none_or(|w| w.len() < need) {
-            if crate::graph::capturing() {
-                bail!("cuDNN convolution: the workspace would grow during a CUDA graph capture")
+        with_workspace(dev, plan.workspace, |workspace| {
+            if let (Some(e), Some(bv)) = (&plan.epilogue, &bv) {
+                let fwd = ConvBiasActivationForward {
+                    conv: &plan.conv,
+                    act: &e.act,
+                    x: &plan.x,
+                    w: &plan.w,
+                    z: &plan.y,
+                    bias: &e.bias,
+                    y: &plan.y,
+                };
+                // Without a skip (alpha2 = 0) cuDNN does not read z, but wants a buffer of the output's size: the
+                // output itself, as TensorFlow passes it. The input, z and the bias are one pointer type for cuDNN's
+                // wrapper, so each goes by its address.
+                let stream = dev.cuda_stream();
+                let alias = |ptr, len| Alias::<T> { ptr, len, stream: &stream, marker: PhantomData };
+                let src = alias(xv.device_ptr(&stream).0, xv.len());
+                let (z, alpha2) = match &zv {
+                    Some(z) => (alias(z.device_ptr(&stream).0, z.len()), T::one()),
+                    None => (alias(y.device_ptr(&stream).0, y.len()), T::zero()),
+                };
+                let bias = alias(bv.device_ptr(&stream).0, bv.len());
+                // SAFETY: the descriptors were made for exactly these shapes and this storage type; the buffers are
+                // contiguous at their offsets; z and the bias match the output and (1, K, 1, 1) descriptors, and z
+                // is read only with a skip (then it is the skip, not y).
+                let done = unsafe {
+                    fwd.launch(plan.algo, Some(workspace), (T::one(), alpha2), &src, &wv, &z, &bias, &mut y)
+                };
+                return match done {
+                    Err(cudnn::CudnnError(sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED)) => {
+                        EPILOGUE_REFUSED.with(|r| r.set(true));
+                        bail!("cuDNN convolution: bias and skip in the epilogue not supported for {key:?}")
+                    }
+                    other => other.map_err(|e| wrap_err(e, "convolution with bias")),
+                };
             }
-            // SAFETY: workspace memory is scratch for cuDNN, never read before it writes it.
-            let fresh = unsafe { dev.alloc::<u8>(need)? };
-            // A captured graph may still use the smaller one.
-            if let Some(old) = state.workspaces.insert(dev.id(), fresh) {
-                state.retired.push(old);
-            }
-        }
-        let Some(workspace) = state.workspaces.get_mut(&dev.id()) else { bail!("cuDNN workspace missing") };
-        if let (Some(e), Some(bv)) = (&plan.epilogue, &bv) {
-            let fwd = ConvBiasActivationForward {
-                conv: &plan.conv,
-                act: &e.act,
-                x: &plan.x,
-                w: &plan.w,
-                z: &plan.y,
-                bias: &e.bias,
-                y: &plan.y,
-            };
-            // Without a skip (alpha2 = 0) cuDNN does not read z, but wants a buffer of the output's size: the
-            // output itself, as TensorFlow passes it. The input, z and the bias are one pointer type for cuDNN's
-            // wrapper, so each goes by its address.
-            let stream = dev.cuda_stream();
-            let alias = |ptr, len| Alias::<T> { ptr, len, stream: &stream, marker: PhantomData };
-            let src = alias(xv.device_ptr(&stream).0, xv.len());
-            let (z, alpha2) = match &zv {
-                Some(z) => (alias(z.device_ptr(&stream).0, z.len()), T::one()),
-                None => (alias(y.device_ptr(&stream).0, y.len()), T::zero()),
-            };
-            let bias = alias(bv.device_ptr(&stream).0, bv.len());
+            let fwd = ConvForward { conv: &plan.conv, x: &plan.x, w: &plan.w, y: &plan.y };
             // SAFETY: the descriptors were made for exactly these shapes and this storage type; the buffers are
-            // contiguous at their offsets; z and the bias match the output and (1, K, 1, 1) descriptors, and z
-            // is read only with a skip (then it is the skip, not y).
-            let done = unsafe {
-                fwd.launch(plan.algo, Some(workspace), (T::one(), alpha2), &src, &wv, &z, &bias, &mut y)
-            };
-            return match done {
-                Err(cudnn::CudnnError(sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED)) => {
-                    EPILOGUE_REFUSED.with(|r| r.set(true));
-                    bail!("cuDNN convolution: bias and skip in the epilogue not supported for {key:?}")
-                }
-                other => other.map_err(|e| wrap_err(e, "convolution with bias")),
-            };
-        }
-        let fwd = ConvForward { conv: &plan.conv, x: &plan.x, w: &plan.w, y: &plan.y };
-        // SAFETY: the descriptors were made for exactly these shapes and this storage type; the buffers are
-        // contiguous at their offsets.
-        unsafe { fwd.launch(plan.algo, Some(workspace), (T::one(), T::zero()), &xv, &wv, &mut y) }
-            .map_err(|e| wrap_err(e, "convolution"))
+            // contiguous at their offsets.
+            unsafe { fwd.launch(plan.algo, Some(workspace), (T::one(), T::zero()), &xv, &wv, &mut y) }
+                .map_err(|e| wrap_err(e, "convolution"))
+        })
     })?;
     Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
 }

@@ -1,7 +1,8 @@
 //! Fused CUDA kernels for the networks' hot operations: GroupNorm (+SiLU), LayerNorm, per-channel
 //! bias / time-embedding / residual adds, row softmax, GEGLU, the im2col of the convolutions, and multi-head
 //! attention that never materialises its scores; on Hopper the feed-forward's first product with GEGLU in its
-//! epilogue and the transformers' narrow products with the LayerNorm after them; cuDNN convolutions and cuBLASLt linears; the channels-last
+//! epilogue and the transformers' narrow products with the LayerNorm after them; cuDNN convolutions, cuDNN's fused attention for heads
+//! of 64, and cuBLASLt linears; the channels-last
 //! (NHWC) variants of the map operations (the skip connections' channel concatenation among them, and a GroupNorm
 //! of two maps joined along their channels that writes the join itself), the NCHW ↔ NHWC transpose at a network's
 //! edges, and the 3×3 convolutions there that change layout in the same launch; for the upscalers' ESRGAN,
@@ -34,6 +35,8 @@ mod conv_splitk;
 mod cuda;
 #[cfg(feature = "cudnn")]
 mod cudnn;
+#[cfg(feature = "cudnn")]
+mod cudnn_attention;
 #[cfg(feature = "cuda")]
 mod edge_conv;
 #[cfg(feature = "cuda")]

@@ -2,6 +2,7 @@
 //! machine with a CUDA GPU (the test binary built by `cargo xtask build-cuda --tests`).
 
 use super::*;
+use crate::attention::Kernels;
 use candle_core::{DType, Device, D};
 
 fn gpu() -> Device {
@@ -1070,14 +1071,22 @@ fn attention_matches_the_reference() {
             };
             assert!(attention_applies(&qd, &kd, &vd, heads), "{b}x{sq}x{sk} h{heads} d{d} {dtype:?}");
             let want = attention_reference(&qd, &kd, &vd, heads, scale);
-            let ours = attention(&qd, &kd, &vd, heads, scale).unwrap();
+            // Our kernels alone, then whatever `attention` picks (cuDNN's for some shapes).
+            let ours_only = Kernels { tma: crate::attention::tma_on(), cudnn: false };
+            let ours = crate::attention::attention_with(&qd, &kd, &vd, heads, scale, ours_only).unwrap();
+            let picked = attention(&qd, &kd, &vd, heads, scale).unwrap();
             assert_eq!(ours.dims(), &[b, sq, c]);
+            assert_eq!(picked.dims(), &[b, sq, c]);
             let diff = rel_diff(&ours, &want);
             eprintln!(
                 "attention b{b} sq{sq} sk{sk} h{heads} d{d} x{amplitude} packed {packed} {dtype:?}: rel diff {diff:.2e}"
             );
             assert!(diff <= tol(dtype), "attention d{d} sq{sq} sk{sk} {dtype:?}: {diff}");
-            let cp_async = crate::attention::attention_with(&qd, &kd, &vd, heads, scale, false).unwrap();
+            let diff = rel_diff(&picked, &want);
+            assert!(diff <= tol(dtype), "attention as picked, d{d} sq{sq} sk{sk} {dtype:?}: {diff}");
+            let cp_async_only = Kernels { tma: false, cudnn: false };
+            let cp_async =
+                crate::attention::attention_with(&qd, &kd, &vd, heads, scale, cp_async_only).unwrap();
             assert_eq!(
                 max_abs_diff(&ours, &cp_async),
                 0.0,
@@ -1136,6 +1145,50 @@ fn short_keys_take_the_cross_kernel_and_match_the_reference() {
             );
             assert!(diff <= tol(dtype), "short keys d{d} sq{sq} sk{sk} {dtype:?}: {diff}");
         }
+    }
+}
+
+/// cuDNN's attention (cuDNN 9.13.1 and later) takes heads of 64 over more than 128 keys: SD3's joint attention
+/// (q, k and v rows of the joint sequence read in place from wider rows, a key count off every tile), the MMDiT-X
+/// image attention and SDXL's self-attention shapes, scaled down; within the kernels' tolerance of the reference,
+/// and with `SDHIVE_CUDNN_ATTENTION` left on it must have planned them (an older cuDNN says so and is skipped).
+#[cfg(feature = "cudnn")]
+#[test]
+fn cudnn_attention_takes_heads_of_64_and_matches_the_reference() {
+    let dev = gpu();
+    let before = crate::cudnn_attention::plans().0;
+    for (b, sq, sk, heads, d, amplitude, strided) in [
+        (2, 1029, 1029, 3, 64, 1.0, true),
+        (2, 1024, 1024, 4, 64, 6.0, false),
+        (1, 333, 700, 2, 64, 1.0, false),
+        (2, 129, 129, 2, 64, 1.0, true),
+    ] {
+        let c = heads * d;
+        let q = (Tensor::randn(0f32, 1.0, (b, sq, c), &dev).unwrap() * amplitude).unwrap();
+        let k = (Tensor::randn(0f32, 1.0, (b, sk, c), &dev).unwrap() * amplitude).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (b, sk, c), &dev).unwrap();
+        let scale = 1.0 / (d as f64).sqrt();
+        for dtype in [DType::F16, DType::BF16] {
+            let cv = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let (qd, kd, vd) = if strided {
+                let qkv = Tensor::cat(&[cv(&q), cv(&k), cv(&v)], 2).unwrap();
+                (qkv.narrow(2, 0, c).unwrap(), qkv.narrow(2, c, c).unwrap(), qkv.narrow(2, 2 * c, c).unwrap())
+            } else {
+                (cv(&q), cv(&k), cv(&v))
+            };
+            assert!(crate::cudnn_attention::chosen(d, sk) || std::env::var("SDHIVE_CUDNN_ATTENTION").is_ok());
+            let want = attention_reference(&qd, &kd, &vd, heads, scale);
+            let got = attention(&qd, &kd, &vd, heads, scale).unwrap();
+            let diff = rel_diff(&got, &want);
+            eprintln!("cuDNN attention b{b} sq{sq} sk{sk} h{heads} strided {strided} {dtype:?}: rel diff {diff:.2e}");
+            assert!(diff <= tol(dtype), "cuDNN attention sq{sq} sk{sk} {dtype:?}: {diff}");
+        }
+    }
+    let (planned, refused) = crate::cudnn_attention::plans();
+    eprintln!("cuDNN planned {} shapes; refused: {refused:?}", planned - before);
+    if std::env::var("SDHIVE_CUDNN_ATTENTION").is_err() && refused.iter().all(|r| !r.contains("has no SDPA"))
+    {
+        assert_eq!(planned - before, 8, "cuDNN refused: {refused:?}");
     }
 }
 
