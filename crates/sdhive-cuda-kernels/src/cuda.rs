@@ -1468,22 +1468,40 @@ struct JointRows {
     eps: f32,
 }
 
-/// Whether the joint-rows kernel takes `a` (and `b`, and the norm weights) with heads of `d`: contiguous rows
-/// 16-byte aligned (candle's allocations are), widths in whole 16-byte vectors, and a head's vectors a power of two
-/// up to 32.
+/// Whether [`rms_norm`] reads `x` in place through the joint-rows kernel.
+pub(crate) fn rms_norm_in_place(x: &Tensor, weight: &Tensor) -> bool {
+    joint_rows_fit(x, None, Some((weight, weight)), weight.elem_count())
+}
+
+/// `(B, S, C)` tokens whose rows are contiguous and evenly spaced (a column range of wider rows: a narrow of a
+/// stacked q/k/v projection's output) as the `(B·S, C)` matrix of those rows; `None` for any other layout.
+fn token_rows(l: &Layout) -> Option<Layout> {
+    let (&[b, s, c], &[bs, rs, 1]) = (l.dims(), l.stride()) else { return None };
+    (b == 1 || bs == s * rs)
+        .then(|| Layout::new(Shape::from((b * s, c)), vec![rs.max(c), 1], l.start_offset()))
+}
+
+/// Whether the joint-rows kernel takes `a` (and `b`, and the norm weights) with heads of `d`: rows contiguous,
+/// evenly spaced ([`token_rows`]) and 16-byte aligned (candle's allocations are), widths in whole 16-byte vectors,
+/// and a head's vectors a power of two up to 32.
 fn joint_rows_fit(a: &Tensor, b: Option<&Tensor>, norms: Option<(&Tensor, &Tensor)>, d: usize) -> bool {
     let Ok((batch, _, c)) = a.dims3() else { return false };
     let vec = 16 / a.dtype().size_in_bytes();
+    let rows = |t: &Tensor| {
+        t.dtype() == a.dtype()
+            && token_rows(t.layout())
+                .is_some_and(|r| r.start_offset().is_multiple_of(vec) && r.stride()[0].is_multiple_of(vec))
+    };
     let aligned = |t: &Tensor| {
         t.is_contiguous() && t.dtype() == a.dtype() && t.layout().start_offset().is_multiple_of(vec)
     };
     let head_vectors = d / vec;
-    aligned(a)
+    rows(a)
         && c.is_multiple_of(d)
         && d.is_multiple_of(vec)
         && head_vectors.is_power_of_two()
         && head_vectors <= 32
-        && b.is_none_or(|b| aligned(b) && b.dims3().is_ok_and(|(bb, _, bc)| bb == batch && bc == c))
+        && b.is_none_or(|b| rows(b) && b.dims3().is_ok_and(|(bb, _, bc)| bb == batch && bc == c))
         && norms.is_none_or(|(wa, wb)| [wa, wb].iter().all(|w| aligned(w) && w.elem_count() == d))
 }
 
@@ -1514,9 +1532,22 @@ fn joint_rows_launch<T: CudaDType + DeviceRepr>(
     let (batch, sa, c) = al.shape().dims3()?;
     let n = batch * (sa + op.sb) * c;
     let vectors = n / per_vector::<T>();
-    let av = contiguous::<T>(a, al, "joint rows")?;
+    let rows = |l: &Layout| {
+        token_rows(l)
+            .ok_or_else(|| candle_core::Error::Msg("joint rows: tokens must be evenly spaced rows".into()))
+    };
+    let (av, ra) = rows_view::<T>(a, &rows(al)?, "joint rows")?;
     let held_b = op.b.as_ref().map(|b| b.storage_and_layout());
-    let bv = held_b.as_ref().map(|h| held_view::<T, _>(h, "joint rows")).transpose()?;
+    let b_rows = held_b.as_ref().map(|(_, l)| rows(l)).transpose()?;
+    let bv = match (&held_b, &b_rows) {
+        (Some((g, _)), Some(l)) => match &**g {
+            Storage::Cuda(s) => Some(rows_view::<T>(s, l, "joint rows")?),
+            _ => bail!("joint rows: b is not on the GPU"),
+        },
+        _ => None,
+    };
+    let rb = bv.as_ref().map_or(c, |(_, r)| *r);
+    let bv = bv.map(|(v, _)| v);
     let held_w = op.norms.as_ref().map(|(wa, wb)| (wa.storage_and_layout(), wb.storage_and_layout()));
     let wv = held_w
         .as_ref()
@@ -1547,7 +1578,18 @@ fn joint_rows_launch<T: CudaDType + DeviceRepr>(
         }
     }
     k.arg(&out);
-    builder_arg!(k, vectors, sa as u32, op.sb as u32, c as u32, op.d as u32, op.eps);
+    let vec = per_vector::<T>();
+    builder_arg!(
+        k,
+        vectors,
+        sa as u32,
+        op.sb as u32,
+        (ra / vec) as u32,
+        (rb / vec) as u32,
+        c as u32,
+        op.d as u32,
+        op.eps
+    );
     let cfg = LaunchConfig {
         grid_dim: (vectors.div_ceil(THREADS as usize) as u32, 1, 1),
         block_dim: (THREADS, 1, 1),

@@ -836,12 +836,12 @@ __device__ void gated_add(const T *x, const T *gate, const T *y, T *out, size_t 
 }
 
 // The joint sequence of an MMDiT attention: per sample, the `sa` rows of `a` then the `sb` rows of `b` (rows of
-// `c` values) into `out`, and with NORM each `d`-wide head RMS-normalised with `wa` (rows of `a`) or `wb` (rows of
+// `c` values, `ra` and `rb` vectors apart: column ranges of a stacked q/k/v projection) into `out`, and with NORM each `d`-wide head RMS-normalised with `wa` (rows of `a`) or `wb` (rows of
 // `b`), rounded as rms_norm_rows rounds. One 16-byte vector per thread; a head's d / VEC threads (a power of two
 // up to 32, so inside one warp) sum its squares by shuffles. The host checks widths and alignment.
 template <typename T, bool NORM>
 __device__ void joint_rows(const T *a, const T *b, const T *wa, const T *wb, T *out, size_t vectors, uint32_t sa,
-                           uint32_t sb, uint32_t c, uint32_t d, float eps) {
+                           uint32_t sb, uint32_t ra, uint32_t rb, uint32_t c, uint32_t d, float eps) {
     constexpr uint32_t VEC = 16 / sizeof(T);
     const uint32_t cv = c / VEC, hv = d / VEC;
     const size_t v = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
@@ -852,8 +852,8 @@ __device__ void joint_rows(const T *a, const T *b, const T *wa, const T *wb, T *
     const uint32_t s = (uint32_t)(row % (sa + sb));
     uint4 val = make_uint4(0, 0, 0, 0);
     if (live) {
-        val = s < sa ? reinterpret_cast<const uint4 *>(a)[(sample * sa + s) * cv + col]
-                     : reinterpret_cast<const uint4 *>(b)[(sample * sb + (s - sa)) * cv + col];
+        val = s < sa ? reinterpret_cast<const uint4 *>(a)[(sample * sa + s) * ra + col]
+                     : reinterpret_cast<const uint4 *>(b)[(sample * sb + (s - sa)) * rb + col];
     }
     if (NORM) {
         T *e = reinterpret_cast<T *>(&val);
@@ -968,14 +968,14 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
         gated_add<T>(x, gate, y, out, n, cols, group, gate_stride);                                             \
     }                                                                                                           \
     extern "C" __global__ void joint_rows_##S(const T *a, const T *b, const T *wa, const T *wb, T *out,         \
-                                              size_t vectors, uint32_t sa, uint32_t sb, uint32_t c, uint32_t d, \
-                                              float eps) {                                                      \
-        joint_rows<T, false>(a, b, wa, wb, out, vectors, sa, sb, c, d, eps);                                   \
+                                              size_t vectors, uint32_t sa, uint32_t sb, uint32_t ra,            \
+                                              uint32_t rb, uint32_t c, uint32_t d, float eps) {                 \
+        joint_rows<T, false>(a, b, wa, wb, out, vectors, sa, sb, ra, rb, c, d, eps);                           \
     }                                                                                                           \
     extern "C" __global__ void joint_rows_norm_##S(const T *a, const T *b, const T *wa, const T *wb, T *out,    \
-                                                   size_t vectors, uint32_t sa, uint32_t sb, uint32_t c,        \
-                                                   uint32_t d, float eps) {                                     \
-        joint_rows<T, true>(a, b, wa, wb, out, vectors, sa, sb, c, d, eps);                                    \
+                                                   size_t vectors, uint32_t sa, uint32_t sb, uint32_t ra,       \
+                                                   uint32_t rb, uint32_t c, uint32_t d, float eps) {            \
+        joint_rows<T, true>(a, b, wa, wb, out, vectors, sa, sb, ra, rb, c, d, eps);                            \
     }                                                                                                           \
     extern "C" __global__ void im2col_##S(const T *x, T *col, uint32_t channels, uint32_t h, uint32_t w,       \
                                           uint32_t kh, uint32_t kw, uint32_t stride, uint32_t pad,              \

@@ -94,6 +94,12 @@ macro_rules! on_cuda {
 /// Whether the kernels can take these tensors. `SDHIVE_FUSED_KERNELS=0` in the environment turns them off (to
 /// measure what they buy; the results are the same within rounding).
 pub fn applies(tensors: &[&Tensor]) -> bool {
+    applies_any_layout(tensors) && tensors.iter().all(|t| t.is_contiguous())
+}
+
+/// [`applies`] for kernels that read strided operands and check their layouts themselves: one CUDA device, one
+/// dtype of f32, f16 or bf16, the kernels switched on.
+pub fn applies_any_layout(tensors: &[&Tensor]) -> bool {
     #[cfg(feature = "cuda")]
     {
         use candle_core::DType;
@@ -104,7 +110,6 @@ pub fn applies(tensors: &[&Tensor]) -> bool {
                 t.device().same_device(first.device())
                     && t.dtype() == first.dtype()
                     && matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16)
-                    && t.is_contiguous()
             })
     }
     #[cfg(not(feature = "cuda"))]
@@ -603,6 +608,21 @@ pub fn modulated_layer_norm(x: &Tensor, shift: &Tensor, scale: &Tensor, eps: f64
 /// rounds in half precision (normalised, cast, then times the weight).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     on_cuda!(cuda::rms_norm(x, weight, eps); x, weight, eps)
+}
+
+/// Whether [`rms_norm`] takes `x` as laid out (with [`applies_any_layout`]): contiguous, or `(B, S, C)` rows
+/// evenly spaced and 16-byte aligned (a column range of a stacked q/k/v projection) with heads the joint-rows
+/// kernel takes.
+pub fn rms_norm_takes(x: &Tensor, weight: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        x.is_contiguous() || cuda::rms_norm_in_place(x, weight)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (x, weight);
+        false
+    }
 }
 
 /// An MMDiT's joint query, key or value `(B, Sa + Sb, C)`: per sample the rows of `a` `(B, Sa, C)` then those of

@@ -616,6 +616,19 @@ fn joint_rows_concatenate_and_normalise_each_stream() {
             let diff = rel_diff(&normed, &want);
             eprintln!("joint rows normed ({sa}+{sb}, {heads}x{d}) {dtype:?}: rel diff {diff:.2e}");
             assert!(diff <= tol(dtype), "joint rows normed {dtype:?}: {diff}");
+            // Read in place as the middle third of stacked q/k/v rows: the same bits, with and without norms
+            // (the plain per-head RMSNorm too).
+            let stacked =
+                |x: &Tensor| Tensor::cat(&[&c(x).affine(0.5, 1.0).unwrap(), &c(x), &c(x)], 2).unwrap();
+            let (sa_rows, sb_rows) = (stacked(&a), stacked(&b));
+            let middle = |t: &Tensor| t.narrow(2, heads * d, heads * d).unwrap();
+            let (am, bm) = (middle(&sa_rows), middle(&sb_rows));
+            let plain_in_place = joint_rows(&am, &bm, None, d, 1e-6).unwrap().expect("strided rows");
+            assert_eq!(max_abs_diff(&plain_in_place, &plain), 0.0, "joint rows in place {dtype:?}");
+            let normed_in_place = joint_rows(&am, &bm, Some((&c(&wa), &c(&wb))), d, 1e-6).unwrap().unwrap();
+            assert_eq!(max_abs_diff(&normed_in_place, &normed), 0.0, "normed joint rows in place {dtype:?}");
+            let alone = rms_norm(&am, &c(&wa), 1e-6).unwrap();
+            assert_eq!(max_abs_diff(&alone, &rms_norm(&c(&a), &c(&wa), 1e-6).unwrap()), 0.0);
         }
     }
     // A head of 40 values is no power-of-two count of vectors: the caller composes it.

@@ -7,7 +7,7 @@
 use crate::config::read_json;
 use crate::error::{input_err, invalid, weights_err, Result, TensorContext};
 use crate::graphed::{Graphs, Refresh};
-use crate::layers::linear;
+use crate::layers::{linear, stack_linears};
 use crate::ops;
 use crate::unet::{TimestepEmbedding, Timesteps};
 use candle_core::{DType, Device, Tensor, D};
@@ -190,12 +190,12 @@ impl RmsNorm {
     }
 }
 
-/// One stream's projections into the joint attention.
+/// One stream's projections into the joint attention: q, k and v as one product (their weights stacked; a LoRA
+/// still finds each by its name), read back as column ranges of that product's rows in place.
 #[derive(Debug, Clone)]
 struct Projections {
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    qkv: Linear,
+    dim: usize,
     norm_q: Option<RmsNorm>,
     norm_k: Option<RmsNorm>,
 }
@@ -210,29 +210,33 @@ impl Projections {
         let [q, k, v, nq, nk] = names;
         let head = cfg.attention_head_dim;
         let norm = |name: &str| cfg.rms_qk_norm().then(|| RmsNorm::new(vb.pp(name), head)).transpose();
-        Ok(Self {
-            q: linear(vb.pp(q), dim, dim, true)?,
-            k: linear(vb.pp(k), dim, dim, true)?,
-            v: linear(vb.pp(v), dim, dim, true)?,
-            norm_q: norm(nq)?,
-            norm_k: norm(nk)?,
-        })
+        let parts = [q, k, v].map(|name| linear(vb.pp(name), dim, dim, true));
+        let [q, k, v] = parts;
+        Ok(Self { qkv: stack_linears(&[q?, k?, v?])?, dim, norm_q: norm(nq)?, norm_k: norm(nk)? })
     }
 
-    fn project(l: &Linear, norm: Option<&RmsNorm>, x: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
-        let y = ops::linear(l, x, None)?;
-        match norm {
-            Some(n) => n.forward_heads(&y, heads),
-            None => Ok(y),
-        }
+    /// The `(B, S, 3·C)` product of `x` with q, k and v side by side.
+    fn product(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        ops::linear(&self.qkv, x, None)
     }
 
-    fn query(&self, x: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
-        Self::project(&self.q, self.norm_q.as_ref(), x, heads)
+    /// Column range `i` (0: q, 1: k, 2: v) of [`Projections::product`]'s rows.
+    fn part(&self, product: &Tensor, i: usize) -> candle_core::Result<Tensor> {
+        product.narrow(2, i * self.dim, self.dim)
     }
 
-    fn key_value(&self, x: &Tensor, heads: usize) -> candle_core::Result<(Tensor, Tensor)> {
-        Ok((Self::project(&self.k, self.norm_k.as_ref(), x, heads)?, ops::linear(&self.v, x, None)?))
+    /// q, k and v of `x`, q and k RMS-normalised per head with qk norm.
+    fn project(&self, x: &Tensor, heads: usize) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let y = self.product(x)?;
+        let norm = |t: Tensor, n: Option<&RmsNorm>| match n {
+            Some(n) => n.forward_heads(&t, heads),
+            None => Ok(t),
+        };
+        Ok((
+            norm(self.part(&y, 0)?, self.norm_q.as_ref())?,
+            norm(self.part(&y, 1)?, self.norm_k.as_ref())?,
+            self.part(&y, 2)?,
+        ))
     }
 }
 
@@ -284,22 +288,30 @@ impl JointAttention {
     fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> candle_core::Result<(Tensor, Option<Tensor>)> {
         let h = self.heads;
         let (Some(proj), Some(c)) = (&self.context, context) else {
-            let q = self.image.query(x, h)?;
-            let (k, v) = self.image.key_value(x, h)?;
+            let (q, k, v) = self.image.project(x, h)?;
             let o = ops::multi_head_attention(&q, &k, &v, h, self.scale, false)?;
             return Ok((ops::linear(&self.to_out, &o, None)?, None));
         };
-        let k = joint(&self.image.k, self.image.norm_k.as_ref(), x, (&proj.k, proj.norm_k.as_ref(), c), h)?;
-        let v = joint(&self.image.v, None, x, (&proj.v, None, c), h)?;
+        let (image, context) = (self.image.product(x)?, proj.product(c)?);
+        // Part `i` of the joint sequence, each stream's rows through its own norm.
+        let joint_part = |i: usize, norms: (Option<&RmsNorm>, Option<&RmsNorm>)| {
+            joint((&self.image.part(&image, i)?, norms.0), (&proj.part(&context, i)?, norms.1), h)
+        };
+        let k = joint_part(1, (self.image.norm_k.as_ref(), proj.norm_k.as_ref()))?;
+        let v = joint_part(2, (None, None))?;
         let Some(to_add_out) = &self.to_add_out else {
             // Each query's softmax runs over all keys alone, so the image queries give the same rows without the
             // context queries, whose outputs this block drops.
-            let q = self.image.query(x, h)?;
+            let q = self.image.part(&image, 0)?;
+            let q = match &self.image.norm_q {
+                Some(n) => n.forward_heads(&q, h)?,
+                None => q,
+            };
             let o = ops::multi_head_attention(&q, &k, &v, h, self.scale, false)?;
             return Ok((ops::linear(&self.to_out, &o, None)?, None));
         };
         let n = x.dim(1)?;
-        let q = joint(&self.image.q, self.image.norm_q.as_ref(), x, (&proj.q, proj.norm_q.as_ref(), c), h)?;
+        let q = joint_part(0, (self.image.norm_q.as_ref(), proj.norm_q.as_ref()))?;
         let o = ops::multi_head_attention(&q, &k, &v, h, self.scale, false)?;
         // Each stream's rows are read in place where the GPU products can (`ops::linear`).
         let o_x = o.narrow(1, 0, n)?;
@@ -308,28 +320,25 @@ impl JointAttention {
     }
 }
 
-/// One projection of the joint sequence: the image tokens' rows, then the context tokens', each stream through its
-/// own linear and, with qk norm, its own per-head RMSNorm. On the GPU the norms and the concatenation are one pass.
+/// One part (q, k or v) of the joint sequence: the image tokens' rows `a`, then the context tokens' `b`, each
+/// with qk norm through its own per-head RMSNorm. On the GPU the norms and the concatenation are one pass, reading
+/// both streams' rows in place.
 fn joint(
-    image: &Linear,
-    image_norm: Option<&RmsNorm>,
-    x: &Tensor,
-    (context, context_norm, c): (&Linear, Option<&RmsNorm>, &Tensor),
+    (a, a_norm): (&Tensor, Option<&RmsNorm>),
+    (b, b_norm): (&Tensor, Option<&RmsNorm>),
     heads: usize,
 ) -> candle_core::Result<Tensor> {
-    let a = ops::linear(image, x, None)?;
-    let b = ops::linear(context, c, None)?;
-    let norms = match (image_norm, context_norm) {
+    let norms = match (a_norm, b_norm) {
         (Some(na), Some(nb)) => Some((&na.weight, &nb.weight)),
         (None, None) => None,
         _ => return Err(candle_core::Error::Msg("qk norm on one stream of a joint attention only".into())),
     };
-    if let Some(j) = ops::fused_joint_rows(&a, &b, norms, a.dim(2)? / heads, EPS)? {
+    if let Some(j) = ops::fused_joint_rows(a, b, norms, a.dim(2)? / heads, EPS)? {
         return Ok(j);
     }
-    let (a, b) = match (image_norm, context_norm) {
-        (Some(na), Some(nb)) => (na.forward_heads(&a, heads)?, nb.forward_heads(&b, heads)?),
-        _ => (a, b),
+    let (a, b) = match (a_norm, b_norm) {
+        (Some(na), Some(nb)) => (na.forward_heads(a, heads)?, nb.forward_heads(b, heads)?),
+        _ => (a.clone(), b.clone()),
     };
     Tensor::cat(&[&a, &b], 1)
 }

@@ -219,7 +219,7 @@ pub fn attention_is_fused(device: &candle_core::Device, dtype: DType) -> bool {
 
 /// Whether [`fused_rms_norm`] takes `x` and its per-head `weight` (on a GPU the kernels run on).
 pub fn fused_rms_norm_applies(x: &Tensor, weight: &Tensor) -> bool {
-    gpu::applies(&[x, weight])
+    gpu::applies_any_layout(&[x, weight]) && weight.is_contiguous() && gpu::rms_norm_takes(x, weight)
 }
 
 /// An MMDiT attention's joint sequence: per sample the rows of `a` then those of `b`, each head RMS-normalised by
@@ -236,7 +236,8 @@ pub fn fused_joint_rows(
     if let Some((wa, wb)) = norms {
         tensors.extend([wa, wb]);
     }
-    if !gpu::applies(&tensors) {
+    // The kernel reads strided rows (column ranges of stacked projections) and says itself what it takes.
+    if !gpu::applies_any_layout(&tensors) {
         return Ok(None);
     }
     gpu::joint_rows(a, b, norms, head_dim, eps)
