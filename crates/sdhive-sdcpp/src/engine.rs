@@ -652,32 +652,17 @@ impl SdHires {
     }
 }
 
-/// An SD3 hires fix as the candle engine composes it from diffusers: a Latent upscale of the first pass's latents,
-/// then `StableDiffusion3Img2ImgPipeline` at the hires size (its sigmas from `int(n − n·strength)` on, handed to
-/// sd.cpp's second pass; `n` the hires steps or the first pass's). Image upscalers (a decode and re-encode) and
-/// skip-layer guidance (which would guide both passes here; the candle engine guides the first only) are refused.
+/// An SD3 hires fix as the candle engine composes it from diffusers: the first pass's latents upscaled (a Latent
+/// mode), or decoded, enlarged by an image upscaler (Lanczos, Nearest, an ESRGAN model) and encoded again, then
+/// `StableDiffusion3Img2ImgPipeline` at the hires size (its sigmas from `int(n − n·strength)` on, handed to sd.cpp's
+/// second pass; `n` the hires steps or the first pass's). Skip-layer guidance (which would guide both passes here;
+/// the candle engine guides the first only) is refused.
 fn sd3_hires(
     h: &mut SdHires,
     req: &GenerateRequest,
     config: &sdhive_schedulers::FlowMatchConfig,
 ) -> Result<(), ValidationError> {
     let refuse = |field: &'static str, message: String| Err(ValidationError { field, message });
-    let latent = [
-        sys::sd_hires_upscaler_t::SD_HIRES_UPSCALER_LATENT,
-        sys::sd_hires_upscaler_t::SD_HIRES_UPSCALER_LATENT_ANTIALIASED,
-        sys::sd_hires_upscaler_t::SD_HIRES_UPSCALER_LATENT_BICUBIC,
-        sys::sd_hires_upscaler_t::SD_HIRES_UPSCALER_LATENT_BICUBIC_ANTIALIASED,
-        sys::sd_hires_upscaler_t::SD_HIRES_UPSCALER_LATENT_NEAREST,
-        sys::sd_hires_upscaler_t::SD_HIRES_UPSCALER_LATENT_NEAREST_EXACT,
-    ];
-    if !latent.contains(&h.upscaler) {
-        return refuse(
-            "hr_upscaler",
-            "on SD3 models the stable-diffusion.cpp engine's hires fix takes the Latent upscalers (the candle engine \
-             runs image upscalers too)"
-                .into(),
-        );
-    }
     let (w, hh) = h.output;
     if w % 16 != 0 || hh % 16 != 0 {
         return refuse(

@@ -60,49 +60,12 @@ fn refuses_what_sdcpp_cannot_run(engine: &mut sdhive_sdcpp::SdCppEngine) {
     }
 }
 
-/// An RRDBNet ×4 of the size sd.cpp's ESRGAN runs (64 features, 32 growth channels; one block to stay small) in
-/// BasicSR's key layout, with deterministic small weights, written to `path`.
-fn write_esrgan(path: &std::path::Path) {
-    let mut shapes: Vec<(String, Vec<usize>)> = vec![("conv_first".into(), vec![64, 3, 3, 3])];
-    for rdb in 1..=3 {
-        for (i, cin) in [64, 96, 128, 160, 192].into_iter().enumerate() {
-            let cout = if i == 4 { 64 } else { 32 };
-            shapes.push((format!("body.0.rdb{rdb}.conv{}", i + 1), vec![cout, cin, 3, 3]));
-        }
-    }
-    for name in ["conv_body", "conv_up1", "conv_up2", "conv_hr"] {
-        shapes.push((name.into(), vec![64, 64, 3, 3]));
-    }
-    shapes.push(("conv_last".into(), vec![3, 64, 3, 3]));
-    let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    let mut state = 12345u64;
-    for (name, shape) in shapes {
-        let n: usize = shape.iter().product();
-        let weights: Vec<u8> = (0..n)
-            .flat_map(|_| {
-                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                let v = ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1;
-                v.to_le_bytes()
-            })
-            .collect();
-        data.push((format!("{name}.bias"), vec![shape[0]], vec![0u8; shape[0] * 4]));
-        data.push((format!("{name}.weight"), shape, weights));
-    }
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
-        .iter()
-        .map(|(n, s, d)| {
-            (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d).unwrap())
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, path).expect("writing the ESRGAN file");
-}
-
 /// The extras' upscale through sd.cpp's ESRGAN gives the ×4 image (A1111's destination), which is not the Lanczos
 /// enlargement of the input: the model ran. A file sd.cpp cannot run is refused naming the upscaler.
 fn extras_run_the_upscaler_model(engine: &mut sdhive_sdcpp::SdCppEngine) {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("4x_test.safetensors");
-    write_esrgan(&file);
+    common::write_esrgan(&file);
     let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/upscalers");
     let png = std::fs::read(fixtures.join("input.png")).expect("input.png");
     let input = sdhive_engine::decode_image(&png, 1 << 20).expect("input image");

@@ -129,3 +129,40 @@ pub fn compare(a: &RgbImage, b: &RgbImage) -> Comparison {
         psnr_db: if mse == 0.0 { f64::INFINITY } else { 10.0 * (255.0f64.powi(2) / mse).log10() },
     }
 }
+
+/// An RRDBNet ×4 of the size sd.cpp's ESRGAN runs (64 features, 32 growth channels; one block to stay small) in
+/// BasicSR's key layout, with deterministic small weights, written to `path`.
+pub fn write_esrgan(path: &std::path::Path) {
+    let mut shapes: Vec<(String, Vec<usize>)> = vec![("conv_first".into(), vec![64, 3, 3, 3])];
+    for rdb in 1..=3 {
+        for (i, cin) in [64, 96, 128, 160, 192].into_iter().enumerate() {
+            let cout = if i == 4 { 64 } else { 32 };
+            shapes.push((format!("body.0.rdb{rdb}.conv{}", i + 1), vec![cout, cin, 3, 3]));
+        }
+    }
+    for name in ["conv_body", "conv_up1", "conv_up2", "conv_hr"] {
+        shapes.push((name.into(), vec![64, 64, 3, 3]));
+    }
+    shapes.push(("conv_last".into(), vec![3, 64, 3, 3]));
+    let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut state = 12345u64;
+    for (name, shape) in shapes {
+        let n: usize = shape.iter().product();
+        let weights: Vec<u8> = (0..n)
+            .flat_map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let v = ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1;
+                v.to_le_bytes()
+            })
+            .collect();
+        data.push((format!("{name}.bias"), vec![shape[0]], vec![0u8; shape[0] * 4]));
+        data.push((format!("{name}.weight"), shape, weights));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+        .iter()
+        .map(|(n, s, d)| {
+            (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d).unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).expect("writing the ESRGAN file");
+}
