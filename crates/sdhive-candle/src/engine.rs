@@ -4,7 +4,7 @@
 //! (seed, seed+1, …), or — through [`Engine::generate_batch`] (`batch`) — one loop for a batch of images of
 //! several requests.
 
-mod batch;
+pub(crate) mod batch;
 
 use crate::conditioning::{encode_pair, encode_positive, Conditioning};
 use crate::hires::{hires_image, SecondPass};
@@ -151,7 +151,7 @@ pub(crate) fn follow_plan(plan: &JobPlan, (width, height): (u32, u32)) -> Option
 pub(crate) const CFG_BATCH: u64 = 2;
 
 /// The most images denoised together; the memory plan may allow fewer.
-const MAX_BATCH: u32 = 64;
+pub(crate) const MAX_BATCH: u32 = 64;
 
 /// A failed job's error: `OutOfMemory` when the device ran out of memory mid-job (the plan let it start, but
 /// something else took the memory), which the server reports as `out_of_memory`, else a plain failure.

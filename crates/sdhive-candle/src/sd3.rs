@@ -160,6 +160,17 @@ impl Sd3Request {
     }
 }
 
+/// One image of a batched text-to-image run ([`Sd3Model::denoise_batch`]): what it carries on its own.
+#[derive(Debug, Clone)]
+pub struct Sd3Row {
+    pub prompt: String,
+    pub negative_prompt: String,
+    pub seed: u64,
+    pub guidance_scale: f64,
+    /// As [`Sd3Request::clip_skip`].
+    pub clip_skip: u32,
+}
+
 /// The text encoders built for use: see [`Sd3Model::text_encoders`].
 struct TextEncoders<'a> {
     clip_l: InUse<'a, ClipTextModel>,
@@ -885,6 +896,123 @@ impl Sd3Model {
             latents = next;
         }
         Ok((noise, latents))
+    }
+
+    /// Text to image for a batch of `rows` that share `req`'s size, steps, sampler and T5 length (`req`'s own
+    /// prompts, seed, scale and clip skip are the rows'), all guided (scale above 1) or none: one transformer call
+    /// per step for every row, each row the latents [`Sd3Model::denoise`] gives its request alone (its noise from
+    /// its own seed, its own contexts and CFG scale). `on_step(step, steps, estimate)` as there, the estimate over
+    /// all rows. Returns the final latents `(B, C, h, w)`, undecoded.
+    pub fn denoise_batch(
+        &self,
+        req: &Sd3Request,
+        rows: &[Sd3Row],
+        on_step: &mut dyn FnMut(usize, usize, &StepEstimate<'_>) -> bool,
+    ) -> Result<Tensor, Sd3Error> {
+        let invalid =
+            |field: &'static str, message: &str| Sd3Error::Invalid { field, message: message.into() };
+        let Some(first) = rows.first() else { return Err(invalid("n", "a batch needs at least one image")) };
+        let cfg = first.guidance_scale > 1.0;
+        if rows.iter().any(|r| (r.guidance_scale > 1.0) != cfg) {
+            return Err(invalid(
+                "cfg_scale",
+                "a batch's images must all use classifier-free guidance or all not",
+            ));
+        }
+        if req.init_image.is_some() || req.mask.is_some() || req.skip_layer_guidance.is_some() {
+            return Err(invalid("init_images", "a batch runs text to image without skip-layer guidance"));
+        }
+        let factor = 8 * self.transformer.config().patch_size;
+        for (field, v) in [("width", req.width), ("height", req.height)] {
+            if v == 0 || v % factor != 0 {
+                return Err(Sd3Error::Invalid {
+                    field,
+                    message: format!("{v} is not a positive multiple of {factor}"),
+                });
+            }
+        }
+        if req.steps == 0 {
+            return Err(invalid("steps", "must be at least 1"));
+        }
+        self.check_sampling(req, cfg, false)?;
+        // Each distinct prompt encoded once (a request's n images share theirs).
+        let encoders = self.text_encoders()?;
+        let mut encoded: Vec<((String, u32), (Tensor, Tensor))> = Vec::new();
+        let mut encode = |text: &str, skip: u32| -> Result<(Tensor, Tensor), Sd3Error> {
+            if let Some((_, e)) = encoded.iter().find(|((t, k), _)| t == text && *k == skip) {
+                return Ok(e.clone());
+            }
+            let e = self.encode_prompt_with(&encoders, text, req.max_sequence_length, skip)?;
+            encoded.push(((text.to_string(), skip), e.clone()));
+            Ok(e)
+        };
+        let (mut contexts, mut pooled) = (Vec::new(), Vec::new());
+        if cfg {
+            // diffusers' SD3 pipelines encode the negative prompt with `clip_skip=None` whatever they are given.
+            for r in rows {
+                let (c, p) = encode(&r.negative_prompt, 1)?;
+                contexts.push(c);
+                pooled.push(p);
+            }
+        }
+        for r in rows {
+            let (c, p) = encode(&r.prompt, r.clip_skip)?;
+            contexts.push(c);
+            pooled.push(p);
+        }
+        drop(encoded);
+        drop(encoders);
+        let dtype = self.transformer.dtype();
+        // Guided rows stack as `[negatives…, positives…]`, the layout the doubled latents take.
+        let stack = |parts: &[Tensor]| {
+            Tensor::cat(parts, 0).and_then(|t| t.to_device(self.device())).and_then(|t| t.to_dtype(dtype))
+        };
+        let context = stack(&contexts).map_err(failed("context"))?;
+        let pooled = stack(&pooled).map_err(failed("pooled"))?;
+        let channels = self.transformer.config().in_channels;
+        let numel = channels * (req.height / 8) * (req.width / 8);
+        let b = rows.len();
+        let noise: Vec<f32> = rows.iter().flat_map(|r| TorchGenerator::new(r.seed).randn(numel)).collect();
+        let noise = Tensor::from_vec(noise, (b, channels, req.height / 8, req.width / 8), self.device())
+            .map_err(failed("noise"))?;
+        let mut scheduler =
+            FlowScheduler::new(req.sampler, &self.scheduler, req.steps).map_err(failed("scheduler"))?;
+        let mut latents = noise.to_dtype(dtype).map_err(failed("noise"))?;
+        let transformer = self.transformer.in_use().map_err(failed("transformer"))?;
+        for (i, t) in scheduler.timesteps().into_iter().enumerate() {
+            let batch = if cfg { 2 * b } else { b };
+            let input = if cfg { Tensor::cat(&[&latents, &latents], 0) } else { Ok(latents.clone()) }
+                .map_err(failed("denoise"))?;
+            let timestep = Tensor::full(t as f32, batch, self.device())
+                .and_then(|t| t.to_dtype(dtype))
+                .map_err(failed("denoise"))?;
+            let v =
+                transformer.forward(&input, &timestep, &context, &pooled).map_err(failed("transformer"))?;
+            let v = if cfg {
+                // Row by row, the ops `denoise` makes for one image, so each row's values are its own alone.
+                let guided = rows
+                    .iter()
+                    .enumerate()
+                    .map(|(r, row)| {
+                        let uncond = v.narrow(0, r, 1)?;
+                        let delta = (v.narrow(0, b + r, 1)? - &uncond)?;
+                        uncond + delta.affine(row.guidance_scale, 0.0)?
+                    })
+                    .collect::<candle_core::Result<Vec<_>>>()
+                    .and_then(|g| Tensor::cat(&g, 0))
+                    .map_err(failed("guidance"))?;
+                guided
+            } else {
+                v
+            };
+            let sigma = f64::from(scheduler.sigmas()[i]);
+            let next = scheduler.step(&v, i, &latents).map_err(failed("scheduler"))?;
+            if !on_step(i + 1, req.steps, &StepEstimate { x: &latents, v: &v, sigma }) {
+                return Err(Sd3Error::Cancelled);
+            }
+            latents = next;
+        }
+        Ok(latents)
     }
 
     /// The image of final latents: `vae.decode(latents / scaling_factor + shift_factor)` in 8 bits, in tiles when

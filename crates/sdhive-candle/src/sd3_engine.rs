@@ -2,7 +2,8 @@
 //! same routes as SD1/SDXL. What it runs today: text-to-image, image-to-image and inpainting (as diffusers'
 //! `StableDiffusion3InpaintPipeline` with a 16-channel transformer; the mask as the SD1/SDXL engine takes it) with
 //! the flow-matching Euler sampler, text-to-image also with DPM++ 2M on flow sigmas and with skip-layer guidance,
-//! n images from seed, seed+1, …, progress after every step (with the latent preview of the step's estimate every
+//! n images from seed, seed+1, … (with queued text-to-image jobs of one batch key, denoised as one batch: `batch.rs`),
+//! progress after every step (with the latent preview of the step's estimate every
 //! `preview_every` steps) and cancellation between steps, A1111 infotext, and each job's LoRAs merged into the
 //! MMDiT and both CLIPs (`lora.rs`; put back exactly for the next job), A1111's clip skip (diffusers'
 //! `clip_skip = n − 1`, both passes), and A1111's hires fix (`hires.rs`: any upscaler SD1/SDXL take, the second
@@ -13,7 +14,11 @@
 //! says so), the Karras schedule, DPM++ 2M and skip-layer guidance with an init image, a hires `hr_sampler_name`
 //! other than Euler and a hires size that is not a multiple of 16 (skip-layer guidance guides the first pass only).
 
-use crate::engine::{finished_image, follow_plan, lora_error, MemoryPlanner, MemoryQuery};
+mod batch;
+#[cfg(test)]
+mod batch_tests;
+
+use crate::engine::{finished_image, follow_plan, lora_error, MemoryPlanner, MemoryQuery, MAX_BATCH};
 use crate::hires::{sd3_hires_image, sd3_second_pass_steps, Sd3SecondPass};
 use crate::lora::AppliedLoras;
 use crate::preview::sd3_latent_preview;
@@ -126,6 +131,25 @@ impl Sd3Engine {
     }
 
     /// What this engine cannot do yet, refused before anything runs.
+    /// `req` validated and checked against what this engine runs, with its output size (a multiple of the
+    /// transformer's patch in pixels).
+    fn checked(&self, req: &GenerateRequest) -> Result<(u32, u32), EngineError> {
+        req.validate(&self.limits)?;
+        self.check(req)?;
+        let native = self.native_size();
+        let (width, height) = req.output_size((native, native));
+        let factor = (8 * self.model.transformer_config().patch_size) as u32;
+        for (field, v) in [("width", width), ("height", height)] {
+            if v % factor != 0 {
+                return Err(invalid(
+                    field,
+                    format!("must be a multiple of {factor} for this model, got {v}"),
+                ));
+            }
+        }
+        Ok((width, height))
+    }
+
     fn check(&self, req: &GenerateRequest) -> Result<(), EngineError> {
         if !req.embeddings.is_empty() {
             return Err(invalid("prompt", "textual-inversion embeddings do not apply to SD3 models"));
@@ -206,6 +230,25 @@ fn flow_sampler(sampler: Sampler) -> Option<FlowSampler> {
     }
 }
 
+/// The flow sampler `req` runs on, and `req` as it ran, for the infotext: the sampler that ran, and a hires pass on
+/// Euler.
+fn ran_request(req: &GenerateRequest) -> (FlowSampler, GenerateRequest) {
+    let sampler = flow_sampler(req.sampler).unwrap_or_default();
+    let ran_sampler = match sampler {
+        FlowSampler::Euler => Sampler::Euler,
+        FlowSampler::DpmPp2M => Sampler::DpmPp2M,
+    };
+    let ran = GenerateRequest {
+        sampler: ran_sampler,
+        hires: req.hires.clone().map(|h| HiresFix {
+            sampler: (h.sampler.is_some() || ran_sampler != Sampler::Euler).then_some(Sampler::Euler),
+            ..h
+        }),
+        ..req.clone()
+    };
+    (sampler, ran)
+}
+
 impl Drop for Sd3Engine {
     /// Weights on the CPU share memory with the RAM cache's host copy: a LoRA merged into them is taken out
     /// before the engine goes, or the cache would keep it.
@@ -252,37 +295,13 @@ impl Engine for Sd3Engine {
         req: &GenerateRequest,
         progress: &mut dyn FnMut(&Progress) -> Control,
     ) -> Result<GenerateOutput, EngineError> {
-        req.validate(&self.limits)?;
-        self.check(req)?;
-        let native = self.native_size();
-        let (width, height) = req.output_size((native, native));
+        let (width, height) = self.checked(req)?;
         let factor = (8 * self.model.transformer_config().patch_size) as u32;
-        for (field, v) in [("width", width), ("height", height)] {
-            if v % factor != 0 {
-                return Err(invalid(
-                    field,
-                    format!("must be a multiple of {factor} for this model, got {v}"),
-                ));
-            }
-        }
         let hires = match &req.hires {
             Some(h) => Some((h, hires_plan(h, (width, height), factor, &self.limits)?)),
             None => None,
         };
-        let sampler = flow_sampler(req.sampler).unwrap_or_default();
-        // The infotext tells what ran.
-        let ran_sampler = match sampler {
-            FlowSampler::Euler => Sampler::Euler,
-            FlowSampler::DpmPp2M => Sampler::DpmPp2M,
-        };
-        let ran = GenerateRequest {
-            sampler: ran_sampler,
-            hires: req.hires.clone().map(|h| HiresFix {
-                sampler: (h.sampler.is_some() || ran_sampler != Sampler::Euler).then_some(Sampler::Euler),
-                ..h
-            }),
-            ..req.clone()
-        };
+        let (sampler, ran) = ran_request(req);
         // The second pass (its seed set per image): `hr_prompt` and `hr_negative_prompt` follow the first pass's
         // when empty, as in A1111.
         let second_pass = hires.map(|(h, target)| Sd3Request {
@@ -377,5 +396,18 @@ impl Engine for Sd3Engine {
             images.push(finished_image(&ran, image, seed, (width, height), &self.name));
         }
         Ok(GenerateOutput { images })
+    }
+
+    fn max_batch(&self) -> u32 {
+        MAX_BATCH
+    }
+
+    fn generate_batch(
+        &mut self,
+        reqs: &[&GenerateRequest],
+        max_images: u32,
+        progress: &mut dyn FnMut(usize, &Progress) -> Control,
+    ) -> Vec<Result<GenerateOutput, EngineError>> {
+        self.run_batch(reqs, max_images.min(MAX_BATCH), progress)
     }
 }

@@ -313,4 +313,4 @@ impl CandleEngine {
 
 #[cfg(test)]
 #[path = "batch_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -15,7 +15,7 @@ fn engine(name: &str) -> CandleEngine {
     CandleEngine::from_model(model, LoadOptions::single_device(dev, dtype, "test", &test_device().label))
 }
 
-fn req(prompt: &str, seed: u64, cfg_scale: f32, n: u32, sampler: Sampler) -> GenerateRequest {
+pub(crate) fn req(prompt: &str, seed: u64, cfg_scale: f32, n: u32, sampler: Sampler) -> GenerateRequest {
     GenerateRequest {
         prompt: prompt.into(),
         negative_prompt: String::new(),
@@ -30,7 +30,7 @@ fn req(prompt: &str, seed: u64, cfg_scale: f32, n: u32, sampler: Sampler) -> Gen
     }
 }
 
-fn alone(engine: &mut CandleEngine, r: &GenerateRequest) -> Vec<RgbImage> {
+pub(crate) fn alone(engine: &mut dyn Engine, r: &GenerateRequest) -> Vec<RgbImage> {
     let out = engine.generate(r, &mut |_: &Progress| Control::Continue).expect("generate alone");
     out.images.into_iter().map(|i| i.image).collect()
 }
@@ -38,7 +38,7 @@ fn alone(engine: &mut CandleEngine, r: &GenerateRequest) -> Vec<RgbImage> {
 /// Images of one request within the parity tests' tolerance: on the CPU in f32 no channel value more than one
 /// level off (a batch's products sum in another order, so the last bit of a value may differ), else the parity
 /// tests' share of channel values more than one level off.
-fn assert_same(what: &str, got: &[RgbImage], want: &[RgbImage]) {
+pub(crate) fn assert_same(what: &str, got: &[RgbImage], want: &[RgbImage]) {
     assert_eq!(got.len(), want.len(), "{what}: image count");
     let cpu_f32 = test_device().device.is_cpu() && test_device().dtype == candle_core::DType::F32;
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
@@ -59,8 +59,18 @@ fn assert_same(what: &str, got: &[RgbImage], want: &[RgbImage]) {
 }
 
 fn check_batch(model: &str, reqs: &[GenerateRequest], max_images: u32) {
-    let mut engine = engine(model);
-    let want: Vec<Vec<RgbImage>> = reqs.iter().map(|r| alone(&mut engine, r)).collect();
+    check_batch_on(&mut engine(model), model, reqs, max_images);
+}
+
+/// `reqs` batched on `engine` (chunks of `max_images`) give each request the images it gets alone, and every
+/// request hears of every step.
+pub(crate) fn check_batch_on(
+    engine: &mut dyn Engine,
+    model: &str,
+    reqs: &[GenerateRequest],
+    max_images: u32,
+) {
+    let want: Vec<Vec<RgbImage>> = reqs.iter().map(|r| alone(engine, r)).collect();
     let refs: Vec<&GenerateRequest> = reqs.iter().collect();
     let mut reports = vec![0u32; reqs.len()];
     let results = engine.generate_batch(&refs, max_images, &mut |i, _| {
@@ -114,13 +124,18 @@ fn sdxl_added_conditioning_per_row() {
 
 #[test]
 fn cancelling_one_request_leaves_the_others_as_alone() {
-    let mut engine = engine("sd1");
+    check_cancel_on(&mut engine("sd1"), Sampler::EulerA);
+}
+
+/// Three requests batched on `engine`, the second (two images) cancelled at its second step: it is asked no more
+/// and ends with no image, the others get their images alone.
+pub(crate) fn check_cancel_on(engine: &mut dyn Engine, sampler: Sampler) {
     let reqs = [
-        req("kept", 11, 7.0, 1, Sampler::EulerA),
-        req("cancelled", 12, 7.0, 2, Sampler::EulerA),
-        req("kept too", 13, 6.0, 1, Sampler::EulerA),
+        req("kept", 11, 7.0, 1, sampler),
+        req("cancelled", 12, 7.0, 2, sampler),
+        req("kept too", 13, 6.0, 1, sampler),
     ];
-    let want: Vec<Vec<RgbImage>> = [&reqs[0], &reqs[2]].iter().map(|r| alone(&mut engine, r)).collect();
+    let want: Vec<Vec<RgbImage>> = [&reqs[0], &reqs[2]].iter().map(|r| alone(engine, r)).collect();
     let refs: Vec<&GenerateRequest> = reqs.iter().collect();
     let mut after_cancel = 0;
     let results = engine.generate_batch(&refs, 8, &mut |i, p| {
@@ -144,14 +159,19 @@ fn cancelling_one_request_leaves_the_others_as_alone() {
 
 #[test]
 fn a_request_the_model_cannot_run_fails_alone() {
-    let mut engine = engine("sd1");
-    let good = req("fine", 1, 7.0, 1, Sampler::EulerA);
-    let bad = GenerateRequest { width: Some(60), ..req("bad size", 2, 7.0, 1, Sampler::EulerA) };
-    let want = alone(&mut engine, &good);
+    check_bad_size_on(&mut engine("sd1"), 60, Sampler::EulerA);
+}
+
+/// A `width`-wide request the model cannot run, batched before a good one on `engine`, fails naming `width`;
+/// the good one gets its image alone.
+pub(crate) fn check_bad_size_on(engine: &mut dyn Engine, width: u32, sampler: Sampler) {
+    let good = req("fine", 1, 7.0, 1, sampler);
+    let bad = GenerateRequest { width: Some(width), ..req("bad size", 2, 7.0, 1, sampler) };
+    let want = alone(engine, &good);
     let results = engine.generate_batch(&[&bad, &good], 8, &mut |_, _| Control::Continue);
     match &results[0] {
         Err(EngineError::Invalid(v)) => assert_eq!(v.field, "width"),
-        other => panic!("the 60-wide request ended {:?}", other.as_ref().map(|o| o.images.len())),
+        other => panic!("the {width}-wide request ended {:?}", other.as_ref().map(|o| o.images.len())),
     }
     let got = results.into_iter().nth(1).expect("two results").expect("the good one runs");
     assert_same("good", &got.images.into_iter().map(|i| i.image).collect::<Vec<_>>(), &want);
