@@ -112,6 +112,28 @@ impl MemoryPlanner {
     pub(crate) fn plan(&self, width: u32, height: u32, kept: u64) -> Result<JobPlan, EngineError> {
         Ok(self.shape.plan(width, height, CFG_BATCH, self.free_for_jobs(kept), true, true)?)
     }
+
+    /// The largest batch (in images, at most `max_images`) whose denoiser call fits the device's free memory
+    /// without slicing attention, with the plan it runs under; a single image may slice and tile as any job does.
+    pub(crate) fn batch_plan(
+        &self,
+        (width, height): (u32, u32),
+        guided: bool,
+        max_images: u32,
+        kept: u64,
+    ) -> Result<(u32, JobPlan), EngineError> {
+        let per_image = if guided { CFG_BATCH } else { 1 };
+        let mut images = max_images.max(1);
+        while images > 1 {
+            let free = self.free_for_jobs(kept);
+            if let Ok(plan) = self.shape.plan(width, height, per_image * u64::from(images), free, false, true)
+            {
+                return Ok((images, plan));
+            }
+            images /= 2;
+        }
+        Ok((1, self.plan(width, height, kept)?))
+    }
 }
 
 /// An image of `req` made with `model` from `seed`, with its A1111 infotext (`size`: the first pass's).

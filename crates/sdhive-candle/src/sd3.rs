@@ -171,6 +171,23 @@ pub struct Sd3Row {
     pub clip_skip: u32,
 }
 
+/// The transformer's velocity for `latents` at timestep `t`: with `cfg` the latents twice over (the contexts'
+/// negatives then positives), one call for every row.
+fn velocity(
+    transformer: &SD3Transformer2DModel,
+    latents: &Tensor,
+    t: f64,
+    (context, pooled): (&Tensor, &Tensor),
+    cfg: bool,
+) -> Result<Tensor, Sd3Error> {
+    let input = if cfg { Tensor::cat(&[latents, latents], 0) } else { Ok(latents.clone()) }
+        .map_err(failed("denoise"))?;
+    let timestep = Tensor::full(t as f32, input.dim(0).map_err(failed("denoise"))?, latents.device())
+        .and_then(|t| t.to_dtype(latents.dtype()))
+        .map_err(failed("denoise"))?;
+    transformer.forward(&input, &timestep, context, pooled).map_err(failed("transformer"))
+}
+
 /// The text encoders built for use: see [`Sd3Model::text_encoders`].
 struct TextEncoders<'a> {
     clip_l: InUse<'a, ClipTextModel>,
@@ -670,6 +687,23 @@ impl Sd3Model {
     /// `StableDiffusion3InpaintPipeline` call `scale_noise`, which `DPMSolverMultistepScheduler` lacks, and have no
     /// skip-layer guidance), skip-layer guidance without CFG (diffusers skips it silently) or with blocks the
     /// transformer lacks.
+    /// The size a positive multiple of the transformer's patch in pixels, and at least one step.
+    fn check_size(&self, req: &Sd3Request) -> Result<(), Sd3Error> {
+        let factor = 8 * self.transformer.config().patch_size;
+        for (field, v) in [("width", req.width), ("height", req.height)] {
+            if v == 0 || v % factor != 0 {
+                return Err(Sd3Error::Invalid {
+                    field,
+                    message: format!("{v} is not a positive multiple of {factor}"),
+                });
+            }
+        }
+        if req.steps == 0 {
+            return Err(Sd3Error::Invalid { field: "steps", message: "must be at least 1".into() });
+        }
+        Ok(())
+    }
+
     fn check_sampling(&self, req: &Sd3Request, cfg: bool, img2img: bool) -> Result<(), Sd3Error> {
         let invalid = |field: &'static str, message: String| Sd3Error::Invalid { field, message };
         if req.mask.is_some() && req.init_image.is_none() {
@@ -744,18 +778,7 @@ impl Sd3Model {
         init_latents: Option<&Tensor>,
         on_step: &mut dyn FnMut(usize, usize, &StepEstimate<'_>) -> bool,
     ) -> Result<(Tensor, Tensor), Sd3Error> {
-        let factor = 8 * self.transformer.config().patch_size;
-        for (field, v) in [("width", req.width), ("height", req.height)] {
-            if v == 0 || v % factor != 0 {
-                return Err(Sd3Error::Invalid {
-                    field,
-                    message: format!("{v} is not a positive multiple of {factor}"),
-                });
-            }
-        }
-        if req.steps == 0 {
-            return Err(Sd3Error::Invalid { field: "steps", message: "must be at least 1".into() });
-        }
+        self.check_size(req)?;
         let cfg = req.guidance_scale > 1.0;
         self.check_sampling(req, cfg, req.init_image.is_some() || init_latents.is_some())?;
         let encoders = self.text_encoders()?;
@@ -853,14 +876,7 @@ impl Sd3Model {
         let run = req.steps - start;
         let transformer = self.transformer.in_use().map_err(failed("transformer"))?;
         for (i, t) in scheduler.timesteps().into_iter().enumerate().skip(start) {
-            let batch = if cfg { 2 } else { 1 };
-            let input = if cfg { Tensor::cat(&[&latents, &latents], 0) } else { Ok(latents.clone()) }
-                .map_err(failed("denoise"))?;
-            let timestep = Tensor::full(t as f32, batch, self.device())
-                .and_then(|t| t.to_dtype(dtype))
-                .map_err(failed("denoise"))?;
-            let v =
-                transformer.forward(&input, &timestep, &context, &pooled).map_err(failed("transformer"))?;
+            let v = velocity(&transformer, &latents, t, (&context, &pooled), cfg)?;
             let v = if cfg {
                 let uncond = v.narrow(0, 0, 1).map_err(failed("guidance"))?;
                 let text = v.narrow(0, 1, 1).map_err(failed("guidance"))?;
@@ -922,18 +938,7 @@ impl Sd3Model {
         if req.init_image.is_some() || req.mask.is_some() || req.skip_layer_guidance.is_some() {
             return Err(invalid("init_images", "a batch runs text to image without skip-layer guidance"));
         }
-        let factor = 8 * self.transformer.config().patch_size;
-        for (field, v) in [("width", req.width), ("height", req.height)] {
-            if v == 0 || v % factor != 0 {
-                return Err(Sd3Error::Invalid {
-                    field,
-                    message: format!("{v} is not a positive multiple of {factor}"),
-                });
-            }
-        }
-        if req.steps == 0 {
-            return Err(invalid("steps", "must be at least 1"));
-        }
+        self.check_size(req)?;
         self.check_sampling(req, cfg, false)?;
         // Each distinct prompt encoded once (a request's n images share theirs).
         let encoders = self.text_encoders()?;
@@ -980,14 +985,7 @@ impl Sd3Model {
         let mut latents = noise.to_dtype(dtype).map_err(failed("noise"))?;
         let transformer = self.transformer.in_use().map_err(failed("transformer"))?;
         for (i, t) in scheduler.timesteps().into_iter().enumerate() {
-            let batch = if cfg { 2 * b } else { b };
-            let input = if cfg { Tensor::cat(&[&latents, &latents], 0) } else { Ok(latents.clone()) }
-                .map_err(failed("denoise"))?;
-            let timestep = Tensor::full(t as f32, batch, self.device())
-                .and_then(|t| t.to_dtype(dtype))
-                .map_err(failed("denoise"))?;
-            let v =
-                transformer.forward(&input, &timestep, &context, &pooled).map_err(failed("transformer"))?;
+            let v = velocity(&transformer, &latents, t, (&context, &pooled), cfg)?;
             let v = if cfg {
                 // Row by row, the ops `denoise` makes for one image, so each row's values are its own alone.
                 let guided = rows

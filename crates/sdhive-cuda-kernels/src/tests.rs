@@ -1005,6 +1005,17 @@ fn channels_last_conv2d_epilogue_matches_candle() {
     }
 }
 
+/// Random q `(b, sq, c)`, k and v `(b, sk, c)` in f32, q and k times `amplitude` (6: logits large enough that
+/// the running max must keep exp from overflowing).
+fn random_qkv(
+    dev: &Device,
+    (b, sq, sk, c): (usize, usize, usize, usize),
+    amplitude: f64,
+) -> (Tensor, Tensor, Tensor) {
+    let randn = |rows: usize| Tensor::randn(0f32, 1.0, (b, rows, c), dev).unwrap();
+    ((randn(sq) * amplitude).unwrap(), (randn(sk) * amplitude).unwrap(), randn(sk))
+}
+
 /// Plain attention in f32 from the same (rounded) inputs: split heads, scores, softmax, product, merge.
 fn attention_reference(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, scale: f64) -> Tensor {
     let split = |t: &Tensor| {
@@ -1128,9 +1139,7 @@ fn short_keys_take_the_cross_kernel_and_match_the_reference() {
         (1, 250, 113, 2, 160, 6.0, false),
     ] {
         let c = heads * d;
-        let q = (Tensor::randn(0f32, 1.0, (b, sq, c), &dev).unwrap() * amplitude).unwrap();
-        let k = (Tensor::randn(0f32, 1.0, (b, sk, c), &dev).unwrap() * amplitude).unwrap();
-        let v = Tensor::randn(0f32, 1.0, (b, sk, c), &dev).unwrap();
+        let (q, k, v) = random_qkv(&dev, (b, sq, sk, c), amplitude);
         let scale = 1.0 / (d as f64).sqrt();
         for dtype in [DType::F16, DType::BF16] {
             let cv = |t: &Tensor| t.to_dtype(dtype).unwrap();
@@ -1177,9 +1186,7 @@ fn cudnn_attention_takes_heads_of_64_and_matches_the_reference() {
         (2, 129, 129, 2, 64, 1.0, true),
     ] {
         let c = heads * d;
-        let q = (Tensor::randn(0f32, 1.0, (b, sq, c), &dev).unwrap() * amplitude).unwrap();
-        let k = (Tensor::randn(0f32, 1.0, (b, sk, c), &dev).unwrap() * amplitude).unwrap();
-        let v = Tensor::randn(0f32, 1.0, (b, sk, c), &dev).unwrap();
+        let (q, k, v) = random_qkv(&dev, (b, sq, sk, c), amplitude);
         let scale = 1.0 / (d as f64).sqrt();
         for dtype in [DType::F16, DType::BF16] {
             let cv = |t: &Tensor| t.to_dtype(dtype).unwrap();
