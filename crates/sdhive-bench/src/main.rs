@@ -84,7 +84,8 @@ struct Args {
     #[arg(long, default_value_t = 20)]
     steps: u32,
     /// With --e2e: also time `--batch` requests (different prompts, seeds, CFG scales) denoised as one batch
-    /// against the same requests one by one, and report each batched image's drift from its image alone.
+    /// against the same requests one by one, and report each batched image's drift from its image alone. With
+    /// --sd3: `--batch` images denoised together against the image alone.
     #[arg(long, default_value_t = 1)]
     batch: u32,
     /// With --e2e: hires fix to twice the size ("Latent" upscaler, a second pass of `--steps` steps at denoising
@@ -167,6 +168,10 @@ pub(crate) struct Timing {
 }
 
 impl Timing {
+    pub(crate) fn median_ms(&self) -> f64 {
+        self.median_ms
+    }
+
     pub(crate) fn new(calls: &[Call]) -> Self {
         let ms: Vec<f64> = calls.iter().map(|c| c.ms).collect();
         let mut sorted = ms.clone();
@@ -425,6 +430,7 @@ fn main() -> Result<()> {
                 with_t5: !args.no_t5,
                 warmup: args.warmup,
                 iters: args.iters,
+                batch: args.batch,
             },
             &dev,
         )?;

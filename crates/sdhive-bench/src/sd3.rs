@@ -1,12 +1,14 @@
 //! SD3 / SD3.5 timing (`--sd3 DIR`): a diffusers folder loaded into the candle engine's SD3 pipeline, then the
 //! transformer step (one CFG call: batch 2, the joint context of 77 CLIP + 256 T5 tokens) at `--size`², and whole
 //! images (`--steps` flow-Euler steps, CFG 7, text encoding and VAE decode included) — the work
-//! `xtask/bench/bench_sd3_diffusers.py` times on diffusers' `StableDiffusion3Pipeline`.
+//! `xtask/bench/bench_sd3_diffusers.py` times on diffusers' `StableDiffusion3Pipeline`. With `--batch N` also N
+//! images (different prompts, seeds and CFG scales) denoised as one batch and decoded, against the images one by
+//! one: what the worker's `--max-batch` does for SD3.
 
 use crate::time_calls;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use sdhive_candle::{Sd3Model, Sd3Request};
+use sdhive_candle::{Sd3Model, Sd3Request, Sd3Row};
 use std::path::Path;
 use std::time::Instant;
 
@@ -18,6 +20,8 @@ pub struct Settings<'a> {
     pub with_t5: bool,
     pub warmup: usize,
     pub iters: usize,
+    /// Images denoised together (1: none).
+    pub batch: u32,
 }
 
 pub fn run(s: &Settings, dev: &Device) -> Result<serde_json::Value> {
@@ -63,9 +67,33 @@ pub fn run(s: &Settings, dev: &Device) -> Result<serde_json::Value> {
     let image = time_calls(dev, "image", s.warmup, s.iters, || {
         model.generate(&request).map(|_| ()).context("generate")
     })?;
+    let batch = if s.batch > 1 {
+        let rows: Vec<Sd3Row> = (0..s.batch)
+            .map(|i| Sd3Row {
+                prompt: format!("{} number {i}", request.prompt),
+                negative_prompt: request.negative_prompt.clone(),
+                seed: 42 + u64::from(i),
+                guidance_scale: 7.0 - f64::from(i) * 0.5,
+                clip_skip: 1,
+            })
+            .collect();
+        let timed = time_calls(dev, &format!("batch of {}", s.batch), s.warmup, s.iters, || {
+            let latents =
+                model.denoise_batch(&request, &rows, &mut |_, _, _| true).context("denoise_batch")?;
+            for i in 0..rows.len() {
+                model.decode(&latents.narrow(0, i, 1)?).context("decode")?;
+            }
+            Ok(())
+        })?;
+        let (batched, alone) = (timed.median_ms() / f64::from(s.batch), image.median_ms());
+        eprintln!("batch of {}: {batched:.0} ms per image against {alone:.0} ms alone", s.batch);
+        serde_json::json!({ "images": s.batch, "timed": timed, "ms_per_image": batched, "alone_ms": alone })
+    } else {
+        serde_json::Value::Null
+    };
     Ok(serde_json::json!({
         "model": s.dir.file_name().map(|n| n.to_string_lossy().into_owned()),
         "size": s.size, "steps": s.steps, "t5": s.with_t5, "load_ms": load_ms,
-        "step": step, "e2e": image,
+        "step": step, "e2e": image, "batch": batch,
     }))
 }

@@ -28,7 +28,7 @@ pub use lora::{AppliedLoras, ChangeTimes, LoraApplyError};
 pub use model::{Family, LoadError, SdModel};
 pub use preview::{latent_preview, taesd_preview, Previews, TaesdDecoders};
 pub use residency::{InUse, ModuleTarget, Resident, Targets};
-pub use sd3::{Sd3Error, Sd3Model, Sd3Output, Sd3Request, Sd3Transformer, StepEstimate};
+pub use sd3::{Sd3Error, Sd3Model, Sd3Output, Sd3Request, Sd3Row, Sd3Transformer, StepEstimate};
 pub use sd3_engine::Sd3Engine;
 pub use sdhive_checkpoint::is_sd3_folder;
 
