@@ -188,6 +188,14 @@ fn velocity(
     transformer.forward(&input, &timestep, context, pooled).map_err(failed("transformer"))
 }
 
+/// Classifier-free guidance of row `r` of a velocity over `rows` negatives then `rows` positives:
+/// `uncond + scale · (text − uncond)`.
+fn guided_row(v: &Tensor, rows: usize, r: usize, scale: f64) -> candle_core::Result<Tensor> {
+    let uncond = v.narrow(0, r, 1)?;
+    let delta = (v.narrow(0, rows + r, 1)? - &uncond)?;
+    uncond + delta.affine(scale, 0.0)?
+}
+
 /// The text encoders built for use: see [`Sd3Model::text_encoders`].
 struct TextEncoders<'a> {
     clip_l: InUse<'a, ClipTextModel>,
@@ -878,11 +886,8 @@ impl Sd3Model {
         for (i, t) in scheduler.timesteps().into_iter().enumerate().skip(start) {
             let v = velocity(&transformer, &latents, t, (&context, &pooled), cfg)?;
             let v = if cfg {
-                let uncond = v.narrow(0, 0, 1).map_err(failed("guidance"))?;
+                let guided = guided_row(&v, 1, 0, req.guidance_scale).map_err(failed("guidance"))?;
                 let text = v.narrow(0, 1, 1).map_err(failed("guidance"))?;
-                let delta = (&text - &uncond).map_err(failed("guidance"))?;
-                let guided = (uncond + delta.affine(req.guidance_scale, 0.0).map_err(failed("guidance"))?)
-                    .map_err(failed("guidance"))?;
                 match slg.as_ref().filter(|(g, _, _)| g.active_at(i, req.steps)) {
                     Some((g, positive, positive_pooled)) => {
                         let timestep = Tensor::full(t as f32, 1, self.device())
@@ -988,18 +993,12 @@ impl Sd3Model {
             let v = velocity(&transformer, &latents, t, (&context, &pooled), cfg)?;
             let v = if cfg {
                 // Row by row, the ops `denoise` makes for one image, so each row's values are its own alone.
-                let guided = rows
-                    .iter()
+                rows.iter()
                     .enumerate()
-                    .map(|(r, row)| {
-                        let uncond = v.narrow(0, r, 1)?;
-                        let delta = (v.narrow(0, b + r, 1)? - &uncond)?;
-                        uncond + delta.affine(row.guidance_scale, 0.0)?
-                    })
+                    .map(|(r, row)| guided_row(&v, b, r, row.guidance_scale))
                     .collect::<candle_core::Result<Vec<_>>>()
                     .and_then(|g| Tensor::cat(&g, 0))
-                    .map_err(failed("guidance"))?;
-                guided
+                    .map_err(failed("guidance"))?
             } else {
                 v
             };

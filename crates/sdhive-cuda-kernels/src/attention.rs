@@ -307,7 +307,8 @@ struct Attention {
     cudnn: bool,
 }
 
-fn view<'a, T: CudaDType>(
+/// A tensor's storage from its first element on, as a kernel argument.
+pub(crate) fn view<'a, T: CudaDType>(
     s: &'a CudaStorage,
     l: &Layout,
 ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {

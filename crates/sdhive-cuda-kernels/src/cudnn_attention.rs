@@ -5,10 +5,11 @@
 //! the first engine configuration that finalises. Plans are cached per shape and strides; a shape cuDNN refuses is
 //! remembered and left to our kernels. The workspace is the one the cuDNN convolutions share.
 
+use crate::attention::view;
 use crate::cudnn::with_workspace;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cudnn::sys;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use candle_core::cuda_backend::{CudaDType, DeviceId};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result};
 use std::cell::RefCell;
@@ -224,10 +225,6 @@ fn make_plan(handle: sys::cudnnHandle_t, dtype: DType, (b, h, sq, sk, d, s): Sha
     bail!("cuDNN attention: no engine for {:?}: {last}", (b, h, sq, sk, d))
 }
 
-fn view<'a, T: CudaDType>((s, l): (&'a CudaStorage, &Layout)) -> Result<CudaView<'a, T>> {
-    Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..))
-}
-
 fn version() -> usize {
     // SAFETY: a plain query.
     unsafe { sys::cudnnGetVersion() }
@@ -297,7 +294,7 @@ pub(crate) fn attention<T: CudaDType + DeviceRepr>(
             return Ok(None);
         };
         let stream = dev.cuda_stream();
-        let (qv, kv, vv) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
+        let (qv, kv, vv) = (view::<T>(q.0, q.1)?, view::<T>(k.0, k.1)?, view::<T>(v.0, v.1)?);
         // SAFETY: cuDNN writes every output element.
         let out: CudaSlice<T> = unsafe { dev.alloc::<T>(b * sq * c)? };
         let (qp, _gq) = qv.device_ptr(&stream);

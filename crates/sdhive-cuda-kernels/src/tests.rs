@@ -1016,6 +1016,17 @@ fn random_qkv(
     ((randn(sq) * amplitude).unwrap(), (randn(sk) * amplitude).unwrap(), randn(sk))
 }
 
+/// q, k and v in `dtype`; `packed`: read in place as the thirds of one `(B, S, 3C)` projection (self-attention).
+fn in_dtype((q, k, v): (&Tensor, &Tensor, &Tensor), dtype: DType, packed: bool) -> (Tensor, Tensor, Tensor) {
+    let cv = |t: &Tensor| t.to_dtype(dtype).unwrap();
+    if !packed {
+        return (cv(q), cv(k), cv(v));
+    }
+    let c = q.dim(2).unwrap();
+    let qkv = Tensor::cat(&[cv(q), cv(k), cv(v)], 2).unwrap();
+    (qkv.narrow(2, 0, c).unwrap(), qkv.narrow(2, c, c).unwrap(), qkv.narrow(2, 2 * c, c).unwrap())
+}
+
 /// Plain attention in f32 from the same (rounded) inputs: split heads, scores, softmax, product, merge.
 fn attention_reference(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, scale: f64) -> Tensor {
     let split = |t: &Tensor| {
@@ -1086,13 +1097,7 @@ fn attention_matches_the_reference() {
         };
         let scale = 1.0 / (d as f64).sqrt();
         for dtype in [DType::F16, DType::BF16] {
-            let cv = |t: &Tensor| t.to_dtype(dtype).unwrap();
-            let (qd, kd, vd) = if packed {
-                let qkv = Tensor::cat(&[cv(&q), cv(&k), cv(&v)], 2).unwrap();
-                (qkv.narrow(2, 0, c).unwrap(), qkv.narrow(2, c, c).unwrap(), qkv.narrow(2, 2 * c, c).unwrap())
-            } else {
-                (cv(&q), cv(&k), cv(&v))
-            };
+            let (qd, kd, vd) = in_dtype((&q, &k, &v), dtype, packed);
             assert!(attention_applies(&qd, &kd, &vd, heads), "{b}x{sq}x{sk} h{heads} d{d} {dtype:?}");
             let want = attention_reference(&qd, &kd, &vd, heads, scale);
             // Our kernels alone, then whatever `attention` picks (cuDNN's for some shapes).
@@ -1189,13 +1194,7 @@ fn cudnn_attention_takes_heads_of_64_and_matches_the_reference() {
         let (q, k, v) = random_qkv(&dev, (b, sq, sk, c), amplitude);
         let scale = 1.0 / (d as f64).sqrt();
         for dtype in [DType::F16, DType::BF16] {
-            let cv = |t: &Tensor| t.to_dtype(dtype).unwrap();
-            let (qd, kd, vd) = if strided {
-                let qkv = Tensor::cat(&[cv(&q), cv(&k), cv(&v)], 2).unwrap();
-                (qkv.narrow(2, 0, c).unwrap(), qkv.narrow(2, c, c).unwrap(), qkv.narrow(2, 2 * c, c).unwrap())
-            } else {
-                (cv(&q), cv(&k), cv(&v))
-            };
+            let (qd, kd, vd) = in_dtype((&q, &k, &v), dtype, strided);
             assert!(crate::cudnn_attention::chosen(d, sk) || std::env::var("SDHIVE_CUDNN_ATTENTION").is_ok());
             let want = attention_reference(&qd, &kd, &vd, heads, scale);
             let got = attention(&qd, &kd, &vd, heads, scale).unwrap();

@@ -858,7 +858,7 @@ pub(crate) fn linear_gelu(l: &Linear, x: &Tensor) -> Result<Tensor> {
     let mut tensors = vec![x, l.weight()];
     tensors.extend(l.bias());
     if matches!(x.rank(), 2 | 3) && gpu::linear_applies(&tensors) {
-        return gpu::linear_gelu(&x.contiguous()?, l.weight(), l.bias());
+        return gpu::linear_gelu(x, l.weight(), l.bias());
     }
     linear(l, x, None)?.gelu()
 }
