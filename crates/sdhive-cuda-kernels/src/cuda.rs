@@ -1349,7 +1349,10 @@ fn layer_norm_launch<T: CudaDType + DeviceRepr>(
     }
     // SAFETY: written in full by the kernel.
     let out: CudaSlice<T> = unsafe { dev.alloc::<T>(rows * cols)? };
-    let func = dev.get_or_load_custom_func(&format!("layer_norm_{}", suffix(x.0.dtype())?), MODULE, PTX)?;
+    // Rows past the 8 16-byte vectors a lane of `layer_norm` holds take the kernel that holds 16.
+    let kernel =
+        if cols * x.0.dtype().size_in_bytes() > 32 * 8 * 16 { "layer_norm_wide" } else { "layer_norm" };
+    let func = dev.get_or_load_custom_func(&format!("{kernel}_{}", suffix(x.0.dtype())?), MODULE, PTX)?;
     let mut a = func.builder();
     a.arg(&xs);
     a.arg(&ws);

@@ -699,21 +699,23 @@ template <typename T> __device__ void geglu(const T *x, const T *bias, T *out, s
 }
 
 // LayerNorm over rows of `cols` values, one warp per row: (x − mean) / sqrt(var + eps) · w + b. Rows whose length
-// and pointers allow 16-byte loads and stores, and that fit LN_REGS vectors per lane (2048 f16/bf16 values, 1024
-// f32: every row the networks have), stay in registers: the mean and then the squared deviations from it, each
-// summed across the warp, and the write from the same registers, one read of the row in all. The weights and
-// biases are loaded with the row, so their latency overlaps the row's and the reductions' instead of following
-// them. Other rows take Welford moments and a second read.
-constexpr uint32_t LN_REGS = 8;
-
+// and pointers allow 16-byte loads and stores, and that fit REGS vectors per lane, stay in registers: the mean and
+// then the squared deviations from it, each summed across the warp, and the write from the same registers, one read
+// of the row in all. `layer_norm` keeps 8 vectors a lane (2048 f16/bf16 values, 1024 f32: SD1/SDXL's and
+// SD3.5-medium's rows) and loads the weights and biases with the row, so their latency overlaps the row's and the
+// reductions' instead of following them; `layer_norm_wide` keeps 16 (4096 and 2048 values: SD3.5-large's 2432)
+// and reads the weights and biases at the write, where holding them too would spill. Other rows take Welford
+// moments and a second read.
+//
 // `group_rows` rows share one weight and bias row: `rows` for one affine over all rows, the sequence length for
 // per-sample modulation (an adaptive norm's `norm(x) · (1 + scale) + shift`: weight `scale` with `one_plus` 1,
 // rounded to T as the network rounds `1 + scale`, bias `shift`). The groups' weight and bias rows lie `w_stride`
 // and `b_stride` values apart (chunks of a modulation table, read in place).
-template <typename T>
+template <typename T, uint32_t REGS>
 __device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint32_t rows, uint32_t cols, float eps,
                                 uint32_t group_rows, uint32_t w_stride, uint32_t b_stride, float one_plus) {
     constexpr uint32_t VEC = 16 / sizeof(T);
+    constexpr bool AFFINE_IN_REGS = REGS <= 8;
     const size_t row = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     if (row >= rows) return;
@@ -724,19 +726,21 @@ __device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint
     const uintptr_t addr = reinterpret_cast<uintptr_t>(r) | reinterpret_cast<uintptr_t>(o) |
                            reinterpret_cast<uintptr_t>(w) | reinterpret_cast<uintptr_t>(b);
     const uint32_t nvec = cols / VEC;
-    if (cols % VEC == 0 && addr % 16 == 0 && nvec <= 32 * LN_REGS) {
-        uint4 v[LN_REGS], wv[LN_REGS], bv[LN_REGS];
+    if (cols % VEC == 0 && addr % 16 == 0 && nvec <= 32 * REGS) {
+        uint4 v[REGS], wv[AFFINE_IN_REGS ? REGS : 1], bv[AFFINE_IN_REGS ? REGS : 1];
 #pragma unroll
-        for (uint32_t k = 0; k < LN_REGS; k++) {
+        for (uint32_t k = 0; k < REGS; k++) {
             const uint32_t c = lane + 32 * k;
             if (c >= nvec) break;
             v[k] = reinterpret_cast<const uint4 *>(r)[c];
-            wv[k] = reinterpret_cast<const uint4 *>(w)[c];
-            bv[k] = reinterpret_cast<const uint4 *>(b)[c];
+            if constexpr (AFFINE_IN_REGS) {
+                wv[k] = reinterpret_cast<const uint4 *>(w)[c];
+                bv[k] = reinterpret_cast<const uint4 *>(b)[c];
+            }
         }
         float sum = 0.f;
 #pragma unroll
-        for (uint32_t k = 0; k < LN_REGS; k++) {
+        for (uint32_t k = 0; k < REGS; k++) {
             const uint32_t c = lane + 32 * k;
             if (c >= nvec) break;
             const T *e = reinterpret_cast<const T *>(&v[k]);
@@ -746,7 +750,7 @@ __device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint
         const float mean = warp_sum(sum) / cols;
         float m2 = 0.f;
 #pragma unroll
-        for (uint32_t k = 0; k < LN_REGS; k++) {
+        for (uint32_t k = 0; k < REGS; k++) {
             if (lane + 32 * k >= nvec) break;
             const T *e = reinterpret_cast<const T *>(&v[k]);
 #pragma unroll
@@ -757,11 +761,19 @@ __device__ void layer_norm_rows(const T *x, const T *w, const T *b, T *out, uint
         }
         const float rstd = rsqrtf(warp_sum(m2) / cols + eps);
 #pragma unroll
-        for (uint32_t k = 0; k < LN_REGS; k++) {
+        for (uint32_t k = 0; k < REGS; k++) {
             const uint32_t c = lane + 32 * k;
             if (c >= nvec) break;
-            const T *xe = reinterpret_cast<const T *>(&v[k]), *we = reinterpret_cast<const T *>(&wv[k]),
-                    *be = reinterpret_cast<const T *>(&bv[k]);
+            uint4 wk, bk;
+            if constexpr (AFFINE_IN_REGS) {
+                wk = wv[k];
+                bk = bv[k];
+            } else {
+                wk = reinterpret_cast<const uint4 *>(w)[c];
+                bk = reinterpret_cast<const uint4 *>(b)[c];
+            }
+            const T *xe = reinterpret_cast<const T *>(&v[k]), *we = reinterpret_cast<const T *>(&wk),
+                    *be = reinterpret_cast<const T *>(&bk);
             uint4 ov;
             T *oe = reinterpret_cast<T *>(&ov);
 #pragma unroll
@@ -958,7 +970,12 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
     extern "C" __global__ void layer_norm_##S(const T *x, const T *w, const T *b, T *out, uint32_t rows,        \
                                               uint32_t cols, float eps, uint32_t group_rows, uint32_t w_stride, \
                                               uint32_t b_stride, float one_plus) {                              \
-        layer_norm_rows<T>(x, w, b, out, rows, cols, eps, group_rows, w_stride, b_stride, one_plus);            \
+        layer_norm_rows<T, 8>(x, w, b, out, rows, cols, eps, group_rows, w_stride, b_stride, one_plus);         \
+    }                                                                                                           \
+    extern "C" __global__ void layer_norm_wide_##S(const T *x, const T *w, const T *b, T *out, uint32_t rows,   \
+                                                   uint32_t cols, float eps, uint32_t group_rows,               \
+                                                   uint32_t w_stride, uint32_t b_stride, float one_plus) {      \
+        layer_norm_rows<T, 16>(x, w, b, out, rows, cols, eps, group_rows, w_stride, b_stride, one_plus);        \
     }                                                                                                           \
     extern "C" __global__ void rms_norm_##S(const T *x, const T *w, T *out, size_t rows, uint32_t d, float eps) { \
         rms_norm_rows<T>(x, w, out, rows, d, eps);                                                              \

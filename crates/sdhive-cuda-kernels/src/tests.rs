@@ -469,14 +469,16 @@ fn other_devices_and_layouts_do_not_apply() {
 #[test]
 fn layer_norm_matches_the_reference() {
     let dev = gpu();
-    // Rows of 768, 320 and 1280 values stay in registers (1280 f32 values do not); 33 values are no whole 16-byte
-    // vectors; 2568 f16 values are more than the registers take.
+    // Rows of 768, 320 and 1280 values stay in `layer_norm`'s registers (1280 f32 values in `layer_norm_wide`'s);
+    // 33 values are no whole 16-byte vectors; 2568 f16 values stay in `layer_norm_wide`'s registers (2568 f32
+    // values do not); 4104 f16 values are more than either kernel's registers take.
     for (shape, offset) in [
         ((2, 77, 768), 0.0),
         ((3, 4096, 320), 0.0),
         ((1, 5, 1280), 200.0),
         ((2, 3, 33), 1.0),
         ((1, 3, 2568), 0.5),
+        ((2, 3, 4104), 0.5),
     ] {
         let x = (Tensor::randn(0f32, 1.0, shape, &dev).unwrap() + offset).unwrap();
         let cols = x.dims()[x.rank() - 1];
@@ -505,7 +507,8 @@ fn layer_norm_matches_the_reference() {
 #[test]
 fn modulated_layer_norm_matches_the_modulation_it_replaces() {
     let dev = gpu();
-    // SD3.5-medium's and -large's widths (1536 in registers, 2432 f16 past them), and a row that is no whole vector.
+    // SD3.5-medium's and -large's widths (1536 in `layer_norm`'s registers, 2432 f16 in `layer_norm_wide`'s, 2432
+    // f32 past them), and a row that is no whole vector.
     for (b, s, d) in [(2, 333, 1536), (2, 64, 2432), (3, 5, 33)] {
         let x = Tensor::randn(0f32, 2.0, (b, s, d), &dev).unwrap();
         let scale = Tensor::randn(0f32, 0.5, (b, d), &dev).unwrap();

@@ -74,7 +74,12 @@ pub fn golden_request(prompt: String) -> GenerateRequest {
 
 /// The golden case `tests/fixtures/golden/<name>.json` as written.
 pub fn golden_json(name: &str) -> serde_json::Value {
-    let text = std::fs::read_to_string(golden_dir().join(format!("{name}.json"))).expect("golden case");
+    golden_json_in(&golden_dir(), name)
+}
+
+fn golden_json_in(dir: &Path, name: &str) -> serde_json::Value {
+    let path = dir.join(format!("{name}.json"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).expect("golden case JSON")
 }
 
@@ -85,8 +90,12 @@ fn golden_dir() -> PathBuf {
 /// The golden case `tests/fixtures/golden/<name>.{json,png}` (written by xtask/fixtures/gen_sd15_random.py or
 /// gen_sd35m_random.py) as a request, and diffusers' image for it.
 pub fn golden_case(name: &str) -> (GenerateRequest, RgbImage) {
-    let dir = golden_dir();
-    let case = golden_json(name);
+    golden_case_in(&golden_dir(), name)
+}
+
+/// The golden case `<dir>/<name>.{json,png}` as a request, and diffusers' image for it.
+pub fn golden_case_in(dir: &Path, name: &str) -> (GenerateRequest, RgbImage) {
+    let case = golden_json_in(dir, name);
     let num = |k: &str| case[k].as_f64().unwrap_or_else(|| panic!("golden case {name} lacks {k}"));
     assert_eq!(case["sampler"], "Euler", "{name}");
     let req = GenerateRequest {
