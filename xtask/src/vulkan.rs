@@ -51,7 +51,9 @@ pub fn run() -> Result<()> {
     };
     run_cargo(with(&["clippy", "--all-targets"], &["--", "-D", "warnings"]))?;
     // The engine's checks against diffusers need the full-size random SD1.5 (which the image check below uses
-    // too) and SD3.5-medium; they are ignored in plain `cargo test` runs and included here.
+    // too) and SD3.5-medium; they are ignored in plain `cargo test` runs and included here, but for the SD3.5-medium
+    // check at full width with T5, whose 15 GB of weights and diffusers' images are made on a GPU machine
+    // (docs/gpu.md).
     let manifest = root.join("tests/fixtures/sd15-random/manifest.json");
     let model = random_model::default_out(&manifest);
     random_model::write(&manifest, &model)?;
@@ -62,7 +64,7 @@ pub fn run() -> Result<()> {
     let sd35m = std::env::temp_dir().join("sdhive-sd35m-random");
     random_model::write(&sd35m_manifest, &sd35m)?;
     std::env::set_var("SDHIVE_SD35M_RANDOM", &sd35m);
-    let tested = run_cargo(with(&["test"], &["--", "--include-ignored"]));
+    let tested = run_cargo(with(&["test"], &["--", "--include-ignored", "--skip", "full_size_with_t5"]));
     if let Err(e) = std::fs::remove_dir_all(&sd35m) {
         eprintln!("xtask: could not remove {}: {e}", sd35m.display());
     }
