@@ -193,6 +193,17 @@ pub(crate) fn decode_rows<C>(
     }
 }
 
+/// The rows of a chunk whose members still run, and the request of the first (the chunk's shared settings); `None`
+/// when every member of the chunk has ended.
+pub(crate) fn running_rows<'a, C>(
+    members: &[Member<'a, C>],
+    rows: &[Row],
+) -> Option<(Vec<Row>, &'a GenerateRequest)> {
+    let rows: Vec<Row> = rows.iter().copied().filter(|r| members[r.member].ended.is_none()).collect();
+    let lead = members[rows.first()?.member].req;
+    Some((rows, lead))
+}
+
 /// The rows of every member still running, member by member, each request's images in order.
 pub(crate) fn rows_of<C>(members: &[Member<'_, C>], live: impl Fn(&Member<'_, C>) -> bool) -> Vec<Row> {
     members
@@ -309,9 +320,7 @@ impl CandleEngine {
         plan: &JobPlan,
         progress: &mut dyn FnMut(usize, &Progress) -> Control,
     ) {
-        let rows: Vec<Row> = rows.iter().copied().filter(|r| members[r.member].ended.is_none()).collect();
-        let Some(first) = rows.first() else { return };
-        let lead = members[first.member].req;
+        let Some((rows, lead)) = running_rows(members, rows) else { return };
         let job = ImageJob {
             width: width as usize,
             height: height as usize,

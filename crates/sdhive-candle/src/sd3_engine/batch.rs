@@ -5,7 +5,9 @@
 //! reporting and keeps the images it finished, while the other rows run on.
 
 use super::{flow_sampler, ran_request, Sd3Engine};
-use crate::engine::batch::{check_sizes, decode_rows, end_running, results, rows_of, Member, Reporters, Row};
+use crate::engine::batch::{
+    check_sizes, decode_rows, end_running, results, rows_of, running_rows, Member, Reporters, Row,
+};
 use crate::engine::{finished_image, follow_plan, lora_error};
 use crate::preview::sd3_latent_preview;
 use crate::sd3::{Sd3Error, Sd3Model, Sd3Request, Sd3Row, StepEstimate};
@@ -84,9 +86,7 @@ impl Sd3Engine {
         (width, height): (u32, u32),
         progress: &mut dyn FnMut(usize, &Progress) -> Control,
     ) {
-        let rows: Vec<Row> = rows.iter().copied().filter(|r| members[r.member].ended.is_none()).collect();
-        let Some(first) = rows.first() else { return };
-        let lead = members[first.member].req;
+        let Some((rows, lead)) = running_rows(members, rows) else { return };
         let template = Sd3Request {
             width: width as usize,
             height: height as usize,
