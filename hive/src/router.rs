@@ -990,6 +990,16 @@ async fn on_event(
             start_dispatches(hive, starts);
             return true;
         }
+        if name == "completed" && snapshot.is_none() {
+            // The images live in the worker's snapshot: a worker gone before it could be read took them along,
+            // so the job counts as lost while running (run again once), not as succeeded without images.
+            release(&mut state, &slot.worker, slot.epoch);
+            lose_job(hive, &mut state, job_id, attempt, "its images could not be read after it completed");
+            let starts = pump(hive, &mut state);
+            drop(state);
+            start_dispatches(hive, starts);
+            return true;
+        }
         job.publish(event);
         job.phase = Phase::Done;
         job.finished = Some(Instant::now());
