@@ -11,7 +11,7 @@ use crate::hires::{hires_image, SecondPass};
 use crate::lora::LoraApplyError;
 use crate::model::{LoadError, SdModel};
 use crate::pipeline::{generate_image, ImageJob, PipelineError, StepReport, UnetConditioning};
-use crate::preview::{Preview, Previews};
+use crate::preview::{Preview, Previews, Reports};
 use crate::residency::Targets;
 use crate::upscalers::Upscalers;
 use candle_core::DType;
@@ -421,11 +421,12 @@ impl Engine for CandleEngine {
             };
             let model = &self.model;
             let previews = &self.preview;
+            let mut reports = Reports::default();
             let mut on_step = |r: StepReport<'_>| {
                 let wants_preview =
                     req.preview_every > 0 && r.step.is_multiple_of(req.preview_every as usize);
                 let preview = match wants_preview {
-                    true => previews.render(model, r.estimate, !plan.vae_tiling, req.preview_approx),
+                    true => previews.start(model, r.estimate, !plan.vae_tiling, req.preview_approx),
                     false => None,
                 };
                 let p = Progress {
@@ -433,9 +434,9 @@ impl Engine for CandleEngine {
                     images: req.n,
                     step: r.step as u32,
                     steps: r.steps as u32,
-                    preview,
+                    preview: None,
                 };
-                progress(&p) == Control::Continue
+                reports.report(p, preview, r.step == r.steps, &mut *progress)
             };
             let image = match (hires, &second_cond) {
                 (Some((h, target)), Some(second_cond)) => {
@@ -469,6 +470,8 @@ impl Engine for CandleEngine {
                 }
                 _ => generate_image(model, &cond, &job, &mut on_step),
             };
+            // A report still held (a pass that ended off its step count) goes out before the image.
+            reports.flush(&mut *progress);
             let image = image.map_err(|e| match e {
                 PipelineError::Cancelled => EngineError::Cancelled { done: std::mem::take(&mut images) },
                 PipelineError::Invalid { field, message } => EngineError::Invalid(ValidationError {

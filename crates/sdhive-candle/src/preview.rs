@@ -5,7 +5,8 @@
 use crate::model::{Family, SdModel};
 use crate::tensor_image::tensor_to_image;
 use candle_core::{DType, Tensor};
-use sdhive_engine::{PreviewDecoder, RgbImage};
+use sdhive_cuda_kernels::{start_readback, Readback};
+use sdhive_engine::{Control, PreviewDecoder, Progress, RgbImage};
 use sdhive_models::TaesdDecoder;
 use std::sync::Arc;
 
@@ -79,19 +80,160 @@ impl Preview {
         full_size_fits: bool,
         approx: bool,
     ) -> Option<RgbImage> {
+        self.start(model, estimate, full_size_fits, approx)?.finish()
+    }
+
+    /// [`Preview::render`] with the pixels left on their way to the host: a CUDA device's copy is queued after
+    /// the work that makes them, and [`PendingPreview::finish`] waits for it.
+    pub(crate) fn start(
+        &self,
+        model: &SdModel,
+        estimate: &Tensor,
+        full_size_fits: bool,
+        approx: bool,
+    ) -> Option<PendingPreview> {
+        let latent = || {
+            let (factors, bias) = latent_rgb_factors(model.family);
+            start_latent_rgb(estimate, factors, bias)
+        };
         match self {
             Preview::Off => None,
-            Preview::Latent => latent_preview(model, estimate),
-            Preview::Taesd(_) if !full_size_fits || approx => latent_preview(model, estimate),
-            Preview::Taesd(decoder) => match taesd_preview(decoder, estimate) {
-                Ok(image) => Some(image),
+            Preview::Latent => latent(),
+            Preview::Taesd(_) if !full_size_fits || approx => latent(),
+            Preview::Taesd(decoder) => match start_taesd(decoder, estimate) {
+                Ok(pending) => Some(pending),
                 Err(e) => {
                     tracing::warn!("TAESD preview failed, sending the latent preview: {e}");
-                    latent_preview(model, estimate)
+                    latent()
                 }
             },
         }
     }
+}
+
+/// A preview whose pixels may still be on their way from the device ([`Preview::start`]).
+pub(crate) enum PendingPreview {
+    /// The estimate's latents of one image, mapped to RGB on the host once here.
+    Latent {
+        values: Readback<f32>,
+        dims: (usize, usize, usize),
+        factors: &'static [[f32; 3]],
+        bias: &'static [f32; 3],
+    },
+    /// A decoded image's bytes, `h × w × 3`.
+    Rgb { bytes: Readback<u8>, width: u32, height: u32 },
+    /// Made on the host already.
+    Done(RgbImage),
+}
+
+impl PendingPreview {
+    /// Whether the pixels may still be on their way (a CUDA device's copy).
+    pub(crate) fn is_queued(&self) -> bool {
+        match self {
+            PendingPreview::Latent { values, .. } => values.is_queued(),
+            PendingPreview::Rgb { bytes, .. } => bytes.is_queued(),
+            PendingPreview::Done(_) => false,
+        }
+    }
+
+    /// The preview, once its pixels have landed; `None` (logged) if the copy failed.
+    pub(crate) fn finish(self) -> Option<RgbImage> {
+        let landed = match self {
+            PendingPreview::Latent { values, dims, factors, bias } => {
+                values.values().map(|v| latent_rgb_values(&v, dims, factors, bias))
+            }
+            PendingPreview::Rgb { bytes, width, height } => {
+                bytes.values().map(|data| RgbImage { width, height, data })
+            }
+            PendingPreview::Done(image) => Ok(image),
+        };
+        landed.map_err(|e| tracing::warn!("preview read-back failed: {e}")).ok()
+    }
+}
+
+/// What a held report needs of its preview: whether it is still on its way, and the image once it has landed.
+pub(crate) trait Landing {
+    fn is_queued(&self) -> bool;
+    fn finish(self) -> Option<RgbImage>;
+}
+
+impl Landing for PendingPreview {
+    fn is_queued(&self) -> bool {
+        PendingPreview::is_queued(self)
+    }
+
+    fn finish(self) -> Option<RgbImage> {
+        PendingPreview::finish(self)
+    }
+}
+
+/// A denoising loop's progress reports with previews read back off the GPU's path: a step whose preview is still
+/// on its way is reported at the next step's report, after the loop has queued that step's work, so the device
+/// never waits for the host's read between two steps. The last step of a pass is reported at once, as is every
+/// report without a pending preview. A cancel in a held report stops the loop one step later than the report.
+pub(crate) struct Reports<P: Landing = PendingPreview> {
+    held: Option<(Progress, P)>,
+}
+
+impl<P: Landing> Default for Reports<P> {
+    fn default() -> Self {
+        Reports { held: None }
+    }
+}
+
+impl<P: Landing> Reports<P> {
+    /// Reports `p` with `preview` through `send` (holding it, as above, when `last` is false); whether to go on.
+    pub(crate) fn report(
+        &mut self,
+        p: Progress,
+        preview: Option<P>,
+        last: bool,
+        send: &mut dyn FnMut(&Progress) -> Control,
+    ) -> bool {
+        if !self.flush(send) {
+            return false;
+        }
+        match preview {
+            Some(pending) if pending.is_queued() && !last => {
+                self.held = Some((p, pending));
+                true
+            }
+            preview => send(&Progress { preview: preview.and_then(P::finish), ..p }) == Control::Continue,
+        }
+    }
+
+    /// Sends the held report, if any; whether to go on.
+    pub(crate) fn flush(&mut self, send: &mut dyn FnMut(&Progress) -> Control) -> bool {
+        match self.held.take() {
+            Some((p, pending)) => send(&Progress { preview: pending.finish(), ..p }) == Control::Continue,
+            None => true,
+        }
+    }
+}
+
+/// TAESD's decode of `latents` on their device, its bytes queued for the host.
+fn start_taesd(
+    decoder: &TaesdDecoder,
+    latents: &Tensor,
+) -> Result<PendingPreview, sdhive_models::ModelError> {
+    let tensor_err = |source| sdhive_models::ModelError::Tensor { model: "taesd", source };
+    let decoded = taesd_decode(decoder, latents)?;
+    if decoded.device().is_cpu() {
+        return tensor_to_image(&decoded).map(PendingPreview::Done).map_err(tensor_err);
+    }
+    let (_, _, h, w) = decoded.dims4().map_err(tensor_err)?;
+    let bytes = rgb8_tensor(&decoded).and_then(|t| start_readback::<u8>(&t)).map_err(tensor_err)?;
+    Ok(PendingPreview::Rgb { bytes, width: w as u32, height: h as u32 })
+}
+
+fn taesd_decode(decoder: &TaesdDecoder, latents: &Tensor) -> Result<Tensor, sdhive_models::ModelError> {
+    let cfg = decoder.config();
+    let tensor_err = |source| sdhive_models::ModelError::Tensor { model: "taesd", source };
+    let z = latents
+        .to_dtype(DType::F32)
+        .and_then(|z| z.affine(1.0 / cfg.scaling_factor, cfg.shift_factor.unwrap_or(0.0)))
+        .map_err(tensor_err)?;
+    decoder.decode(&z)
 }
 
 /// TAESD's image of `[1, C, h, w]` latents as the UNet sees them: a diffusers pipeline with `AutoencoderTiny` as
@@ -101,13 +243,8 @@ pub fn taesd_preview(
     decoder: &TaesdDecoder,
     latents: &Tensor,
 ) -> Result<RgbImage, sdhive_models::ModelError> {
-    let cfg = decoder.config();
     let tensor_err = |source| sdhive_models::ModelError::Tensor { model: "taesd", source };
-    let z = latents
-        .to_dtype(DType::F32)
-        .and_then(|z| z.affine(1.0 / cfg.scaling_factor, cfg.shift_factor.unwrap_or(0.0)))
-        .map_err(tensor_err)?;
-    let decoded = decoder.decode(&z)?;
+    let decoded = taesd_decode(decoder, latents)?;
     if decoded.device().is_cpu() {
         return tensor_to_image(&decoded).map_err(tensor_err);
     }
@@ -120,7 +257,13 @@ pub fn taesd_preview(
 /// value exactly between two levels one level off.
 pub(crate) fn rgb8_on_device(decoded: &Tensor) -> candle_core::Result<RgbImage> {
     let (_, _, h, w) = decoded.dims4()?;
-    let bytes = decoded
+    let bytes = rgb8_tensor(decoded)?.flatten_all()?.to_vec1::<u8>()?;
+    Ok(RgbImage { width: w as u32, height: h as u32, data: bytes })
+}
+
+/// [`rgb8_on_device`]'s bytes as an `(H, W, 3)` tensor on the decode's device.
+fn rgb8_tensor(decoded: &Tensor) -> candle_core::Result<Tensor> {
+    decoded
         .squeeze(0)?
         .to_dtype(DType::F32)?
         .affine(127.5, 127.5)?
@@ -128,10 +271,7 @@ pub(crate) fn rgb8_on_device(decoded: &Tensor) -> candle_core::Result<RgbImage> 
         .round()?
         .to_dtype(DType::U8)?
         .permute((1, 2, 0))?
-        .contiguous()?
-        .flatten_all()?
-        .to_vec1::<u8>()?;
-    Ok(RgbImage { width: w as u32, height: h as u32, data: bytes })
+        .contiguous()
 }
 
 /// Published linear approximations of the VAE decoder (latent channel → RGB in [-1, 1]), good enough for a
@@ -174,25 +314,50 @@ const SD3_LATENT_RGB_BIAS: [f32; 3] = [0.2394, 0.2135, 0.1925];
 
 /// A latent-resolution RGB preview of `[1, 4, h, w]` latents; `None` for latent layouts without known factors.
 pub fn latent_preview(model: &SdModel, latents: &Tensor) -> Option<RgbImage> {
-    let (factors, bias) = match model.family {
+    let (factors, bias) = latent_rgb_factors(model.family);
+    start_latent_rgb(latents, factors, bias)?.finish()
+}
+
+fn latent_rgb_factors(family: Family) -> (&'static [[f32; 3]], &'static [f32; 3]) {
+    match family {
         Family::Sd => (&SD_LATENT_RGB, &SD_LATENT_RGB_BIAS),
         Family::Sdxl => (&SDXL_LATENT_RGB, &SDXL_LATENT_RGB_BIAS),
-    };
-    latent_rgb(latents, factors, bias)
+    }
 }
 
 /// The latent preview of SD3-family latents `[1, 16, h, w]`.
 pub fn sd3_latent_preview(latents: &Tensor) -> Option<RgbImage> {
-    latent_rgb(latents, &SD3_LATENT_RGB, &SD3_LATENT_RGB_BIAS)
+    start_sd3_latent_preview(latents)?.finish()
 }
 
-/// `factors · latent + bias` per pixel, mapped from [-1, 1] to 8 bits; `None` when the channels do not match.
-fn latent_rgb(latents: &Tensor, factors: &[[f32; 3]], bias: &[f32; 3]) -> Option<RgbImage> {
+/// [`sd3_latent_preview`] with its latents left on their way to the host.
+pub(crate) fn start_sd3_latent_preview(latents: &Tensor) -> Option<PendingPreview> {
+    start_latent_rgb(latents, &SD3_LATENT_RGB, &SD3_LATENT_RGB_BIAS)
+}
+
+/// The first image's latents of `[B, C, h, w]` queued for the host, to be mapped by `factors` and `bias`; `None`
+/// when the channels do not match.
+fn start_latent_rgb(
+    latents: &Tensor,
+    factors: &'static [[f32; 3]],
+    bias: &'static [f32; 3],
+) -> Option<PendingPreview> {
     let (_, c, h, w) = latents.dims4().ok()?;
     if c != factors.len() {
         return None;
     }
-    let values = latents.get(0).ok()?.to_dtype(DType::F32).ok()?.flatten_all().ok()?.to_vec1::<f32>().ok()?;
+    let values = latents.get(0).and_then(|l| l.to_dtype(DType::F32)).and_then(|l| start_readback::<f32>(&l));
+    let values = values.map_err(|e| tracing::warn!("latent preview failed: {e}")).ok()?;
+    Some(PendingPreview::Latent { values, dims: (c, h, w), factors, bias })
+}
+
+/// `factors · latent + bias` per pixel of `(c, h, w)` values, mapped from [-1, 1] to 8 bits.
+fn latent_rgb_values(
+    values: &[f32],
+    (c, h, w): (usize, usize, usize),
+    factors: &[[f32; 3]],
+    bias: &[f32; 3],
+) -> RgbImage {
     let plane = h * w;
     let mut data = Vec::with_capacity(plane * 3);
     for p in 0..plane {
@@ -201,5 +366,5 @@ fn latent_rgb(latents: &Tensor, factors: &[[f32; 3]], bias: &[f32; 3]) -> Option
             data.push((((v + 1.0) / 2.0).clamp(0.0, 1.0) * 255.0).round() as u8);
         }
     }
-    Some(RgbImage { width: w as u32, height: h as u32, data })
+    RgbImage { width: w as u32, height: h as u32, data }
 }

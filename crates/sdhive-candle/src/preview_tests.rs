@@ -225,3 +225,107 @@ fn the_device_side_mapping_matches_the_host_side_one() {
     assert!(off.iter().all(|&d| d <= 1), "more than one level apart");
     assert!(off.iter().filter(|&&d| d == 1).count() * 100 < off.len(), "more than 1% of values differ");
 }
+
+/// A preview that says whether it is still on its way, and which step made it.
+struct Fake {
+    queued: bool,
+    step: u32,
+}
+
+impl crate::preview::Landing for Fake {
+    fn is_queued(&self) -> bool {
+        self.queued
+    }
+
+    fn finish(self) -> Option<RgbImage> {
+        Some(RgbImage { width: self.step, height: 1, data: vec![0; 3 * self.step as usize] })
+    }
+}
+
+fn progress(step: u32, steps: u32) -> sdhive_engine::Progress {
+    sdhive_engine::Progress { image: 0, images: 1, step, steps, preview: None }
+}
+
+#[test]
+fn reports_hold_a_step_whose_preview_is_on_its_way_until_the_next_step_is_queued() {
+    let mut reports = crate::preview::Reports::<Fake>::default();
+    let sent = std::cell::RefCell::new(Vec::<(u32, Option<u32>)>::new());
+    let mut send = |p: &sdhive_engine::Progress| {
+        sent.borrow_mut().push((p.step, p.preview.as_ref().map(|i| i.width)));
+        Control::Continue
+    };
+    // Steps 1-4: a landed preview at step 1 goes out at once, step 2's queued one waits for step 3's report,
+    // step 4's (the last) goes out at once although queued.
+    assert!(reports.report(progress(1, 4), Some(Fake { queued: false, step: 1 }), false, &mut send));
+    assert!(reports.report(progress(2, 4), Some(Fake { queued: true, step: 2 }), false, &mut send));
+    assert_eq!(*sent.borrow(), [(1, Some(1))], "step 2 is held while its preview is on its way");
+    assert!(reports.report(progress(3, 4), None, false, &mut send));
+    assert!(reports.report(progress(4, 4), Some(Fake { queued: true, step: 4 }), true, &mut send));
+    assert_eq!(*sent.borrow(), [(1, Some(1)), (2, Some(2)), (3, None), (4, Some(4))]);
+    assert!(reports.flush(&mut send), "nothing is left to send");
+    assert_eq!(sent.borrow().len(), 4);
+
+    // A held report goes out on flush.
+    let mut reports = crate::preview::Reports::<Fake>::default();
+    let mut sent = Vec::new();
+    let mut send = |p: &sdhive_engine::Progress| {
+        sent.push(p.step);
+        Control::Continue
+    };
+    assert!(reports.report(progress(1, 3), Some(Fake { queued: true, step: 1 }), false, &mut send));
+    assert!(reports.flush(&mut send));
+    assert_eq!(sent, [1]);
+}
+
+#[test]
+fn a_cancel_in_a_held_report_stops_the_loop_at_the_next_step() {
+    let mut reports = crate::preview::Reports::<Fake>::default();
+    let mut sent = Vec::new();
+    let mut send = |p: &sdhive_engine::Progress| {
+        sent.push(p.step);
+        if p.step == 2 {
+            Control::Cancel
+        } else {
+            Control::Continue
+        }
+    };
+    assert!(reports.report(progress(1, 4), None, false, &mut send));
+    assert!(reports.report(progress(2, 4), Some(Fake { queued: true, step: 2 }), false, &mut send));
+    assert!(!reports.report(progress(3, 4), None, false, &mut send), "step 2's cancel stops the loop");
+    assert_eq!(sent, [1, 2], "step 3 is never reported");
+    // Without a held report the cancel stops at its own step.
+    let mut reports = crate::preview::Reports::<Fake>::default();
+    let mut sent = Vec::new();
+    let mut send = |p: &sdhive_engine::Progress| {
+        sent.push(p.step);
+        Control::Cancel
+    };
+    assert!(!reports.report(progress(1, 4), Some(Fake { queued: false, step: 1 }), false, &mut send));
+    assert_eq!(sent, [1]);
+}
+
+/// On the test device: a job's latent previews are the step's estimate mapped on the host, whether its read-back
+/// was queued (a CUDA device) or read at once: the engine's images with previews every step equal its images
+/// without, and every step reports once, in order, with a preview of the latent size.
+#[test]
+fn previews_every_step_come_in_order_and_leave_the_image_alone() {
+    let td = test_device();
+    let m = SdModel::from_diffusers_dir("sd1", &fixtures().join("models").join("sd1"), &td.device, td.dtype)
+        .unwrap_or_else(|e| panic!("loading fixture model sd1: {e}"));
+    let mut engine =
+        CandleEngine::from_model(m, LoadOptions::single_device(&td.device, td.dtype, "test", "test"))
+            .with_previews(&Previews::Latent);
+    let req = GenerateRequest { steps: 6, ..request(1) };
+    let mut steps = Vec::new();
+    let with = engine
+        .generate(&req, &mut |p| {
+            let preview = p.preview.as_ref().expect("a preview every step");
+            assert_eq!((preview.width, preview.height), (8, 8), "latent size");
+            steps.push(p.step);
+            Control::Continue
+        })
+        .expect("generate");
+    assert_eq!(steps, [1, 2, 3, 4, 5, 6]);
+    let without = engine.generate(&GenerateRequest { preview_every: 0, ..req }, &mut |_| Control::Continue);
+    assert_eq!(with.images[0].image.data, without.expect("generate").images[0].image.data);
+}

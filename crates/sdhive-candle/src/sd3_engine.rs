@@ -21,7 +21,7 @@ mod batch_tests;
 use crate::engine::{finished_image, follow_plan, lora_error, MemoryPlanner, MemoryQuery, MAX_BATCH};
 use crate::hires::{sd3_hires_image, sd3_second_pass_steps, Sd3SecondPass};
 use crate::lora::AppliedLoras;
-use crate::preview::sd3_latent_preview;
+use crate::preview::{start_sd3_latent_preview, Reports};
 use crate::sd3::{Sd3Error, Sd3Model, Sd3Request, StepEstimate};
 use crate::upscalers::Upscalers;
 use candle_core::{DType, Device};
@@ -357,6 +357,7 @@ impl Engine for Sd3Engine {
                 skip_layer_guidance: req.skip_layer_guidance.clone(),
                 clip_skip: req.clip_skip,
             };
+            let mut reports = Reports::default();
             let mut on_step = |step: usize, steps: usize, estimate: &StepEstimate<'_>| {
                 let wants_preview = req.preview_every > 0 && step.is_multiple_of(req.preview_every as usize);
                 let p = Progress {
@@ -364,11 +365,12 @@ impl Engine for Sd3Engine {
                     images: req.n,
                     step: step as u32,
                     steps: steps as u32,
-                    preview: wants_preview
-                        .then(|| estimate.latents().ok().and_then(|e| sd3_latent_preview(&e)))
-                        .flatten(),
+                    preview: None,
                 };
-                progress(&p) == Control::Continue
+                let preview = wants_preview
+                    .then(|| estimate.latents().ok().and_then(|e| start_sd3_latent_preview(&e)))
+                    .flatten();
+                reports.report(p, preview, step == steps, &mut *progress)
             };
             let out = match (hires, &second_pass) {
                 (Some((h, target)), Some(second)) => {
@@ -387,6 +389,8 @@ impl Engine for Sd3Engine {
                 }
                 _ => self.model.generate_with(&job, &mut on_step).map(|out| out.image),
             };
+            // A report still held (a pass that ended off its step count) goes out before the image.
+            reports.flush(&mut *progress);
             let image = match out {
                 Ok(image) => image,
                 Err(Sd3Error::Cancelled) => return Err(EngineError::Cancelled { done: images }),

@@ -6,7 +6,8 @@
 //! (NHWC) variants of the map operations (the skip connections' channel concatenation among them, and a GroupNorm
 //! of two maps joined along their channels that writes the join itself), the NCHW ↔ NHWC transpose at a network's
 //! edges, and the 3×3 convolutions there that change layout in the same launch; for the upscalers' ESRGAN,
-//! LeakyReLU alone or on the newer half of a channel join, and the residual `s·a + b`. Each replaces a chain of
+//! LeakyReLU alone or on the newer half of a channel join, and the residual `s·a + b`; and device-to-host copies
+//! that the stream runs in its order while the host goes on ([`start_readback`]). Each kernel replaces a chain of
 //! candle ops that made one pass over the tensor per op (several through candle's strided broadcast kernels).
 //! [`applies`] says when a call can take the element-wise ones: every tensor contiguous on one CUDA device, in f32,
 //! f16 or bf16; [`attention_applies`] the same for the attention. The callers (sdhive-models' and sdhive-upscale's
@@ -47,6 +48,8 @@ mod gemm;
 mod graph;
 #[cfg(feature = "cuda")]
 mod linear_norm;
+#[cfg(feature = "cuda")]
+mod readback;
 #[cfg(feature = "cuda")]
 mod upscale;
 
@@ -275,6 +278,54 @@ pub fn graph_memory(device: &candle_core::Device) -> Result<(u64, u64, u64)> {
 /// `(reserved, used, most used)` bytes of `device`'s memory pool, then its unused reserve returned to the driver.
 pub fn pool_usage_then_trim(device: &candle_core::Device) -> Result<(u64, u64, u64)> {
     on_cuda!(graph::pool_usage_then_trim(device); device)
+}
+
+/// A tensor's values on their way to the host ([`start_readback`]): the copy is queued on the tensor's CUDA stream
+/// and runs in its order while the caller queues more work; [`Readback::values`] waits for it. A CPU tensor's
+/// values are read at once.
+pub struct Readback<T: HostValue> {
+    inner: ReadbackInner<T>,
+}
+
+enum ReadbackInner<T: HostValue> {
+    Ready(Vec<T>),
+    #[cfg(feature = "cuda")]
+    Queued(candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<T>),
+}
+
+/// The value types a [`Readback`] carries: `f32` and `u8`.
+#[cfg(feature = "cuda")]
+pub trait HostValue: readback::Pooled + candle_core::WithDType {}
+/// The value types a [`Readback`] carries: `f32` and `u8`.
+#[cfg(not(feature = "cuda"))]
+pub trait HostValue: candle_core::WithDType {}
+impl HostValue for f32 {}
+impl HostValue for u8 {}
+
+impl<T: HostValue> Readback<T> {
+    /// Whether the copy may still be running (a CUDA tensor's); a CPU tensor's values are already here.
+    pub fn is_queued(&self) -> bool {
+        !matches!(self.inner, ReadbackInner::Ready(_))
+    }
+
+    /// The values, once the copy has landed.
+    pub fn values(self) -> Result<Vec<T>> {
+        match self.inner {
+            ReadbackInner::Ready(v) => Ok(v),
+            #[cfg(feature = "cuda")]
+            ReadbackInner::Queued(host) => readback::finish(host),
+        }
+    }
+}
+
+/// Starts reading `t`'s values (in row-major order) to the host; see [`Readback`].
+pub fn start_readback<T: HostValue>(t: &Tensor) -> Result<Readback<T>> {
+    #[cfg(feature = "cuda")]
+    if t.device().is_cuda() {
+        let t = t.contiguous()?;
+        return Ok(Readback { inner: ReadbackInner::Queued(readback::start(&t)?) });
+    }
+    Ok(Readback { inner: ReadbackInner::Ready(t.flatten_all()?.to_vec1::<T>()?) })
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -1724,3 +1724,37 @@ fn joined_group_norm_matches_concat_then_norm() {
             .to_string();
     assert!(err.contains("cannot join"), "{err}");
 }
+
+#[test]
+fn readbacks_land_the_values_the_tensor_had_when_queued() {
+    let dev = gpu();
+    let x = Tensor::randn(0f32, 1.0, (2, 4, 8, 8), &dev).unwrap();
+    // A strided view (made contiguous on the device first) and bytes.
+    let view = x.get(1).unwrap().transpose(1, 2).unwrap();
+    let made =
+        ((x.get(0).unwrap() * 40.0).unwrap().clamp(0f32, 255f32).unwrap()).to_dtype(DType::U8).unwrap();
+    let want_view = view.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let want_bytes = made.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+    for round in 0..3 {
+        let bytes = made.copy().unwrap();
+        let queued = start_readback::<f32>(&view).unwrap();
+        let queued_bytes = start_readback::<u8>(&bytes).unwrap();
+        assert!(queued.is_queued() && queued_bytes.is_queued());
+        // Work queued after the copies (a larger product, then the bytes overwritten in place) does not reach
+        // what they read: the stream runs the copies first.
+        let big = Tensor::randn(0f32, 1.0, (1024, 1024), &dev).unwrap();
+        let _ = big.matmul(&big).unwrap();
+        bytes.slice_set(&bytes.zeros_like().unwrap(), 0, 0).unwrap();
+        assert_eq!(queued.values().unwrap(), want_view, "round {round}");
+        assert_eq!(queued_bytes.values().unwrap(), want_bytes, "round {round}");
+    }
+    // Another size takes another buffer.
+    let small = x.narrow(3, 0, 3).unwrap();
+    let want = small.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(start_readback::<f32>(&small).unwrap().values().unwrap(), want);
+    // A CPU tensor is read at once.
+    let cpu = x.to_device(&Device::Cpu).unwrap();
+    let ready = start_readback::<f32>(&cpu).unwrap();
+    assert!(!ready.is_queued());
+    assert_eq!(ready.values().unwrap(), x.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+}
