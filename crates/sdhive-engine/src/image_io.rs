@@ -3,8 +3,9 @@
 //! generation parameters (A1111's infotext) where A1111 keeps them: a PNG `parameters` text chunk, or the EXIF
 //! `UserComment` of a JPEG or WebP (piexif's encoding, as A1111's `save_image_with_geninfo` and its API write it).
 //!
-//! PNG is deflated with fdeflate and adaptive row filters: about 50× faster than zlib's default level, for files
-//! about a third larger (`cargo bench -p sdhive-engine --bench encode`; `docs/benchmarks.md`). JPEG goes through
+//! PNG is deflated with fdeflate and every row filtered with Sub: about 50× faster than zlib's default level, for
+//! files about a third larger; Sub takes 25-40 % less time than adaptive filters for files 5-10 % larger (`cargo
+//! bench -p sdhive-engine --bench encode`; `docs/benchmarks.md`). The encode is on every answer's path. JPEG goes through
 //! `jpeg-encoder` (4:2:0 chroma below quality 90, as libjpeg's default); WebP is lossless, the only WebP that
 //! pure-Rust encoders write.
 
@@ -229,7 +230,7 @@ fn encode_png_fast(img: &RgbImage, parameters: Option<&str>) -> Result<Vec<u8>, 
     enc.set_color(png::ColorType::Rgb);
     enc.set_depth(png::BitDepth::Eight);
     enc.set_deflate_compression(png::DeflateCompression::FdeflateUltraFast);
-    enc.set_filter(png::Filter::Adaptive);
+    enc.set_filter(png::Filter::Sub);
     if let Some(text) = parameters {
         // tEXt is Latin-1 only; prompts are often not, so non-Latin-1 text goes in an iTXt chunk (UTF-8), as
         // Pillow's `PngInfo.add_text` (A1111's writer) does.
