@@ -44,9 +44,9 @@ SMOKE = {
     "sdxl": dict(label="SDXL fixture", model="tests/fixtures/models/sdxl", size=64, steps=4, warmup=1, latency=2,
                  per_level=4, previews=2, diffusers=2, e2e_iters=2),
 }
-TARGETS = {"sd15": {"latency_s": 0.125, "clients": 8, "images_per_s": 12.0, "p50_x": 1.5}, "sdxl": {"latency_s": 0.80}}
+TARGETS = {"sd15": {"latency_s": 0.125, "http_ms": 5.0, "clients": 8, "images_per_s": 12.0, "p50_x": 1.5},
+           "sdxl": {"latency_s": 0.80}}
 PREVIEW_TARGET_PCT = 2.0
-HTTP_TARGET_MS = 5.0
 
 
 def options(argv: list[str]) -> dict:
@@ -188,6 +188,12 @@ def table(res: dict) -> str:
                 lines.append(f"- `{o['config']}`: ready after {o['ready_s']:.1f} s; peak device memory while "
                              f"loading {mib(o['loading_peak']['device_mib'])}, over the whole run "
                              f"{mib(o['peak']['device_mib'])} (RSS {mib(o['peak']['rss_mib'])})")
+                parts = o.get("latency_parts")
+                if parts:
+                    named = ", ".join(f"{k} {v['median_ms']:.2f}" for k, v in parts.items() if k != "over_engine")
+                    lines.append(f"  - one client, the worker's `Server-Timing` (medians, ms): {named}; the client "
+                                 f"waited {parts['over_engine']['median_ms']:+.2f} ms over the engine's part "
+                                 f"(median of the requests; p90 {parts['over_engine']['p90_ms']:+.2f})")
         lines += ["", "| server | clients | images/s | p50 latency | p90 latency | p50 / one-client median | "
                       "images per engine call | peak device memory | peak RSS | images/s vs diffusers |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
@@ -229,10 +235,14 @@ def targets(fam: str, r: dict) -> list[str]:
         if "latency_s" in t:
             notes.append(f"one client ≤ {t['latency_s']} s: {'met' if one / 1e3 <= t['latency_s'] else 'NOT met'} "
                          f"({one / 1e3:.3f} s)")
-        if r.get("engine_ms"):
-            over = one - r["engine_ms"]
-            notes.append(f"HTTP over the engine ≤ {HTTP_TARGET_MS:g} ms: "
-                         f"{'met' if over <= HTTP_TARGET_MS else 'NOT met'} ({over:+.1f} ms)")
+        # Judged on each request's own engine time where the worker reports it (same process, same request),
+        # else on the engine-alone run's median.
+        parts = o.get("latency_parts")
+        over = parts["over_engine"]["median_ms"] if parts else one - r["engine_ms"] if r.get("engine_ms") else None
+        # The HTTP target is per 512² image.
+        if over is not None and "http_ms" in t:
+            notes.append(f"HTTP over the engine ≤ {t['http_ms']:g} ms: "
+                         f"{'met' if over <= t['http_ms'] else 'NOT met'} ({over:+.1f} ms)")
         lv = next((lv for lv in o["levels"] if lv["clients"] == t.get("clients")), None)
         if lv:
             p50 = lv["latency"]["median_ms"]

@@ -124,10 +124,13 @@ async fn measure(
     }
     memory.take();
     let mut latency = Vec::with_capacity(s.args.latency_requests);
+    let mut parts = Parts::default();
     for i in 0..s.args.latency_requests {
-        let ms = load.txt2img().await?;
-        eprintln!("one client, request {i}: {ms:.1} ms");
+        let (ms, timing, check) = load.txt2img_unchecked().await?;
+        check.await.context("checking an answer")??;
+        eprintln!("one client, request {i}: {ms:.1} ms (server: {timing:?})");
         latency.push(ms);
+        parts.add(ms, &timing);
     }
     let latency_peak = memory.take();
 
@@ -158,6 +161,7 @@ async fn measure(
         "ready_s": ready_s,
         "loading_peak": loading.json(),
         "latency": summary(&latency),
+        "latency_parts": parts.json(),
         "latency_peak": latency_peak.json(),
         "levels": levels,
         "previews": previews,
@@ -216,9 +220,12 @@ impl Load {
         })
     }
 
-    /// One `POST /sdapi/v1/txt2img`, timed from sending to the last byte of the answer; the answer is then checked
-    /// (one PNG of the asked size) off the timed path.
-    async fn txt2img_unchecked(&self) -> Result<(f64, tokio::task::JoinHandle<Result<()>>)> {
+    /// One `POST /sdapi/v1/txt2img`, timed from sending to the last byte of the answer, with the worker's
+    /// `Server-Timing` metrics (name, ms; empty where it sends none); the answer is then checked (one PNG of the
+    /// asked size) off the timed path.
+    async fn txt2img_unchecked(
+        &self,
+    ) -> Result<(f64, Vec<(String, f64)>, tokio::task::JoinHandle<Result<()>>)> {
         let i = self.next.fetch_add(1, Ordering::Relaxed);
         let body = self.body(i);
         let t = Instant::now();
@@ -230,6 +237,7 @@ impl Load {
             .await
             .context("POST /sdapi/v1/txt2img")?;
         let status = response.status();
+        let timing = response.headers().get("server-timing").and_then(|v| v.to_str().ok()).map(server_timing);
         let bytes = response.bytes().await.context("reading the txt2img answer")?;
         let ms = t.elapsed().as_secs_f64() * 1e3;
         if !status.is_success() {
@@ -237,11 +245,11 @@ impl Load {
         }
         let size = self.size;
         let check = tokio::task::spawn_blocking(move || check_a1111_answer(&bytes, size));
-        Ok((ms, check))
+        Ok((ms, timing.unwrap_or_default(), check))
     }
 
     async fn txt2img(&self) -> Result<f64> {
-        let (ms, check) = self.txt2img_unchecked().await?;
+        let (ms, _, check) = self.txt2img_unchecked().await?;
         check.await.context("checking an answer")??;
         Ok(ms)
     }
@@ -267,7 +275,7 @@ impl Load {
                 let mut out = Vec::with_capacity(rounds);
                 let mut checks = Vec::with_capacity(rounds);
                 for _ in 0..rounds {
-                    let (ms, check) = me.txt2img_unchecked().await?;
+                    let (ms, _, check) = me.txt2img_unchecked().await?;
                     out.push(ms);
                     checks.push(check);
                 }
@@ -745,6 +753,53 @@ fn percentile(v: &[f64], q: f64) -> f64 {
     sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo as f64)
 }
 
+/// A `Server-Timing` header's metrics with a duration (`name;dur=ms`), in order.
+fn server_timing(header: &str) -> Vec<(String, f64)> {
+    header
+        .split(',')
+        .filter_map(|metric| {
+            let mut fields = metric.split(';').map(str::trim);
+            let name = fields.next()?.to_string();
+            let dur = fields.find_map(|f| f.strip_prefix("dur="))?.parse().ok()?;
+            Some((name, dur))
+        })
+        .collect()
+}
+
+/// Where the single-client requests' time went: the worker's `Server-Timing` metrics per request, and the
+/// client's wait beyond the engine's part (the HTTP path's cost: routing, encoding, the answer's JSON, the
+/// transfer and the client's read).
+#[derive(Default)]
+struct Parts {
+    by_name: Vec<(String, Vec<f64>)>,
+    over_engine: Vec<f64>,
+}
+
+impl Parts {
+    fn add(&mut self, client_ms: f64, timing: &[(String, f64)]) {
+        for (name, ms) in timing {
+            match self.by_name.iter_mut().find(|(n, _)| n == name) {
+                Some((_, all)) => all.push(*ms),
+                None => self.by_name.push((name.clone(), vec![*ms])),
+            }
+            if name == "engine" {
+                self.over_engine.push(client_ms - ms);
+            }
+        }
+    }
+
+    /// `null` where the worker sent no timing.
+    fn json(&self) -> Value {
+        if self.by_name.is_empty() {
+            return Value::Null;
+        }
+        let mut out: serde_json::Map<String, Value> =
+            self.by_name.iter().map(|(name, ms)| (name.clone(), summary(ms))).collect();
+        out.insert("over_engine".into(), summary(&self.over_engine));
+        Value::Object(out)
+    }
+}
+
 fn summary(ms: &[f64]) -> Value {
     let mean = ms.iter().sum::<f64>() / ms.len().max(1) as f64;
     json!({
@@ -761,6 +816,24 @@ fn summary(ms: &[f64]) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn server_timing_metrics_and_the_time_over_the_engine() {
+        let timing = server_timing(
+            "queue;dur=0.05, engine;dur=120.5, encode;dur=2.25, cache, total;desc=\"x\";dur=123",
+        );
+        let names: Vec<&str> = timing.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["queue", "engine", "encode", "total"]);
+        assert_eq!(timing[3].1, 123.0);
+        let mut parts = Parts::default();
+        parts.add(126.5, &timing);
+        parts.add(130.0, &server_timing("engine;dur=125"));
+        let json = parts.json();
+        assert_eq!(json["over_engine"]["ms"], json!([6.0, 5.0]));
+        assert_eq!(json["engine"]["n"], 2);
+        assert_eq!(json["total"]["n"], 1);
+        assert_eq!(Parts::default().json(), Value::Null);
+    }
 
     /// A PNG's signature and header chunk (what `png_size` reads), CRC left zero.
     fn png_header(w: u32, h: u32) -> Vec<u8> {

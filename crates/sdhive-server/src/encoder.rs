@@ -10,6 +10,7 @@ use sdhive_protocol::{JobError, JobErrorKind, JobId};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 /// How a job ended on the engine, before its images are encoded.
 pub(crate) enum Ended {
@@ -22,8 +23,14 @@ pub(crate) enum Ended {
 }
 
 enum Work {
-    End(JobId, Ended),
-    Preview { id: JobId, step: u32, image: u32, preview: RgbImage },
+    /// A job's end, handed over by the engine thread at that instant.
+    End(JobId, Ended, Instant),
+    Preview {
+        id: JobId,
+        step: u32,
+        image: u32,
+        preview: RgbImage,
+    },
 }
 
 /// The encoding threads and the channel that feeds them. Dropping it waits for every job handed over to end.
@@ -54,7 +61,7 @@ impl Encoder {
 
     /// Ends job `id` once its images are encoded.
     pub(crate) fn finish(&self, id: JobId, ended: Ended) {
-        self.send(Work::End(id, ended));
+        self.send(Work::End(id, ended, Instant::now()));
     }
 
     /// Publishes a running job's preview once encoded.
@@ -99,7 +106,7 @@ fn serve(jobs: &Weak<Shared>, rx: &Mutex<Receiver<Work>>) {
 
 fn run(jobs: &JobManager, work: Work) {
     match work {
-        Work::End(id, ended) => jobs.finish(&id, encode(&id, ended)),
+        Work::End(id, ended, handed) => jobs.finish(&id, encode(&id, ended), handed),
         Work::Preview { id, step, image, preview } => match sdhive_engine::encode_png(&preview, None) {
             Ok(png) => jobs.publish_preview(&id, step, image, Bytes::from(png)),
             Err(e) => tracing::debug!(job = %id, "cannot encode a preview: {e}"),

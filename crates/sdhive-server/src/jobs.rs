@@ -20,7 +20,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 use thiserror::Error;
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, watch};
 
 /// A job's error as the API shows it.
 pub type JobErrorView = JobError;
@@ -121,8 +121,11 @@ pub struct JobView {
     pub finished_at: Option<SystemTime>,
     /// Time queued (so far, while still queued).
     pub queue_duration: Option<Duration>,
-    /// Time running (so far, while still running).
+    /// Time running (so far, while still running), the encoding of the images included.
     pub run_duration: Option<Duration>,
+    /// Of the finished run, the time from the engine's hand-over to the job's end: waiting for an encoding
+    /// thread and encoding the images.
+    pub encode_duration: Option<Duration>,
     pub error: Option<JobErrorView>,
     pub images: Vec<FinishedImage>,
     pub request: RequestSummary,
@@ -218,6 +221,8 @@ struct Job {
     created: Instant,
     started: Option<(SystemTime, Instant)>,
     finished: Option<(SystemTime, Instant)>,
+    /// When the engine handed the finished job to the encoding stage.
+    handed_over: Option<Instant>,
     /// When the last progress report (or the start) arrived: the step-latency clock.
     last_step: Option<Instant>,
     /// The latest preview PNG, when the request asked for previews.
@@ -229,6 +234,9 @@ struct Job {
     /// resubmit elsewhere, rather than `cancelled`, which says someone chose to stop it.
     stopped_by_shutdown: bool,
     events: broadcast::Sender<JobEvent>,
+    /// Set once the job is in a terminal state: what [`JobManager::wait`] waits on, so that waiting costs no copy
+    /// of the events (a completed event carries the images in base64).
+    ended: watch::Sender<bool>,
 }
 
 impl Job {
@@ -269,6 +277,10 @@ impl Job {
             finished_at: self.finished.map(|(t, _)| t),
             queue_duration,
             run_duration,
+            encode_duration: self
+                .handed_over
+                .zip(self.finished)
+                .map(|(handed, (_, finished))| finished.duration_since(handed)),
             error: self.error.clone(),
             images: self.images.clone(),
             request: self.summary.clone(),
@@ -278,9 +290,19 @@ impl Job {
         }
     }
 
-    /// Sends to whoever listens; nobody listening is normal.
+    /// Sends to whoever listens (nobody listening is normal); a terminal event also wakes the job's waiters.
     fn emit(&self, event: JobEvent) {
-        let _ = self.events.send(event);
+        self.emit_with(event.is_terminal(), || event);
+    }
+
+    /// [`Job::emit`] of an event built only when an event stream listens.
+    fn emit_with(&self, terminal: bool, event: impl FnOnce() -> JobEvent) {
+        if terminal {
+            self.ended.send_replace(true);
+        }
+        if self.events.receiver_count() > 0 {
+            let _ = self.events.send(event());
+        }
     }
 }
 
@@ -602,6 +624,7 @@ impl JobManager {
             created: Instant::now(),
             started: None,
             finished: None,
+            handed_over: None,
             last_step: None,
             preview: None,
             error: None,
@@ -609,6 +632,7 @@ impl JobManager {
             cancel: Arc::new(AtomicBool::new(false)),
             stopped_by_shutdown: false,
             events,
+            ended: watch::channel(false).0,
         };
         let position = inner.queue.len();
         job.emit(JobEvent::Queued { id: id.clone(), position });
@@ -636,22 +660,10 @@ impl JobManager {
 
     /// Resolves once the job is in a terminal state.
     pub async fn wait(&self, id: &JobId) -> Result<JobView, LookupError> {
-        loop {
-            let (view, mut rx) = self.subscribe(id)?;
-            if view.state.is_terminal() {
-                return Ok(view);
-            }
-            loop {
-                match rx.recv().await {
-                    Ok(event) if event.is_terminal() => return self.view(id),
-                    Ok(_) => {}
-                    // Missed events may include the terminal one: look again.
-                    Err(broadcast::error::RecvError::Lagged(_)) => break,
-                    // The job was dropped (expired): the lookup says so.
-                    Err(broadcast::error::RecvError::Closed) => return self.view(id),
-                }
-            }
-        }
+        let mut ended = self.lock_fresh().lookup(id)?.ended.subscribe();
+        // An error means the job was dropped (expired): the lookup says so.
+        let _ = ended.wait_for(|&done| done).await;
+        self.view(id)
     }
 
     /// A queued job is taken off the queue and ends `cancelled` at once; a running one is flagged and stops
@@ -964,18 +976,21 @@ impl JobManager {
         }
     }
 
-    pub(crate) fn finish(&self, id: &JobId, outcome: Outcome) {
+    /// Ends a job the engine handed to the encoding stage at `handed_over`.
+    pub(crate) fn finish(&self, id: &JobId, outcome: Outcome, handed_over: Instant) {
         let mut inner = self.lock();
         inner.running.retain(|r| r != id);
         if let Some(job) = inner.jobs.get_mut(id) {
             let now = (SystemTime::now(), Instant::now());
             job.finished = Some(now);
+            job.handed_over = Some(handed_over);
             job.activity = None;
             let run_secs = job.started.map(|(_, s)| now.1.duration_since(s).as_secs_f64()).unwrap_or(0.0);
             let state = match outcome {
                 Outcome::Succeeded(images) => {
                     job.images = images;
-                    job.emit(JobEvent::Completed {
+                    // Only event streams read the images in base64: with none listening they are not encoded.
+                    job.emit_with(true, || JobEvent::Completed {
                         id: id.clone(),
                         images: job.images.iter().zip(0..).map(|(img, i)| img.to_wire(i)).collect(),
                         run_seconds: run_secs,

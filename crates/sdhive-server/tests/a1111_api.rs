@@ -164,6 +164,60 @@ async fn txt2img_matches_the_engine_and_reports_info() {
     assert_eq!(got["parameters"]["send_images"], true);
 }
 
+/// The `Server-Timing` metrics of an answer, by name, in milliseconds.
+fn server_timing(response: &reqwest::Response) -> std::collections::HashMap<String, f64> {
+    let header = response.headers().get("server-timing").expect("a Server-Timing header");
+    header
+        .to_str()
+        .expect("an ASCII header")
+        .split(',')
+        .map(|metric| {
+            let (name, dur) =
+                metric.trim().split_once(";dur=").unwrap_or_else(|| panic!("metric {metric:?}"));
+            (name.to_string(), dur.parse().unwrap_or_else(|e| panic!("duration of {metric:?}: {e}")))
+        })
+        .collect()
+}
+
+/// Both generation routes say where a request's time went: its parts (reading the request, the queue, the engine,
+/// the encoding, the route's wake-up and the answer) add up to no more than the server's total, which is no more
+/// than what the client waited, and the engine's share is the run itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generations_answer_with_server_timing() {
+    let server = start(ServerConfig::default()).await;
+    let routes = [
+        ("/sdapi/v1/txt2img", json!({"prompt": "a boat", "steps": 2, "width": 64, "height": 64, "seed": 1})),
+        (
+            "/v1/images/generations",
+            json!({"prompt": "a boat", "size": "64x64", "steps": 2, "seed": 1, "response_format": "b64_json"}),
+        ),
+    ];
+    for (path, body) in routes {
+        let sent = Instant::now();
+        let response =
+            server.http.post(format!("{}{path}", server.base)).json(&body).send().await.expect("POST");
+        assert_eq!(response.status().as_u16(), 200, "{path}");
+        let timing = server_timing(&response);
+        let _: Value = response.json().await.expect("a JSON body");
+        let waited = sent.elapsed().as_secs_f64() * 1e3;
+        let part =
+            |name: &str| *timing.get(name).unwrap_or_else(|| panic!("{path}: no `{name}` in {timing:?}"));
+        let names = ["prepare", "queue", "engine", "encode", "wake", "answer"];
+        let parts: Vec<f64> = names.iter().map(|n| part(n)).collect();
+        let (engine, encode, total) = (part("engine"), part("encode"), part("total"));
+        assert!(parts.iter().all(|&d| d >= 0.0), "{path}: {timing:?}");
+        // Two steps and a VAE decode of the fixture on the CPU take milliseconds; a 64² PNG far less.
+        assert!(engine > encode && engine > 1.0, "{path}: {timing:?}");
+        // Each part is rounded to 0.01 ms; `wake` is read off the wall clock, the rest off the monotonic one.
+        let sum: f64 = parts.iter().sum();
+        assert!(sum <= total + 0.5, "{path}: the parts exceed the total: {timing:?}");
+        assert!(
+            total <= waited,
+            "{path}: the server's total {total} ms exceeds the client's wait {waited} ms"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn txt2img_defaults_aliases_random_seed_and_send_images() {
     let server = start(ServerConfig::default()).await;

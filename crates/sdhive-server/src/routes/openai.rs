@@ -398,11 +398,14 @@ async fn run_and_respond(
     model: ModelSpec,
     d: Delivery,
     base: String,
+    mut clock: super::RouteClock,
 ) -> Response {
+    clock.submitted();
     let view = match state.jobs.run_for(req, model).await {
         Ok(view) => view,
         Err(e) => return ApiError::from(e).into_response(),
     };
+    clock.ended();
     let (view, images) = match job_outcome(view) {
         Ok(done) => done,
         Err(f) => return failure_response(f),
@@ -429,9 +432,10 @@ async fn run_and_respond(
     })
     .await;
     match data {
-        Ok(Ok(data)) => {
-            Json(ImagesResponse { created, data, output_format: d.format.name(), size }).into_response()
-        }
+        Ok(Ok(data)) => clock.answer(
+            Json(ImagesResponse { created, data, output_format: d.format.name(), size }).into_response(),
+            &view,
+        ),
         Ok(Err(message)) => no_retry(ApiError::internal(message)),
         Err(e) => no_retry(ApiError::internal(format!("image encoding failed: {e}"))),
     }
@@ -447,6 +451,7 @@ async fn generations(
     uri: Uri,
     ApiJson(params): ApiJson<ImageParams>,
 ) -> Response {
+    let clock = super::RouteClock::start();
     let prepared = delivery(&params).and_then(|d| {
         Ok((d, model_of(&params, &state)?, build_request(&params, &state, d.output(), None, None)?))
     });
@@ -458,7 +463,7 @@ async fn generations(
         Err(e) => Err(e),
     };
     match prepared {
-        Ok((d, model, req)) => run_and_respond(&state, req, model, d, base_url(&headers, &uri)).await,
+        Ok((d, model, req)) => run_and_respond(&state, req, model, d, base_url(&headers, &uri), clock).await,
         Err(e) => e.into_response(),
     }
 }
@@ -555,8 +560,9 @@ async fn edits(
     uri: Uri,
     multipart: Result<Multipart, MultipartRejection>,
 ) -> Response {
+    let clock = super::RouteClock::start();
     match prepare_edit(&state, multipart).await {
-        Ok((d, model, req)) => run_and_respond(&state, req, model, d, base_url(&headers, &uri)).await,
+        Ok((d, model, req)) => run_and_respond(&state, req, model, d, base_url(&headers, &uri), clock).await,
         Err(e) => e.into_response(),
     }
 }
