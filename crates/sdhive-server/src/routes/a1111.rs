@@ -20,7 +20,6 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use base64::Engine as _;
 use sdhive_engine::{
     GenerateRequest, GrayImage, ImageFormat, ModelSpec, OutputFormat, Sampler, Schedule, ValidationError,
 };
@@ -873,25 +872,16 @@ async fn generate(
 }
 
 /// The txt2img/img2img answer, `{"images": [base64, ...], "parameters": ..., "info": "..."}`, written straight
-/// into its body: the images' base64 is nearly all of it at 512² and up and needs no escaping, so it skips a JSON
-/// value and serde's escaping pass over it (about a millisecond a 512² image).
+/// into its body ([`super::push_base64_string`]).
 fn answer_body(images: &[FinishedImage], parameters: &Value, info: &str) -> Result<Vec<u8>, String> {
-    let b64 = &base64::engine::general_purpose::STANDARD;
-    let encoded_len = |n: usize| n.div_ceil(3) * 4;
-    let sizes: usize = images.iter().map(|i| encoded_len(i.bytes.len()) + 3).sum();
+    let sizes: usize = images.iter().map(|i| i.bytes.len().div_ceil(3) * 4 + 3).sum();
     let mut body = Vec::with_capacity(sizes + 2 * info.len() + 4096);
     body.extend_from_slice(b"{\"images\":[");
     for (i, image) in images.iter().enumerate() {
         if i > 0 {
             body.push(b',');
         }
-        body.push(b'"');
-        let start = body.len();
-        body.resize(start + encoded_len(image.bytes.len()), 0);
-        let written =
-            b64.encode_slice(&image.bytes, &mut body[start..]).map_err(|e| format!("base64: {e}"))?;
-        body.truncate(start + written);
-        body.push(b'"');
+        super::push_base64_string(&mut body, &image.bytes)?;
     }
     body.extend_from_slice(b"],\"parameters\":");
     serde_json::to_writer(&mut body, parameters).map_err(|e| format!("the answer's parameters: {e}"))?;
@@ -1195,6 +1185,7 @@ mod tests {
 
     #[test]
     fn the_written_answer_is_the_json_a_value_would_give() {
+        use base64::Engine as _;
         let image = |bytes: &[u8]| FinishedImage {
             bytes: Bytes::copy_from_slice(bytes),
             output: sdhive_engine::OutputFormat::PNG,

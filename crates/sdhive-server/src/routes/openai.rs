@@ -17,14 +17,13 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use base64::Engine as _;
 use bytes::Bytes;
 use image::ImageReader;
 use sdhive_engine::{
     decode_image, GenerateRequest, GrayImage, ImageFormat, ModelSpec, OutputFormat, RgbImage, ValidationError,
 };
 use sdhive_protocol::{JobErrorKind, JobId, JobState, LoraRequest, Seed};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::io::Cursor;
 use std::time::SystemTime;
@@ -346,20 +345,48 @@ pub(crate) fn encode_as(img: &FinishedImage, output: OutputFormat) -> Result<Byt
 // Responses
 // ---------------------------------------------------------------------------------------------------------
 
-#[derive(Debug, Serialize)]
-struct ImagesResponse {
-    created: u64,
-    data: Vec<ImageData>,
-    output_format: &'static str,
-    size: String,
+/// One image of an answer's `data`: its bytes, sent as `b64_json`, or where to fetch it.
+enum Delivered {
+    B64(Bytes),
+    Url(String),
 }
 
-#[derive(Debug, Serialize)]
-struct ImageData {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    b64_json: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    url: Option<String>,
+/// OpenAI's images answer, `{"created", "data": [{"b64_json"} | {"url"}], "output_format", "size"}`, written
+/// straight into its body ([`super::push_base64_string`]).
+fn images_body(created: u64, data: &[Delivered], output_format: &str, size: &str) -> Result<Vec<u8>, String> {
+    let json =
+        |body: &mut Vec<u8>, text: &str| serde_json::to_writer(body, text).map_err(|e| format!("JSON: {e}"));
+    let sizes: usize = data
+        .iter()
+        .map(|d| match d {
+            Delivered::B64(bytes) => bytes.len().div_ceil(3) * 4 + 16,
+            Delivered::Url(url) => 2 * url.len() + 16,
+        })
+        .sum();
+    let mut body = Vec::with_capacity(sizes + 256);
+    body.extend_from_slice(format!("{{\"created\":{created},\"data\":[").as_bytes());
+    for (i, d) in data.iter().enumerate() {
+        if i > 0 {
+            body.push(b',');
+        }
+        match d {
+            Delivered::B64(bytes) => {
+                body.extend_from_slice(b"{\"b64_json\":");
+                super::push_base64_string(&mut body, bytes)?;
+            }
+            Delivered::Url(url) => {
+                body.extend_from_slice(b"{\"url\":");
+                json(&mut body, url)?;
+            }
+        }
+        body.push(b'}');
+    }
+    body.extend_from_slice(b"],\"output_format\":");
+    json(&mut body, output_format)?;
+    body.extend_from_slice(b",\"size\":");
+    json(&mut body, size)?;
+    body.push(b'}');
+    Ok(body)
 }
 
 /// `scheme://host` as the client reached us (honouring a proxy's `X-Forwarded-*`), for absolute file URLs.
@@ -414,28 +441,22 @@ async fn run_and_respond(
     let size = images.first().map(|i| format!("{}x{}", i.width, i.height)).unwrap_or_default();
     let job = view.id.clone();
     // The job encoded its images as asked; base64 of large images is still CPU work to keep off the async workers.
-    let data = tokio::task::spawn_blocking(move || -> Result<Vec<ImageData>, String> {
-        images
+    let body = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, String> {
+        let data = images
             .iter()
             .enumerate()
             .map(|(index, img)| match d.response {
-                ResponseFormat::Url => {
-                    Ok(ImageData { b64_json: None, url: Some(file_url(&base, &job, index, &d)) })
-                }
-                ResponseFormat::B64Json => {
-                    let bytes = encode_as(img, d.output())?;
-                    let b64 = base64::engine::general_purpose::STANDARD.encode(bytes);
-                    Ok(ImageData { b64_json: Some(b64), url: None })
-                }
+                ResponseFormat::Url => Ok(Delivered::Url(file_url(&base, &job, index, &d))),
+                ResponseFormat::B64Json => encode_as(img, d.output()).map(Delivered::B64),
             })
-            .collect()
+            .collect::<Result<Vec<_>, String>>()?;
+        images_body(created, &data, d.format.name(), &size)
     })
     .await;
-    match data {
-        Ok(Ok(data)) => clock.answer(
-            Json(ImagesResponse { created, data, output_format: d.format.name(), size }).into_response(),
-            &view,
-        ),
+    match body {
+        Ok(Ok(body)) => {
+            clock.answer(([(header::CONTENT_TYPE, "application/json")], body).into_response(), &view)
+        }
         Ok(Err(message)) => no_retry(ApiError::internal(message)),
         Err(e) => no_retry(ApiError::internal(format!("image encoding failed: {e}"))),
     }
@@ -689,6 +710,31 @@ async fn get_file(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_written_images_answer_is_the_json_a_value_would_give() {
+        use base64::Engine as _;
+        let b64 = &base64::engine::general_purpose::STANDARD;
+        let png = Bytes::from_static(b"\x89PNG\r\n\x1a\n");
+        let url = "http://h\"ost/v1/files/job_1/0.png".to_string();
+        for data in [
+            vec![Delivered::B64(png.clone()), Delivered::B64(Bytes::new())],
+            vec![Delivered::Url(url.clone())],
+            vec![],
+        ] {
+            let body = images_body(1_718_000_004, &data, "png", "512x512").expect("an answer");
+            let got: Value = serde_json::from_slice(&body).expect("valid JSON");
+            let entries: Vec<Value> = data
+                .iter()
+                .map(|d| match d {
+                    Delivered::B64(bytes) => json!({"b64_json": b64.encode(bytes)}),
+                    Delivered::Url(url) => json!({"url": url}),
+                })
+                .collect();
+            let want = json!({"created": 1_718_000_004u64, "data": entries, "output_format": "png", "size": "512x512"});
+            assert_eq!(got, want);
+        }
+    }
     use sdhive_engine::encode_png;
 
     #[test]
