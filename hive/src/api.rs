@@ -1096,9 +1096,14 @@ async fn job_events(State(hive): H, Path(id): Path<String>) -> Response {
 
 // ---- forwarding ----
 
-/// Headers a worker's answer keeps on the way back.
-const PASS_BACK: [header::HeaderName; 4] =
-    [header::CONTENT_TYPE, header::RETRY_AFTER, header::WWW_AUTHENTICATE, header::LOCATION];
+/// Headers a worker's answer keeps on the way back (`Server-Timing`: where a generation's time went).
+const PASS_BACK: [header::HeaderName; 5] = [
+    header::CONTENT_TYPE,
+    header::RETRY_AFTER,
+    header::WWW_AUTHENTICATE,
+    header::LOCATION,
+    header::HeaderName::from_static("server-timing"),
+];
 
 async fn send_to(
     hive: &Hive,

@@ -147,6 +147,12 @@ fn generate(addr: &str, api: Api, name: &str, seed: Option<u64>) -> Result<Vec<u
     let r = try_request(addr, "POST", path, &[], Some(&body), Duration::from_secs(300))
         .map_err(|e| format!("{api:?} {name}: {e}"))?;
     let fail = |r: &Reply| format!("{api:?} {name}: {} {}", r.status, r.text());
+    // The worker's split of its time reaches the client through the hive.
+    let synchronous = matches!(api, Api::OpenAi | Api::A1111);
+    if synchronous && r.status == 200 && !r.head.to_ascii_lowercase().contains("server-timing: prepare;dur=")
+    {
+        return Err(format!("{api:?} {name}: no Server-Timing in {}", r.head));
+    }
     let b64 = match api {
         Api::Native => {
             if r.status != 202 {
