@@ -1,6 +1,8 @@
 //! Live previews of the denoising loop (`preview_every`): the linear latent-to-RGB thumbnail, TAESD's decode of
 //! the step's estimate at the output size (as diffusers decodes with `AutoencoderTiny` as the pipeline's VAE), and
-//! which of them an engine makes for its model's family (`serve --preview`).
+//! which of them an engine makes for its model's family (`serve --preview`). On a GPU a preview's pixels are
+//! copied into page-locked memory behind the step that made them ([`Reports`] holds the step's report until the
+//! next step is queued), so the device never waits for the host's read.
 
 use crate::model::{Family, SdModel};
 use crate::tensor_image::tensor_to_image;
