@@ -1097,12 +1097,13 @@ async fn job_events(State(hive): H, Path(id): Path<String>) -> Response {
 // ---- forwarding ----
 
 /// Headers a worker's answer keeps on the way back (`Server-Timing`: where a generation's time went).
-const PASS_BACK: [header::HeaderName; 5] = [
+const PASS_BACK: [header::HeaderName; 6] = [
     header::CONTENT_TYPE,
     header::RETRY_AFTER,
     header::WWW_AUTHENTICATE,
     header::LOCATION,
     header::HeaderName::from_static("server-timing"),
+    header::HeaderName::from_static("x-should-retry"),
 ];
 
 async fn send_to(
@@ -1133,7 +1134,7 @@ async fn send_to(
     let r = req.send().await?;
     let status = r.status();
     let mut out_headers = HeaderMap::new();
-    for h in PASS_BACK.iter().chain(std::iter::once(&header::HeaderName::from_static("x-should-retry"))) {
+    for h in &PASS_BACK {
         if let Some(v) = r.headers().get(h) {
             out_headers.insert(h.clone(), v.clone());
         }

@@ -61,18 +61,24 @@ fn model_dir() -> PathBuf {
     )
 }
 
+/// The diffusers folder `dir` as a model named `name`, and the temporary cache sd.cpp converts its MMDiT into
+/// (`XDG_CACHE_HOME`), so the converted copy goes with the test when the returned folder is dropped.
+fn diffusers_folder(name: &str, dir: &Path) -> (ResolvedModel, tempfile::TempDir) {
+    let cache = tempfile::tempdir().expect("temp dir");
+    std::env::set_var("XDG_CACHE_HOME", cache.path());
+    let model = ResolvedModel {
+        name: name.into(),
+        location: ModelLocation::DiffusersDir(dir.to_path_buf()),
+        vae: None,
+    };
+    (model, cache)
+}
+
 #[test]
 #[ignore = "needs the random SD3.5-medium named by SDHIVE_SD35M_RANDOM; cargo xtask vulkan runs it"]
 fn sd35_medium_without_t5_generates_diffusers_image() {
     let dir = model_dir();
-    // The folder's MMDiT is converted into the cache for sd.cpp: a temporary one, so its copy goes with the test.
-    let cache = tempfile::tempdir().expect("temp dir");
-    std::env::set_var("XDG_CACHE_HOME", cache.path());
-    let model = ResolvedModel {
-        name: "sd35m-random".into(),
-        location: ModelLocation::DiffusersDir(dir.clone()),
-        vae: None,
-    };
+    let (model, _cache) = diffusers_folder("sd35m-random", &dir);
     let opts = LoadOptions { no_t5: true, ..common::load_options() };
     let started = std::time::Instant::now();
     let mut engine =
@@ -246,13 +252,7 @@ fn sd35_medium_full_size_with_t5_generates_diffusers_image() {
     let dir = std::env::var_os("SDHIVE_SD35M_FULL").map(PathBuf::from).expect(
         "SDHIVE_SD35M_FULL must name a folder written by bench_sd3_diffusers.py write and gen_sd35m_full.py",
     );
-    let cache = tempfile::tempdir().expect("temp dir");
-    std::env::set_var("XDG_CACHE_HOME", cache.path());
-    let model = ResolvedModel {
-        name: "sd35m-full".into(),
-        location: ModelLocation::DiffusersDir(dir.clone()),
-        vae: None,
-    };
+    let (model, _cache) = diffusers_folder("sd35m-full", &dir);
     let golden = dir.join("golden");
     let mut images = Vec::new();
     for (no_t5, cases) in
