@@ -70,6 +70,10 @@ struct Args {
     /// part before the first attention to the text once), or `doubled`, repeated to batch 2 as diffusers does.
     #[arg(long, value_enum, default_value_t = CfgSample::Shared)]
     cfg_sample: CfgSample,
+    /// Images per UNet step: CFG batch `2 × N`, each image its own latents (as a batched job passes them; with
+    /// more than one image `--cfg-sample` does not apply).
+    #[arg(long, default_value_t = 1)]
+    images: usize,
     /// Run calls on request from stdin instead (see the module docs).
     #[arg(long)]
     serve: bool,
@@ -197,6 +201,8 @@ struct Report {
     latent: usize,
     /// How the step's sample was passed (`--cfg-sample`).
     cfg_sample: &'static str,
+    /// Images per UNet step (`--images`; CFG batch twice that).
+    images: usize,
     unet_build_ms: f64,
     vae_build_ms: f64,
     unet_step_b2: Option<Timing>,
@@ -241,6 +247,7 @@ impl Bench {
         latent: usize,
         only: Only,
         cfg_sample: CfgSample,
+        images: usize,
     ) -> Result<Self> {
         let (unet_cfg, vae_cfg, ctx_dim) = match family {
             Family::Sd15 => (sd15_unet_config(), sd15_vae_config(), 768),
@@ -270,19 +277,21 @@ impl Bench {
         let randn = |shape: &[usize]| -> Result<Tensor> {
             Ok(Tensor::randn(0f32, 1., shape, &Device::Cpu)?.to_dtype(dtype)?.to_device(dev)?)
         };
+        let rows = 2 * images.max(1);
+        let samples = if images <= 1 && cfg_sample == CfgSample::Shared { 1 } else { rows };
         // SDXL's pooled text embedding and micro-conditioning, as diffusers' benchmark feeds them.
         let added = match family {
             Family::Sd15 => None,
             Family::Sdxl => {
-                Some(SdxlConditioning { text_embeds: randn(&[2, 1280])?, time_ids: randn(&[2, 6])? })
+                Some(SdxlConditioning { text_embeds: randn(&[rows, 1280])?, time_ids: randn(&[rows, 6])? })
             }
         };
         Ok(Self {
             device: dev.clone(),
             unet,
             vae,
-            sample: randn(&[if cfg_sample == CfgSample::Shared { 1 } else { 2 }, 4, latent, latent])?,
-            context: randn(&[2, 77, ctx_dim])?,
+            sample: randn(&[samples, 4, latent, latent])?,
+            context: randn(&[rows, 77, ctx_dim])?,
             added,
             latent: randn(&[1, 4, latent, latent])?,
             unet_calls: 0,
@@ -472,6 +481,9 @@ fn main() -> Result<()> {
     if args.only == Only::Text {
         let encoders = text::TextEncoders::new(&dev, dtype, args.model)?;
         let timing = time_calls(&dev, "text encode", args.warmup, args.iters, || encoders.encode_pair())?;
+        for (recorded, refused) in encoders.graph_status() {
+            eprintln!("text encoder: {recorded} shapes replayed from a CUDA graph; refused: {refused:?}");
+        }
         let report = serde_json::json!({
             "device": device_name, "dtype": args.dtype, "model": args.model.name(), "text_encode": timing,
         });
@@ -485,7 +497,8 @@ fn main() -> Result<()> {
         args.latent,
         args.latent * 8
     );
-    let mut bench = Bench::new(&dev, dtype, args.model, args.latent, args.only, args.cfg_sample)?;
+    let mut bench =
+        Bench::new(&dev, dtype, args.model, args.latent, args.only, args.cfg_sample, args.images)?;
     eprintln!(
         "built UNet in {:.0} ms, VAE in {:.0} ms; RSS {:.2} GB",
         bench.unet_build_ms,
@@ -566,6 +579,7 @@ fn report(
         latent,
         // One sample for both contexts is `--cfg-sample shared`.
         cfg_sample: if bench.sample.dim(0)? == 1 { "shared" } else { "doubled" },
+        images: bench.context.dim(0)? / 2,
         unet_build_ms: bench.unet_build_ms,
         vae_build_ms: bench.vae_build_ms,
         unet_step_b2,

@@ -39,4 +39,9 @@ impl TextEncoders {
         }
         Ok(())
     }
+
+    /// Each encoder's CUDA graph status: shapes replayed, and why any could not be recorded.
+    pub fn graph_status(&self) -> Vec<(usize, Vec<String>)> {
+        self.models.iter().map(|m| m.graph_status()).collect()
+    }
 }

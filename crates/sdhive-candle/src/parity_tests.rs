@@ -229,6 +229,63 @@ fn wave(shape: &[usize], k: f64, dtype: DType, dev: &Device) -> Tensor {
     (i * k).unwrap().sin().unwrap().reshape(shape).unwrap().to_dtype(dtype).unwrap().to_device(dev).unwrap()
 }
 
+/// On CUDA the text encoder's layers replay a recorded graph from the second call of a token shape on, which must
+/// encode the ids it is given and give what the kernel-by-kernel encoder gives, bit for bit, in every hidden state
+/// clip skip reads, the final norm's output and the pooled embedding: SD1.5's encoder with deterministic random
+/// weights (off CUDA a narrow one, where nothing records and the two instances must still agree).
+#[test]
+fn replayed_text_encodes_match_the_kernel_by_kernel_encode() {
+    use sdhive_models::{ClipTextConfig, ClipTextModel};
+    let (dev, dtype) = (&test_device().device, test_device().dtype);
+    let mut cfg = ClipTextConfig::sd15();
+    if !dev.is_cuda() {
+        (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads) =
+            (64, 128, 3, 4);
+    }
+    let build = |graphs: bool| {
+        let mut m = ClipTextModel::new(sdhive_models::random_var_builder(dtype, dev), &cfg, false).unwrap();
+        m.set_cuda_graphs(graphs);
+        m
+    };
+    let (graphed, plain) = (build(true), build(false));
+    let ids = |first: u32| {
+        let ids: Vec<u32> = (0..77u32).map(|i| if i < 12 { first + i * 31 } else { 49407 }).collect();
+        Tensor::from_vec(ids, (1, 77), dev).unwrap()
+    };
+    let (a, b) = (ids(400), ids(9000));
+    let same = |what: &str, x: &sdhive_models::ClipTextOutput, y: &sdhive_models::ClipTextOutput| {
+        for (i, (p, q)) in x.hidden_states.iter().zip(&y.hidden_states).enumerate() {
+            let d = max_diff(p, q);
+            assert!(d == 0.0, "{what}: hidden state {i} differs from the kernel-by-kernel one by {d:.2e}");
+        }
+        assert_eq!(x.hidden_states.len(), y.hidden_states.len());
+        let d = max_diff(&x.last_hidden_state, &y.last_hidden_state);
+        assert!(d == 0.0, "{what}: the final norm's output differs by {d:.2e}");
+        let d = max_diff(&x.pooled, &y.pooled);
+        assert!(d == 0.0, "{what}: the pooled embedding differs by {d:.2e}");
+    };
+    // The first call of a shape runs kernel by kernel, the second records and replays, the third replays.
+    let first = graphed.forward(&a).unwrap();
+    let second = graphed.forward(&b).unwrap();
+    let again = graphed.forward(&a).unwrap();
+    let (plain_a, plain_b) = (plain.forward(&a).unwrap(), plain.forward(&b).unwrap());
+    eprintln!("text encoder graphs {:?}", graphed.graph_status());
+    same("first encode", &first, &plain_a);
+    same("recording encode", &second, &plain_b);
+    same("replayed encode", &again, &plain_a);
+    assert!(
+        max_diff(&plain_a.last_hidden_state, &plain_b.last_hidden_state) > 0.0,
+        "two prompts gave one encoding"
+    );
+    let (recorded, refused) = graphed.graph_status();
+    if sdhive_cuda_kernels::graphs_on(dev) {
+        assert_eq!((recorded, refused.len()), (1, 0), "the second encode of a shape records: {refused:?}");
+    } else {
+        assert_eq!(recorded, 0, "nothing records off CUDA");
+    }
+    assert_eq!(plain.graph_status().0, 0, "an encoder with graphs off records nothing");
+}
+
 /// On CUDA the VAE decoder's second and later decodes of a latent shape replay a recorded graph (where it keeps
 /// its maps channels-last: f16/bf16 with cuDNN), which must compute from the latents it is given and give what the
 /// kernel-by-kernel decode gives, bit for bit: SD1.5's 512², a 384×640 image, SDXL's 1024² (the same network), a

@@ -398,7 +398,7 @@ __device__ __forceinline__ void cp16(uint32_t to, const void *from, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(ok ? 16 : 0));
 }
 
-template <typename T, int D, int WARPS, int ATOMS, int QB>
+template <typename T, int D, int WARPS, int ATOMS, int QB, bool CAUSAL = false>
 __device__ void cross_attention(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                 T *__restrict__ o, int sq, int sk, int heads, long long q_bs, long long q_ss,
                                 long long k_bs, long long k_ss, long long v_bs, long long v_ss, float scale_log2) {
@@ -523,6 +523,20 @@ __device__ void cross_attention(const T *__restrict__ q, const T *__restrict__ k
                             for (int e = 0; e < 2; ++e)
                                 if (n * 8 + e >= lim) sc[a][n][e] = sc[a][n][2 + e] = -INFINITY;
                 }
+            }
+            // A text encoder's causal mask: row r sees keys 0..=r. Key 0 is in the first tile, so every row's
+            // maximum there is finite and a later tile masked whole for a row leaves its running max as it was.
+            if constexpr (CAUSAL) {
+                const int lim = chunk * ROWS + g - k0 - 2 * t;
+#pragma unroll
+                for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+                    for (int n = 0; n < NS; ++n)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            if (n * 8 + e > lim + a * 16) sc[a][n][e] = -INFINITY;
+                            if (n * 8 + e > lim + a * 16 + 8) sc[a][n][2 + e] = -INFINITY;
+                        }
             }
 #pragma unroll
             for (int a = 0; a < ATOMS; ++a) {
@@ -1374,6 +1388,21 @@ CROSS_BOTH(40, 4, 2, (128, 2))
 CROSS_BOTH(64, 4, 1, (128, 3))
 CROSS_BOTH(80, 8, 1, (256, 1))
 CROSS_BOTH(160, 4, 1, (128, 2))
+#endif
+
+// The same kernel with a causal mask, for the CLIP text encoders' self-attention (77 tokens, heads of 64 in SD1.5's,
+// SD2's and SDXL's encoders): their layers then replay from a CUDA graph, which the split into heads and the masked
+// softmax of the unfused attention (strided copies whose layouts candle uploads at every call) would prevent.
+#define CAUSAL(D, W, A, BOUNDS, T, SFX)                                                                           \
+    extern "C" __global__ void __launch_bounds__ BOUNDS causal_attention_d##D##_##SFX(                            \
+        const T *q, const T *k, const T *v, T *o, int sq, int sk, int d, int heads, long long q_bs, long long q_ss, \
+        long long k_bs, long long k_ss, long long v_bs, long long v_ss, float scale_log2) {                        \
+        cross_attention<T, D, W, A, 2, true>(q, k, v, o, sq, sk, heads, q_bs, q_ss, k_bs, k_ss, v_bs, v_ss,       \
+                                             scale_log2);                                                         \
+    }
+#ifndef SDHIVE_ATTENTION_NO_INSTANCES
+CAUSAL(64, 4, 1, (128, 3), __half, f16)
+CAUSAL(64, 4, 1, (128, 3), __nv_bfloat16, bf16)
 #endif
 
 // The Hopper kernels: (head dimension, warpgroups of 64 query rows per block, resident blocks per SM), the registers

@@ -116,9 +116,13 @@ enum Kernel {
     Hopper { d: usize, warpgroups: usize, smem: usize, tma: bool },
     /// The mma.sync kernel for padded head dimension `dp`, or its key-split instantiation.
     MmaSync { dp: usize, split: bool },
-    /// The short-key kernel: `warps` warps of `atoms` 16-row atoms, `smem` bytes of dynamic shared memory.
-    Cross { d: usize, warps: usize, atoms: usize, smem: usize },
+    /// The short-key kernel: `warps` warps of `atoms` 16-row atoms, `smem` bytes of dynamic shared memory;
+    /// `causal`: its instantiation with a causal mask (`CAUSAL` in attention.cu).
+    Cross { d: usize, warps: usize, atoms: usize, smem: usize, causal: bool },
 }
+
+/// The head dimensions the short-key kernel has a causal instantiation for (the CLIP text encoders').
+const CAUSAL_DIMS: [usize; 1] = [64];
 
 impl Kernel {
     /// A Hopper kernel for heads of 40, 64 and 80 where the build has them and the device is compute capability 9.0
@@ -148,7 +152,7 @@ impl Kernel {
         if sk > CROSS_KEYS || smem > device_attribute(dev, optin)? {
             return Ok(None);
         }
-        Ok(Some(Kernel::Cross { d, warps, atoms, smem }))
+        Ok(Some(Kernel::Cross { d, warps, atoms, smem, causal: false }))
     }
 
     /// [`Kernel::for_head`] for `sk` keys and `blocks(rows)` blocks of `rows` query rows: the short-key kernel up
@@ -194,7 +198,8 @@ impl Kernel {
             Kernel::Hopper { d, tma: true, .. } => format!("attention_wgmma_d{d}_tma_{sfx}"),
             Kernel::MmaSync { dp, split: false } => format!("flash_attention_d{dp}_{sfx}"),
             Kernel::MmaSync { dp, split: true } => format!("flash_attention_d{dp}_split_{sfx}"),
-            Kernel::Cross { d, .. } => format!("cross_attention_d{d}_{sfx}"),
+            Kernel::Cross { d, causal: false, .. } => format!("cross_attention_d{d}_{sfx}"),
+            Kernel::Cross { d, causal: true, .. } => format!("causal_attention_d{d}_{sfx}"),
         })
     }
 }
@@ -268,6 +273,24 @@ pub fn unsupported(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize) -> Option<S
     None
 }
 
+/// Why the causal kernel cannot take these projections (self-attention: as many queries as keys, at most
+/// [`CROSS_KEYS`] of them, heads of a dimension in [`CAUSAL_DIMS`]), or `None` when it can.
+pub fn unsupported_causal(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize) -> Option<String> {
+    if let Some(why) = unsupported(q, k, v, heads) {
+        return Some(why);
+    }
+    let (sq, sk, d) = (q.dim(1).ok()?, k.dim(1).ok()?, q.dim(2).ok()? / heads);
+    if sq != sk || sk > CROSS_KEYS || !CAUSAL_DIMS.contains(&d) {
+        return Some(format!("causal attention over {sq} queries, {sk} keys, heads of {d}"));
+    }
+    let candle_core::Device::Cuda(dev) = q.device() else { return Some("not a CUDA device".into()) };
+    match Kernel::for_keys(dev, d, sk) {
+        Ok(Some(_)) => None,
+        Ok(None) => Some(format!("{sk} keys of {d} values do not fit the short-key kernel's shared memory")),
+        Err(e) => Some(e.to_string()),
+    }
+}
+
 /// Whether the Hopper kernels take their TMA instantiations (`HOPPER_TMA` in attention.cu: K and V tiles by the
 /// tensor memory accelerator; on an H100 SD1.5's (2, 4096, 8, 40) self-attention 152-154 against 167-170 µs,
 /// (2, 1024, 8, 80) 23 against 26.6, SDXL's (2, 4096, 10, 64) 294 against 310). `SDHIVE_ATTENTION_TMA=0` keeps
@@ -305,6 +328,8 @@ struct Attention {
     /// Whether cuDNN's attention may take the shapes `cudnn_attention::chosen` gives it.
     #[cfg_attr(not(feature = "cudnn"), allow(dead_code))]
     cudnn: bool,
+    /// Row r attends to keys 0..=r only (the short-key kernel's causal instantiation).
+    causal: bool,
 }
 
 /// A tensor's storage from its first element on, as a kernel argument.
@@ -326,14 +351,22 @@ fn attention_launch<T: CudaDType + DeviceRepr + WithDType>(
     let sk = k.1.shape().dims3()?.1;
     let d = c / op.heads;
     #[cfg(feature = "cudnn")]
-    if op.cudnn && crate::cudnn_attention::chosen(d, sk) {
+    if op.cudnn && !op.causal && crate::cudnn_attention::chosen(d, sk) {
         if let Some(out) = crate::cudnn_attention::attention::<T>((op.heads, op.scale), q, k, v)? {
             return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
         }
     }
     let key_stride = k.1.stride()[1].max(v.1.stride()[1]);
-    let mut kernel =
-        Kernel::for_launch(dev, d, sk, key_stride, op.tma, |rows| b * op.heads * sq.div_ceil(rows))?;
+    let mut kernel = if op.causal {
+        match Kernel::for_keys(dev, d, sk)? {
+            Some(Kernel::Cross { d, warps, atoms, smem, .. }) => {
+                Kernel::Cross { d, warps, atoms, smem, causal: true }
+            }
+            _ => bail!("causal attention: no kernel for {sk} keys of {d} values"),
+        }
+    } else {
+        Kernel::for_launch(dev, d, sk, key_stride, op.tma, |rows| b * op.heads * sq.div_ceil(rows))?
+    };
     let (qs, ks, vs) = (view::<T>(q.0, q.1)?, view::<T>(k.0, k.1)?, view::<T>(v.0, v.1)?);
     // The TMA kernel's tensor maps; where the driver refuses one (a stride it cannot take, as a batch stride of
     // 0), the same kernel with cp.async tile loads.
@@ -434,6 +467,17 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, scale: f64) -
     attention_with(q, k, v, heads, scale, Kernels { tma: tma_on(), cudnn: true })
 }
 
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, scale: f64) -> Result<Tensor> {
+    if let Some(why) = unsupported_causal(q, k, v, heads) {
+        bail!("causal attention cannot take these tensors: {why}");
+    }
+    q.apply_op3_no_bwd(
+        k,
+        v,
+        &Attention { heads, scale: scale as f32, tma: false, cudnn: false, causal: true },
+    )
+}
+
 /// Which of the kernels that take a shape [`attention_with`] may run (the tests compare them).
 #[derive(Clone, Copy)]
 pub(crate) struct Kernels {
@@ -454,5 +498,5 @@ pub(crate) fn attention_with(
     if let Some(why) = unsupported(q, k, v, heads) {
         bail!("fused attention cannot take these tensors: {why}");
     }
-    q.apply_op3_no_bwd(k, v, &Attention { heads, scale: scale as f32, tma, cudnn })
+    q.apply_op3_no_bwd(k, v, &Attention { heads, scale: scale as f32, tma, cudnn, causal: false })
 }

@@ -163,6 +163,25 @@ pub fn attention_applies(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize) -> bo
     }
 }
 
+/// Whether [`causal_attention`] takes these `(B, S, H·D)` projections: [`attention_applies`]'s conditions, as many
+/// queries as keys, at most 128 of them, heads of 64 (the CLIP text encoders' self-attention).
+pub fn causal_attention_applies(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        attention_enabled() && attention::unsupported_causal(q, k, v, heads).is_none()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (q, k, v, heads);
+        false
+    }
+}
+
+/// [`attention`] where query row r attends to keys 0..=r only. Call only where [`causal_attention_applies`].
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, scale: f64) -> Result<Tensor> {
+    on_cuda!(attention::causal_attention(q, k, v, heads, scale); q, k, v, heads, scale)
+}
+
 /// Whether attention on `device` in `dtype` runs fused (no score matrix), for memory estimates: the shape checks
 /// of [`attention_applies`] hold for every head layout of the supported networks but the VAE's single wide head.
 pub fn attention_fused_on(device: &candle_core::Device, dtype: candle_core::DType) -> bool {
@@ -290,7 +309,7 @@ pub struct Readback<T: HostValue> {
 enum ReadbackInner<T: HostValue> {
     Ready(Vec<T>),
     #[cfg(feature = "cuda")]
-    Queued(candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<T>),
+    Queued(readback::Pending<T>),
 }
 
 /// The value types a [`Readback`] carries: `f32` and `u8`.

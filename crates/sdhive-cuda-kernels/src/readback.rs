@@ -3,7 +3,7 @@
 //! never waits for the host in between (a synchronous read drains the queue first). The copies land in page-locked
 //! memory (not write-combined: the host reads it), kept per thread for the next copy of the same size.
 
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
+use candle_core::cuda_backend::cudarc::driver::{CudaEvent, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{Result, Storage, Tensor};
 use std::cell::RefCell;
@@ -28,8 +28,16 @@ pooled!(f32, u8);
 /// Spare buffers kept per type and thread: a job's previews take one or two sizes.
 const SPARES: usize = 4;
 
+/// A copy on its way: the page-locked buffer and an event recorded behind the copy. The buffer's own event is
+/// recorded by cudarc only while it tracks events, which the workers switch off (`shared_worker::single_stream`):
+/// waiting on it alone would read the buffer before the copy lands.
+pub(crate) struct Pending<T> {
+    host: PinnedHostSlice<T>,
+    landed: CudaEvent,
+}
+
 /// Queues the copy of the CUDA tensor `t` (contiguous) into page-locked memory.
-pub(crate) fn start<T: Pooled>(t: &Tensor) -> Result<PinnedHostSlice<T>> {
+pub(crate) fn start<T: Pooled>(t: &Tensor) -> Result<Pending<T>> {
     let n = t.elem_count();
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cuda(cs) = &*storage else { candle_core::bail!("readback: not a CUDA tensor") };
@@ -45,11 +53,13 @@ pub(crate) fn start<T: Pooled>(t: &Tensor) -> Result<PinnedHostSlice<T>> {
         None => unsafe { stream.context().alloc_pinned_with_flags::<T>(n, 0) }.w()?,
     };
     stream.memcpy_dtoh(&src, &mut host).w()?;
-    Ok(host)
+    let landed = stream.record_event(None).w()?;
+    Ok(Pending { host, landed })
 }
 
 /// The values of a copy [`start`] queued, once it has landed; its buffer goes back to the thread's spares.
-pub(crate) fn finish<T: Pooled>(host: PinnedHostSlice<T>) -> Result<Vec<T>> {
+pub(crate) fn finish<T: Pooled>(Pending { host, landed }: Pending<T>) -> Result<Vec<T>> {
+    landed.synchronize().w()?;
     let values = host.as_slice().w()?.to_vec();
     T::with_pool(|pool| {
         if pool.len() < SPARES {

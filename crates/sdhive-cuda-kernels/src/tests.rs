@@ -1276,6 +1276,61 @@ fn attention_reads_keys_shared_by_the_batch() {
     }
 }
 
+/// The causal short-key kernel against the reference with its mask (scores above the diagonal at −∞): the CLIP
+/// text encoders' (1, 77, 12·64) and SDXL's second encoder's 20 heads, a batch of two, a single token, 128 tokens
+/// and large logits; and what it declines (cross-attention's unequal counts, more than 128 keys, heads of 40).
+#[test]
+fn causal_attention_matches_the_reference() {
+    let dev = gpu();
+    for (b, s, heads, amplitude) in
+        [(1, 77, 12, 1.0), (2, 77, 20, 1.0), (1, 1, 12, 1.0), (1, 128, 4, 6.0), (2, 40, 2, 6.0)]
+    {
+        let c = heads * 64;
+        let qkv = (Tensor::randn(0f32, 1.0, (b, s, 3 * c), &dev).unwrap() * amplitude).unwrap();
+        let (q, k, v) =
+            (qkv.narrow(2, 0, c).unwrap(), qkv.narrow(2, c, c).unwrap(), qkv.narrow(2, 2 * c, c).unwrap());
+        let scale = 0.125;
+        let mask: Vec<f32> =
+            (0..s).flat_map(|i| (0..s).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })).collect();
+        let mask = Tensor::from_vec(mask, (s, s), &dev).unwrap();
+        for dtype in [DType::F16, DType::BF16] {
+            let (qd, kd, vd) = in_dtype((&q, &k, &v), dtype, true);
+            assert!(causal_attention_applies(&qd, &kd, &vd, heads), "b{b} s{s} h{heads} {dtype:?}");
+            let split = |t: &Tensor| {
+                t.to_dtype(DType::F32)
+                    .unwrap()
+                    .reshape((b, s, heads, 64))
+                    .unwrap()
+                    .transpose(1, 2)
+                    .unwrap()
+                    .contiguous()
+                    .unwrap()
+            };
+            let scores = (split(&qd).matmul(&split(&kd).t().unwrap()).unwrap() * scale).unwrap();
+            let probs = candle_nn_free_softmax(&scores.broadcast_add(&mask).unwrap());
+            let want = probs.matmul(&split(&vd)).unwrap().transpose(1, 2).unwrap().contiguous().unwrap();
+            let want = want.reshape((b, s, c)).unwrap();
+            let got = causal_attention(&qd, &kd, &vd, heads, scale).unwrap();
+            let diff = rel_diff(&got, &want);
+            eprintln!("causal attention b{b} s{s} h{heads} x{amplitude} {dtype:?}: rel diff {diff:.2e}");
+            assert!(diff <= tol(dtype), "causal attention b{b} s{s} {dtype:?}: {diff}");
+            // Unmasked, the first row would see every key: the mask must have changed it.
+            let plain = attention(&qd, &kd, &vd, heads, scale).unwrap();
+            if s > 1 {
+                assert!(max_abs_diff(&plain, &got) > 0.0, "the causal mask changed nothing");
+            }
+        }
+    }
+    let t = |shape: (usize, usize, usize)| Tensor::zeros(shape, DType::F16, &dev).unwrap();
+    let (q, kv) = (t((1, 64, 768)), t((1, 77, 768)));
+    assert!(!causal_attention_applies(&q, &kv, &kv, 12), "unequal query and key counts");
+    let long = t((1, 200, 768));
+    assert!(!causal_attention_applies(&long, &long, &long, 12), "more keys than the short-key kernel holds");
+    let forty = t((1, 77, 320));
+    assert!(!causal_attention_applies(&forty, &forty, &forty, 8), "heads of 40");
+    assert!(causal_attention(&forty, &forty, &forty, 8, 1.0).is_err());
+}
+
 #[test]
 fn attention_declines_what_it_cannot_take() {
     let dev = gpu();
@@ -1723,6 +1778,40 @@ fn joined_group_norm_matches_concat_then_norm() {
             .unwrap_err()
             .to_string();
     assert!(err.contains("cannot join"), "{err}");
+}
+
+/// As the workers run the GPU: one stream with cudarc's event tracking off (`shared_worker::single_stream`), where a
+/// page-locked buffer's own event is never recorded. A copy queued behind long work must still be waited for: read
+/// at once, the values are those the tensor has once the work before it is done.
+#[test]
+fn readbacks_wait_for_their_copy_without_event_tracking() {
+    let dev = Device::new_cuda(0).unwrap();
+    let Device::Cuda(d) = &dev else { unreachable!() };
+    // SAFETY: everything this test does on the device goes through candle's one stream.
+    unsafe { d.disable_event_tracking() };
+    let big = Tensor::randn(0f32, 1.0, (4096, 4096), &dev).unwrap();
+    for round in 0..3 {
+        // About 40 ms of products queued before the tensor the copy reads.
+        let mut acc = big.clone();
+        for _ in 0..30 {
+            acc = (acc.matmul(&big).unwrap() * 1e-3).unwrap();
+        }
+        let late = (acc.narrow(0, 0, 64).unwrap().narrow(1, 0, 64).unwrap().contiguous().unwrap() * 0.0)
+            .unwrap()
+            .affine(1.0, 7.0 + round as f64)
+            .unwrap();
+        let bytes = late.clamp(0f32, 255f32).unwrap().to_dtype(DType::U8).unwrap();
+        let values = start_readback::<f32>(&late).unwrap().values().unwrap();
+        let read = start_readback::<u8>(&bytes).unwrap().values().unwrap();
+        assert!(
+            values.iter().all(|&v| v == 7.0 + round as f32),
+            "round {round}: f32 read before its copy landed"
+        );
+        assert!(
+            read.iter().all(|&v| u32::from(v) == 7 + round),
+            "round {round}: bytes read before their copy landed"
+        );
+    }
 }
 
 #[test]

@@ -1,14 +1,18 @@
 //! The CLIP text encoder (transformers' `CLIPTextModel` / `CLIPTextModelWithProjection`),
-//! configured from `text_encoder/config.json` and loaded from transformers weight names.
+//! configured from `text_encoder/config.json` and loaded from transformers weight names. On CUDA its layers replay
+//! from a CUDA graph (`graphed.rs`): run kernel by kernel, a prompt's few hundred small launches cost the host
+//! several milliseconds per request while the GPU waits.
 
 use crate::config::read_json;
 use crate::error::{input_err, invalid, weights_err, ModelError, Result, TensorContext};
+use crate::graphed::{Graphs, Refresh};
 use crate::layers::{linear, LayerNorm};
 use crate::ops;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 const MODEL: &str = "clip text encoder";
 
@@ -159,12 +163,20 @@ impl ClipAttention {
 
     /// Attention over `x`, plus `residual`, which the output projection adds (on a GPU in its epilogue, as it
     /// adds every projection's bias: the encoders are bound by launching their small kernels).
+    /// On a GPU whose fused kernels take them, the heads are read in place and masked causally by the kernel
+    /// (`mask` must then be the causal one); elsewhere split into heads and masked by `mask`.
     fn forward(&self, x: &Tensor, mask: &Tensor, residual: &Tensor) -> candle_core::Result<Tensor> {
-        let q = ops::split_heads(&ops::linear(&self.q_proj, x, None)?, self.heads)?;
-        let k = ops::split_heads(&ops::linear(&self.k_proj, x, None)?, self.heads)?;
-        let v = ops::split_heads(&ops::linear(&self.v_proj, x, None)?, self.heads)?;
-        let o = ops::attention(&q, &k, &v, self.scale, Some(mask), false)?;
-        ops::linear(&self.out_proj, &ops::merge_heads(&o, self.heads)?, Some(residual))
+        let q = ops::linear(&self.q_proj, x, None)?;
+        let k = ops::linear(&self.k_proj, x, None)?;
+        let v = ops::linear(&self.v_proj, x, None)?;
+        let o = if sdhive_cuda_kernels::causal_attention_applies(&q, &k, &v, self.heads) {
+            sdhive_cuda_kernels::causal_attention(&q, &k, &v, self.heads, self.scale)?
+        } else {
+            let split = |t: &Tensor| ops::split_heads(t, self.heads);
+            let o = ops::attention(&split(&q)?, &split(&k)?, &split(&v)?, self.scale, Some(mask), false)?;
+            ops::merge_heads(&o, self.heads)?
+        };
+        ops::linear(&self.out_proj, &o, Some(residual))
     }
 }
 
@@ -214,6 +226,12 @@ pub struct ClipTextModel {
     config: ClipTextConfig,
     dtype: DType,
     device: Device,
+    /// The layers' recordings, by token shape: the embedded tokens and the causal mask in, every layer's output and
+    /// the final norm's stacked out.
+    graphs: Graphs<2>,
+    graphs_wanted: bool,
+    /// Causal masks by token count.
+    masks: Arc<Mutex<Vec<(usize, Tensor)>>>,
 }
 
 impl ClipTextModel {
@@ -259,9 +277,24 @@ impl ClipTextModel {
                 config: cfg.clone(),
                 dtype: vb.dtype(),
                 device: vb.device().clone(),
+                graphs: Graphs::new(MODEL, [Refresh::Always, Refresh::WhenAnotherTensor]),
+                graphs_wanted: true,
+                masks: Arc::default(),
             })
         };
         build().map_err(weights_err(MODEL))
+    }
+
+    /// Whether the layers may replay from CUDA graphs (on by default, where `sdhive_cuda_kernels::graphs_on`): off,
+    /// every call runs kernel by kernel and records nothing.
+    pub fn set_cuda_graphs(&mut self, on: bool) {
+        self.graphs_wanted = on;
+    }
+
+    /// How many token shapes replay from a recorded CUDA graph now (none off CUDA), and why recording failed for
+    /// the others.
+    pub fn graph_status(&self) -> (usize, Vec<String>) {
+        self.graphs.status()
     }
 
     /// Reads `dir/config.json` and the weights in `dir`.
@@ -369,15 +402,20 @@ impl ClipTextModel {
             }
             None => self.token_embedding.forward(ids)?,
         };
-        let mut x = tokens.broadcast_add(&self.position_embedding.forward(&positions)?)?;
-        let mask = causal_mask(s, self.dtype, &self.device)?;
-        let mut hidden_states = Vec::with_capacity(self.layers.len() + 1);
-        hidden_states.push(x.clone());
-        for layer in &self.layers {
-            x = layer.forward(&x, &mask)?;
-            hidden_states.push(x.clone());
-        }
-        let last_hidden_state = self.final_layer_norm.forward(&x)?;
+        let x = tokens.broadcast_add(&self.position_embedding.forward(&positions)?)?;
+        let mask = self.mask(s)?;
+        let (hidden_states, last_hidden_state) = if self.records(&x) {
+            let stacked = self.graphs.run([&x.contiguous()?, &mask], |[x, mask]| {
+                let (mut all, last) = self.layers(x, mask)?;
+                all.push(last);
+                Tensor::stack(&all, 0)
+            })?;
+            let n = self.layers.len() + 1;
+            let all = (0..n).map(|i| stacked.get(i)).collect::<candle_core::Result<Vec<_>>>()?;
+            (all, stacked.get(n)?)
+        } else {
+            self.layers(&x, &mask)?
+        };
         let pooled = (0..b)
             .map(|i| last_hidden_state.get(i)?.get(eos_positions[i]))
             .collect::<candle_core::Result<Vec<_>>>()?;
@@ -387,6 +425,40 @@ impl ClipTextModel {
             None => None,
         };
         Ok(ClipTextOutput { hidden_states, last_hidden_state, pooled, text_embeds })
+    }
+
+    /// Whether the layers on `x` are recorded: on CUDA where the fused kernels take their attention (the unfused
+    /// one's split into heads and masked softmax are strided copies whose layouts candle uploads at every call).
+    fn records(&self, x: &Tensor) -> bool {
+        let heads = self.config.num_attention_heads;
+        self.graphs_wanted
+            && sdhive_cuda_kernels::graphs_on(&self.device)
+            && sdhive_cuda_kernels::causal_attention_applies(x, x, x, heads)
+    }
+
+    /// The embedded tokens through every layer: the embeddings and each layer's output, and the last one's through
+    /// the final norm.
+    fn layers(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<(Vec<Tensor>, Tensor)> {
+        let mut x = x.clone();
+        let mut hidden_states = Vec::with_capacity(self.layers.len() + 1);
+        hidden_states.push(x.clone());
+        for layer in &self.layers {
+            x = layer.forward(&x, mask)?;
+            hidden_states.push(x.clone());
+        }
+        let last = self.final_layer_norm.forward(&x)?;
+        Ok((hidden_states, last))
+    }
+
+    /// The causal mask for `s` tokens, made once (a recorded call reads it from the same tensor each time).
+    fn mask(&self, s: usize) -> candle_core::Result<Tensor> {
+        let mut masks = self.masks.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some((_, m)) = masks.iter().find(|(n, _)| *n == s) {
+            return Ok(m.clone());
+        }
+        let m = causal_mask(s, self.dtype, &self.device)?;
+        masks.push((s, m.clone()));
+        Ok(m)
     }
 
     /// Applies the final LayerNorm to an intermediate hidden state (clip-skip).
