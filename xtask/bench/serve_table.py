@@ -2,7 +2,8 @@
 (f16 diffusers folders written by sdhive-bench), 20 steps Euler a, CFG 7, loaded through `POST /sdapi/v1/txt2img`
 by `sdhive-bench --serve-bench` (each request its own seed and prompt): single-client latency, then images/s and
 p50/p90 latency with 1, 4, 8 and 16 concurrent clients in a closed loop, the worker's peak device memory beside
-each row, and what live previews add to the step time (native jobs with `preview_every` 1 and 10 against none).
+each row, and what live previews add to the step time (native jobs with `preview_every` 1 and 10 against none);
+with `--rates`, p50/p90 latency at those arrival rates (requests per second) in an open loop.
 Each worker configuration (`--max-batch 1` and `--max-batch 8` where the worker has the flag) is its own worker
 process. In the same run: the engine alone (`sdhive-bench --e2e`, no HTTP) and diffusers' pipeline serving the same
 requests one at a time with PNG encoding and base64 as A1111 does (bench_serve_diffusers.py). Prints markdown
@@ -10,7 +11,7 @@ tables and writes OUT_DIR/serve.json (after every part, so a run cut short keeps
 is recorded with its log's name and the run goes on. run.sh calls it with `--serve`:
 
     bash BUNDLE/run.sh OUT_DIR --serve [--skip-sdxl | --only-sdxl] [--skip-diffusers] [--max-batch 1,8]
-                                       [--worker-args "ARGS"]
+                                       [--worker-args "ARGS"] [--rates 6,8]
     python3 serve_table.py --table OUT1/serve.json [OUT2/serve.json]   (the tables again; a later file's families
                                                                         replace an earlier one's)
     python3 serve_table.py BUNDLE OUT_DIR --smoke            (the whole harness on the CPU worker and the tiny
@@ -51,12 +52,12 @@ PREVIEW_TARGET_PCT = 2.0
 
 def options(argv: list[str]) -> dict:
     o = {"skip_sdxl": False, "only_sdxl": False, "skip_diffusers": False, "max_batch": "1,8", "worker_args": "",
-         "smoke": False}
+         "rates": "", "smoke": False}
     it = iter(argv)
     for a in it:
         if a in ("--skip-sdxl", "--only-sdxl", "--skip-diffusers", "--smoke"):
             o[a[2:].replace("-", "_")] = True
-        elif a in ("--max-batch", "--worker-args"):
+        elif a in ("--max-batch", "--worker-args", "--rates"):
             o[a[2:].replace("-", "_")] = next(it, None)
             if o[a[2:].replace("-", "_")] is None:
                 raise SystemExit(f"{a} needs a value")
@@ -115,7 +116,8 @@ def measure(bundle: str, out: str, o: dict) -> dict:
                 bench, "--serve-bench", worker, "--serve-model", f["model"], "--size", str(f["size"]), "--steps",
                 str(steps), "--dtype", dtype, "--warmup", str(f["warmup"]), "--latency-requests", str(f["latency"]),
                 "--clients", CLIENTS, "--requests-per-level", str(f["per_level"]), "--preview-images",
-                str(f["previews"]), "--preview-every", "1,2" if smoke else "1,10", "--", *args], log)[0])
+                str(f["previews"]), "--preview-every", "1,2" if smoke else "1,10",
+                *(["--rates", o["rates"]] if o["rates"] else []), "--", *args], log)[0])
             row["config"] = name
             r["ours"].append(row)
             save()
@@ -210,6 +212,17 @@ def table(res: dict) -> str:
         if d:
             lines.append(f"| diffusers, one at a time | 1 | {d['images_per_s']:.2f} | {s(d['median_ms'])} | "
                          f"{s(d['p90_ms'])} | — | 1 | {mib(d['peak_device_mib'])} | — | 1.00× |")
+        if any(o.get("open_levels") for o in ok):
+            lines += ["", "| server | arrivals (requests/s, open loop) | images/s | p50 latency | p90 latency | "
+                          "p50 / one-client median | images per engine call |", "|---|---|---|---|---|---|---|"]
+            for o in ok:
+                one = o["latency"]["median_ms"]
+                for lv in o.get("open_levels") or []:
+                    lat = lv["latency"]
+                    batch = "—" if lv.get("mean_batch") is None else f"{lv['mean_batch']:.2f}"
+                    lines.append(f"| sdhive `{o['config']}` | {lv['rate']:g} | {lv['images_per_s']:.2f} | "
+                                 f"{s(lat['median_ms'])} | {s(lat['p90_ms'])} | {lat['median_ms'] / one:.2f}× | "
+                                 f"{batch} |")
         prev = [(o["config"], o["previews"]) for o in ok if o.get("previews")]
         if prev:
             lines += ["", "| live previews (native jobs) | step time | preview_every | extra per image | "

@@ -2,7 +2,9 @@
 //! `sd-worker-cuda`) with `serve` on one model and the arguments given after `--` (e.g. `--max-batch 8`), waits
 //! until it is ready, and then measures the path users hit, `POST /sdapi/v1/txt2img`, each request with its own
 //! seed and prompt: single-client latency, then images per second and latency percentiles with each number of
-//! concurrent clients in a closed loop (every client sends its next request when its last one has answered). The
+//! concurrent clients in a closed loop (every client sends its next request when its last one has answered), and
+//! with `--rates` the same at fixed arrival rates in an open loop (requests sent on a clock, whatever the answers:
+//! the latency a service shows many users at a load below or near its capacity). The
 //! worker's peak device memory (nvidia-smi, per process) and resident memory are sampled beside every part. A last
 //! part prices live previews: native jobs (`POST /v1/jobs`) with and without `preview_every`, their engine run
 //! times against the step time. One JSON report on stdout; `xtask/bench/serve_table.py` runs it next to diffusers.
@@ -33,9 +35,13 @@ pub struct ServeBenchArgs {
     /// With --serve-bench: the numbers of concurrent clients measured, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,4,8,16")]
     pub clients: Vec<usize>,
-    /// With --serve-bench: timed requests per number of clients (each client sends at least two).
+    /// With --serve-bench: timed requests per number of clients (each client sends at least two) and per rate.
     #[arg(long, default_value_t = 48)]
     pub requests_per_level: usize,
+    /// With --serve-bench: arrival rates (requests per second, comma-separated) measured in an open loop after the
+    /// closed-loop levels: request i is sent i / rate seconds after the first, whatever has answered.
+    #[arg(long, value_delimiter = ',')]
+    pub rates: Vec<f64>,
     /// With --serve-bench: native jobs per preview setting (the settings take turns); 0 skips the preview part.
     #[arg(long, default_value_t = 5)]
     pub preview_images: usize,
@@ -75,6 +81,10 @@ pub fn run(s: &Settings) -> Result<Value> {
         "--clients needs one or more numbers, each at least 1"
     );
     ensure!(s.args.requests_per_level > 0, "--requests-per-level must be at least 1");
+    ensure!(
+        s.args.rates.iter().all(|r| r.is_finite() && *r > 0.0),
+        "--rates values must be positive numbers of requests per second"
+    );
     ensure!(s.args.preview_every.iter().all(|&k| k > 0), "--preview-every values must be at least 1");
     ensure!(s.size > 0 && s.size.is_multiple_of(8), "--size must be a positive multiple of 8");
     ensure!(s.steps > 0, "--steps must be at least 1");
@@ -150,6 +160,21 @@ async fn measure(
         levels.push(level.report(clients, rounds, peak));
     }
 
+    let mut open = Vec::new();
+    for &rate in &s.args.rates {
+        let level = load.open_loop(rate, s.args.requests_per_level).await?;
+        let peak = memory.take();
+        eprintln!(
+            "{rate} requests/s, open loop: {:.2} images/s, p50 {:.1} ms, p90 {:.1} ms, {:.2} images per engine call; \
+             {peak}",
+            level.images_per_s,
+            percentile(&level.latencies_ms, 50.0),
+            percentile(&level.latencies_ms, 90.0),
+            level.mean_batch.unwrap_or(f64::NAN),
+        );
+        open.push(level.report_open(rate, peak));
+    }
+
     let previews = if s.args.preview_images > 0 { Some(previews(s, load).await?) } else { None };
     Ok(json!({
         "mode": "serve",
@@ -164,6 +189,7 @@ async fn measure(
         "latency_parts": parts.json(),
         "latency_peak": latency_peak.json(),
         "levels": levels,
+        "open_levels": open,
         "previews": previews,
         "peak": memory.overall().json(),
     }))
@@ -195,6 +221,18 @@ impl Level {
             "clients": clients,
             "requests": self.latencies_ms.len(),
             "rounds": rounds,
+            "wall_s": self.wall_s,
+            "images_per_s": self.images_per_s,
+            "mean_batch": self.mean_batch,
+            "latency": summary(&self.latencies_ms),
+            "peak": peak.json(),
+        })
+    }
+
+    fn report_open(&self, rate: f64, peak: Peak) -> Value {
+        json!({
+            "rate": rate,
+            "requests": self.latencies_ms.len(),
             "wall_s": self.wall_s,
             "images_per_s": self.images_per_s,
             "mean_batch": self.mean_batch,
@@ -290,15 +328,46 @@ impl Load {
             checks.extend(c);
         }
         let wall_s = start.elapsed().as_secs_f64();
-        let mean_batch = match (batches_before, self.batch_histogram().await) {
-            (Some((sum0, n0)), Some((sum1, n1))) if n1 > n0 => Some((sum1 - sum0) / (n1 - n0)),
-            _ => None,
-        };
+        let mean_batch = self.mean_batch_since(batches_before).await;
         for c in checks {
             c.await.context("checking an answer")??;
         }
         let images_per_s = latencies_ms.len() as f64 / wall_s;
         Ok(Level { latencies_ms, wall_s, images_per_s, mean_batch })
+    }
+
+    /// `requests` requests arriving at `rate` per second from an idle worker, request i sent i / rate seconds after
+    /// the first whatever has answered; the level ends with the last answer.
+    async fn open_loop(&self, rate: f64, requests: usize) -> Result<Level> {
+        let batches_before = self.batch_histogram().await;
+        let start = tokio::time::Instant::now();
+        let mut sent = tokio::task::JoinSet::new();
+        for i in 0..requests {
+            tokio::time::sleep_until(start + Duration::from_secs_f64(i as f64 / rate)).await;
+            let me = self.clone_handle();
+            sent.spawn(async move { me.txt2img_unchecked().await });
+        }
+        let mut latencies_ms = Vec::with_capacity(requests);
+        let mut checks = Vec::with_capacity(requests);
+        while let Some(done) = sent.join_next().await {
+            let (ms, _, check) = done.context("a request task panicked")??;
+            latencies_ms.push(ms);
+            checks.push(check);
+        }
+        let wall_s = start.elapsed().as_secs_f64();
+        let mean_batch = self.mean_batch_since(batches_before).await;
+        for c in checks {
+            c.await.context("checking an answer")??;
+        }
+        Ok(Level { latencies_ms, wall_s, images_per_s: requests as f64 / wall_s, mean_batch })
+    }
+
+    /// Images per engine call since the histogram read `before` ([`Self::batch_histogram`]).
+    async fn mean_batch_since(&self, before: Option<(f64, f64)>) -> Option<f64> {
+        match (before, self.batch_histogram().await) {
+            (Some((sum0, n0)), Some((sum1, n1))) if n1 > n0 => Some((sum1 - sum0) / (n1 - n0)),
+            _ => None,
+        }
     }
 
     /// `(sum, count)` of the worker's `sdhive_batch_images` histogram; `None` where `/metrics` has none.
