@@ -327,13 +327,7 @@ impl Load {
             latencies_ms.extend(ms);
             checks.extend(c);
         }
-        let wall_s = start.elapsed().as_secs_f64();
-        let mean_batch = self.mean_batch_since(batches_before).await;
-        for c in checks {
-            c.await.context("checking an answer")??;
-        }
-        let images_per_s = latencies_ms.len() as f64 / wall_s;
-        Ok(Level { latencies_ms, wall_s, images_per_s, mean_batch })
+        self.end_level(latencies_ms, checks, start, batches_before).await
     }
 
     /// `requests` requests arriving at `rate` per second from an idle worker, request i sent i / rate seconds after
@@ -354,12 +348,25 @@ impl Load {
             latencies_ms.push(ms);
             checks.push(check);
         }
+        self.end_level(latencies_ms, checks, start.into_std(), batches_before).await
+    }
+
+    /// A level's end once every answer is in: its wall time from `start`, the images per engine call since the
+    /// histogram read `before`, and every answer checked.
+    async fn end_level(
+        &self,
+        latencies_ms: Vec<f64>,
+        checks: Vec<tokio::task::JoinHandle<Result<()>>>,
+        start: Instant,
+        before: Option<(f64, f64)>,
+    ) -> Result<Level> {
         let wall_s = start.elapsed().as_secs_f64();
-        let mean_batch = self.mean_batch_since(batches_before).await;
+        let mean_batch = self.mean_batch_since(before).await;
         for c in checks {
             c.await.context("checking an answer")??;
         }
-        Ok(Level { latencies_ms, wall_s, images_per_s: requests as f64 / wall_s, mean_batch })
+        let images_per_s = latencies_ms.len() as f64 / wall_s;
+        Ok(Level { latencies_ms, wall_s, images_per_s, mean_batch })
     }
 
     /// Images per engine call since the histogram read `before` ([`Self::batch_histogram`]).
