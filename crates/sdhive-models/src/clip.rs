@@ -12,7 +12,6 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
-use std::sync::{Arc, Mutex};
 
 const MODEL: &str = "clip text encoder";
 
@@ -163,18 +162,19 @@ impl ClipAttention {
 
     /// Attention over `x`, plus `residual`, which the output projection adds (on a GPU in its epilogue, as it
     /// adds every projection's bias: the encoders are bound by launching their small kernels).
-    /// On a GPU whose fused kernels take them, the heads are read in place and masked causally by the kernel
-    /// (`mask` must then be the causal one); elsewhere split into heads and masked by `mask`.
-    fn forward(&self, x: &Tensor, mask: &Tensor, residual: &Tensor) -> candle_core::Result<Tensor> {
+    /// With the causal `mask` the heads are split and masked by it; without one (where
+    /// [`ClipTextModel::fused_causal`]) the causal kernel reads them in place and masks them itself.
+    fn forward(&self, x: &Tensor, mask: Option<&Tensor>, residual: &Tensor) -> candle_core::Result<Tensor> {
         let q = ops::linear(&self.q_proj, x, None)?;
         let k = ops::linear(&self.k_proj, x, None)?;
         let v = ops::linear(&self.v_proj, x, None)?;
-        let o = if sdhive_cuda_kernels::causal_attention_applies(&q, &k, &v, self.heads) {
-            sdhive_cuda_kernels::causal_attention(&q, &k, &v, self.heads, self.scale)?
-        } else {
-            let split = |t: &Tensor| ops::split_heads(t, self.heads);
-            let o = ops::attention(&split(&q)?, &split(&k)?, &split(&v)?, self.scale, Some(mask), false)?;
-            ops::merge_heads(&o, self.heads)?
+        let o = match mask {
+            None => sdhive_cuda_kernels::causal_attention(&q, &k, &v, self.heads, self.scale)?,
+            Some(mask) => {
+                let split = |t: &Tensor| ops::split_heads(t, self.heads);
+                let o = ops::attention(&split(&q)?, &split(&k)?, &split(&v)?, self.scale, Some(mask), false)?;
+                ops::merge_heads(&o, self.heads)?
+            }
         };
         ops::linear(&self.out_proj, &o, Some(residual))
     }
@@ -203,7 +203,7 @@ impl ClipLayer {
         })
     }
 
-    fn forward(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+    fn forward(&self, x: &Tensor, mask: Option<&Tensor>) -> candle_core::Result<Tensor> {
         let x = self.self_attn.forward(&self.layer_norm1.forward(x)?, mask, x)?;
         let h = ops::linear(&self.fc1, &self.layer_norm2.forward(&x)?, None)?;
         let h = match self.act {
@@ -226,12 +226,10 @@ pub struct ClipTextModel {
     config: ClipTextConfig,
     dtype: DType,
     device: Device,
-    /// The layers' recordings, by token shape: the embedded tokens and the causal mask in, every layer's output and
-    /// the final norm's stacked out.
-    graphs: Graphs<2>,
+    /// The layers' recordings, by token shape: the embedded tokens in, every layer's output and the final norm's
+    /// stacked out.
+    graphs: Graphs<1>,
     graphs_wanted: bool,
-    /// Causal masks by token count.
-    masks: Arc<Mutex<Vec<(usize, Tensor)>>>,
 }
 
 impl ClipTextModel {
@@ -277,9 +275,8 @@ impl ClipTextModel {
                 config: cfg.clone(),
                 dtype: vb.dtype(),
                 device: vb.device().clone(),
-                graphs: Graphs::new(MODEL, [Refresh::Always, Refresh::WhenAnotherTensor]),
+                graphs: Graphs::new(MODEL, [Refresh::Always]),
                 graphs_wanted: true,
-                masks: Arc::default(),
             })
         };
         build().map_err(weights_err(MODEL))
@@ -403,19 +400,22 @@ impl ClipTextModel {
             None => self.token_embedding.forward(ids)?,
         };
         let x = tokens.broadcast_add(&self.position_embedding.forward(&positions)?)?;
-        let mask = self.mask(s)?;
-        let (hidden_states, last_hidden_state) = if self.records(&x) {
-            let stacked = self.graphs.run([&x.contiguous()?, &mask], |[x, mask]| {
-                let (mut all, last) = self.layers(x, mask)?;
-                all.push(last);
-                Tensor::stack(&all, 0)
-            })?;
-            let n = self.layers.len() + 1;
-            let all = (0..n).map(|i| stacked.get(i)).collect::<candle_core::Result<Vec<_>>>()?;
-            (all, stacked.get(n)?)
-        } else {
-            self.layers(&x, &mask)?
-        };
+        let fused = self.fused_causal(&x);
+        let (hidden_states, last_hidden_state) =
+            if fused && self.graphs_wanted && sdhive_cuda_kernels::graphs_on(&self.device) {
+                let stacked = self.graphs.run([&x.contiguous()?], |[x]| {
+                    let (mut all, last) = self.layers(x, None)?;
+                    all.push(last);
+                    Tensor::stack(&all, 0)
+                })?;
+                let n = self.layers.len() + 1;
+                let all = (0..n).map(|i| stacked.get(i)).collect::<candle_core::Result<Vec<_>>>()?;
+                (all, stacked.get(n)?)
+            } else if fused {
+                self.layers(&x, None)?
+            } else {
+                self.layers(&x, Some(&causal_mask(s, self.dtype, &self.device)?))?
+            };
         let pooled = (0..b)
             .map(|i| last_hidden_state.get(i)?.get(eos_positions[i]))
             .collect::<candle_core::Result<Vec<_>>>()?;
@@ -427,18 +427,16 @@ impl ClipTextModel {
         Ok(ClipTextOutput { hidden_states, last_hidden_state, pooled, text_embeds })
     }
 
-    /// Whether the layers on `x` are recorded: on CUDA where the fused kernels take their attention (the unfused
-    /// one's split into heads and masked softmax are strided copies whose layouts candle uploads at every call).
-    fn records(&self, x: &Tensor) -> bool {
-        let heads = self.config.num_attention_heads;
-        self.graphs_wanted
-            && sdhive_cuda_kernels::graphs_on(&self.device)
-            && sdhive_cuda_kernels::causal_attention_applies(x, x, x, heads)
+    /// Whether the self-attention on tokens like `x` runs on the causal kernel (its q, k and v have `x`'s shape
+    /// and layout). Only then are the layers recorded: the unfused attention's split into heads and masked softmax
+    /// are strided copies whose layouts candle uploads at every call.
+    fn fused_causal(&self, x: &Tensor) -> bool {
+        sdhive_cuda_kernels::causal_attention_applies(x, x, x, self.config.num_attention_heads)
     }
 
     /// The embedded tokens through every layer: the embeddings and each layer's output, and the last one's through
     /// the final norm.
-    fn layers(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<(Vec<Tensor>, Tensor)> {
+    fn layers(&self, x: &Tensor, mask: Option<&Tensor>) -> candle_core::Result<(Vec<Tensor>, Tensor)> {
         let mut x = x.clone();
         let mut hidden_states = Vec::with_capacity(self.layers.len() + 1);
         hidden_states.push(x.clone());
@@ -448,17 +446,6 @@ impl ClipTextModel {
         }
         let last = self.final_layer_norm.forward(&x)?;
         Ok((hidden_states, last))
-    }
-
-    /// The causal mask for `s` tokens, made once (a recorded call reads it from the same tensor each time).
-    fn mask(&self, s: usize) -> candle_core::Result<Tensor> {
-        let mut masks = self.masks.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some((_, m)) = masks.iter().find(|(n, _)| *n == s) {
-            return Ok(m.clone());
-        }
-        let m = causal_mask(s, self.dtype, &self.device)?;
-        masks.push((s, m.clone()));
-        Ok(m)
     }
 
     /// Applies the final LayerNorm to an intermediate hidden state (clip-skip).
