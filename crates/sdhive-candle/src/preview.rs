@@ -5,7 +5,7 @@
 //! next step is queued), so the device never waits for the host's read.
 
 use crate::model::{Family, SdModel};
-use crate::tensor_image::tensor_to_image;
+use crate::tensor_image::{rgb8_tensor, tensor_to_image};
 use candle_core::{DType, Tensor};
 use sdhive_cuda_kernels::{start_readback, Readback};
 use sdhive_engine::{Control, PreviewDecoder, Progress, RgbImage};
@@ -245,35 +245,8 @@ pub fn taesd_preview(
     decoder: &TaesdDecoder,
     latents: &Tensor,
 ) -> Result<RgbImage, sdhive_models::ModelError> {
-    let tensor_err = |source| sdhive_models::ModelError::Tensor { model: "taesd", source };
     let decoded = taesd_decode(decoder, latents)?;
-    if decoded.device().is_cpu() {
-        return tensor_to_image(&decoded).map_err(tensor_err);
-    }
-    rgb8_on_device(&decoded).map_err(tensor_err)
-}
-
-/// A decoded `[1, 3, H, W]` sample as 8-bit RGB, mapped on its device so that only the bytes come back (a 1024²
-/// preview read back as f32 and mapped on the host took 16 ms of its 21 on an H200): diffusers'
-/// `(x / 2 + 0.5).clamp(0, 1) · 255` rounded half away from zero where numpy rounds half to even, which can put a
-/// value exactly between two levels one level off.
-pub(crate) fn rgb8_on_device(decoded: &Tensor) -> candle_core::Result<RgbImage> {
-    let (_, _, h, w) = decoded.dims4()?;
-    let bytes = rgb8_tensor(decoded)?.flatten_all()?.to_vec1::<u8>()?;
-    Ok(RgbImage { width: w as u32, height: h as u32, data: bytes })
-}
-
-/// [`rgb8_on_device`]'s bytes as an `(H, W, 3)` tensor on the decode's device.
-fn rgb8_tensor(decoded: &Tensor) -> candle_core::Result<Tensor> {
-    decoded
-        .squeeze(0)?
-        .to_dtype(DType::F32)?
-        .affine(127.5, 127.5)?
-        .clamp(0f32, 255f32)?
-        .round()?
-        .to_dtype(DType::U8)?
-        .permute((1, 2, 0))?
-        .contiguous()
+    tensor_to_image(&decoded).map_err(|source| sdhive_models::ModelError::Tensor { model: "taesd", source })
 }
 
 /// Published linear approximations of the VAE decoder (latent channel → RGB in [-1, 1]), good enough for a

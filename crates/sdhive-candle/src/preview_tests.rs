@@ -209,8 +209,8 @@ fn taesd_preview_time_on_the_test_device() {
     }
 }
 
-/// The device-side 8-bit mapping of GPU previews gives diffusers' host-side mapping (`tensor_to_image`) but for
-/// values exactly between two levels; run here on the CPU.
+/// The device-side 8-bit mapping of GPU previews (and finished images) gives diffusers' host-side mapping
+/// (`tensor_to_image`); run here on the CPU.
 #[test]
 fn the_device_side_mapping_matches_the_host_side_one() {
     let sample = candle_core::Tensor::randn(0f32, 0.8, 3 * 24 * 40, &Device::Cpu).expect("sample");
@@ -219,7 +219,9 @@ fn the_device_side_mapping_matches_the_host_side_one() {
     values[..5].copy_from_slice(&[-1.5, -1.0, 1.0, 2.0, 1.0 / 255.0 - 1.0]);
     let x = candle_core::Tensor::from_vec(values, (1, 3, 24, 40), &Device::Cpu).expect("x");
     let host = crate::tensor_image::tensor_to_image(&x).expect("host");
-    let device = crate::preview::rgb8_on_device(&x).expect("device");
+    let bytes =
+        crate::tensor_image::rgb8_tensor(&x).and_then(|t| t.flatten_all()?.to_vec1::<u8>()).expect("device");
+    let device = RgbImage { width: 40, height: 24, data: bytes };
     assert_eq!((device.width, device.height), (40, 24));
     let off: Vec<u8> = host.data.iter().zip(&device.data).map(|(a, b)| a.abs_diff(*b)).collect();
     assert!(off.iter().all(|&d| d <= 1), "more than one level apart");

@@ -36,23 +36,33 @@ const ROUNDING: f64 = 8_388_608.0;
 /// The decoded VAE output `[1, 3, H, W]` (any float dtype) → 8-bit RGB.
 pub fn tensor_to_image(decoded: &Tensor) -> Result<RgbImage> {
     let (_, _, h, w) = decoded.dims4()?;
-    let x = decoded.to_dtype(DType::F32)?.squeeze(0)?;
-    let x = ((x * 0.5)? + 0.5)?.clamp(0f32, 1f32)?;
     let data = if decoded.device().is_cuda() {
         // On the device: a quarter of the bytes come back (a quarter of a 512² decode's time was the f32 read
         // and the host's loop), into page-locked memory.
-        sdhive_cuda_kernels::start_readback::<u8>(&rgb8_on_device(&x)?)?.values()?
+        sdhive_cuda_kernels::start_readback::<u8>(&rgb8_tensor(decoded)?)?.values()?
     } else {
-        let hwc = x.permute((1, 2, 0))?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let hwc = unit(decoded)?.permute((1, 2, 0))?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
         // numpy's round() rounds half to even; f32::round_ties_even matches it.
         hwc.iter().map(|&v| (v * 255.0).round_ties_even() as u8).collect()
     };
     Ok(RgbImage { width: w as u32, height: h as u32, data })
 }
 
+/// The decoded `[1, 3, H, W]` as `(H, W, 3)` bytes on its device, the bytes [`tensor_to_image`] gives: a finished
+/// image's and a GPU preview's (read back on their own, `sdhive_cuda_kernels::start_readback`).
+pub(crate) fn rgb8_tensor(decoded: &Tensor) -> Result<Tensor> {
+    rgb8_from_unit(&unit(decoded)?)
+}
+
+/// diffusers' `(x / 2 + 0.5).clamp(0, 1)` in f32, `(3, H, W)`.
+fn unit(decoded: &Tensor) -> Result<Tensor> {
+    let x = decoded.to_dtype(DType::F32)?.squeeze(0)?;
+    ((x * 0.5)? + 0.5)?.clamp(0f32, 1f32)
+}
+
 /// `x` `(3, H, W)` f32 in [0, 1] → `(H, W, 3)` u8, as the host's `(v · 255).round_ties_even()` gives them: the
 /// product rounded to f32 on its own, then to a whole number half to even by [`ROUNDING`].
-fn rgb8_on_device(x: &Tensor) -> Result<Tensor> {
+fn rgb8_from_unit(x: &Tensor) -> Result<Tensor> {
     (x * 255.0)?
         .affine(1.0, ROUNDING)?
         .affine(1.0, -ROUNDING)?
@@ -86,7 +96,7 @@ mod tests {
         for decoded in [x.to_dtype(DType::F32).unwrap(), fine] {
             let host = tensor_to_image(&decoded.repeat((1, 3, 1, 1)).unwrap()).unwrap();
             let v = ((decoded.squeeze(0).unwrap() * 0.5).unwrap() + 0.5).unwrap().clamp(0f32, 1f32).unwrap();
-            let on_device = rgb8_on_device(&v).unwrap().flatten_all().unwrap().to_vec1::<u8>().unwrap();
+            let on_device = rgb8_from_unit(&v).unwrap().flatten_all().unwrap().to_vec1::<u8>().unwrap();
             let host_first: Vec<u8> = host.data.chunks(3).map(|p| p[0]).collect();
             assert_eq!(on_device, host_first);
         }
@@ -94,7 +104,7 @@ mod tests {
             (0..255).map(|k| (k as f32 + 0.5) / 255.0).filter(|v| (v * 255.0).fract() == 0.5).collect();
         assert!(!ties.is_empty(), "some levels have an exact half-way value");
         let t = Tensor::from_vec(ties.clone(), (1, 1, ties.len()), &Device::Cpu).unwrap();
-        let on_device = rgb8_on_device(&t).unwrap().flatten_all().unwrap().to_vec1::<u8>().unwrap();
+        let on_device = rgb8_from_unit(&t).unwrap().flatten_all().unwrap().to_vec1::<u8>().unwrap();
         let host: Vec<u8> = ties.iter().map(|v| (v * 255.0).round_ties_even() as u8).collect();
         assert_eq!(on_device, host);
         assert!(
