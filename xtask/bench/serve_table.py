@@ -197,7 +197,7 @@ def table(res: dict) -> str:
                                  f"waited {parts['over_engine']['median_ms']:+.2f} ms over the engine's part "
                                  f"(median of the requests; p90 {parts['over_engine']['p90_ms']:+.2f})")
         lines += ["", "| server | clients | images/s | p50 latency | p90 latency | p50 / one-client median | "
-                      "images per engine call | peak device memory | peak RSS | images/s vs diffusers |",
+                      "images per denoising step | peak device memory | peak RSS | images/s vs diffusers |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         ok = [o for o in r["ours"] if "error" not in o]
         for o in ok:
@@ -214,7 +214,7 @@ def table(res: dict) -> str:
                          f"{s(d['p90_ms'])} | — | 1 | {mib(d['peak_device_mib'])} | — | 1.00× |")
         if any(o.get("open_levels") for o in ok):
             lines += ["", "| server | arrivals (requests/s, open loop) | images/s | p50 latency | p90 latency | "
-                          "p50 / one-client median | images per engine call |", "|---|---|---|---|---|---|---|"]
+                          "p50 / one-client median | images per denoising step |", "|---|---|---|---|---|---|---|"]
             for o in ok:
                 one = o["latency"]["median_ms"]
                 for lv in o.get("open_levels") or []:

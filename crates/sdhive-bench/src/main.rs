@@ -70,8 +70,8 @@ struct Args {
     /// part before the first attention to the text once), or `doubled`, repeated to batch 2 as diffusers does.
     #[arg(long, value_enum, default_value_t = CfgSample::Shared)]
     cfg_sample: CfgSample,
-    /// Images per UNet step: CFG batch `2 × N`, each image its own latents (as a batched job passes them; with
-    /// more than one image `--cfg-sample` does not apply).
+    /// Images per UNet step: CFG batch `2 × N`, each image its own latents (passed once for both prompts with
+    /// `--cfg-sample shared`, as a batched job passes them).
     #[arg(long, default_value_t = 1)]
     images: usize,
     /// Run calls on request from stdin instead (see the module docs).
@@ -278,7 +278,8 @@ impl Bench {
             Ok(Tensor::randn(0f32, 1., shape, &Device::Cpu)?.to_dtype(dtype)?.to_device(dev)?)
         };
         let rows = 2 * images.max(1);
-        let samples = if images <= 1 && cfg_sample == CfgSample::Shared { 1 } else { rows };
+        // Shared, each image's latents go in once for both of its prompts, as the engine passes a batch's.
+        let samples = if cfg_sample == CfgSample::Shared { images.max(1) } else { rows };
         // SDXL's pooled text embedding and micro-conditioning, as diffusers' benchmark feeds them.
         let added = match family {
             Family::Sd15 => None,
@@ -578,7 +579,7 @@ fn report(
         threads,
         latent,
         // One sample for both contexts is `--cfg-sample shared`.
-        cfg_sample: if bench.sample.dim(0)? == 1 { "shared" } else { "doubled" },
+        cfg_sample: if bench.sample.dim(0)? < bench.context.dim(0)? { "shared" } else { "doubled" },
         images: bench.context.dim(0)? / 2,
         unet_build_ms: bench.unet_build_ms,
         vae_build_ms: bench.vae_build_ms,

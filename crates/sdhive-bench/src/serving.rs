@@ -150,7 +150,7 @@ async fn measure(
         let level = load.closed_loop(clients, rounds).await?;
         let peak = memory.take();
         eprintln!(
-            "{clients} clients × {rounds}: {:.2} images/s, p50 {:.1} ms, p90 {:.1} ms, {:.2} images per engine call; \
+            "{clients} clients × {rounds}: {:.2} images/s, p50 {:.1} ms, p90 {:.1} ms, {:.2} images per denoising step; \
              {peak}",
             level.images_per_s,
             percentile(&level.latencies_ms, 50.0),
@@ -165,7 +165,7 @@ async fn measure(
         let level = load.open_loop(rate, s.args.requests_per_level).await?;
         let peak = memory.take();
         eprintln!(
-            "{rate} requests/s, open loop: {:.2} images/s, p50 {:.1} ms, p90 {:.1} ms, {:.2} images per engine call; \
+            "{rate} requests/s, open loop: {:.2} images/s, p50 {:.1} ms, p90 {:.1} ms, {:.2} images per denoising step; \
              {peak}",
             level.images_per_s,
             percentile(&level.latencies_ms, 50.0),
@@ -210,7 +210,7 @@ struct Level {
     latencies_ms: Vec<f64>,
     wall_s: f64,
     images_per_s: f64,
-    /// Images per engine call over the timed part, from the worker's `sdhive_batch_images` histogram (absent in
+    /// Images per denoising step over the timed part, from the worker's `sdhive_batch_images` histogram (absent in
     /// workers that do not batch).
     mean_batch: Option<f64>,
 }
@@ -351,7 +351,7 @@ impl Load {
         self.end_level(latencies_ms, checks, start.into_std(), batches_before).await
     }
 
-    /// A level's end once every answer is in: its wall time from `start`, the images per engine call since the
+    /// A level's end once every answer is in: its wall time from `start`, the images per denoising step since the
     /// histogram read `before`, and every answer checked.
     async fn end_level(
         &self,
@@ -369,7 +369,7 @@ impl Load {
         Ok(Level { latencies_ms, wall_s, images_per_s, mean_batch })
     }
 
-    /// Images per engine call since the histogram read `before` ([`Self::batch_histogram`]).
+    /// Images per denoising step since the histogram read `before` ([`Self::batch_histogram`]).
     async fn mean_batch_since(&self, before: Option<(f64, f64)>) -> Option<f64> {
         match (before, self.batch_histogram().await) {
             (Some((sum0, n0)), Some((sum1, n1))) if n1 > n0 => Some((sum1 - sum0) / (n1 - n0)),

@@ -5,6 +5,7 @@
 //! several requests.
 
 pub(crate) mod batch;
+mod joined;
 
 use crate::conditioning::{encode_pair, encode_positive, Conditioning};
 use crate::hires::{hires_image, SecondPass};
@@ -495,7 +496,16 @@ impl Engine for CandleEngine {
         max_images: u32,
         progress: &mut dyn FnMut(usize, &Progress) -> Control,
     ) -> Vec<Result<GenerateOutput, EngineError>> {
-        self.run_batch(reqs, max_images.min(MAX_BATCH), progress)
+        sdhive_engine::run_batch(self, reqs, max_images, progress)
+    }
+
+    fn generate_joined(
+        &mut self,
+        first: Vec<(usize, GenerateRequest)>,
+        max_images: u32,
+        feed: &mut dyn sdhive_engine::BatchFeed,
+    ) {
+        self.run_joined(first, max_images.min(MAX_BATCH), feed)
     }
 
     fn upscale(&mut self, req: &UpscaleRequest) -> Result<Vec<RgbImage>, EngineError> {

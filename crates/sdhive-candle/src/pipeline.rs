@@ -4,7 +4,7 @@
 
 use crate::conditioning::Conditioning;
 use crate::model::SdModel;
-use crate::tensor_image::{image_to_tensor, mask_to_tensor, nearest_downsample, tensor_to_image};
+use crate::tensor_image::{image_to_tensor, mask_to_tensor, nearest_downsample, start_image, PendingImage};
 use candle_core::{DType, Device, Tensor};
 use sdhive_engine::{GrayImage, RgbImage, Sampler, Schedule};
 use sdhive_models::SdxlConditioning;
@@ -148,6 +148,11 @@ fn upcast_vae_precision(model: &SdModel) -> Option<sdhive_models::ops::Tf32Guard
 }
 
 pub fn decode(model: &SdModel, latents: &Tensor, tiled: bool) -> Result<RgbImage, PipelineError> {
+    start_decode(model, latents, tiled)?.finish().map_err(failed("vae decode"))
+}
+
+/// [`decode`] with the image's bytes left on their way to the host (see [`start_image`]).
+pub fn start_decode(model: &SdModel, latents: &Tensor, tiled: bool) -> Result<PendingImage, PipelineError> {
     let _precision = upcast_vae_precision(model);
     let cfg = &model.vae_config;
     let mut z = latents.affine(1.0 / cfg.scaling_factor, 0.0).map_err(failed("vae decode"))?;
@@ -160,10 +165,9 @@ pub fn decode(model: &SdModel, latents: &Tensor, tiled: bool) -> Result<RgbImage
         .with(|vae| if tiled { vae.decode_tiled(&z) } else { vae.decode(&z) })
         .map_err(failed("vae"))?
         .map_err(failed("vae decode"))?;
-    tensor_to_image(&decoded).map_err(failed("vae decode"))
+    start_image(&decoded).map_err(failed("vae decode"))
 }
 
-/// Inpainting state: the mask at latent resolution plus what the UNet kind needs.
 struct Inpaint {
     /// `[1, 1, h, w]` of 0/1 (1 = repaint).
     mask: Tensor,
@@ -307,7 +311,7 @@ pub fn denoise(
         context: &cond.context,
         added: cond.added.as_ref(),
         guided: cond.guided,
-        cfg: CfgScales::Uniform(job.cfg_scale),
+        cfg_scale: job.cfg_scale,
         extra: extra.as_ref(),
     };
     let mut blend =
@@ -328,109 +332,103 @@ pub fn denoise(
     sample(model, scheduler.as_mut(), begin, latents, &inputs, &mut rng, &mut blend, progress)
 }
 
-/// One image of a batch: its own conditioning (prompt, negative prompt), seed and CFG scale.
-pub struct BatchRow<'a> {
-    pub cond: &'a UnetConditioning,
-    pub seed: u64,
-    pub cfg_scale: f64,
+/// One image of a batch that other images join and leave between steps: its own scheduler, noise stream,
+/// latents and place in its schedule, so it computes what [`denoise`] computes for it alone, whatever else shares
+/// its UNet calls (see [`step_lanes`]).
+pub struct Lane {
+    scheduler: Box<dyn sdhive_schedulers::DiffusionScheduler>,
+    rng: TorchGenerator,
+    latents: Tensor,
+    timesteps: Vec<f64>,
+    /// The next step's index in `timesteps`.
+    at: usize,
 }
 
-/// A batch's ancestral noise: each row's share from that row's own stream, in row order — what diffusers draws
-/// with one generator per image, so every row follows the stream it has alone.
-struct RowNoise(Vec<TorchGenerator>);
+impl Lane {
+    /// txt2img's first latents for `job` (its seed, size, steps, sampler and schedule), as [`denoise`] draws them.
+    pub fn new(model: &SdModel, job: &ImageJob<'_>) -> Result<Self, PipelineError> {
+        let scheduler = scheduler_for(model, job)?;
+        let f = model.vae_scale_factor;
+        let shape = [1, model.vae_config.latent_channels, job.height / f, job.width / f];
+        let mut rng = TorchGenerator::new(job.seed);
+        let latents = randn(&mut rng, &shape, model.unet.device())
+            .and_then(|n| n.affine(scheduler.init_noise_sigma(), 0.0))
+            .map_err(failed("noise"))?;
+        let timesteps = scheduler.timesteps();
+        Ok(Lane { scheduler, rng, latents, timesteps, at: 0 })
+    }
 
-impl sdhive_schedulers::NoiseSource for RowNoise {
-    fn randn(&mut self, numel: usize) -> Vec<f32> {
-        let per_row = numel / self.0.len().max(1);
-        let mut values = Vec::with_capacity(numel);
-        for generator in &mut self.0 {
-            values.extend(generator.randn(per_row));
-        }
-        values
+    /// The schedule's timesteps (what [`UNet2DConditionModel::time_rows`] is made for).
+    ///
+    /// [`UNet2DConditionModel::time_rows`]: sdhive_models::UNet2DConditionModel::time_rows
+    pub fn timesteps(&self) -> &[f64] {
+        &self.timesteps
+    }
+
+    /// Steps taken.
+    pub fn steps_done(&self) -> usize {
+        self.at
+    }
+
+    pub fn done(&self) -> bool {
+        self.at >= self.timesteps.len()
+    }
+
+    /// The latents now: the final ones once [`Self::done`].
+    pub fn latents(&self) -> &Tensor {
+        &self.latents
+    }
+
+    /// The denoised estimate of the last step (the latents where the sampler forms none), for previews.
+    pub fn estimate(&self) -> &Tensor {
+        self.scheduler.pred_original_sample().unwrap_or(&self.latents)
     }
 }
 
-/// txt2img for a batch of `rows` that share `job`'s size, steps, sampler and schedule (`job`'s seed and CFG scale
-/// are the rows'). Every row gets the latents it gets from [`denoise`] alone; the rows' conditionings must all be
-/// guided or all not, with contexts of one length. Returns the final latents `[B, C, h, w]`.
-pub fn denoise_batch(
+/// One UNet call for `lanes` (each at its own step): their scaled latents as one batch, each sample with its time
+/// rows in `temb` (`[negatives…, positives…]` when `guided`) against `context` (laid out alike); then each lane's
+/// guidance at its own scale (`scales`) and its sampler's step. Guided lanes share their latents between their
+/// two prompts, as [`denoise`] does.
+pub fn step_lanes(
     model: &SdModel,
-    rows: &[BatchRow<'_>],
-    job: &ImageJob<'_>,
-    progress: &mut dyn FnMut(StepReport<'_>) -> bool,
-) -> Result<Tensor, PipelineError> {
-    let Some(first) = rows.first() else {
-        return Err(PipelineError::Invalid {
-            field: "n",
-            message: "a batch needs at least one image".into(),
-        });
-    };
-    let guided = first.cond.guided;
-    if rows.iter().any(|r| r.cond.guided != guided) {
-        return Err(PipelineError::Invalid {
-            field: "cfg_scale",
-            message: "a batch's images must all use classifier-free guidance or all not".into(),
-        });
-    }
-    let device = model.unet.device();
-    let f = model.vae_scale_factor;
-    let shape = [1, model.vae_config.latent_channels, job.height / f, job.width / f];
-    let mut scheduler = scheduler_for(model, job)?;
-    let mut generators: Vec<TorchGenerator> = rows.iter().map(|r| TorchGenerator::new(r.seed)).collect();
-    let noise = generators
+    unet: &sdhive_models::UNet2DConditionModel,
+    lanes: &mut [&mut Lane],
+    scales: &[f64],
+    (guided, temb, context): (bool, &Tensor, &Tensor),
+) -> Result<(), PipelineError> {
+    let k = lanes.len();
+    let inputs = lanes
         .iter_mut()
-        .map(|g| randn(g, &shape, device))
-        .collect::<candle_core::Result<Vec<_>>>()
-        .and_then(|n| Tensor::cat(&n, 0))
-        .and_then(|n| n.affine(scheduler.init_noise_sigma(), 0.0))
-        .map_err(failed("noise"))?;
-
-    // Guided rows stack as `[negatives…, positives…]`, the layout the doubled latents take.
-    let half = |t: &Tensor, part: usize| if guided { t.narrow(0, part, 1) } else { Ok(t.clone()) };
-    let stack = |pick: &dyn Fn(&UnetConditioning) -> Option<&Tensor>| -> candle_core::Result<Option<Tensor>> {
-        let parts: Vec<&Tensor> = rows.iter().filter_map(|r| pick(r.cond)).collect();
-        if parts.len() != rows.len() {
-            return Ok(None);
-        }
-        let mut halves = Vec::with_capacity(2 * rows.len());
-        for part in if guided { vec![0, 1] } else { vec![0] } {
-            for t in &parts {
-                halves.push(half(t, part)?);
-            }
-        }
-        Tensor::cat(&halves, 0).map(Some)
-    };
-    let joined = || -> candle_core::Result<(Tensor, Option<SdxlConditioning>)> {
-        let context = stack(&|c| Some(&c.context))?
-            .ok_or_else(|| candle_core::Error::Msg("a row has no text context".into()))?;
-        let text_embeds = stack(&|c| c.added.as_ref().map(|a| &a.text_embeds))?;
-        let time_ids = stack(&|c| c.added.as_ref().map(|a| &a.time_ids))?;
-        let added = match (text_embeds, time_ids) {
-            (Some(text_embeds), Some(time_ids)) => Some(SdxlConditioning { text_embeds, time_ids }),
-            _ => None,
+        .map(|l| l.scheduler.scale_model_input(&l.latents, l.at).map_err(failed("scale input")))
+        .collect::<Result<Vec<_>, _>>()?;
+    // Guided, the UNet takes each lane's latents once for both prompts (see `UNet2DConditionModel::forward_rows`).
+    let input =
+        Tensor::cat(&inputs, 0).and_then(|i| i.to_dtype(model.unet.dtype())).map_err(failed("unet input"))?;
+    let out = unet
+        .forward_rows(&input, temb, context)
+        .map_err(failed("unet"))?
+        .to_dtype(DType::F32)
+        .map_err(failed("unet"))?;
+    for (j, (lane, scale)) in lanes.iter_mut().zip(scales).enumerate() {
+        let noise_pred = if guided {
+            let uncond = out.narrow(0, j, 1).map_err(failed("cfg"))?;
+            let text = out.narrow(0, k + j, 1).map_err(failed("cfg"))?;
+            guide(&uncond, &text, *scale)?
+        } else {
+            out.narrow(0, j, 1).map_err(failed("unet"))?
         };
-        Ok((context, added))
-    };
-    let (context, added) = joined().map_err(|e| PipelineError::Invalid {
-        field: "prompt",
-        message: format!("the batch's prompts cannot be stacked: {e}"),
-    })?;
-    let cfg = if rows.iter().all(|r| r.cfg_scale == first.cfg_scale) {
-        CfgScales::Uniform(first.cfg_scale)
-    } else {
-        let scales: Vec<f32> = rows.iter().map(|r| r.cfg_scale as f32).collect();
-        CfgScales::Rows(Tensor::from_vec(scales, (rows.len(), 1, 1, 1), device).map_err(failed("cfg"))?)
-    };
-    let inputs = StepInputs { context: &context, added: added.as_ref(), guided, cfg, extra: None };
-    let mut rng = RowNoise(generators);
-    sample(model, scheduler.as_mut(), 0, noise, &inputs, &mut rng, &mut |_, _, l| Ok(l), progress)
+        let Lane { scheduler, rng, latents, at, .. } = &mut **lane;
+        *latents = scheduler.step(&noise_pred, *at, latents, rng).map_err(failed("scheduler step"))?;
+        *at += 1;
+    }
+    Ok(())
 }
 
-/// How the guided prediction mixes the two halves: one scale for the whole call, or one per batch row.
-enum CfgScales {
-    Uniform(f64),
-    /// `[B, 1, 1, 1]` on the UNet's device.
-    Rows(Tensor),
+/// Classifier-free guidance: `uncond + scale · (text − uncond)`.
+fn guide(uncond: &Tensor, text: &Tensor, scale: f64) -> Result<Tensor, PipelineError> {
+    let diff = (text - uncond).map_err(failed("cfg"))?;
+    let scaled = diff.affine(scale, 0.0).map_err(failed("cfg"))?;
+    (uncond + scaled).map_err(failed("cfg"))
 }
 
 /// What every UNet call of a sampling run takes besides the latents.
@@ -439,7 +437,7 @@ struct StepInputs<'a> {
     context: &'a Tensor,
     added: Option<&'a SdxlConditioning>,
     guided: bool,
-    cfg: CfgScales,
+    cfg_scale: f64,
     /// A 9-channel inpainting UNet's mask and masked-image latents, appended to its input.
     extra: Option<&'a (Tensor, Tensor)>,
 }
@@ -490,13 +488,7 @@ fn sample(
                 let noise_pred = if inputs.guided {
                     let uncond = out.narrow(0, 0, rows).map_err(failed("cfg"))?;
                     let text = out.narrow(0, rows, rows).map_err(failed("cfg"))?;
-                    let diff = (&text - &uncond).map_err(failed("cfg"))?;
-                    let scaled = match &inputs.cfg {
-                        CfgScales::Uniform(scale) => diff.affine(*scale, 0.0),
-                        CfgScales::Rows(scales) => diff.broadcast_mul(scales),
-                    }
-                    .map_err(failed("cfg"))?;
-                    (&uncond + scaled).map_err(failed("cfg"))?
+                    guide(&uncond, &text, inputs.cfg_scale)?
                 } else {
                     out
                 };

@@ -71,22 +71,11 @@ impl Preview {
         }
     }
 
-    /// The preview of one image's `[1, C, h, w]` estimate; `None` when previews are off (or the latents have no
-    /// known RGB map). `full_size_fits`: whether the job's memory plan leaves room for a full-size decode (not
-    /// when it tiles the VAE); otherwise, when the request asks for the approximation (`preview_approx`), or
-    /// when TAESD fails, the latent preview.
-    pub(crate) fn render(
-        &self,
-        model: &SdModel,
-        estimate: &Tensor,
-        full_size_fits: bool,
-        approx: bool,
-    ) -> Option<RgbImage> {
-        self.start(model, estimate, full_size_fits, approx)?.finish()
-    }
-
-    /// [`Preview::render`] with the pixels left on their way to the host: a CUDA device's copy is queued after
-    /// the work that makes them, and [`PendingPreview::finish`] waits for it.
+    /// The preview of one image's `[1, C, h, w]` estimate, its pixels left on their way to the host (a CUDA
+    /// device's copy is queued after the work that makes them, and [`PendingPreview::finish`] waits for it);
+    /// `None` when previews are off (or the latents have no known RGB map). `full_size_fits`: whether the job's
+    /// memory plan leaves room for a full-size decode (not when it tiles the VAE); otherwise, when the request
+    /// asks for the approximation (`preview_approx`), or when TAESD fails, the latent preview.
     pub(crate) fn start(
         &self,
         model: &SdModel,

@@ -35,17 +35,42 @@ const ROUNDING: f64 = 8_388_608.0;
 
 /// The decoded VAE output `[1, 3, H, W]` (any float dtype) → 8-bit RGB.
 pub fn tensor_to_image(decoded: &Tensor) -> Result<RgbImage> {
+    start_image(decoded)?.finish()
+}
+
+/// A decoded image whose bytes may still be on their way from the device ([`start_image`]).
+pub enum PendingImage {
+    Queued { bytes: sdhive_cuda_kernels::Readback<u8>, width: u32, height: u32 },
+    Done(RgbImage),
+}
+
+impl PendingImage {
+    /// The image, once its bytes have landed.
+    pub fn finish(self) -> Result<RgbImage> {
+        match self {
+            PendingImage::Queued { bytes, width, height } => {
+                Ok(RgbImage { width, height, data: bytes.values()? })
+            }
+            PendingImage::Done(image) => Ok(image),
+        }
+    }
+}
+
+/// [`tensor_to_image`] with the bytes left on their way to the host: on a CUDA device the conversion and the copy
+/// are queued behind the decode, and [`PendingImage::finish`] waits for them.
+pub fn start_image(decoded: &Tensor) -> Result<PendingImage> {
     let (_, _, h, w) = decoded.dims4()?;
-    let data = if decoded.device().is_cuda() {
+    let (width, height) = (w as u32, h as u32);
+    if decoded.device().is_cuda() {
         // On the device: a quarter of the bytes come back (a quarter of a 512² decode's time was the f32 read
         // and the host's loop), into page-locked memory.
-        sdhive_cuda_kernels::start_readback::<u8>(&rgb8_tensor(decoded)?)?.values()?
-    } else {
-        let hwc = unit(decoded)?.permute((1, 2, 0))?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-        // numpy's round() rounds half to even; f32::round_ties_even matches it.
-        hwc.iter().map(|&v| (v * 255.0).round_ties_even() as u8).collect()
-    };
-    Ok(RgbImage { width: w as u32, height: h as u32, data })
+        let bytes = sdhive_cuda_kernels::start_readback::<u8>(&rgb8_tensor(decoded)?)?;
+        return Ok(PendingImage::Queued { bytes, width, height });
+    }
+    let hwc = unit(decoded)?.permute((1, 2, 0))?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+    // numpy's round() rounds half to even; f32::round_ties_even matches it.
+    let data = hwc.iter().map(|&v| (v * 255.0).round_ties_even() as u8).collect();
+    Ok(PendingImage::Done(RgbImage { width, height, data }))
 }
 
 /// The decoded `[1, 3, H, W]` as `(H, W, 3)` bytes on its device, the bytes [`tensor_to_image`] gives: a finished

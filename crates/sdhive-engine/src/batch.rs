@@ -2,8 +2,10 @@
 //! calls (size, steps, sampler, schedule, whether CFG runs, the LoRA weights merged into the network), so requests
 //! with equal keys differ only in what each batch row carries on its own (prompt, negative prompt, seed, CFG scale,
 //! clip skip, embeddings). An engine that batches runs such requests as one batch and each image equals the image
-//! its request gets alone.
+//! its request gets alone. A [`BatchFeed`] is how a running batch meets the queue: newcomers join it between
+//! steps and each request's result leaves as soon as it is done ([`crate::Engine::generate_joined`]).
 
+use crate::engine::{Control, Engine, EngineError, GenerateOutput, Progress};
 use crate::request::{GenerateRequest, LoraUse};
 use crate::sampler::{Sampler, Schedule};
 
@@ -41,6 +43,90 @@ impl GenerateRequest {
             guided: self.cfg_scale > 1.0,
             loras: self.loras.clone(),
         })
+    }
+}
+
+/// A running batch's link to whoever queued its requests, each known by the caller's token.
+pub trait BatchFeed {
+    /// Requests that join the batch now, together at most `images` images: queued requests of the batch's model
+    /// and [`BatchKey`], taken in queue order up to the first that is not (so nothing queued is overtaken for
+    /// long). Empty when none may join.
+    fn join(&mut self, images: u32) -> Vec<(usize, GenerateRequest)>;
+
+    /// Request `token`'s step report; `Control::Cancel` ends only that request.
+    fn progress(&mut self, token: usize, progress: &Progress) -> Control;
+
+    /// Request `token` is done: its images, or why it ended (a cancel carries the images it finished).
+    fn finished(&mut self, token: usize, result: Result<GenerateOutput, EngineError>);
+
+    /// One denoising step ran on `images` images together.
+    fn denoised(&mut self, images: u32) {
+        let _ = images;
+    }
+}
+
+/// Runs `reqs` as one batch on `engine` through [`Engine::generate_joined`] with nobody joining, and returns one
+/// result per request, in order (what [`Engine::generate_batch`] returns).
+pub fn run_batch(
+    engine: &mut (impl Engine + ?Sized),
+    reqs: &[&GenerateRequest],
+    max_images: u32,
+    progress: &mut dyn FnMut(usize, &Progress) -> Control,
+) -> Vec<Result<GenerateOutput, EngineError>> {
+    struct Collect<'a> {
+        progress: &'a mut dyn FnMut(usize, &Progress) -> Control,
+        results: Vec<Option<Result<GenerateOutput, EngineError>>>,
+    }
+    impl BatchFeed for Collect<'_> {
+        fn join(&mut self, _: u32) -> Vec<(usize, GenerateRequest)> {
+            Vec::new()
+        }
+        fn progress(&mut self, token: usize, p: &Progress) -> Control {
+            (self.progress)(token, p)
+        }
+        fn finished(&mut self, token: usize, result: Result<GenerateOutput, EngineError>) {
+            if let Some(slot) = self.results.get_mut(token) {
+                *slot = Some(result);
+            }
+        }
+    }
+    let mut feed = Collect { progress, results: reqs.iter().map(|_| None).collect() };
+    let first = reqs.iter().enumerate().map(|(i, r)| (i, (*r).clone())).collect();
+    engine.generate_joined(first, max_images, &mut feed);
+    feed.results
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(EngineError::Failed("the engine returned no result".into()))))
+        .collect()
+}
+
+/// [`Engine::generate_joined`] for engines without a batch that takes newcomers: batches of the requests there
+/// are, one after another, each through [`Engine::generate_batch`], a batch's results handed on when it ends.
+pub fn joined_one_batch_at_a_time(
+    engine: &mut (impl Engine + ?Sized),
+    first: Vec<(usize, GenerateRequest)>,
+    max_images: u32,
+    feed: &mut dyn BatchFeed,
+) {
+    let mut batch = first;
+    while !batch.is_empty() {
+        let refs: Vec<&GenerateRequest> = batch.iter().map(|(_, r)| r).collect();
+        let images = refs.iter().map(|r| r.n).sum::<u32>().min(max_images.max(1));
+        // A step of the batch is counted once, on the reports of its first request still listening.
+        let mut listening = vec![true; batch.len()];
+        let results = engine.generate_batch(&refs, max_images, &mut |i, p| {
+            if listening[..i].iter().all(|l| !l) {
+                feed.denoised(images);
+            }
+            let answer = feed.progress(batch[i].0, p);
+            if answer == Control::Cancel {
+                listening[i] = false;
+            }
+            answer
+        });
+        for ((token, _), result) in batch.iter().zip(results) {
+            feed.finished(*token, result);
+        }
+        batch = feed.join(max_images);
     }
 }
 

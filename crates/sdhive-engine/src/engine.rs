@@ -117,6 +117,20 @@ pub trait Engine: Send {
             .collect()
     }
 
+    /// Runs a batch that queued requests may join while it runs: `first` (requests of one [`crate::BatchKey`],
+    /// each with the caller's token) starts it, `feed` brings newcomers of the same key and takes each request's
+    /// result when it is done; it returns when nothing is left to run and nobody joins. At most `max_images`
+    /// images (bounded as for [`Engine::generate_batch`]) are denoised together; each image equals the image its
+    /// request gets from [`Engine::generate`]. The default runs one [`Engine::generate_batch`] after another.
+    fn generate_joined(
+        &mut self,
+        first: Vec<(usize, GenerateRequest)>,
+        max_images: u32,
+        feed: &mut dyn crate::BatchFeed,
+    ) {
+        crate::batch::joined_one_batch_at_a_time(self, first, max_images, feed)
+    }
+
     /// Runs A1111's extras "Upscale" step on every image of `req`, in order.
     fn upscale(&mut self, req: &crate::UpscaleRequest) -> Result<Vec<RgbImage>, EngineError> {
         let _ = req;

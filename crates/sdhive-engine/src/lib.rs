@@ -16,7 +16,7 @@ pub mod request;
 pub mod sampler;
 pub mod upscale;
 
-pub use batch::BatchKey;
+pub use batch::{run_batch, BatchFeed, BatchKey};
 pub use engine::{Control, Engine, EngineError, EngineInfo, GenerateOutput, GeneratedImage, Progress};
 pub use extra_networks::{parse_networks, strip_networks, NetworkKind, NetworkTag, TagError};
 pub use hires::{HiresFix, HiresTarget, HiresUpscaler, LatentMode};

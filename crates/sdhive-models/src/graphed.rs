@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 /// arrives. Each keeps its call's activation memory reserved (SDXL at 1024²: ~1.7 GB for the UNet step), so few.
 const KEPT: usize = 2;
 
-/// Calls whose first input has a larger batch run kernel by kernel and leave the recordings alone. A batch of
+/// Calls with an input of a larger batch run kernel by kernel and leave the recordings alone. A batch of
 /// several images keeps the GPU busy long enough per kernel that launches hide behind it, while recording every
 /// batch size a busy server sees would evict the single image's recording and reserve memory per size.
 const GRAPHED_BATCH: usize = 2;
@@ -106,8 +106,10 @@ impl<const N: usize> Graphs<N> {
         inputs: [&Tensor; N],
         body: impl Fn([&Tensor; N]) -> Result<Tensor>,
     ) -> Result<Tensor> {
-        if inputs[0].dim(0)? > GRAPHED_BATCH {
-            return body(inputs);
+        for t in &inputs {
+            if t.dim(0)? > GRAPHED_BATCH {
+                return body(inputs);
+            }
         }
         let key = Key::of(&inputs);
         let mut slots = self.slots.lock().unwrap_or_else(|poisoned| poisoned.into_inner());

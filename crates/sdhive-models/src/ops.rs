@@ -444,20 +444,21 @@ pub(crate) fn group_norm_joined(
     gpu::group_norm_channels_last_joined(a, b, norm.weight, norm.bias, norm.groups, norm.eps, true).map(Some)
 }
 
-/// `x`, one sample, repeated to `batch` samples (`x` already at `batch` comes back as is): a state the samples
-/// of a batch share until they first differ (the UNet's guided prefix), made once and then copied.
+/// `x`'s samples repeated whole to `batch` samples (`[x…, x…]`; `x` already at `batch` comes back as is): states
+/// the two halves of a guided batch share until they first differ (the UNet's guided prefix), made once and then
+/// copied.
 pub fn expand_batch(x: &Tensor, batch: usize) -> Result<Tensor> {
     let b = x.dim(0)?;
     if b == batch {
         return Ok(x.clone());
     }
-    if b != 1 {
-        candle_core::bail!("cannot expand a batch of {b} to {batch}: only a single sample is shared");
+    if b == 0 || !batch.is_multiple_of(b) {
+        candle_core::bail!("cannot expand a batch of {b} to {batch}: it must be whole copies of the batch");
     }
-    if gpu::repeat_fits(x) {
+    if b == 1 && gpu::repeat_fits(x) {
         return gpu::repeat_batch(x, batch);
     }
-    Tensor::cat(&vec![x; batch], 0)
+    Tensor::cat(&vec![x; batch / b], 0)
 }
 
 /// LayerNorm over the last dimension, two-pass in f32: candle's fused kernel uses

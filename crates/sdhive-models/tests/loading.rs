@@ -167,16 +167,25 @@ fn random_weights_run_and_stay_finite() {
 }
 
 #[test]
-fn unet_shares_only_a_single_sample() {
+fn unet_shares_whole_sample_batches() {
     let dev = Device::Cpu;
     let unet = UNet2DConditionModel::new(random_var_builder(DType::F32, &dev), &tiny_unet_config())
         .expect("random unet");
     let ctx = Tensor::randn(0f32, 1., (2, 7, 24), &dev).expect("ctx");
     let one = Tensor::randn(0f32, 1., (1, 4, 8, 8), &dev).expect("sample");
     assert_eq!(unet.forward(&one, 500.0, &ctx, None).expect("shared").dims(), &[2, 4, 8, 8]);
+    // Two samples with four contexts (`[negatives…, positives…]`): sample j serves rows j and 2 + j, as the
+    // samples repeated would.
+    let ctx4 = Tensor::randn(0f32, 1., (4, 7, 24), &dev).expect("ctx");
+    let two = Tensor::randn(0f32, 1., (2, 4, 8, 8), &dev).expect("samples");
+    let shared = unet.forward(&two, 500.0, &ctx4, None).expect("shared");
+    let repeated = Tensor::cat(&[&two, &two], 0).expect("cat");
+    let full = unet.forward(&repeated, 500.0, &ctx4, None).expect("repeated");
+    let diff = (shared - full).expect("diff").abs().expect("abs").max_all().expect("max");
+    assert!(diff.to_scalar::<f32>().expect("scalar") < 1e-4, "shared samples differ from repeated ones");
     let three = Tensor::randn(0f32, 1., (3, 4, 8, 8), &dev).expect("sample");
     let msg = unet.forward(&three, 500.0, &ctx, None).expect_err("3 samples, 2 contexts").to_string();
-    assert!(msg.contains("batch 2") && msg.contains("sample batch 3"), "{msg}");
+    assert!(msg.contains("batch 2") && msg.contains("(3)"), "{msg}");
 }
 
 #[test]

@@ -1,22 +1,22 @@
 //! The engine thread: the only owner of the loaded model. It takes the next job — or a batch of compatible queued
-//! generations, up to `--max-batch` images — from the queue, switches to the job's model first when another is
-//! loaded (a switch that fails fails the job and leaves the previous model serving), runs it with a progress
-//! callback that records steps and answers cancellation per job, hands the images to the encoding stage and
-//! moves on; every failure — engine errors and engine panics alike — becomes a failed job, so the worker keeps
-//! serving.
+//! generations, up to `--max-batch` images, which later compatible jobs join between steps — from the queue,
+//! switches to the job's model first when another is loaded (a switch that fails fails the job and leaves the
+//! previous model serving), runs it with a progress callback that records steps and answers cancellation per job,
+//! hands each job's images to the encoding stage as soon as they are done and moves on; every failure — engine
+//! errors and engine panics alike — becomes a failed job, so the worker keeps serving.
 
 use crate::encoder::{self, Encoder, Ended};
 use crate::jobs::{JobManager, Next, Outcome, Shared, StartedJob, Work};
 use sdhive_engine::{
-    Control, Engine, EngineError, GenerateOutput, GenerateRequest, HiresUpscaler, ModelHost, ModelSpec,
-    OutputFormat, Progress, UpscaleRequest,
+    BatchFeed, Control, Engine, EngineError, GenerateOutput, GenerateRequest, HiresUpscaler, ModelHost,
+    ModelSpec, OutputFormat, Progress, UpscaleRequest,
 };
 use sdhive_protocol::JobId;
 use sdhive_protocol::{JobError, JobErrorKind};
 use sdhive_upscale::a1111;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Weak;
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 
 pub(crate) fn spawn(jobs: Weak<Shared>, host: ModelHost) -> JoinHandle<()> {
@@ -86,8 +86,10 @@ fn run_jobs(
     started: Vec<StartedJob>,
     max_images: u32,
 ) {
-    let generations = started.iter().all(|j| matches!(j.work, Work::Generate { .. }));
-    if started.len() > 1 && generations {
+    // A generation that can share a batch starts one that later jobs may join.
+    let batches =
+        |j: &StartedJob| matches!(&j.work, Work::Generate { request, .. } if request.batch_key().is_some());
+    if max_images > 1 && started.iter().all(batches) {
         return run_batch(jobs, host, encoder, started, max_images);
     }
     for job in started {
@@ -99,7 +101,7 @@ fn run_jobs(
                     Some(engine) => {
                         let native = engine.info();
                         jobs.set_size(&id, request.output_size((native.native_width, native.native_height)));
-                        run_one(jobs, encoder, engine, &id, &request, &cancel, max_images)
+                        run_one(jobs, encoder, engine, &id, &request, &cancel)
                     }
                     None => Ended::Final(model_failure("no model is loaded".into())),
                 },
@@ -123,8 +125,9 @@ fn run_jobs(
     }
 }
 
-/// Generations of one model and batch key, denoised as one batch; each job keeps its own progress, cancellation
-/// and outcome.
+/// Generations of one model and batch key, denoised as one batch that queued jobs of the same model and key join
+/// between steps; each job keeps its own progress, cancellation and outcome, and leaves for encoding as soon as its
+/// images are done.
 fn run_batch(
     jobs: &JobManager,
     host: &mut ModelHost,
@@ -132,51 +135,111 @@ fn run_batch(
     started: Vec<StartedJob>,
     max_images: u32,
 ) {
-    let mut ids = Vec::with_capacity(started.len());
-    let mut cancels = Vec::with_capacity(started.len());
-    let mut requests = Vec::with_capacity(started.len());
-    let mut model = None;
-    for StartedJob { id, work, cancel } in started {
-        if let Work::Generate { request, model: m } = work {
-            model.get_or_insert(m);
-            ids.push(id);
-            cancels.push(cancel);
-            requests.push(request);
-        }
-    }
-    let Some(model) = model else { return };
-    let fail_all = |outcome: Outcome| {
-        for id in &ids {
-            encoder.finish(id.clone(), Ended::Final(outcome.clone()));
-        }
+    let Some((key, model)) = started.iter().find_map(|j| match &j.work {
+        Work::Generate { request, model } => request.batch_key().map(|k| (k, model.clone())),
+        _ => None,
+    }) else {
+        return;
     };
-    if let Err(failure) = switch(jobs, host, &ids[0], &model) {
-        return fail_all(failure);
-    }
-    let Some(engine) = host.engine() else { return fail_all(model_failure("no model is loaded".into())) };
-    let native = engine.info();
-    for (id, request) in ids.iter().zip(&requests) {
-        jobs.set_size(id, request.output_size((native.native_width, native.native_height)));
-    }
-    let images: u32 = requests.iter().map(|r| r.n).sum();
-    tracing::info!(jobs = ids.len(), images, steps = requests[0].steps, "batch started");
-    jobs.metrics().observe_batch(images.min(max_images));
-    let refs: Vec<&GenerateRequest> = requests.iter().map(|r| r.as_ref()).collect();
-    let mut on_progress = |i: usize, p: &Progress| report(jobs, encoder, &ids[i], &cancels[i], p);
-    let results =
-        catch_unwind(AssertUnwindSafe(|| engine.generate_batch(&refs, max_images, &mut on_progress)));
-    match results {
-        Ok(results) => {
-            for ((id, result), request) in ids.iter().zip(results).zip(&requests) {
-                encoder.finish(id.clone(), ended(id, result, request.output));
-            }
+    let mut feed =
+        QueueFeed { jobs, encoder, key, model, native: (0, 0), running: Vec::new(), next_token: 0 };
+    let first: Vec<StartedJob> = started;
+    if let Err(failure) = switch(jobs, host, &first[0].id, &feed.model) {
+        for job in first {
+            encoder.finish(job.id, Ended::Final(failure.clone()));
         }
+        return;
+    }
+    let Some(engine) = host.engine() else {
+        for job in first {
+            encoder.finish(job.id, Ended::Final(model_failure("no model is loaded".into())));
+        }
+        return;
+    };
+    let info = engine.info();
+    feed.native = (info.native_width, info.native_height);
+    let max_images = max_images.min(engine.max_batch().max(1));
+    let first = feed.take(first);
+    tracing::info!(jobs = first.len(), steps = first.first().map_or(0, |(_, r)| r.steps), "batch started");
+    let result = catch_unwind(AssertUnwindSafe(|| engine.generate_joined(first, max_images, &mut feed)));
+    let outcome = match result {
+        Ok(()) => no_result("the engine returned no result for the job"),
         Err(payload) => {
             let message = panic_message(payload.as_ref());
-            tracing::error!(jobs = ids.len(), "engine panicked in a batch: {message}");
-            fail_all(engine_panic(&message));
+            tracing::error!(jobs = feed.running.len(), "engine panicked in a batch: {message}");
+            engine_panic(&message)
+        }
+    };
+    for (_, id, _, _) in std::mem::take(&mut feed.running) {
+        encoder.finish(id, Ended::Final(outcome.clone()));
+    }
+}
+
+/// The queue as a running batch sees it: jobs join from the front of the queue, and each job's reports and end
+/// go where a job run alone sends them.
+struct QueueFeed<'a> {
+    jobs: &'a JobManager,
+    encoder: &'a Encoder,
+    key: sdhive_engine::BatchKey,
+    model: ModelSpec,
+    /// The loaded model's native size (a request without a size gets it).
+    native: (u32, u32),
+    /// Jobs in the batch: token, id, cancel flag, output format.
+    running: Vec<(usize, JobId, Arc<AtomicBool>, OutputFormat)>,
+    next_token: usize,
+}
+
+impl QueueFeed<'_> {
+    /// Registers started generations with tokens of their own.
+    fn take(&mut self, started: Vec<StartedJob>) -> Vec<(usize, GenerateRequest)> {
+        let mut out = Vec::with_capacity(started.len());
+        for StartedJob { id, work, cancel } in started {
+            let Work::Generate { request, .. } = work else { continue };
+            self.jobs.set_size(&id, request.output_size(self.native));
+            let token = self.next_token;
+            self.next_token += 1;
+            self.running.push((token, id, cancel, request.output));
+            out.push((token, *request));
+        }
+        out
+    }
+
+    fn job(&self, token: usize) -> Option<&(usize, JobId, Arc<AtomicBool>, OutputFormat)> {
+        self.running.iter().find(|(t, ..)| *t == token)
+    }
+}
+
+impl BatchFeed for QueueFeed<'_> {
+    fn join(&mut self, images: u32) -> Vec<(usize, GenerateRequest)> {
+        let joined = self.jobs.join_jobs(&self.key, &self.model, images);
+        if !joined.is_empty() {
+            tracing::info!(jobs = joined.len(), "joined a running batch");
+        }
+        self.take(joined)
+    }
+
+    fn progress(&mut self, token: usize, p: &Progress) -> Control {
+        match self.job(token) {
+            Some((_, id, cancel, _)) => report(self.jobs, self.encoder, id, cancel, p),
+            None => Control::Cancel,
         }
     }
+
+    fn finished(&mut self, token: usize, result: Result<GenerateOutput, EngineError>) {
+        let Some(at) = self.running.iter().position(|(t, ..)| *t == token) else { return };
+        let (_, id, _, output) = self.running.remove(at);
+        let ended = ended(&id, result, output);
+        self.encoder.finish(id, ended);
+    }
+
+    fn denoised(&mut self, images: u32) {
+        self.jobs.metrics().observe_batch(images);
+    }
+}
+
+/// A job the engine never reported back.
+fn no_result(message: &str) -> Outcome {
+    Outcome::Failed(JobError { kind: JobErrorKind::EngineError, message: message.into(), param: None })
 }
 
 /// A job that could not run because its model could not be loaded: the model is what the client asked for, so
@@ -257,23 +320,13 @@ fn run_one(
     id: &JobId,
     request: &GenerateRequest,
     cancel: &AtomicBool,
-    max_images: u32,
 ) -> Ended {
     tracing::info!(job = %id, steps = request.steps, n = request.n, "job started");
-    let mut on_progress = |p: &Progress| report(jobs, encoder, id, cancel, p);
-    // A1111's `batch_size` and OpenAI's `n` denoise their images together where the engine batches.
-    let batched = max_images > 1 && request.n > 1 && request.batch_key().is_some();
-    jobs.metrics().observe_batch(if batched { request.n.min(max_images) } else { 1 });
-    let result = catch_unwind(AssertUnwindSafe(|| {
-        if batched {
-            let mut indexed = |_: usize, p: &Progress| on_progress(p);
-            engine.generate_batch(&[request], max_images, &mut indexed).pop().unwrap_or_else(|| {
-                Err(EngineError::Failed("the engine returned no result for the request".into()))
-            })
-        } else {
-            engine.generate(request, &mut on_progress)
-        }
-    }));
+    let mut on_progress = |p: &Progress| {
+        jobs.metrics().observe_batch(1);
+        report(jobs, encoder, id, cancel, p)
+    };
+    let result = catch_unwind(AssertUnwindSafe(|| engine.generate(request, &mut on_progress)));
     match result {
         Ok(result) => ended(id, result, request.output),
         Err(payload) => {

@@ -899,6 +899,44 @@ impl JobManager {
         }
     }
 
+    /// Queued generations of `model` and `key` that join a running batch now, together at most `max_images`
+    /// images: taken from the front of the queue up to the first job that cannot join, so a job of another model,
+    /// size or kind waits at most for the running batch to drain, never behind newcomers overtaking it.
+    pub(crate) fn join_jobs(
+        &self,
+        key: &sdhive_engine::BatchKey,
+        model: &ModelSpec,
+        max_images: u32,
+    ) -> Vec<StartedJob> {
+        let mut inner = self.lock();
+        let mut joined = Vec::new();
+        let mut images = 0;
+        while !inner.stop {
+            let Some(id) = inner.queue.front().cloned() else { break };
+            let Some(work) = inner.jobs.get(&id).and_then(|j| j.work.as_ref()) else {
+                // Nothing left to run (as `next_jobs` skips it).
+                inner.queue.pop_front();
+                continue;
+            };
+            let joins =
+                batch_of(work).is_some_and(|(k, m, n)| k == *key && m == *model && images + n <= max_images);
+            if !joins {
+                break;
+            }
+            inner.queue.pop_front();
+            if let Some(job) = self.start_job(&mut inner, &id) {
+                if let Work::Generate { request, .. } = &job.work {
+                    images += request.n;
+                }
+                joined.push(job);
+            }
+        }
+        if !joined.is_empty() {
+            inner.announce_positions();
+        }
+        joined
+    }
+
     /// Marks queued job `id` (already out of the queue) running; `None` if it has no work left to run.
     fn start_job(&self, inner: &mut Inner, id: &JobId) -> Option<StartedJob> {
         let job = inner.jobs.get_mut(id)?;

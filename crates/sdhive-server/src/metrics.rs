@@ -91,7 +91,7 @@ impl Metrics {
         lock(&self.step_seconds).observe(d.as_secs_f64());
     }
 
-    /// One engine call's images: a batch of queued jobs, or one job's.
+    /// One denoising step's images: a batch's, or 1 for a job run alone.
     pub fn observe_batch(&self, images: u32) {
         lock(&self.batch_images).observe(f64::from(images));
     }
@@ -144,7 +144,7 @@ impl Metrics {
         lock(&self.batch_images).render(
             &mut out,
             "sdhive_batch_images",
-            "Images denoised together per engine call (--max-batch).",
+            "Images denoised together per denoising step (--max-batch).",
         );
         out
     }

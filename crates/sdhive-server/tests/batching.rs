@@ -1,7 +1,9 @@
 //! Batching of queued jobs (`max_batch`) on the tiny fixture model: compatible jobs queued behind a running one
 //! are denoised together, each with its own prompt, negative prompt, seed and CFG scale, and every image equals
-//! the image of a worker that runs one job at a time; a job of another size or step count waits for its own
-//! batch; cancelling one job of a running batch ends only that job; A1111's `batch_size` takes the same path.
+//! the image of a worker that runs one job at a time; a compatible job submitted while a batch runs joins it at
+//! the next step and leaves when done; a job of another size or step count waits for its own batch, and a
+//! compatible job queued behind it does not overtake it; cancelling one job of a running batch ends only that job;
+//! A1111's `batch_size` takes the same path.
 
 mod common;
 
@@ -47,7 +49,7 @@ async fn images(server: &TestServer, ids: &[String]) -> Vec<Vec<RgbImage>> {
     out
 }
 
-/// `(count of engine calls, count with more than one image)` from the batch-size histogram.
+/// `(count of denoising steps, count with more than one image)` from the batch-size histogram.
 async fn batches(server: &TestServer) -> (u64, u64) {
     let text = server.get("/metrics").await.text().await.expect("metrics");
     let value = |name: &str| -> u64 {
@@ -86,11 +88,13 @@ async fn queued_compatible_jobs_run_as_one_batch_with_their_own_images() {
         assert_close(&format!("job {i}"), g, w);
     }
     assert_ne!(got[1][0].data, got[2][0].data, "different prompts and seeds gave one image");
-    // The blocker alone, the four compatible jobs (five images) together, the other step count alone.
-    let (calls, multi) = batches(&batched).await;
-    assert_eq!((calls, multi), (3, 1), "engine calls / calls with several images");
-    let (calls, multi) = batches(&single).await;
-    assert_eq!((calls, multi), (6, 0), "one at a time");
+    // The blocker's 120 steps alone, the four compatible jobs (five images) together for their 6 steps, the
+    // other step count's 7 alone.
+    let (steps, multi) = batches(&batched).await;
+    assert_eq!((steps, multi), (133, 6), "denoising steps / steps with several images");
+    // One at a time: every image's steps (the job of two images twice).
+    let (steps, multi) = batches(&single).await;
+    assert_eq!((steps, multi), (120 + 6 + 6 + 2 * 6 + 6 + 7, 0), "one at a time");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -162,8 +166,65 @@ async fn a1111_batch_size_denoises_together_and_equals_one_at_a_time() {
             .collect();
         results.push((imgs, batches(&s).await));
     }
-    assert_eq!(results[0].1, (1, 1), "batch_size 3 as one engine call of three images");
-    assert_eq!(results[1].1, (1, 0));
+    assert_eq!(results[0].1, (5, 5), "batch_size 3: its 5 steps, each on its three images");
+    assert_eq!(results[1].1, (15, 0));
     assert_close("batch_size", &results[0].0, &results[1].0);
     assert_ne!(results[0].0[0].data, results[0].0[1].data, "seed and seed+1 gave one image");
+}
+
+/// Waits until job `id` has reported `step` steps.
+async fn until_step(server: &TestServer, id: &str, step: u32) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let job = server.job(id).await;
+        assert!(!job.state.is_terminal(), "{id} ended before step {step}: {:?}", job.error);
+        if job.step >= step {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{id} never reached step {step}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_job_submitted_while_a_batch_runs_joins_it_and_leaves_when_done() {
+    let batched = server(8).await;
+    let single = server(1).await;
+    let running = job("running", 1, 7.0, 60);
+    let mut joiner = job("joins mid-run", 2, 5.0, 60);
+    joiner["negative_prompt"] = json!("blurry");
+    let first = batched.submit(&running).await;
+    until_step(&batched, &first, 5).await;
+    let second = batched.submit(&joiner).await;
+    let got = images(&batched, &[first.clone(), second.clone()]).await;
+    let (a, b) = (batched.job(&first).await, batched.job(&second).await);
+    // It joined at once (no wait for the running job's end) and the running job left before it, when done.
+    let queued = b.queue_seconds.expect("queue time");
+    assert!(queued < 0.5 * a.run_seconds.expect("run time"), "the newcomer waited {queued} s in the queue");
+    assert!(a.finished_at < b.finished_at, "the first job left when it was done");
+    let (_, multi) = batches(&batched).await;
+    assert!(multi >= 30, "only {multi} steps ran both images");
+    let want = images(&single, &[single.submit(&running).await, single.submit(&joiner).await]).await;
+    assert_close("running", &got[0], &want[0]);
+    assert_close("joined", &got[1], &want[1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_compatible_job_does_not_overtake_an_incompatible_one_queued_before_it() {
+    let batched = server(8).await;
+    let first = batched.submit(&job("running", 1, 7.0, 40)).await;
+    until_step(&batched, &first, 3).await;
+    let other = batched.submit(&job("other steps", 2, 7.0, 8)).await;
+    let behind = batched.submit(&job("compatible, queued behind", 3, 7.0, 40)).await;
+    for id in [&first, &other, &behind] {
+        let done = batched.wait_done(id).await;
+        assert_eq!(done.state, JobState::Succeeded, "{id}: {:?}", done.error);
+    }
+    let (o, b) = (batched.job(&other).await, batched.job(&behind).await);
+    assert!(
+        o.started_at <= b.started_at,
+        "the compatible job started at {:?}, before the job queued ahead of it ({:?})",
+        b.started_at,
+        o.started_at
+    );
 }

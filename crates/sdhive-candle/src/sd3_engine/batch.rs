@@ -1,7 +1,7 @@
 //! Batched SD3 generation: requests of one [`sdhive_engine::BatchKey`] (text to image, one size, steps, sampler,
 //! CFG on or off, LoRA set) denoised together, each image a row of one MMDiT call per step with its own prompts,
-//! seed and CFG scale ([`Sd3Model::denoise_batch`]), cut into chunks the memory plan admits at once, on the SD1/SDXL
-//! engine's batch bookkeeping (`engine::batch`). A request that fails its checks ends alone; a cancelled one stops
+//! seed and CFG scale ([`Sd3Model::denoise_batch`]), cut into chunks the memory plan admits at once, on the batch
+//! bookkeeping of `engine::batch`. A request that fails its checks ends alone; a cancelled one stops
 //! reporting and keeps the images it finished, while the other rows run on.
 
 use super::{flow_sampler, ran_request, Sd3Engine};
@@ -17,8 +17,6 @@ use sdhive_engine::{
     Control, Engine, EngineError, GenerateOutput, GenerateRequest, Progress, ValidationError,
 };
 use sdhive_tokenizer::T5_DEFAULT_MAX_LEN;
-
-type Sd3Member<'a> = Member<'a, ()>;
 
 fn sd3_error(e: Sd3Error) -> EngineError {
     match e {
@@ -42,7 +40,7 @@ impl Sd3Engine {
                 .map(|(i, r)| self.generate(r, &mut |p: &Progress| progress(i, p)))
                 .collect();
         }
-        let mut members = Sd3Member::of(reqs);
+        let mut members = Member::of(reqs);
         if let Some(size) = check_sizes(&mut members, |req| self.checked(req)) {
             self.denoise_members(&mut members, size, max_images, progress);
         }
@@ -52,7 +50,7 @@ impl Sd3Engine {
     /// Applies the batch's LoRAs, then denoises the members' rows chunk by chunk under the batch's memory plan.
     fn denoise_members(
         &mut self,
-        members: &mut [Sd3Member<'_>],
+        members: &mut [Member<'_>],
         size: (u32, u32),
         max_images: u32,
         progress: &mut dyn FnMut(usize, &Progress) -> Control,
@@ -81,7 +79,7 @@ impl Sd3Engine {
     /// Denoises and decodes one chunk of rows; rows of members that ended meanwhile are skipped.
     fn run_chunk(
         &mut self,
-        members: &mut [Sd3Member<'_>],
+        members: &mut [Member<'_>],
         rows: &[Row],
         (width, height): (u32, u32),
         progress: &mut dyn FnMut(usize, &Progress) -> Control,

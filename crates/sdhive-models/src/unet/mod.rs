@@ -258,11 +258,11 @@ impl UNet2DConditionModel {
     /// Predicts noise (or v) for `sample` `(B, C, H, W)` at one `timestep` shared by the
     /// batch, conditioned on `encoder_hidden_states` `(B, T, D)` and, for SDXL, `added`.
     ///
-    /// A `sample` of batch 1 with `B` contexts is shared by all of them, as classifier-free guidance shares its
-    /// latents between the negative and the positive prompt, and the output has batch `B`. Where every sample's
-    /// time rows are the same (no SDXL conditioning), the network runs once up to its first attention to the
-    /// context, the first point at which the samples differ (SD1.5: the first ResNet and self-attention at 64²);
-    /// otherwise the sample is repeated first.
+    /// A `sample` of batch 1 (or `k`) with `B` contexts is shared by all of them (by rows `j`, `k + j`, …), as
+    /// classifier-free guidance shares its latents between the negative and the positive prompt, and the output
+    /// has batch `B`. Where every sample's time rows are the same (no SDXL conditioning), the network runs once up
+    /// to its first attention to the context, the first point at which the samples differ (SD1.5: the first
+    /// ResNet and self-attention at 64²); otherwise the sample is repeated first.
     pub fn forward(
         &self,
         sample: &Tensor,
@@ -270,6 +270,55 @@ impl UNet2DConditionModel {
         encoder_hidden_states: &Tensor,
         added: Option<&SdxlConditioning>,
     ) -> Result<Tensor> {
+        let b = self.check_inputs(sample, encoder_hidden_states)?;
+        self.require_added(added)?;
+        let temb = match self.schedule.row(timestep, self.schedule_key(b, added)).ctx(MODEL)? {
+            Some(row) => row,
+            None => {
+                let emb = self.time_embed(timestep, b, added)?;
+                self.tables.time(&ops::silu(&emb).ctx(MODEL)?).ctx(MODEL)?
+            }
+        };
+        self.forward_with_time(sample, &temb, encoder_hidden_states)
+    }
+
+    /// The time rows of each of `timesteps` for calls at batch `batch` with `added` (the same tensors):
+    /// `(n, batch, ΣC)`, made in one pass as [`Self::prepare_timesteps`] makes its table. Rows of these, one per
+    /// sample, are what [`Self::forward_rows`] takes.
+    pub fn time_rows(
+        &self,
+        timesteps: &[f64],
+        batch: usize,
+        added: Option<&SdxlConditioning>,
+    ) -> Result<Tensor> {
+        self.require_added(added)?;
+        if let Some(bad) = timesteps.iter().find(|t| !t.is_finite()) {
+            return Err(input_err(MODEL, format!("timestep {bad} is not a finite number")));
+        }
+        self.schedule_rows(timesteps, batch, added)
+    }
+
+    /// [`Self::forward`] with each sample's own time rows `temb` `(B, ΣC)` (rows of [`Self::time_rows`]), so
+    /// samples at different timesteps, or with different SDXL conditioning, share one call. As in
+    /// [`Self::forward`], a guided batch passes its `k` samples once with `2k` contexts and time rows laid out
+    /// `[negatives…, positives…]`: sample `j` is shared by rows `j` and `k + j`, whose time rows must then be the
+    /// same where the network shares states (no SDXL conditioning).
+    pub fn forward_rows(
+        &self,
+        sample: &Tensor,
+        temb: &Tensor,
+        encoder_hidden_states: &Tensor,
+    ) -> Result<Tensor> {
+        let b = self.check_inputs(sample, encoder_hidden_states)?;
+        let rows = temb.dim(0).map_err(|e| input_err(MODEL, format!("time rows must be (B, C): {e}")))?;
+        if rows != b {
+            return Err(input_err(MODEL, format!("{rows} time rows for a batch of {b}")));
+        }
+        self.forward_with_time(sample, temb, encoder_hidden_states)
+    }
+
+    /// Checks a call's sample and context; returns the call's batch (the context's).
+    fn check_inputs(&self, sample: &Tensor, encoder_hidden_states: &Tensor) -> Result<usize> {
         let (sb, c, _, _) =
             sample.dims4().map_err(|e| input_err(MODEL, format!("sample must be (B, C, H, W): {e}")))?;
         if c != self.config.in_channels {
@@ -281,27 +330,31 @@ impl UNet2DConditionModel {
         let (b, _, _) = encoder_hidden_states
             .dims3()
             .map_err(|e| input_err(MODEL, format!("encoder_hidden_states must be (B, T, D): {e}")))?;
-        if sb != b && sb != 1 {
+        if sb == 0 || !b.is_multiple_of(sb) {
             return Err(input_err(
                 MODEL,
                 format!(
-                    "encoder_hidden_states batch {b} != sample batch {sb} (only a single sample is shared)"
+                    "encoder_hidden_states batch {b} is not a whole number of sample batches ({sb}): samples are \
+                     shared whole"
                 ),
             ));
         }
-        self.require_added(added)?;
+        Ok(b)
+    }
+
+    /// The network on checked inputs with the time rows `temb` `(B, ΣC)`.
+    fn forward_with_time(
+        &self,
+        sample: &Tensor,
+        temb: &Tensor,
+        encoder_hidden_states: &Tensor,
+    ) -> Result<Tensor> {
+        let b = encoder_hidden_states.dim(0).ctx(MODEL)?;
+        let sb = sample.dim(0).ctx(MODEL)?;
         let sample = if sb != b && self.add_embedding.is_some() {
             ops::expand_batch(sample, b).ctx(MODEL)?
         } else {
             sample.clone()
-        };
-        let sample = &sample;
-        let temb = match self.schedule.row(timestep, self.schedule_key(b, added)).ctx(MODEL)? {
-            Some(row) => row,
-            None => {
-                let emb = self.time_embed(timestep, b, added)?;
-                self.tables.time(&ops::silu(&emb).ctx(MODEL)?).ctx(MODEL)?
-            }
         };
         let context = self
             .context_table
@@ -310,9 +363,9 @@ impl UNet2DConditionModel {
             })
             .ctx(MODEL)?;
         let out = if sdhive_cuda_kernels::graphs_on(&self.device) {
-            self.run_graphed(sample, &temb, &context).ctx(MODEL)
+            self.run_graphed(&sample, temb, &context).ctx(MODEL)
         } else {
-            self.run(sample, &temb, &context).ctx(MODEL)
+            self.run(&sample, temb, &context).ctx(MODEL)
         };
         crate::cpu::release_scratch();
         out
