@@ -159,6 +159,10 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def per_preview(w: dict) -> str:
+    """The extra time per preview sent (paced TAESD previews send fewer than asked for), else per preview asked."""
+    sent = w.get("previews_sent_per_image")
+    if sent:
+        return f"{w['extra_ms_per_image'] / sent:+.3f} ms"
     return "—" if w["extra_ms_per_preview"] is None else f"{w['extra_ms_per_preview']:+.3f} ms"
 
 
@@ -225,11 +229,14 @@ def table(res: dict) -> str:
                                  f"{batch} |")
         prev = [(o["config"], o["previews"]) for o in ok if o.get("previews")]
         if prev:
-            lines += ["", "| live previews (native jobs) | step time | preview_every | extra per image | "
-                          "extra per preview | cost, % of step time |", "|---|---|---|---|---|---|"]
+            lines += ["", "| live previews (native jobs) | step time | preview_every | previews per image "
+                          "(asked / sent) | extra per image | extra per preview | cost, % of step time |",
+                      "|---|---|---|---|---|---|---|"]
             for name, p in prev:
                 for w in p["with"]:
-                    lines.append(f"| sdhive `{name}` | {p['step_ms']:.2f} ms | {w['preview_every']} | "
+                    sent = w.get("previews_sent_per_image")
+                    counts = f"{w['previews_per_image']} / {'—' if sent is None else f'{sent:.1f}'}"
+                    lines.append(f"| sdhive `{name}` | {p['step_ms']:.2f} ms | {w['preview_every']} | {counts} | "
                                  f"{w['extra_ms_per_image']:+.2f} ms | {per_preview(w)} | "
                                  f"{w['step_cost_pct']:+.2f} % |")
         lines += ["", *targets(fam, r), ""]

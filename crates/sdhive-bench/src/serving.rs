@@ -384,6 +384,13 @@ impl Load {
         histogram_totals(&text, "sdhive_batch_images")
     }
 
+    /// The worker's count of previews sent (`sdhive_previews_total`), where it has one.
+    async fn previews_sent(&self) -> Option<f64> {
+        let response = self.client.get(format!("{}/metrics", self.url)).send().await.ok()?;
+        let text = response.error_for_status().ok()?.text().await.ok()?;
+        text.lines().find_map(|l| l.strip_prefix("sdhive_previews_total ")?.trim().parse().ok())
+    }
+
     fn clone_handle(&self) -> Load {
         Load {
             client: self.client.clone(),
@@ -466,9 +473,15 @@ async fn previews(s: &Settings<'_>, load: &Load) -> Result<Value> {
         run(p).await?;
     }
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); phases.len()];
+    // Previews each setting got (TAESD's are paced: fewer than asked for where they cost more than their share).
+    let mut sent = vec![0.0; phases.len()];
     for _ in 0..s.args.preview_images {
         for (i, &p) in phases.iter().enumerate() {
+            let before = load.previews_sent().await;
             times[i].push(run(p).await? * 1e3);
+            if let (Some(b), Some(a)) = (before, load.previews_sent().await) {
+                sent[i] += a - b;
+            }
         }
     }
     let plain = median(&times[0]);
@@ -480,11 +493,12 @@ async fn previews(s: &Settings<'_>, load: &Load) -> Result<Value> {
     let with: Vec<Value> = phases
         .iter()
         .zip(&times)
-        .filter_map(|(p, t)| match p {
-            Phase::Every(k) => Some((*k, t)),
+        .zip(&sent)
+        .filter_map(|((p, t), sent)| match p {
+            Phase::Every(k) => Some((*k, t, *sent)),
             _ => None,
         })
-        .map(|(k, t)| {
+        .map(|(k, t, sent)| {
             let per_image = median(t);
             let extra_ms = per_image - plain;
             let per_step_ms = extra_ms / f64::from(s.steps);
@@ -496,6 +510,7 @@ async fn previews(s: &Settings<'_>, load: &Load) -> Result<Value> {
             json!({
                 "preview_every": k,
                 "previews_per_image": previews,
+                "previews_sent_per_image": sent / s.args.preview_images.max(1) as f64,
                 "run_ms": summary(t),
                 "extra_ms_per_image": extra_ms,
                 "extra_ms_per_preview": (previews > 0).then(|| extra_ms / f64::from(previews)),

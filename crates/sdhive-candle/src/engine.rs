@@ -369,6 +369,7 @@ impl Engine for CandleEngine {
         // Dropped at the end of the job, restoring the engine thread's default.
         let _slicing = follow_plan(&plan, (plan_w, plan_h));
         let base_seed = req.seed.unwrap_or_else(random_seed);
+        self.preview.new_job((width as usize, height as usize));
         let size = (width as usize, height as usize);
         let text_failed = |e: candle_core::Error| failed(format!("text encoder: {e}"));
         let guided = f64::from(req.cfg_scale) > 1.0;
@@ -424,6 +425,7 @@ impl Engine for CandleEngine {
             let previews = &self.preview;
             let mut reports = Reports::default();
             let mut on_step = |r: StepReport<'_>| {
+                previews.step();
                 let wants_preview =
                     req.preview_every > 0 && r.step.is_multiple_of(req.preview_every as usize);
                 let preview = match wants_preview {

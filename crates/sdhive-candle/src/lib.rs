@@ -13,6 +13,7 @@ mod engine;
 mod hires;
 mod lora;
 mod model;
+mod pace;
 mod pipeline;
 mod preview;
 mod residency;

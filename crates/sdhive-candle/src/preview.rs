@@ -5,6 +5,7 @@
 //! next step is queued), so the device never waits for the host's read.
 
 use crate::model::{Family, SdModel};
+use crate::pace::Pace;
 use crate::tensor_image::{rgb8_tensor, tensor_to_image};
 use candle_core::{DType, Tensor};
 use sdhive_cuda_kernels::{start_readback, Readback};
@@ -19,6 +20,9 @@ pub struct TaesdDecoders {
     pub sd: Option<Arc<TaesdDecoder>>,
     /// `taesdxl`, for SDXL latents.
     pub sdxl: Option<Arc<TaesdDecoder>>,
+    /// A preview at every step asked for, whatever it costs (tests that check every one); otherwise previews are
+    /// paced to [`crate::pace::SHARE`] of the steps' device time.
+    pub unpaced: bool,
 }
 
 /// How an engine makes previews, whatever model it loads.
@@ -36,7 +40,8 @@ pub enum Previews {
 pub(crate) enum Preview {
     Off,
     Latent,
-    Taesd(Arc<TaesdDecoder>),
+    /// With the model's pace, unless unpaced.
+    Taesd(Arc<TaesdDecoder>, Option<Arc<Pace>>),
 }
 
 impl Preview {
@@ -50,7 +55,7 @@ impl Preview {
                     Family::Sdxl => &decoders.sdxl,
                 };
                 match decoder {
-                    Some(d) => Preview::Taesd(d.clone()),
+                    Some(d) => Preview::Taesd(d.clone(), (!decoders.unpaced).then(Arc::default)),
                     None => {
                         tracing::info!(
                             family = family.name(),
@@ -63,11 +68,25 @@ impl Preview {
         }
     }
 
+    /// One denoising step has been queued (what paces TAESD previews).
+    pub(crate) fn step(&self) {
+        if let Preview::Taesd(_, Some(pace)) = self {
+            pace.step();
+        }
+    }
+
+    /// A job (or a batch) at `width`×`height` starts (see [`Pace::new_job`]).
+    pub(crate) fn new_job(&self, (width, height): (usize, usize)) {
+        if let Preview::Taesd(_, Some(pace)) = self {
+            pace.new_job((width, height));
+        }
+    }
+
     pub(crate) fn decoder(&self) -> PreviewDecoder {
         match self {
             Preview::Off => PreviewDecoder::Off,
             Preview::Latent => PreviewDecoder::Latent,
-            Preview::Taesd(_) => PreviewDecoder::Taesd,
+            Preview::Taesd(..) => PreviewDecoder::Taesd,
         }
     }
 
@@ -90,14 +109,24 @@ impl Preview {
         match self {
             Preview::Off => None,
             Preview::Latent => latent(),
-            Preview::Taesd(_) if !full_size_fits || approx => latent(),
-            Preview::Taesd(decoder) => match start_taesd(decoder, estimate) {
-                Ok(pending) => Some(pending),
-                Err(e) => {
-                    tracing::warn!("TAESD preview failed, sending the latent preview: {e}");
-                    latent()
+            Preview::Taesd(..) if !full_size_fits || approx => latent(),
+            Preview::Taesd(decoder, pace) => {
+                let allowed = match pace {
+                    Some(pace) => Some(pace.allow(estimate.device())?),
+                    None => None,
+                };
+                let pending = match start_taesd(decoder, estimate) {
+                    Ok(pending) => Some(pending),
+                    Err(e) => {
+                        tracing::warn!("TAESD preview failed, sending the latent preview: {e}");
+                        latent()
+                    }
+                };
+                if let (Some(pace), Some(allowed)) = (pace, allowed) {
+                    pace.decoded(allowed, estimate.device());
                 }
-            },
+                pending
+            }
         }
     }
 }

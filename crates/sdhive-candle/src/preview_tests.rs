@@ -57,7 +57,7 @@ fn previews_of(engine: &mut CandleEngine, req: &GenerateRequest) -> Vec<(u32, Rg
 #[test]
 fn taesd_previews_are_the_decode_of_each_steps_estimate_at_the_output_size() {
     let decoder = taesd("taesd");
-    let previews = Previews::Taesd(TaesdDecoders { sd: Some(decoder.clone()), sdxl: None });
+    let previews = Previews::Taesd(TaesdDecoders { sd: Some(decoder.clone()), sdxl: None, unpaced: true });
     let mut engine = engine("sd1", &previews);
     assert_eq!(engine.info().preview, PreviewDecoder::Taesd);
     let req = request(2);
@@ -107,7 +107,7 @@ fn taesd_previews_are_the_decode_of_each_steps_estimate_at_the_output_size() {
 #[test]
 fn a_family_without_its_decoder_gets_latent_previews_and_off_gets_none() {
     // Only SDXL's decoder: an SD1 model falls back to the latent preview, at 1/8 of the size.
-    let only_xl = Previews::Taesd(TaesdDecoders { sd: None, sdxl: Some(taesd("taesdxl")) });
+    let only_xl = Previews::Taesd(TaesdDecoders { sd: None, sdxl: Some(taesd("taesdxl")), unpaced: true });
     let mut sd1 = engine("sd1", &only_xl);
     assert_eq!(sd1.info().preview, PreviewDecoder::Latent);
     let got = previews_of(&mut sd1, &request(2));
@@ -130,8 +130,11 @@ fn a_family_without_its_decoder_gets_latent_previews_and_off_gets_none() {
 
 #[test]
 fn batched_jobs_preview_each_request_with_taesd() {
-    let previews =
-        Previews::Taesd(TaesdDecoders { sd: Some(taesd("VAE-taesd/taesd_decoder.safetensors")), sdxl: None });
+    let previews = Previews::Taesd(TaesdDecoders {
+        sd: Some(taesd("VAE-taesd/taesd_decoder.safetensors")),
+        sdxl: None,
+        unpaced: true,
+    });
     let mut engine = engine("sd1", &previews);
     let (a, b) = (request(2), GenerateRequest { seed: Some(8), preview_every: 4, ..request(0) });
     let mut got: Vec<(usize, u32, u32, u32)> = Vec::new();

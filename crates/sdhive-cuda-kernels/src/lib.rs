@@ -337,6 +337,56 @@ impl<T: HostValue> Readback<T> {
     }
 }
 
+/// A point in a device's work, to measure the device time between two ([`Mark::ms_since`]) without waiting for
+/// it: an event recorded in a CUDA device's stream, the host's clock on a device whose work runs as it is issued.
+pub struct Mark {
+    inner: MarkInner,
+}
+
+enum MarkInner {
+    Host(std::time::Instant),
+    #[cfg(feature = "cuda")]
+    Cuda(candle_core::cuda_backend::cudarc::driver::CudaEvent),
+}
+
+/// Marks the point `device`'s work has been issued up to.
+pub fn mark(device: &candle_core::Device) -> Result<Mark> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = device {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+        use candle_core::cuda_backend::WrapErr;
+        let event = dev.cuda_stream().record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).w()?;
+        return Ok(Mark { inner: MarkInner::Cuda(event) });
+    }
+    let _ = device;
+    Ok(Mark { inner: MarkInner::Host(std::time::Instant::now()) })
+}
+
+impl Mark {
+    /// Milliseconds of the device's work from `earlier` to this mark, once the device has reached both; `None`
+    /// while it has not (this never waits) or when the two marks are of different kinds.
+    pub fn ms_since(&self, earlier: &Mark) -> Option<f64> {
+        match (&self.inner, &earlier.inner) {
+            (MarkInner::Host(now), MarkInner::Host(then)) => {
+                Some(now.duration_since(*then).as_secs_f64() * 1e3)
+            }
+            #[cfg(feature = "cuda")]
+            (MarkInner::Cuda(end), MarkInner::Cuda(start)) => {
+                let reached = |e: &candle_core::cuda_backend::cudarc::driver::CudaEvent| {
+                    e.try_is_complete().unwrap_or(false)
+                };
+                if reached(start) && reached(end) {
+                    start.elapsed_ms(end).ok().map(f64::from)
+                } else {
+                    None
+                }
+            }
+            #[cfg(feature = "cuda")]
+            _ => None,
+        }
+    }
+}
+
 /// Starts reading `t`'s values (in row-major order) to the host; see [`Readback`].
 pub fn start_readback<T: HostValue>(t: &Tensor) -> Result<Readback<T>> {
     #[cfg(feature = "cuda")]

@@ -296,6 +296,7 @@ fn switch(jobs: &JobManager, host: &mut ModelHost, id: &JobId, model: &ModelSpec
 fn report(jobs: &JobManager, encoder: &Encoder, id: &JobId, cancel: &AtomicBool, p: &Progress) -> Control {
     jobs.on_progress(id, p);
     if let Some(preview) = &p.preview {
+        jobs.metrics().preview_sent();
         encoder.preview(id.clone(), p.step, p.image, preview.clone());
     }
     if cancel.load(Ordering::SeqCst) {

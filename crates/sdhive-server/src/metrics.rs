@@ -49,6 +49,7 @@ pub struct Metrics {
     step_seconds: Mutex<Histogram>,
     generation_seconds: Mutex<Histogram>,
     batch_images: Mutex<Histogram>,
+    previews: AtomicU64,
     /// f64 bits; written once after the load.
     model_load_seconds: AtomicU64,
 }
@@ -74,6 +75,7 @@ impl Metrics {
             step_seconds: Mutex::new(Histogram::new(&STEP_BUCKETS)),
             generation_seconds: Mutex::new(Histogram::new(&GENERATION_BUCKETS)),
             batch_images: Mutex::new(Histogram::new(&BATCH_BUCKETS)),
+            previews: AtomicU64::new(0),
             model_load_seconds: AtomicU64::new(0f64.to_bits()),
         }
     }
@@ -94,6 +96,11 @@ impl Metrics {
     /// One denoising step's images: a batch's, or 1 for a job run alone.
     pub fn observe_batch(&self, images: u32) {
         lock(&self.batch_images).observe(f64::from(images));
+    }
+
+    /// A live preview went out with a step's report.
+    pub fn preview_sent(&self) {
+        self.previews.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn observe_generation(&self, d: Duration) {
@@ -134,6 +141,11 @@ impl Metrics {
             out,
             "# HELP sdhive_model_load_seconds Time the model took to load.\n# TYPE sdhive_model_load_seconds gauge\nsdhive_model_load_seconds {}",
             self.model_load_seconds()
+        );
+        let _ = writeln!(
+            out,
+            "# HELP sdhive_previews_total Live previews sent with step reports.\n# TYPE sdhive_previews_total counter\nsdhive_previews_total {}",
+            self.previews.load(Ordering::Relaxed)
         );
         lock(&self.step_seconds).render(&mut out, "sdhive_step_seconds", "Time per denoising step.");
         lock(&self.generation_seconds).render(

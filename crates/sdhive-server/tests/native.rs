@@ -159,8 +159,8 @@ async fn events_arrive_in_order() {
     server.shutdown().await.unwrap();
 }
 
-/// `preview_every: 2` adds a `preview` event after steps 2 and 4: a PNG at latent resolution (64 px / 8), and
-/// `/v1/info` says previews are supported.
+/// `preview_every: 2` adds a `preview` event after steps 2 and 4: a PNG at latent resolution (64 px / 8),
+/// `/v1/info` says previews are supported, and `/metrics` counts them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn previews_arrive_every_k_steps_at_latent_resolution() {
     let server = start(config()).await;
@@ -187,6 +187,8 @@ async fn previews_arrive_every_k_steps_at_latent_resolution() {
         }
     }
     assert_eq!(preview_steps, [2, 4]);
+    let metrics = server.get("/metrics").await.text().await.unwrap();
+    assert!(metrics.lines().any(|l| l == "sdhive_previews_total 2"), "previews counted:\n{metrics}");
     server.shutdown().await.unwrap();
 }
 

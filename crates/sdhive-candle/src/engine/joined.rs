@@ -228,6 +228,7 @@ impl CandleEngine {
                 let kept = self.model.loras.kept_bytes();
                 let (lanes, plan) = self.memory.batch_plan(size, guided, max_images, kept)?;
                 *slicing = super::follow_plan(&plan, size);
+                self.preview.new_job((size.0 as usize, size.1 as usize));
                 let key = req.batch_key().ok_or_else(|| failed("the request cannot share a batch".into()))?;
                 run.settings = Some(Settings { size, guided, lanes, plan, key });
             }
@@ -349,6 +350,7 @@ impl CandleEngine {
                 return Err((tokens, e));
             }
             feed.denoised(at.len() as u32);
+            self.preview.step();
         }
         run.contexts = contexts;
         Ok(())
