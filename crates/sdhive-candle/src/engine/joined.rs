@@ -2,9 +2,10 @@
 //! noise stream, latents and place in its schedule, so lanes at different steps share one UNet call, each sample
 //! with its own time rows. A lane's image is decoded and its request handed back as soon as its schedule ends, and
 //! newcomers from the [`BatchFeed`] start at the next step, so under load the UNet runs as many images as are
-//! waiting without anyone waiting for a whole batch to end. Requests of one batch share the batch's size, steps,
-//! sampler, schedule, guidance and LoRAs (one [`sdhive_engine::BatchKey`]); prompts, seeds and CFG scales are
-//! each request's own.
+//! waiting without anyone waiting for a whole batch to end. What a step reads back (previews, finished images) is
+//! taken once the next step is queued, so the device never waits on the host's reads. Requests of one batch share
+//! the batch's size, steps, sampler, schedule, guidance and LoRAs (one [`sdhive_engine::BatchKey`]); prompts,
+//! seeds and CFG scales are each request's own.
 
 use super::{encode, failed, lora_error, CandleEngine};
 use crate::pipeline::{start_decode, step_lanes, ImageJob, Lane, PipelineError, UnetConditioning};
