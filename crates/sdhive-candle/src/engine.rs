@@ -1,8 +1,8 @@
 //! `CandleEngine`: the [`Engine`] implementation over candle. It validates a request against the loaded model,
 //! plans the job's memory against the device's free memory (attention slicing, VAE tiling, or a refusal that
 //! says how much it needs), encodes the prompts once per request and runs one denoising loop per image
-//! (seed, seed+1, …), or — through [`Engine::generate_batch`] (`batch`) — one loop for a batch of images of
-//! several requests.
+//! (seed, seed+1, …), or — through [`Engine::generate_joined`] (`joined`) — one loop for a batch of images of
+//! several requests that others join between steps.
 
 pub(crate) mod batch;
 mod joined;

@@ -69,7 +69,7 @@ fn run(weak: Weak<Shared>, mut host: ModelHost) {
     }
 }
 
-/// The most images one engine call may denoise together: the operator's `--max-batch`, within what the loaded
+/// The most images one denoising step may take together: the operator's `--max-batch`, within what the loaded
 /// engine batches (an engine that has not loaded yet is asked when it runs).
 fn batch_images(jobs: &JobManager, host: &mut ModelHost) -> u32 {
     let configured = jobs.config().max_batch.max(1);
