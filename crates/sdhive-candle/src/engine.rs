@@ -186,6 +186,14 @@ fn failed(message: String) -> EngineError {
     }
 }
 
+/// A pipeline's error as the engine reports it: a request's invalid field, else a failure.
+pub(crate) fn pipeline_error(e: PipelineError) -> EngineError {
+    match e {
+        PipelineError::Invalid { field, message } => EngineError::Invalid(ValidationError { field, message }),
+        other => failed(other.to_string()),
+    }
+}
+
 /// A LoRA the request names that cannot be applied: the request's `loras` when the file is at fault.
 pub(crate) fn lora_error(e: &LoraApplyError) -> EngineError {
     match e {
@@ -512,12 +520,7 @@ impl Engine for CandleEngine {
 
     fn upscale(&mut self, req: &UpscaleRequest) -> Result<Vec<RgbImage>, EngineError> {
         let (device, dtype) = (self.model.unet.device(), self.model.unet.dtype());
-        self.upscalers.extras(req, device, dtype).map_err(|e| match e {
-            PipelineError::Invalid { field, message } => {
-                EngineError::Invalid(ValidationError { field, message })
-            }
-            other => failed(other.to_string()),
-        })
+        self.upscalers.extras(req, device, dtype).map_err(pipeline_error)
     }
 }
 

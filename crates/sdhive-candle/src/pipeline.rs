@@ -201,6 +201,11 @@ fn scheduler_for(
     .map_err(|e| PipelineError::Invalid { field: "sampler", message: e.to_string() })
 }
 
+/// The timesteps `job`'s sampler evaluates the UNet at, in order.
+pub fn schedule_timesteps(model: &SdModel, job: &ImageJob<'_>) -> Result<Vec<f64>, PipelineError> {
+    Ok(scheduler_for(model, job)?.timesteps())
+}
+
 /// How many denoising steps `job` runs: all of them from noise, those the strength leaves when it starts from an
 /// image or latents (`from_init`).
 pub fn planned_steps(model: &SdModel, job: &ImageJob<'_>, from_init: bool) -> Result<usize, PipelineError> {

@@ -141,25 +141,20 @@ fn run_batch(
     }) else {
         return;
     };
-    let mut feed =
-        QueueFeed { jobs, encoder, key, model, native: (0, 0), running: Vec::new(), next_token: 0 };
-    let first: Vec<StartedJob> = started;
-    if let Err(failure) = switch(jobs, host, &first[0].id, &feed.model) {
-        for job in first {
-            encoder.finish(job.id, Ended::Final(failure.clone()));
+    let fail_all = |outcome: Outcome| {
+        for job in &started {
+            encoder.finish(job.id.clone(), Ended::Final(outcome.clone()));
         }
-        return;
-    }
-    let Some(engine) = host.engine() else {
-        for job in first {
-            encoder.finish(job.id, Ended::Final(model_failure("no model is loaded".into())));
-        }
-        return;
     };
+    if let Err(failure) = switch(jobs, host, &started[0].id, &model) {
+        return fail_all(failure);
+    }
+    let Some(engine) = host.engine() else { return fail_all(model_failure("no model is loaded".into())) };
     let info = engine.info();
-    feed.native = (info.native_width, info.native_height);
+    let native = (info.native_width, info.native_height);
     let max_images = max_images.min(engine.max_batch().max(1));
-    let first = feed.take(first);
+    let mut feed = QueueFeed { jobs, encoder, key, model, native, running: Vec::new(), next_token: 0 };
+    let first = feed.take(started);
     tracing::info!(jobs = first.len(), steps = first.first().map_or(0, |(_, r)| r.steps), "batch started");
     let result = catch_unwind(AssertUnwindSafe(|| engine.generate_joined(first, max_images, &mut feed)));
     let outcome = match result {

@@ -407,6 +407,11 @@ fn batch_of(work: &Work) -> Option<(sdhive_engine::BatchKey, ModelSpec, u32)> {
     }
 }
 
+/// The images of `work` if it may join a batch of `key` and `model` with `room` images left.
+fn joining_images(work: &Work, key: &sdhive_engine::BatchKey, model: &ModelSpec, room: u32) -> Option<u32> {
+    batch_of(work).filter(|(k, m, n)| k == key && m == model && *n <= room).map(|(_, _, n)| n)
+}
+
 /// What the engine thread should do next.
 pub(crate) enum Next {
     /// One job, or several generations to run as one batch (oldest first).
@@ -864,13 +869,10 @@ impl JobManager {
                     let mut at = 0;
                     while at < inner.queue.len() && images < max_images {
                         let candidate = inner.queue[at].clone();
-                        let joins = inner
-                            .jobs
-                            .get(&candidate)
-                            .and_then(|j| j.work.as_ref())
-                            .and_then(batch_of)
-                            .filter(|(k, m, n)| *k == key && *m == model && images + n <= max_images)
-                            .map(|(_, _, n)| n);
+                        let joins =
+                            inner.jobs.get(&candidate).and_then(|j| j.work.as_ref()).and_then(|w| {
+                                joining_images(w, &key, &model, max_images.saturating_sub(images))
+                            });
                         match joins {
                             Some(n) => {
                                 inner.queue.remove(at);
@@ -918,16 +920,10 @@ impl JobManager {
                 inner.queue.pop_front();
                 continue;
             };
-            let joins =
-                batch_of(work).is_some_and(|(k, m, n)| k == *key && m == *model && images + n <= max_images);
-            if !joins {
-                break;
-            }
+            let Some(n) = joining_images(work, key, model, max_images.saturating_sub(images)) else { break };
             inner.queue.pop_front();
             if let Some(job) = self.start_job(&mut inner, &id) {
-                if let Work::Generate { request, .. } = &job.work {
-                    images += request.n;
-                }
+                images += n;
                 joined.push(job);
             }
         }

@@ -82,26 +82,30 @@ pub(crate) fn check_sizes(
 
 /// Ends every member still running with `error` (or a plain failure of its message).
 pub(crate) fn end_running(members: &mut [Member<'_>], rows: Option<&[Row]>, error: &EngineError) {
-    let message = error.to_string();
-    let copy = || match error {
-        EngineError::Invalid(v) => EngineError::Invalid(v.clone()),
-        EngineError::InsufficientMemory(i) => EngineError::InsufficientMemory(*i),
-        _ => failed(message.clone()),
-    };
     match rows {
         Some(rows) => {
             for r in rows {
                 let m = &mut members[r.member];
                 if m.ended.is_none() {
-                    m.ended = Some(copy());
+                    m.ended = Some(copy_error(error));
                 }
             }
         }
         None => {
             for m in members.iter_mut().filter(|m| m.ended.is_none()) {
-                m.ended = Some(copy());
+                m.ended = Some(copy_error(error));
             }
         }
+    }
+}
+
+/// The same error for each request a failed call ends.
+pub(crate) fn copy_error(e: &EngineError) -> EngineError {
+    match e {
+        EngineError::Invalid(v) => EngineError::Invalid(v.clone()),
+        EngineError::InsufficientMemory(i) => EngineError::InsufficientMemory(*i),
+        EngineError::OutOfMemory(m) => EngineError::OutOfMemory(m.clone()),
+        other => failed(other.to_string()),
     }
 }
 

@@ -7,8 +7,9 @@
 //! the batch's size, steps, sampler, schedule, guidance and LoRAs (one [`sdhive_engine::BatchKey`]); prompts,
 //! seeds and CFG scales are each request's own.
 
-use super::{encode, failed, lora_error, CandleEngine};
-use crate::pipeline::{start_decode, step_lanes, ImageJob, Lane, PipelineError, UnetConditioning};
+use super::batch::copy_error;
+use super::{encode, failed, lora_error, pipeline_error, CandleEngine};
+use crate::pipeline::{schedule_timesteps, start_decode, step_lanes, ImageJob, Lane, UnetConditioning};
 use crate::preview::PendingPreview;
 use crate::tensor_image::PendingImage;
 use candle_core::Tensor;
@@ -247,14 +248,12 @@ impl CandleEngine {
         )
         .map_err(text_failed)?;
         let seed = req.seed.unwrap_or_else(random_seed);
-        let timesteps = Lane::new(&self.model, &self.lane_job(&req, size, seed))
-            .map_err(pipeline_error)?
-            .timesteps()
-            .to_vec();
         let rows = if guided { 2 } else { 1 };
         let times = match (&cond.added, &run.shared_times) {
             (None, Some(shared)) => shared.clone(),
             (added, _) => {
+                let timesteps = schedule_timesteps(&self.model, &self.lane_job(&req, size, seed))
+                    .map_err(pipeline_error)?;
                 let t = self
                     .model
                     .unet
@@ -375,12 +374,18 @@ impl CandleEngine {
         let context = match contexts.iter().find(|(k, _)| k == key) {
             Some((_, c)) => c.clone(),
             None => {
-                let c = stack_contexts(&members, guided).map_err(|e| failed(format!("context: {e}")))?;
+                let c = stack(members.iter().map(|m| m.cond.context.clone()).collect(), guided)
+                    .map_err(|e| failed(format!("context: {e}")))?;
                 contexts.push((key.to_vec(), c.clone()));
                 c
             }
         };
-        let temb = time_rows(&members, at.iter().map(|&i| run.running[i].lane.steps_done()), guided)
+        let temb = members
+            .iter()
+            .zip(at)
+            .map(|(m, &i)| m.times.get(run.running[i].lane.steps_done()))
+            .collect::<candle_core::Result<Vec<_>>>()
+            .and_then(|rows| stack(rows, guided))
             .map_err(|e| failed(format!("unet time rows: {e}")))?;
         let scales: Vec<f64> = members.iter().map(|m| f64::from(m.req.cfg_scale)).collect();
         let mut lanes: Vec<&mut Lane> = run
@@ -482,58 +487,21 @@ fn group_key(run: &Run, at: &[usize]) -> Vec<(usize, u32)> {
     at.iter().map(|&i| (run.running[i].token, run.running[i].index)).collect()
 }
 
-/// The contexts of a call's images (`members`, one per image): `[negatives…, positives…]` when guided. A single
-/// image's is its own tensor, so a lone image's calls see the context tensor its job alone passes.
-fn stack_contexts(members: &[&Member], guided: bool) -> candle_core::Result<Tensor> {
-    if let [only] = members {
-        return Ok(only.cond.context.clone());
-    }
-    let parts: Vec<Tensor> = if guided {
-        let neg = members.iter().map(|m| m.cond.context.narrow(0, 0, 1));
-        let pos = members.iter().map(|m| m.cond.context.narrow(0, 1, 1));
-        neg.chain(pos).collect::<candle_core::Result<_>>()?
-    } else {
-        members.iter().map(|m| m.cond.context.clone()).collect()
-    };
-    Tensor::cat(&parts, 0)
-}
-
-/// The time rows of a call's images, each at its own step, laid out as [`stack_contexts`] lays out contexts.
-fn time_rows(
-    members: &[&Member],
-    steps: impl Iterator<Item = usize>,
-    guided: bool,
-) -> candle_core::Result<Tensor> {
-    let rows: Vec<Tensor> =
-        members.iter().zip(steps).map(|(m, s)| m.times.get(s)).collect::<candle_core::Result<_>>()?;
-    if let [only] = rows.as_slice() {
+/// Each image's `(2 when guided else 1, …)` rows of a call (its context, or its time rows), stacked as the UNet
+/// takes them: `[negatives…, positives…]` when guided. A single image's come back as they are, so a lone image's
+/// calls see the context tensor its job alone passes.
+fn stack(parts: Vec<Tensor>, guided: bool) -> candle_core::Result<Tensor> {
+    if let [only] = parts.as_slice() {
         return Ok(only.clone());
     }
-    let parts: Vec<Tensor> = if guided {
-        let neg = rows.iter().map(|r| r.narrow(0, 0, 1));
-        let pos = rows.iter().map(|r| r.narrow(0, 1, 1));
+    let halves: Vec<Tensor> = if guided {
+        let neg = parts.iter().map(|t| t.narrow(0, 0, 1));
+        let pos = parts.iter().map(|t| t.narrow(0, 1, 1));
         neg.chain(pos).collect::<candle_core::Result<_>>()?
     } else {
-        rows
+        parts
     };
-    Tensor::cat(&parts, 0)
-}
-
-fn pipeline_error(e: PipelineError) -> EngineError {
-    match e {
-        PipelineError::Invalid { field, message } => EngineError::Invalid(ValidationError { field, message }),
-        other => failed(other.to_string()),
-    }
-}
-
-/// The same error for each request a failed call ends.
-fn copy_error(e: &EngineError) -> EngineError {
-    match e {
-        EngineError::Invalid(v) => EngineError::Invalid(v.clone()),
-        EngineError::InsufficientMemory(i) => EngineError::InsufficientMemory(*i),
-        EngineError::OutOfMemory(m) => EngineError::OutOfMemory(m.clone()),
-        other => failed(other.to_string()),
-    }
+    Tensor::cat(&halves, 0)
 }
 
 #[cfg(test)]
