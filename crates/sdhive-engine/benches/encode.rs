@@ -1,12 +1,13 @@
 //! Encoding time and size of one finished image, 512² and 1024², in every output format: the PNG encoders the
-//! worker used before (zlib's default level, then fdeflate, both with adaptive filters), today's PNG (fdeflate,
-//! Sub filter), JPEG at A1111's default quality (80) and at ours (90), and lossless WebP, each with a typical
+//! worker used before (zlib's default level, then fdeflate with adaptive filters, then with the Sub filter, all on
+//! one thread), today's PNG (Sub filter, strips deflated in parallel), JPEG at A1111's default quality (80) and at ours (90), and lossless WebP, each with a typical
 //! infotext. Prints a Markdown table (`docs/benchmarks.md`).
 //!
 //! The image is a generated landscape (sky with clouds, textured hills, fine grain) whose PNG compresses like a
-//! photograph's; `--image FILE` takes a real image instead, centre-cropped and resized to each side.
+//! photograph's; `--image FILE` takes a real image instead, centre-cropped and resized to each side, and `--noise`
+//! a noise-like one (each channel value random), as random-weight models make.
 //!
-//!     cargo bench -p sdhive-engine --bench encode [-- --image photo.jpg] [-- --iters 15] [-- --idle-ms 100]
+//!     cargo bench -p sdhive-engine --bench encode [-- --image photo.jpg | --noise] [-- --iters 15] [-- --idle-ms 100]
 
 use sdhive_engine::{encode_image, ImageFormat, OutputFormat, RgbImage};
 use std::time::Instant;
@@ -22,14 +23,16 @@ fn main() {
     let photo = value("--image");
     let iters: usize = value("--iters").and_then(|v| v.parse().ok()).unwrap_or(9);
     let idle_ms: u64 = value("--idle-ms").and_then(|v| v.parse().ok()).unwrap_or(0);
-    let source = photo.as_deref().unwrap_or("generated landscape");
-    println!("Encoding one RGB image with its infotext ({source}; median of {iters}, 1 thread)\n");
+    let noisy = args.iter().any(|a| a == "--noise");
+    let source = photo.as_deref().unwrap_or(if noisy { "noise" } else { "generated landscape" });
+    println!("Encoding one RGB image with its infotext ({source}; median of {iters})\n");
     println!("| format | 512² ms | 512² KiB | 1024² ms | 1024² KiB |");
     println!("|---|---:|---:|---:|---:|");
     let images: Vec<RgbImage> = [512u32, 1024]
         .iter()
         .map(|&side| match &photo {
             Some(path) => load(path, side),
+            None if noisy => noise(side),
             None => landscape(side),
         })
         .collect();
@@ -38,12 +41,23 @@ fn main() {
         Box::new(move |img: &RgbImage| encode_image(img, Some(INFOTEXT), output).expect("encodes"))
     };
     let rows: Vec<(&str, Encode)> = vec![
-        ("PNG, before (zlib level 6, adaptive filter)", Box::new(|img: &RgbImage| adaptive_png(img, None))),
+        (
+            "PNG, before (zlib level 6, adaptive filter)",
+            Box::new(|img: &RgbImage| png_crate(img, None, png::Filter::Adaptive)),
+        ),
         (
             "PNG, before (fdeflate, adaptive filter)",
-            Box::new(|img: &RgbImage| adaptive_png(img, Some(png::DeflateCompression::FdeflateUltraFast))),
+            Box::new(|img: &RgbImage| {
+                png_crate(img, Some(png::DeflateCompression::FdeflateUltraFast), png::Filter::Adaptive)
+            }),
         ),
-        ("PNG (fdeflate, Sub filter)", with(OutputFormat::PNG)),
+        (
+            "PNG, before (fdeflate, Sub filter, one thread)",
+            Box::new(|img: &RgbImage| {
+                png_crate(img, Some(png::DeflateCompression::FdeflateUltraFast), png::Filter::Sub)
+            }),
+        ),
+        ("PNG (Sub filter, strips deflated in parallel)", with(OutputFormat::PNG)),
         ("JPEG quality 80", with(OutputFormat::new(ImageFormat::Jpeg, 80))),
         ("JPEG quality 90", with(OutputFormat::new(ImageFormat::Jpeg, 90))),
         ("WebP (lossless)", with(OutputFormat::new(ImageFormat::Webp, 90))),
@@ -76,9 +90,9 @@ fn time(iters: usize, idle_ms: u64, mut f: impl FnMut() -> Vec<u8>) -> (f64, usi
     (ms[ms.len() / 2], bytes)
 }
 
-/// A PNG with adaptive row filters, as the worker wrote them before Sub: with the `png` crate's default deflate
-/// (`None`, zlib's level 6) or the one given.
-fn adaptive_png(img: &RgbImage, deflate: Option<png::DeflateCompression>) -> Vec<u8> {
+/// A PNG as the `png` crate writes it on one thread, as the worker did before: with its default deflate (`None`,
+/// zlib's level 6) or the one given.
+fn png_crate(img: &RgbImage, deflate: Option<png::DeflateCompression>, filter: png::Filter) -> Vec<u8> {
     let mut out = Vec::new();
     let mut enc = png::Encoder::new(&mut out, img.width, img.height);
     enc.set_color(png::ColorType::Rgb);
@@ -86,7 +100,7 @@ fn adaptive_png(img: &RgbImage, deflate: Option<png::DeflateCompression>) -> Vec
     if let Some(deflate) = deflate {
         enc.set_deflate_compression(deflate);
     }
-    enc.set_filter(png::Filter::Adaptive);
+    enc.set_filter(filter);
     enc.add_text_chunk("parameters".into(), INFOTEXT.into()).expect("a Latin-1 text");
     let mut writer = enc.write_header().expect("header");
     writer.write_image_data(&img.data).expect("image data");
@@ -101,6 +115,12 @@ fn load(path: &str, side: u32) -> RgbImage {
         image::imageops::crop_imm(&img, (img.width() - s) / 2, (img.height() - s) / 2, s, s).to_image();
     let out = image::imageops::resize(&crop, side, side, image::imageops::FilterType::Triangle);
     RgbImage { width: side, height: side, data: out.into_raw() }
+}
+
+/// Every channel value random: a random-weight model's image, which no PNG filter makes compressible.
+fn noise(side: u32) -> RgbImage {
+    let data = (0..u64::from(side) * u64::from(side) * 3).map(|i| (hash(i) >> 56) as u8).collect();
+    RgbImage { width: side, height: side, data }
 }
 
 fn hash(mut x: u64) -> u64 {

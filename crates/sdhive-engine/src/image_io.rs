@@ -3,12 +3,14 @@
 //! generation parameters (A1111's infotext) where A1111 keeps them: a PNG `parameters` text chunk, or the EXIF
 //! `UserComment` of a JPEG or WebP (piexif's encoding, as A1111's `save_image_with_geninfo` and its API write it).
 //!
-//! PNG is deflated with fdeflate and every row filtered with Sub: about 50× faster than zlib's default level, for
-//! files about a third larger; Sub takes 25-40 % less time than adaptive filters for files 5-10 % larger (`cargo
-//! bench -p sdhive-engine --bench encode`; `docs/benchmarks.md`). The encode is on every answer's path. JPEG goes through
+//! PNG rows are filtered with Sub and deflated in parallel strips as Huffman-coded literals and zero runs
+//! (`png_strips`): fdeflate's way of coding PNG data, about 50× faster than zlib's default level for files about a
+//! third larger, on several threads; Sub takes 25-40 % less time than adaptive filters for files 5-10 % larger
+//! (`cargo bench -p sdhive-engine --bench encode`; `docs/benchmarks.md`). The encode is on every answer's path. JPEG goes through
 //! `jpeg-encoder` (4:2:0 chroma below quality 90, as libjpeg's default); WebP is lossless, the only WebP that
 //! pure-Rust encoders write.
 
+use crate::png_strips;
 use image::{imageops::FilterType, ImageEncoder as _, ImageReader};
 use std::fmt;
 use std::io::Cursor;
@@ -229,8 +231,6 @@ fn encode_png_fast(img: &RgbImage, parameters: Option<&str>) -> Result<Vec<u8>, 
     let mut enc = png::Encoder::new(&mut out, img.width, img.height);
     enc.set_color(png::ColorType::Rgb);
     enc.set_depth(png::BitDepth::Eight);
-    enc.set_deflate_compression(png::DeflateCompression::FdeflateUltraFast);
-    enc.set_filter(png::Filter::Sub);
     if let Some(text) = parameters {
         // tEXt is Latin-1 only; prompts are often not, so non-Latin-1 text goes in an iTXt chunk (UTF-8), as
         // Pillow's `PngInfo.add_text` (A1111's writer) does.
@@ -241,9 +241,40 @@ fn encode_png_fast(img: &RgbImage, parameters: Option<&str>) -> Result<Vec<u8>, 
         }
     }
     let mut writer = enc.write_header()?;
-    writer.write_image_data(&img.data)?;
+    writer
+        .write_chunk(png::chunk::IDAT, &png_strips::zlib_image_data(&img.data, img.width as usize, None))?;
     writer.finish()?;
     Ok(out)
+}
+
+/// `bytes` in standard (padded) base64, written into `out`, which must hold `4 * ceil(len / 3)` bytes; returns
+/// that length. Large inputs are encoded in chunks on the encoding threads: whole 3-byte groups encode on their
+/// own, so the chunks' texts concatenate. A 512² PNG's base64 is nearly all of an answer's body.
+pub fn base64_into(bytes: &[u8], out: &mut [u8]) -> usize {
+    use base64::Engine as _;
+    /// Input bytes per chunk (whole 3-byte groups).
+    const CHUNK: usize = 3 * 32 * 1024;
+    let len = bytes.len().div_ceil(3) * 4;
+    assert!(
+        out.len() >= len,
+        "base64 of {} bytes needs {len} bytes of output, not {}",
+        bytes.len(),
+        out.len()
+    );
+    let encode = |(input, output): (&[u8], &mut [u8])| {
+        base64::engine::general_purpose::STANDARD
+            .encode_slice(input, output)
+            .expect("the output holds the chunk's base64");
+    };
+    let pairs = bytes.chunks(CHUNK).zip(out[..len].chunks_mut(CHUNK / 3 * 4));
+    match png_strips::pool() {
+        Some(pool) if bytes.len() > CHUNK => pool.install(|| {
+            use rayon::prelude::*;
+            pairs.collect::<Vec<_>>().into_par_iter().for_each(encode);
+        }),
+        _ => pairs.for_each(encode),
+    }
+    len
 }
 
 fn encode_jpeg(img: &RgbImage, parameters: Option<&str>, quality: u8) -> Result<Vec<u8>, ImageError> {
@@ -312,6 +343,20 @@ mod tests {
             chunks.push((c.keyword.clone(), c.get_text().unwrap()));
         }
         chunks
+    }
+
+    #[test]
+    fn base64_in_chunks_equals_base64_whole() {
+        use base64::Engine as _;
+        for len in [0usize, 1, 2, 3, 4, 98_303, 98_304, 98_305, 300_001, 1_000_000] {
+            let bytes: Vec<u8> = (0..len).map(|i| (i * 7 + i / 251) as u8).collect();
+            let mut out = vec![0; len.div_ceil(3) * 4];
+            assert_eq!(base64_into(&bytes, &mut out), out.len());
+            assert!(
+                out == base64::engine::general_purpose::STANDARD.encode(&bytes).into_bytes(),
+                "{len} bytes"
+            );
+        }
     }
 
     #[test]

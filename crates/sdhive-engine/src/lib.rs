@@ -11,6 +11,7 @@ pub mod image_io;
 pub mod infotext;
 pub mod memory;
 pub mod placement;
+mod png_strips;
 pub mod preview;
 pub mod request;
 pub mod sampler;
@@ -22,8 +23,8 @@ pub use extra_networks::{parse_networks, strip_networks, NetworkKind, NetworkTag
 pub use hires::{HiresFix, HiresTarget, HiresUpscaler, LatentMode};
 pub use host::{error_chain, BoxError, EngineFactory, ModelHost, ModelSpec, SwitchError};
 pub use image_io::{
-    decode_image, decode_mask, encode_image, encode_png, GrayImage, ImageError, ImageFormat, OutputFormat,
-    RgbImage,
+    base64_into, decode_image, decode_mask, encode_image, encode_png, GrayImage, ImageError, ImageFormat,
+    OutputFormat, RgbImage,
 };
 pub use infotext::{infotext, InfotextContext};
 pub use memory::{budgeted_free, InsufficientMemory, JobPlan, MemoryReport, MmditShape, ModelShape};

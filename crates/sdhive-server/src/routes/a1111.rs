@@ -881,7 +881,7 @@ fn answer_body(images: &[FinishedImage], parameters: &Value, info: &str) -> Resu
         if i > 0 {
             body.push(b',');
         }
-        super::push_base64_string(&mut body, &image.bytes)?;
+        super::push_base64_string(&mut body, &image.bytes);
     }
     body.extend_from_slice(b"],\"parameters\":");
     serde_json::to_writer(&mut body, parameters).map_err(|e| format!("the answer's parameters: {e}"))?;

@@ -79,16 +79,11 @@ impl RouteClock {
 
 /// Appends `bytes` in base64 as a JSON string to a body written by hand: base64 needs no escaping, and at 512² and
 /// up an image's base64 is nearly all of an answer, so it skips serde's escaping pass (about a millisecond a 512²
-/// image).
-pub(crate) fn push_base64_string(body: &mut Vec<u8>, bytes: &[u8]) -> Result<(), String> {
-    use base64::Engine as _;
+/// image) and is written in chunks on the encoding threads ([`sdhive_engine::base64_into`]).
+pub(crate) fn push_base64_string(body: &mut Vec<u8>, bytes: &[u8]) {
     body.push(b'"');
     let start = body.len();
     body.resize(start + bytes.len().div_ceil(3) * 4, 0);
-    let written = base64::engine::general_purpose::STANDARD
-        .encode_slice(bytes, &mut body[start..])
-        .map_err(|e| format!("base64: {e}"))?;
-    body.truncate(start + written);
+    sdhive_engine::base64_into(bytes, &mut body[start..]);
     body.push(b'"');
-    Ok(())
 }

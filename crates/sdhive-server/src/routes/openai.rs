@@ -372,7 +372,7 @@ fn images_body(created: u64, data: &[Delivered], output_format: &str, size: &str
         match d {
             Delivered::B64(bytes) => {
                 body.extend_from_slice(b"{\"b64_json\":");
-                super::push_base64_string(&mut body, bytes)?;
+                super::push_base64_string(&mut body, bytes);
             }
             Delivered::Url(url) => {
                 body.extend_from_slice(b"{\"url\":");
