@@ -124,7 +124,7 @@ fn deflate_strip(rows: &[u8], stride: usize, last: bool) -> Strip {
     let sampled: usize = counts.freq.iter().map(|&f| f as usize - 1).sum();
     let sampled_bits: usize =
         counts.freq.iter().zip(&lit_lengths).map(|(&f, &l)| (f as usize - 1) * usize::from(l)).sum();
-    // The sample's bits per token says noise apart (one token per byte, eight bits each or more): stored at once.
+    // Noise codes at eight bits a token or more, a token per byte: stored at once, with no encode to throw away.
     if sampled > 0 && sampled_bits >= sampled * 8 {
         return Strip { deflated: stored(&filtered, last), adler, len };
     }
