@@ -1,7 +1,8 @@
 """The serving benchmark on a GPU machine: sd-worker-cuda serving full-size random SD1.5 (512²) and SDXL (1024²)
 (f16 diffusers folders written by sdhive-bench), 20 steps Euler a, CFG 7, loaded through `POST /sdapi/v1/txt2img`
 by `sdhive-bench --serve-bench` (each request its own seed and prompt): single-client latency, then images/s and
-p50/p90 latency with 1, 4, 8 and 16 concurrent clients in a closed loop, the worker's peak device memory beside
+p50/p90 latency with 1, 4, 8 and 16 concurrent clients in a closed loop (each run twice: the steady-state second
+pass, and beside it the first, whose new batch sizes are planned and tuned), the worker's peak device memory beside
 each row, and what live previews add to the step time (native jobs with `preview_every` 1 and 10 against none);
 with `--rates`, p50/p90 latency at those arrival rates (requests per second) in an open loop.
 Each worker configuration (`--max-batch 1` and `--max-batch 8` where the worker has the flag) is its own worker
@@ -201,21 +202,24 @@ def table(res: dict) -> str:
                                  f"waited {parts['over_engine']['median_ms']:+.2f} ms over the engine's part "
                                  f"(median of the requests; p90 {parts['over_engine']['p90_ms']:+.2f})")
         lines += ["", "| server | clients | images/s | p50 latency | p90 latency | p50 / one-client median | "
-                      "images per denoising step | peak device memory | peak RSS | images/s vs diffusers |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                      "images per denoising step | first pass: images/s, p90 | peak device memory | peak RSS | "
+                      "images/s vs diffusers |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         ok = [o for o in r["ours"] if "error" not in o]
         for o in ok:
             one = o["latency"]["median_ms"]
             for lv in o["levels"]:
                 lat = lv["latency"]
                 batch = "—" if lv.get("mean_batch") is None else f"{lv['mean_batch']:.2f}"
+                fp = lv.get("first_pass")
+                first = "—" if not fp else f"{fp['images_per_s']:.2f}, {s(fp['latency']['p90_ms'])}"
                 lines.append(f"| sdhive `{o['config']}` | {lv['clients']} | {lv['images_per_s']:.2f} | "
                              f"{s(lat['median_ms'])} | {s(lat['p90_ms'])} | {lat['median_ms'] / one:.2f}× | {batch} | "
-                             f"{mib(lv['peak']['device_mib'])} | {mib(lv['peak']['rss_mib'])} | "
+                             f"{first} | {mib(lv['peak']['device_mib'])} | {mib(lv['peak']['rss_mib'])} | "
                              f"{ratio(lv['images_per_s'], d and d['images_per_s'])} |")
         if d:
             lines.append(f"| diffusers, one at a time | 1 | {d['images_per_s']:.2f} | {s(d['median_ms'])} | "
-                         f"{s(d['p90_ms'])} | — | 1 | {mib(d['peak_device_mib'])} | — | 1.00× |")
+                         f"{s(d['p90_ms'])} | — | 1 | — | {mib(d['peak_device_mib'])} | — | 1.00× |")
         if any(o.get("open_levels") for o in ok):
             lines += ["", "| server | arrivals (requests/s, open loop) | images/s | p50 latency | p90 latency | "
                           "p50 / one-client median | images per denoising step |", "|---|---|---|---|---|---|---|"]

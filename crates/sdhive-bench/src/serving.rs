@@ -2,7 +2,9 @@
 //! `sd-worker-cuda`) with `serve` on one model and the arguments given after `--` (e.g. `--max-batch 8`), waits
 //! until it is ready, and then measures the path users hit, `POST /sdapi/v1/txt2img`, each request with its own
 //! seed and prompt: single-client latency, then images per second and latency percentiles with each number of
-//! concurrent clients in a closed loop (every client sends its next request when its last one has answered), and
+//! concurrent clients in a closed loop (every client sends its next request when its last one has answered; each
+//! number of clients runs twice, and the second pass, with every batch size it forms already planned, is the
+//! steady state reported; the first pass's figures come beside it), and
 //! with `--rates` the same at fixed arrival rates in an open loop (requests sent on a clock, whatever the answers:
 //! the latency a service shows many users at a load below or near its capacity). The
 //! worker's peak device memory (nvidia-smi, per process) and resident memory are sampled beside every part. A last
@@ -147,17 +149,25 @@ async fn measure(
     let mut levels = Vec::new();
     for &clients in &s.args.clients {
         let rounds = s.args.requests_per_level.div_ceil(clients).max(2);
-        let level = load.closed_loop(clients, rounds).await?;
+        let (first, level) = load.closed_loop(clients, rounds).await?;
         let peak = memory.take();
         eprintln!(
-            "{clients} clients × {rounds}: {:.2} images/s, p50 {:.1} ms, p90 {:.1} ms, {:.2} images per denoising step; \
-             {peak}",
+            "{clients} clients × {rounds}: {:.2} images/s, p50 {:.1} ms, p90 {:.1} ms, {:.2} images per denoising step \
+             (first pass {:.2} images/s, p90 {:.1} ms); {peak}",
             level.images_per_s,
             percentile(&level.latencies_ms, 50.0),
             percentile(&level.latencies_ms, 90.0),
             level.mean_batch.unwrap_or(f64::NAN),
+            first.images_per_s,
+            percentile(&first.latencies_ms, 90.0),
         );
-        levels.push(level.report(clients, rounds, peak));
+        let mut report = level.report(clients, rounds, peak);
+        report["first_pass"] = json!({
+            "images_per_s": first.images_per_s,
+            "mean_batch": first.mean_batch,
+            "latency": summary(&first.latencies_ms),
+        });
+        levels.push(report);
     }
 
     let mut open = Vec::new();
@@ -293,9 +303,15 @@ impl Load {
     }
 
     /// `clients` clients, each sending one untimed request and then `rounds` timed ones, the next as soon as the
-    /// last has answered. The timed part starts when every client has its warm-up answer (so each batch size the
-    /// worker forms has been seen once) and ends with the last answer.
-    async fn closed_loop(&self, clients: usize, rounds: usize) -> Result<Level> {
+    /// last has answered, twice: the first pass on a worker that may not have seen every batch size this load forms
+    /// (the first step at a batch size plans and tunes its products: most of a second), the second in the steady
+    /// state it reaches. Each pass starts when every client has its warm-up answer and ends with the last answer.
+    async fn closed_loop(&self, clients: usize, rounds: usize) -> Result<(Level, Level)> {
+        let first = self.closed_pass(clients, rounds).await?;
+        Ok((first, self.closed_pass(clients, rounds).await?))
+    }
+
+    async fn closed_pass(&self, clients: usize, rounds: usize) -> Result<Level> {
         let mut warm = tokio::task::JoinSet::new();
         for _ in 0..clients {
             let me = self.clone_handle();

@@ -49,6 +49,10 @@ fn serve_bench_reports_every_part() {
         // At least two rounds per client, whatever --requests-per-level says.
         assert_eq!(level["requests"], clients * 3usize.div_ceil(clients).max(2));
         assert!(level["images_per_s"].as_f64().is_some_and(|v| v > 0.0));
+        // The first pass, before the steady state reported: as many requests, timed apart.
+        let first = &level["first_pass"];
+        assert!(first["images_per_s"].as_f64().is_some_and(|v| v > 0.0));
+        assert_eq!(first["latency"]["n"], level["requests"]);
         assert!(level["peak"]["rss_mib"].as_u64().is_some_and(|v| v > 0), "no RSS sampled");
     }
     let previews = &report["previews"];
