@@ -266,13 +266,13 @@ pub fn base64_into(bytes: &[u8], out: &mut [u8]) -> usize {
             .encode_slice(input, output)
             .expect("the output holds the chunk's base64");
     };
-    let pairs = bytes.chunks(CHUNK).zip(out[..len].chunks_mut(CHUNK / 3 * 4));
+    let out = &mut out[..len];
     match png_strips::pool() {
         Some(pool) if bytes.len() > CHUNK => pool.install(|| {
             use rayon::prelude::*;
-            pairs.collect::<Vec<_>>().into_par_iter().for_each(encode);
+            bytes.par_chunks(CHUNK).zip(out.par_chunks_mut(CHUNK / 3 * 4)).for_each(encode);
         }),
-        _ => pairs.for_each(encode),
+        _ => bytes.chunks(CHUNK).zip(out.chunks_mut(CHUNK / 3 * 4)).for_each(encode),
     }
     len
 }

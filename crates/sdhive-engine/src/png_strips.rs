@@ -56,7 +56,7 @@ pub(crate) fn pool() -> Option<&'static rayon::ThreadPool> {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
-            .thread_name(|i| format!("png-deflate-{i}"))
+            .thread_name(|i| format!("image-encode-{i}"))
             .build()
             .ok()
     })
@@ -134,9 +134,7 @@ fn deflate_strip(rows: &[u8], stride: usize, last: bool) -> Strip {
     write_code_lengths(&mut w, &lit_lengths);
     let mut enc = Encoder::new(&lit_lengths, w);
     scan(&filtered, &mut enc);
-    let mut w = enc.w;
-    let (code, bits) = canonical_codes(&lit_lengths)[END_OF_BLOCK];
-    w.put(u64::from(code), bits);
+    let mut w = enc.end_block();
     if !last {
         // An empty stored block: not final, stored, then LEN 0 and its complement at the next byte boundary.
         w.put(0, 3);
@@ -289,6 +287,7 @@ impl Sink for Histogram {
 struct Encoder {
     lit: [u32; 256],
     runs: Vec<u32>,
+    end_of_block: (u16, u8),
     w: BitWriter,
 }
 
@@ -306,7 +305,14 @@ impl Encoder {
                 u32::from(bits + l.extra_bits + 1) << 24 | word
             })
             .collect();
-        Encoder { lit, runs, w }
+        Encoder { lit, runs, end_of_block: codes[END_OF_BLOCK], w }
+    }
+
+    /// Writes the end-of-block code and hands the writer back.
+    fn end_block(mut self) -> BitWriter {
+        let (code, bits) = self.end_of_block;
+        self.w.put(u64::from(code), bits);
+        self.w
     }
 }
 
