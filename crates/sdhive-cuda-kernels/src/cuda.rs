@@ -719,8 +719,98 @@ pub(crate) fn group_norm_slabs(
     })
 }
 
-/// GroupNorm over channels-last `(N, …, C)` maps: one launch where one or two blocks hold a group (see
-/// [`group_norm_one_launch`]), else two (per-slab moments, then the normalisation; see [`group_norm_slabs`]).
+/// Pixels each `gn_rows_moments_nhwc` thread loads together, and each `gn_rows_apply_nhwc` thread (GN_ROWS_BATCH
+/// and GN_ROWS_APPLY in kernels.cu).
+const ROWS_BATCH: usize = 8;
+const ROWS_APPLY: usize = 4;
+/// Maps of at least this many bytes take the streaming GroupNorm ([`group_norm_rows`]) before the others. On an
+/// H200 (graphs of 20 calls, f16, shift and SiLU) it takes SD1.5's 64²·320 at batch 16 (42 MB) in 43 us against
+/// 62 for the slab launches, the VAE's 512²·128 (67 MB) in 69 against 135 and 32²·640 at batch 16 (21 MB) in 26
+/// against 29 for one launch; below about 17 MB its fixed cost loses (64²·320 at batch 2: 16-18 against 12 us).
+const ROWS_MIN_BYTES: usize = 20 << 20;
+
+/// How the streaming two-launch GroupNorm (kernels.cu's gn_rows_*) takes a map: `threads` per moments block over
+/// `slabs` slabs of each sample's pixels, then `apply_blocks` normalisation blocks per sample of `apply_threads`,
+/// `per_block` pixels each. Both kinds of block cover whole pixel rows (a row is C / vector 16-byte vectors); the
+/// slabs give the moments launch about 256 blocks (at most 256 per sample, each thread at least a batch of
+/// pixels). `None` where a row has more vectors than a moments block may have threads (512 for 16-bit maps,
+/// 1024 for f32: the kernel's launch bounds).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct RowsPlan {
+    pub threads: usize,
+    pub slabs: usize,
+    pub apply_threads: usize,
+    pub per_block: usize,
+    pub apply_blocks: usize,
+}
+
+pub(crate) fn group_norm_rows(
+    samples: usize,
+    pixels: usize,
+    channels: usize,
+    elem: usize,
+) -> Option<RowsPlan> {
+    let vpr = channels / (16 / elem.max(1));
+    let most = if elem == 4 { 1024 } else { 512 };
+    if vpr == 0 || vpr > most || samples == 0 || pixels == 0 {
+        return None;
+    }
+    let rows = (256 / vpr).max(1);
+    let threads = (rows * vpr).next_multiple_of(32);
+    let most_slabs = pixels.div_ceil(rows * ROWS_BATCH).clamp(1, 256);
+    let slabs = 256usize.div_ceil(samples).clamp(1, most_slabs);
+    let per_block = rows * ROWS_APPLY * 2;
+    Some(RowsPlan {
+        threads,
+        slabs,
+        apply_threads: threads,
+        per_block,
+        apply_blocks: pixels.div_ceil(per_block),
+    })
+}
+
+/// Per-sample counters of the streaming GroupNorm's moments blocks (the last block of a sample merges the slabs),
+/// one zeroed buffer per device that only grows: each launch leaves its counters at zero (atomicInc wraps), and
+/// launches on the device's one stream never overlap.
+#[derive(Default)]
+struct Counters {
+    current: std::collections::HashMap<candle_core::cuda_backend::DeviceId, CudaSlice<u32>>,
+    /// Buffers outgrown by a larger one, kept for the CUDA graphs recorded with them.
+    retired: Vec<CudaSlice<u32>>,
+}
+
+thread_local! {
+    static COUNTERS: std::cell::RefCell<Counters> = std::cell::RefCell::new(Counters::default());
+}
+
+/// Runs `f` with this thread's zeroed GroupNorm counters on `dev`, at least `need` of them (grown only outside a
+/// CUDA graph capture, as the cuDNN workspace).
+fn with_counters<R>(
+    dev: &CudaDevice,
+    need: usize,
+    f: impl FnOnce(&CudaSlice<u32>) -> Result<R>,
+) -> Result<R> {
+    COUNTERS.with(|c| {
+        let mut c = c.borrow_mut();
+        let c = &mut *c;
+        if c.current.get(&dev.id()).is_none_or(|s| s.len() < need) {
+            if crate::graph::capturing() {
+                bail!("group_norm: its counters would grow during a CUDA graph capture")
+            }
+            let fresh = dev.alloc_zeros::<u32>(need.max(64))?;
+            if let Some(old) = c.current.insert(dev.id(), fresh) {
+                c.retired.push(old);
+            }
+        }
+        let Some(counters) = c.current.get(&dev.id()) else { bail!("group_norm counters missing") };
+        f(counters)
+    })
+}
+
+/// GroupNorm over channels-last `(N, …, C)` maps: large maps stream through two launches over whole pixel rows
+/// ([`group_norm_rows`]); others take one launch where one or two blocks hold a group (see
+/// [`group_norm_one_launch`]), else two over chunks of channels (per-slab moments, then the normalisation; see
+/// [`group_norm_slabs`]).
 /// Needs `C` a multiple of 16 bytes' worth of values, at most [`MAX_LAST_CHANNELS`].
 struct GroupNormLast {
     groups: usize,
@@ -791,8 +881,59 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
             $a.arg(&normed);
         };
     }
+    let elem = std::mem::size_of::<T>();
+    if let Some(plan) =
+        (n * elem >= ROWS_MIN_BYTES).then(|| group_norm_rows(samples, pixels, channels, elem)).flatten()
+    {
+        let groups = op.groups;
+        // SAFETY: every (sample, slab, group) triple is written before the sample's last block reads it, and
+        // every (sample, group) statistic before the normalisation reads it.
+        let scratch: CudaSlice<f32> = unsafe { dev.alloc::<f32>(samples * groups * (plan.slabs * 3 + 2))? };
+        let (partial, stats) = (
+            scratch.slice(0..samples * plan.slabs * groups * 3),
+            scratch.slice(samples * plan.slabs * groups * 3..),
+        );
+        with_counters(dev, samples, |done| {
+            let func = dev.get_or_load_custom_func(&format!("gn_rows_moments_nhwc_{sfx}"), MODULE, PTX)?;
+            let mut a = func.builder();
+            input_and_shift!(a, false);
+            a.arg(&partial);
+            a.arg(&stats);
+            a.arg(done);
+            builder_arg!(a, pixels as u32, channels as u32, groups as u32, plan.slabs as u32, op.eps);
+            let cfg = LaunchConfig {
+                grid_dim: (plan.slabs as u32, samples as u32, 1),
+                block_dim: (plan.threads as u32, 1, 1),
+                // Every thread's channel means and squared deviations, then its count.
+                shared_mem_bytes: (plan.threads * (2 * per_vector::<T>() + 1) * 4) as u32,
+            };
+            // SAFETY: the arguments match the kernel's signature; the slabs cover every pixel, `partial` and
+            // `stats` hold every slab's and sample's moments, `done` a zeroed counter per sample.
+            unsafe { a.launch(cfg) }.w()
+        })?;
+        let func = dev.get_or_load_custom_func(&format!("gn_rows_apply_nhwc_{sfx}"), MODULE, PTX)?;
+        let mut a = func.builder();
+        normalisation_operands!(a);
+        a.arg(&stats);
+        builder_arg!(
+            a,
+            pixels as u32,
+            channels as u32,
+            groups as u32,
+            plan.per_block as u32,
+            i32::from(op.silu)
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (plan.apply_blocks as u32, samples as u32, 1),
+            block_dim: (plan.apply_threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as above; the apply blocks cover every pixel.
+        unsafe { a.launch(cfg) }.w()?;
+        return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
+    }
     if let Some((threads, cluster)) =
-        group_norm_one_launch(pixels, channels, op.groups, std::mem::size_of::<T>(), clusters_built())
+        group_norm_one_launch(pixels, channels, op.groups, elem, clusters_built())
     {
         let func = dev.get_or_load_custom_func(&format!("gn_group_nhwc_c{cluster}_{sfx}"), MODULE, PTX)?;
         let mut a = func.builder();
@@ -808,7 +949,7 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
         unsafe { a.launch(cfg) }.w()?;
         return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
     }
-    let Some(plan) = group_norm_slabs(samples, pixels, channels, op.groups, std::mem::size_of::<T>()) else {
+    let Some(plan) = group_norm_slabs(samples, pixels, channels, op.groups, elem) else {
         bail!(
             "group_norm (channels-last): {pixels} pixels of {channels} channels in {} groups fit no split of the \
              kernels (a chunk of whole groups wider than a block, or a map past a grid's reach)",
@@ -1016,7 +1157,7 @@ pub fn upsample2x_last(x: &Tensor) -> Result<Tensor> {
     x.apply_op1_no_bwd(&Upsample2xLast)
 }
 
-/// A tensor of one sample repeated to a batch: one launch where candle's cat makes one copy per part.
+/// A batch repeated whole `copies` times: one launch where candle's cat makes one copy per part.
 struct RepeatBatch {
     copies: usize,
 }
@@ -1050,20 +1191,23 @@ single_input_op!(RepeatBatch, "sdhive-repeat-batch", repeat_launch, |op: &Repeat
     Ok(Shape::from(dims))
 });
 
-/// Whether the repeat kernel takes `x`: one sample of whole 16-byte vectors from a 16-byte boundary.
+/// Whether the repeat kernel takes `x`: a batch of whole 16-byte vectors from a 16-byte boundary.
 pub fn repeat_fits(x: &Tensor) -> bool {
     let vec = 16 / x.dtype().size_in_bytes().max(1);
-    x.rank() > 0 && x.dims()[0] == 1 && x.elem_count().is_multiple_of(vec) && starts_16_aligned(x)
+    x.rank() > 0 && x.dims()[0] > 0 && x.elem_count().is_multiple_of(vec) && starts_16_aligned(x)
 }
 
+/// `x`'s batch repeated whole to `batch` samples (the batch a multiple of `x`'s), as `Tensor::cat` of copies of
+/// `x` along the batch but in one launch.
 pub fn repeat_batch(x: &Tensor, batch: usize) -> Result<Tensor> {
-    if batch == 0 || !repeat_fits(x) {
+    let b = x.dims().first().copied().unwrap_or(0);
+    if !repeat_fits(x) || batch == 0 || !batch.is_multiple_of(b) {
         bail!(
-            "repeat to a batch of {batch}: input {:?} is not one sample of whole 16-byte vectors",
+            "repeat to a batch of {batch}: input {:?} is not whole copies' worth of 16-byte vectors",
             x.dims()
         );
     }
-    x.apply_op1_no_bwd(&RepeatBatch { copies: batch })
+    x.apply_op1_no_bwd(&RepeatBatch { copies: batch / b })
 }
 
 /// Two channels-last maps joined along their channels by `kernel(a, b, out, va, vb, rows)`, one launch that moves

@@ -531,6 +531,220 @@ __device__ void gn_slab_apply_nhwc(const T *x, const T *x2, uint32_t c1, T *cat,
     }
 }
 
+// Vectors a gn_rows_* thread has in flight: the moments pass takes its pixels GN_ROWS_BATCH at a time, the
+// normalisation GN_ROWS_APPLY at a time.
+#define GN_ROWS_BATCH 8
+#define GN_ROWS_APPLY 4
+// Slabs whose partial moments a thread of the last block loads together.
+#define GN_ROWS_MERGE 8
+
+// Where a gn_rows_* thread works: its block's threads cover whole pixel rows, vpr = channels / VEC 16-byte
+// vectors each, thread t vector t % vpr of row t / vpr (of `rows`; the last blockDim % vpr threads hold nothing),
+// so a warp reads consecutive bytes of each row.
+struct RowThread {
+    uint32_t v, r, rows;
+    bool active;
+};
+
+template <uint32_t VEC> __device__ __forceinline__ RowThread row_thread(uint32_t channels) {
+    const uint32_t vpr = channels / VEC, rows = blockDim.x / vpr;
+    return RowThread{threadIdx.x % vpr, threadIdx.x / vpr, rows, threadIdx.x / vpr < rows};
+}
+
+// GroupNorm over channels-last (N, H·W, C) maps in two launches that stream the map row by row, for maps too large
+// for the one-launch gn_group_nhwc. Pass 1, block (slab, sample): each thread keeps running moments of its
+// VEC channels over its pixels of the slab, GN_ROWS_BATCH pixels at a time (the batch's mean, then its squared
+// deviations, merged by Chan's formula), so its loads stay in flight while it adds; the block then merges its
+// threads' channel moments into each group's (a warp per group) and writes (count, mean, M2) to
+// partial[((sample · slabs + slab) · groups + g) · 3]. The last block of a sample to finish (counted in
+// done[sample], which atomicInc returns to 0) merges the slabs into stats[(sample · groups + g) · 2] = (mean,
+// 1 / sqrt(var + eps)). A non-null `shift` (N rows of C, `shift_stride` apart) is added to every pixel of its
+// sample first: the ResNet time embedding, which the convolution before the norm then never has to add in a pass
+// of its own; its rows are columns of the UNet's table of every ResNet's projection. `x2`, `c1` as in joined_at.
+// Dynamic shared memory: blockDim · (2 · VEC + 1) floats.
+template <typename T>
+__device__ void gn_rows_moments_nhwc(const T *x, const T *x2, uint32_t c1, const T *shift, uint32_t shift_stride,
+                                     float *partial, float *stats, uint32_t *done, uint32_t pixels,
+                                     uint32_t channels, uint32_t groups, uint32_t slabs, float eps) {
+    constexpr uint32_t VEC = 16 / sizeof(T);
+    extern __shared__ float dyn[];
+    float *sm_mean = dyn, *sm_m2 = dyn + blockDim.x * VEC, *sm_n = dyn + 2 * blockDim.x * VEC;
+    __shared__ bool last;
+    const uint32_t slab = blockIdx.x, sample = blockIdx.y;
+    const RowThread t = row_thread<VEC>(channels);
+    const uint2 range = share_of(pixels, slab, slabs);
+    float mean[VEC], m2[VEC], n = 0.f;
+#pragma unroll
+    for (uint32_t j = 0; j < VEC; j++) mean[j] = m2[j] = 0.f;
+    if (t.active) {
+        uint32_t pitch;
+        const T *xs = joined_at(x, x2, c1, sample, pixels, channels, t.v * VEC, pitch);
+        float sh[VEC];
+        uint4 s = make_uint4(0, 0, 0, 0);
+        if (shift != nullptr) s = *reinterpret_cast<const uint4 *>(shift + (size_t)sample * shift_stride + t.v * VEC);
+#pragma unroll
+        for (uint32_t j = 0; j < VEC; j++) sh[j] = to_f(reinterpret_cast<const T *>(&s)[j]);
+        for (uint32_t p0 = range.x + t.r; p0 < range.y; p0 += t.rows * GN_ROWS_BATCH) {
+            const uint32_t nb = min((uint32_t)GN_ROWS_BATCH, (range.y - p0 + t.rows - 1) / t.rows);
+            uint4 raw[GN_ROWS_BATCH];
+#pragma unroll
+            for (uint32_t k = 0; k < GN_ROWS_BATCH; k++)
+                if (k < nb) raw[k] = __ldg(reinterpret_cast<const uint4 *>(xs + (size_t)(p0 + k * t.rows) * pitch));
+            const float inv = 1.f / (float)nb;
+            float bm[VEC], bq[VEC];
+#pragma unroll
+            for (uint32_t j = 0; j < VEC; j++) bm[j] = bq[j] = 0.f;
+#pragma unroll
+            for (uint32_t k = 0; k < GN_ROWS_BATCH; k++) {
+                if (k >= nb) break;
+                const T *e = reinterpret_cast<const T *>(&raw[k]);
+#pragma unroll
+                for (uint32_t j = 0; j < VEC; j++) bm[j] += to_f(e[j]);
+            }
+#pragma unroll
+            for (uint32_t j = 0; j < VEC; j++) bm[j] *= inv;
+#pragma unroll
+            for (uint32_t k = 0; k < GN_ROWS_BATCH; k++) {
+                if (k >= nb) break;
+                const T *e = reinterpret_cast<const T *>(&raw[k]);
+#pragma unroll
+                for (uint32_t j = 0; j < VEC; j++) {
+                    const float d = to_f(e[j]) - bm[j];
+                    bq[j] = fmaf(d, d, bq[j]);
+                }
+            }
+            // The shift moves the mean only; the running mean is of the shifted values.
+            const float nn = n + (float)nb, wb = (float)nb / nn, wab = n * wb;
+#pragma unroll
+            for (uint32_t j = 0; j < VEC; j++) {
+                const float d = bm[j] + sh[j] - mean[j];
+                mean[j] = fmaf(d, wb, mean[j]);
+                m2[j] += bq[j] + d * d * wab;
+            }
+            n = nn;
+        }
+    }
+#pragma unroll
+    for (uint32_t j = 0; j < VEC; j++) {
+        sm_mean[threadIdx.x * VEC + j] = mean[j];
+        sm_m2[threadIdx.x * VEC + j] = m2[j];
+    }
+    sm_n[threadIdx.x] = n;
+    __syncthreads();
+    // Thread (row, vector)'s channel c sits at row · channels + c: a group's entries of one row are consecutive.
+    const uint32_t per_group = channels / groups, vpr = channels / VEC, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint32_t entries = t.rows * per_group;
+    for (uint32_t g = warp; g < groups; g += blockDim.x / 32) {
+        Moments m{0.f, 0.f, 0.f};
+        for (uint32_t e = lane; e < entries; e += 32) {
+            const uint32_t row = e / per_group, c = g * per_group + e % per_group;
+            const uint32_t at = row * channels + c;
+            m = combine(m, Moments{sm_n[row * vpr + c / VEC], sm_mean[at], sm_m2[at]});
+        }
+        for (int o = 16; o > 0; o >>= 1) m = combine(m, shfl_xor(m, o));
+        if (lane == 0) {
+            float *p = partial + (((size_t)sample * slabs + slab) * groups + g) * 3;
+            p[0] = m.n;
+            p[1] = m.mean;
+            p[2] = m.m2;
+        }
+    }
+    // The last block of the sample merges every slab (the threadFenceReduction pattern): `lanes` consecutive
+    // threads per group (a power of two, at most a warp) each merge every lanes-th slab, GN_ROWS_MERGE loads in
+    // flight at a time, then their shares through shuffles.
+    if (lane == 0) __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicInc(done + sample, slabs - 1) == slabs - 1;
+        if (last) __threadfence();
+    }
+    __syncthreads();
+    if (!last) return;
+    uint32_t lanes = 1;
+    while (lanes < 32 && 2 * lanes * groups <= blockDim.x) lanes *= 2;
+    const uint32_t sub = threadIdx.x % lanes, per_pass = blockDim.x / lanes;
+    for (uint32_t g0 = 0; g0 < groups; g0 += per_pass) {
+        const uint32_t g = g0 + threadIdx.x / lanes;
+        Moments m{0.f, 0.f, 0.f};
+        if (g < groups) {
+            for (uint32_t k0 = sub; k0 < slabs; k0 += lanes * GN_ROWS_MERGE) {
+                float v[GN_ROWS_MERGE][3];
+#pragma unroll
+                for (uint32_t i = 0; i < GN_ROWS_MERGE; i++) {
+                    const uint32_t k = min(k0 + i * lanes, slabs - 1);
+                    const float *p = partial + (((size_t)sample * slabs + k) * groups + g) * 3;
+                    v[i][0] = __ldcg(p);
+                    v[i][1] = __ldcg(p + 1);
+                    v[i][2] = __ldcg(p + 2);
+                }
+#pragma unroll
+                for (uint32_t i = 0; i < GN_ROWS_MERGE; i++)
+                    if (k0 + i * lanes < slabs) m = combine(m, Moments{v[i][0], v[i][1], v[i][2]});
+            }
+        }
+        for (uint32_t o = lanes / 2; o > 0; o >>= 1) m = combine(m, shfl_xor(m, o));
+        if (g < groups && sub == 0) {
+            stats[((size_t)sample * groups + g) * 2] = m.mean;
+            stats[((size_t)sample * groups + g) * 2 + 1] = rsqrtf(m.m2 / m.n + eps);
+        }
+    }
+}
+
+// Pass 2, block (pixels [x · per_block, …), sample), taken in the reverse of pass 1's order so that the rows it
+// read last, likeliest still in L2, come first: each thread's channels' scale and offset from the sample's
+// stats, weight, bias and shift, then its pixels GN_ROWS_APPLY at a time, normalised (+ SiLU); a non-null `cat`
+// gets the joined map as read (for the products that take it whole).
+template <typename T>
+__device__ void gn_rows_apply_nhwc(const T *x, const T *x2, uint32_t c1, T *cat, const T *shift,
+                                   uint32_t shift_stride, const T *w, const T *b, T *out, const float *stats,
+                                   uint32_t pixels, uint32_t channels, uint32_t groups, uint32_t per_block,
+                                   int silu) {
+    constexpr uint32_t VEC = 16 / sizeof(T);
+    const RowThread t = row_thread<VEC>(channels);
+    if (!t.active) return;
+    const uint32_t sample = gridDim.y - 1 - blockIdx.y, block = gridDim.x - 1 - blockIdx.x;
+    const uint32_t begin = block * per_block, end = min(pixels, begin + per_block), c0 = t.v * VEC;
+    const uint32_t per_group = channels / groups;
+    uint4 sraw = make_uint4(0, 0, 0, 0);
+    if (shift != nullptr) sraw = *reinterpret_cast<const uint4 *>(shift + (size_t)sample * shift_stride + c0);
+    const uint4 wraw = *reinterpret_cast<const uint4 *>(w + c0), braw = *reinterpret_cast<const uint4 *>(b + c0);
+    const T *se = reinterpret_cast<const T *>(&sraw), *we = reinterpret_cast<const T *>(&wraw);
+    const T *be = reinterpret_cast<const T *>(&braw);
+    float scale[VEC], offset[VEC];
+#pragma unroll
+    for (uint32_t j = 0; j < VEC; j++) {
+        const float *st = stats + ((size_t)sample * groups + (c0 + j) / per_group) * 2;
+        scale[j] = st[1] * to_f(we[j]);
+        offset[j] = to_f(be[j]) + (to_f(se[j]) - st[0]) * scale[j];
+    }
+    uint32_t row;
+    const T *xs = joined_at(x, x2, c1, sample, pixels, channels, c0, row);
+    T *os = out + (size_t)sample * pixels * channels + c0;
+    T *cs = cat != nullptr ? cat + (size_t)sample * pixels * channels + c0 : nullptr;
+    for (uint32_t p0 = begin + t.r; p0 < end; p0 += t.rows * GN_ROWS_APPLY) {
+        uint4 raw[GN_ROWS_APPLY];
+#pragma unroll
+        for (uint32_t k = 0; k < GN_ROWS_APPLY; k++)
+            if (p0 + k * t.rows < end) raw[k] = __ldg(reinterpret_cast<const uint4 *>(xs + (size_t)(p0 + k * t.rows) * row));
+#pragma unroll
+        for (uint32_t k = 0; k < GN_ROWS_APPLY; k++) {
+            const uint32_t p = p0 + k * t.rows;
+            if (p >= end) break;
+            if (cs != nullptr) *reinterpret_cast<uint4 *>(cs + (size_t)p * channels) = raw[k];
+            const T *e = reinterpret_cast<const T *>(&raw[k]);
+            uint4 res;
+            T *oe = reinterpret_cast<T *>(&res);
+#pragma unroll
+            for (uint32_t j = 0; j < VEC; j++) {
+                float val = fmaf(to_f(e[j]), scale[j], offset[j]);
+                if (silu) val = silu_of<T>(val);
+                oe[j] = from_f<T>(val);
+            }
+            *reinterpret_cast<uint4 *>(os + (size_t)p * channels) = res;
+        }
+    }
+}
+
 // Nearest-neighbour ×2 upsampling of channels-last (N, H, W, C) maps, 16 bytes per thread: output pixel (y, x)
 // copies input pixel (y / 2, x / 2).
 template <typename T>
@@ -563,7 +777,7 @@ __device__ void concat_rows(const uint4 *a, const uint4 *b, uint4 *out, uint32_t
     }
 }
 
-// `copies` copies of `n` 16-byte vectors, one after another (a batch of one repeated sample), in one launch:
+// `copies` copies of `n` 16-byte vectors, one after another (a batch repeated whole), in one launch:
 // each thread reads a vector once and writes it to every copy. Bytes are moved, so one kernel serves every dtype.
 __device__ void repeat_rows(const uint4 *x, uint4 *out, size_t n, uint32_t copies) {
     const size_t step = (size_t)gridDim.x * blockDim.x;
@@ -952,6 +1166,20 @@ __device__ void im2col_k_l(const T *x, T *col, uint32_t channels, uint32_t h, ui
         uint32_t chunk, uint32_t slabs, float eps, int silu) {                                               \
         gn_slab_apply_nhwc<T>(x, x2, c1, cat, shift, shift_stride, w, b, out, partial, pixels, channels,     \
                               groups, chunk, slabs, eps, silu);                                              \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(sizeof(T) == 4 ? 1024 : 512) gn_rows_moments_nhwc_##S(      \
+        const T *x, const T *x2, uint32_t c1, const T *shift, uint32_t shift_stride, float *partial,          \
+        float *stats, uint32_t *done, uint32_t pixels, uint32_t channels, uint32_t groups, uint32_t slabs,    \
+        float eps) {                                                                                         \
+        gn_rows_moments_nhwc<T>(x, x2, c1, shift, shift_stride, partial, stats, done, pixels, channels,      \
+                                groups, slabs, eps);                                                         \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(1024) gn_rows_apply_nhwc_##S(                               \
+        const T *x, const T *x2, uint32_t c1, T *cat, const T *shift, uint32_t shift_stride, const T *w,      \
+        const T *b, T *out, const float *stats, uint32_t pixels, uint32_t channels, uint32_t groups,          \
+        uint32_t per_block, int silu) {                                                                      \
+        gn_rows_apply_nhwc<T>(x, x2, c1, cat, shift, shift_stride, w, b, out, stats, pixels, channels, groups, \
+                              per_block, silu);                                                              \
     }                                                                                                        \
     extern "C" __global__ void transpose_##S(const T *x, T *out, uint32_t m, uint32_t n, uint32_t in_stride, \
                                              uint32_t out_stride) {                                          \

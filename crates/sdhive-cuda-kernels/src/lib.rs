@@ -616,13 +616,13 @@ pub fn scale_add(a: &Tensor, s: f64, b: &Tensor) -> Result<Tensor> {
     on_cuda!(upscale::scale_add(a, s, b); a, s, b)
 }
 
-/// `x`, one sample, repeated to a batch of `batch` in one launch (`torch.cat([x] * batch)`). Call only where
-/// [`applies`] and [`repeat_fits`].
+/// `x`'s batch repeated whole to `batch` samples in one launch (`torch.cat([x] * (batch // len(x)))`); `batch`
+/// a multiple of `x`'s. Call only where [`applies`] and [`repeat_fits`].
 pub fn repeat_batch(x: &Tensor, batch: usize) -> Result<Tensor> {
     on_cuda!(cuda::repeat_batch(x, batch); x, batch)
 }
 
-/// Whether [`repeat_batch`] takes `x`: a CUDA tensor of one sample, whole 16-byte vectors from a 16-byte boundary.
+/// Whether [`repeat_batch`] takes `x`: a CUDA tensor of whole 16-byte vectors from a 16-byte boundary.
 pub fn repeat_fits(x: &Tensor) -> bool {
     #[cfg(feature = "cuda")]
     {

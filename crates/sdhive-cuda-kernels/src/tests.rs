@@ -781,10 +781,14 @@ fn channels_last_group_norm_matches_the_reference() {
 #[test]
 fn channels_last_group_norm_adds_its_shift_first() {
     let dev = gpu();
-    // One launch each but the last, which takes the two launches.
-    for (shape, groups) in
-        [((2, 320, 9, 7), 32), ((2, 640, 16, 16), 32), ((1, 1280, 4, 4), 32), ((2, 640, 64, 64), 32)]
-    {
+    // One launch each but the last two: the slab launches, then (21 MB in f16) the streaming ones.
+    for (shape, groups) in [
+        ((2, 320, 9, 7), 32),
+        ((2, 640, 16, 16), 32),
+        ((1, 1280, 4, 4), 32),
+        ((2, 640, 64, 64), 32),
+        ((2, 320, 128, 128), 32),
+    ] {
         let x = Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
         let shift = Tensor::randn(0f32, 3.0, (shape.0, shape.1), &dev).unwrap();
         let w = Tensor::randn(1f32, 0.2, shape.1, &dev).unwrap();
@@ -923,28 +927,30 @@ fn channels_last_concat_is_cat() {
     assert!(concat_channels_last(&x, &Tensor::zeros((2, 3, 5, 16), DType::F32, &dev).unwrap()).is_err());
 }
 
-/// One sample repeated to a batch moves bytes: exactly `Tensor::cat` of the copies, over one block and over many;
-/// a batch of two and a tail that is no whole vector are refused.
+/// A batch repeated whole moves bytes: exactly `Tensor::cat` of the copies, over one block and over many, from one
+/// sample and from eight (the guided batch's shared latents); a batch that is no multiple of the input's and a
+/// tail that is no whole vector are refused.
 #[test]
 fn repeat_batch_is_cat() {
     let dev = gpu();
-    for (dims, copies) in [((1, 3, 8), 2), ((1, 4096, 320), 2), ((1, 77, 1280), 3)] {
+    for (dims, batch) in
+        [((1, 3, 8), 2), ((1, 4096, 320), 2), ((1, 77, 1280), 3), ((2, 3, 8), 4), ((8, 4096, 40), 16)]
+    {
         let x = Tensor::randn(0f32, 1.0, dims, &dev).unwrap();
         for dtype in DTYPES {
             let x = x.to_dtype(dtype).unwrap();
-            let ours = repeat_batch(&x, copies).unwrap();
-            assert_eq!(ours.dims(), &[copies, dims.1, dims.2]);
-            let want = Tensor::cat(&vec![&x; copies], 0).unwrap();
-            assert_eq!(rel_diff(&ours, &want), 0.0, "repeat {dims:?} x{copies} {dtype:?}");
+            let ours = repeat_batch(&x, batch).unwrap();
+            assert_eq!(ours.dims(), &[batch, dims.1, dims.2]);
+            let want = Tensor::cat(&vec![&x; batch / dims.0], 0).unwrap();
+            assert_eq!(rel_diff(&ours, &want), 0.0, "repeat {dims:?} to {batch} {dtype:?}");
         }
     }
-    for refused in [
-        Tensor::zeros((2, 3, 8), DType::F16, &dev).unwrap(),
-        Tensor::zeros((1, 3, 5), DType::F16, &dev).unwrap(),
-    ] {
-        assert!(!repeat_fits(&refused), "{:?}", refused.dims());
-        assert!(repeat_batch(&refused, 2).is_err(), "{:?}", refused.dims());
-    }
+    let odd = Tensor::zeros((1, 3, 5), DType::F16, &dev).unwrap();
+    assert!(!repeat_fits(&odd));
+    assert!(repeat_batch(&odd, 2).is_err());
+    let two = Tensor::zeros((2, 3, 8), DType::F16, &dev).unwrap();
+    assert!(repeat_fits(&two));
+    assert!(repeat_batch(&two, 3).is_err(), "three is no whole number of copies of two");
     assert!(repeat_fits(&Tensor::zeros((1, 3, 8), DType::F16, &dev).unwrap()));
 }
 
@@ -1554,6 +1560,27 @@ fn slab_group_norm_splits_maps_into_chunks_of_whole_groups() {
     assert_eq!((huge.apply_threads, huge.apply_blocks), (512, 32768));
 }
 
+/// How the streaming GroupNorm takes maps: blocks of whole pixel rows (at least 256 threads' worth, whole warps),
+/// about 256 moments blocks in all but at most 256 slabs a sample and a batch of pixels per thread, and nothing
+/// where a row has more vectors than a moments block may have threads.
+#[test]
+fn rows_group_norm_splits_maps_into_slabs_of_whole_rows() {
+    use crate::cuda::{group_norm_rows as plan, RowsPlan};
+    // SD1.5's 64²·320 at batch 16 in f16: 40 vectors a row, six rows a block (240 threads, 256 launched).
+    let p = RowsPlan { threads: 256, slabs: 16, apply_threads: 256, per_block: 48, apply_blocks: 86 };
+    assert_eq!(plan(16, 4096, 320, 2), Some(p));
+    // The VAE's 512²·128 alone: 16 vectors a row, 256 slabs of 1024 pixels.
+    let p = RowsPlan { threads: 256, slabs: 256, apply_threads: 256, per_block: 128, apply_blocks: 2048 };
+    assert_eq!(plan(1, 512 * 512, 128, 2), Some(p));
+    // A small map: no more slabs than give each thread a batch of eight pixels.
+    assert_eq!(plan(1, 64, 320, 2).map(|p| p.slabs), Some(2));
+    // SDXL's widest map, 2560 channels: one row a block of 320 threads; f32 rows up to 4096 channels.
+    assert_eq!(plan(2, 1024, 2560, 2).map(|p| (p.threads, p.per_block)), Some((320, 8)));
+    assert_eq!(plan(2, 1024, 4096, 4).map(|p| p.threads), Some(1024));
+    assert_eq!(plan(2, 1024, 4104, 2), None);
+    assert_eq!(plan(0, 1024, 320, 2), None);
+}
+
 /// The cluster split-K convolution of 8×8 maps against candle's f32 NCHW convolution of the same (rounded) inputs
 /// plus bias and skip: SD1.5's 8² shapes (1280 and 2560 input channels, one and two images), the four-split
 /// instantiation (256 and 512 input channels), one 64-channel slice per split (320), f16 and bf16; the same call
@@ -1743,14 +1770,20 @@ fn edge_convolutions_refuse_what_they_cannot_take() {
 /// The GroupNorm of two maps joined along their channels, read in place, against the concatenation kernel then
 /// the GroupNorm of the join: the same bits for the normalised join and the join itself, on the up path's shapes
 /// (8² and 16² maps of 2560 and 1920 channels through the one-launch kernel, groups straddling the seam in the
-/// latter; 32² of 1920 through the two-block cluster; 64² of 960 and 640 through the two launches), f16 and bf16;
-/// maps that do not match are refused with an error.
+/// latter; 32² of 1920 through the two-block cluster; 64² of 960 and 640 through the slab launches, SDXL's 128²
+/// of 640 through the streaming ones), f16 and bf16; maps that do not match are refused with an error.
 #[test]
 fn joined_group_norm_matches_concat_then_norm() {
     let dev = gpu();
-    for (hw, ca, cb) in
-        [(8, 1280, 1280), (16, 1280, 640), (16, 1280, 1280), (32, 1280, 640), (64, 640, 320), (64, 320, 320)]
-    {
+    for (hw, ca, cb) in [
+        (8, 1280, 1280),
+        (16, 1280, 640),
+        (16, 1280, 1280),
+        (32, 1280, 640),
+        (64, 640, 320),
+        (64, 320, 320),
+        (128, 320, 320),
+    ] {
         let a = Tensor::randn(0.3f32, 1.5, (2, hw, hw, ca), &dev).unwrap();
         let b = Tensor::randn(-0.2f32, 0.7, (2, hw, hw, cb), &dev).unwrap();
         let w = Tensor::randn(1f32, 0.2, ca + cb, &dev).unwrap();

@@ -455,7 +455,7 @@ pub fn expand_batch(x: &Tensor, batch: usize) -> Result<Tensor> {
     if b == 0 || !batch.is_multiple_of(b) {
         candle_core::bail!("cannot expand a batch of {b} to {batch}: it must be whole copies of the batch");
     }
-    if b == 1 && gpu::repeat_fits(x) {
+    if gpu::repeat_fits(x) {
         return gpu::repeat_batch(x, batch);
     }
     Tensor::cat(&vec![x; batch / b], 0)
