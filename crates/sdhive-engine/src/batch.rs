@@ -3,7 +3,8 @@
 //! with equal keys differ only in what each batch row carries on its own (prompt, negative prompt, seed, CFG scale,
 //! clip skip, embeddings). An engine that batches runs such requests as one batch and each image equals the image
 //! its request gets alone. A [`BatchFeed`] is how a running batch meets the queue: newcomers join it between
-//! steps and each request's result leaves as soon as it is done ([`crate::Engine::generate_joined`]).
+//! steps and each request's result leaves as soon as it is done ([`crate::Engine::generate_joined`]). A GPU
+//! engine runs a batch of every size once before serving ([`warm_batches`]).
 
 use crate::engine::{Control, Engine, EngineError, GenerateOutput, Progress};
 use crate::request::{GenerateRequest, LoraUse};
@@ -63,6 +64,28 @@ pub trait BatchFeed {
     fn denoised(&mut self, images: u32) {
         let _ = images;
     }
+}
+
+/// Steps each warm-up generation runs: the second call of a shape is where a GPU engine records its CUDA graph.
+pub const WARM_STEPS: u32 = 2;
+
+/// [`Engine::warm_up`] for batching engines: a guided generation of [`WARM_STEPS`] steps at the native size as
+/// one batch of 1, 2, … up to `max_images` requests (within [`Engine::max_batch`]), so that every batch size a
+/// worker's load can form has run once. Returns the batch sizes that ran; a failure ends the warm-up there (it
+/// is logged, and serving goes on: the first real batch of that size pays instead).
+pub fn warm_batches(engine: &mut (impl Engine + ?Sized), max_images: u32) -> u32 {
+    let most = max_images.min(engine.max_batch()).max(1);
+    let req = GenerateRequest { steps: WARM_STEPS, seed: Some(0), ..GenerateRequest::default() };
+    for k in 1..=most {
+        let reqs = vec![&req; k as usize];
+        let failed =
+            run_batch(engine, &reqs, k, &mut |_, _| Control::Continue).into_iter().find_map(Result::err);
+        if let Some(e) = failed {
+            tracing::warn!("warm-up at {k} images failed, the first such batch pays instead: {e}");
+            return k - 1;
+        }
+    }
+    most
 }
 
 /// Runs `reqs` as one batch on `engine` through [`Engine::generate_joined`] with nobody joining, and returns one
@@ -176,6 +199,62 @@ mod tests {
         for r in changed {
             assert_ne!(r.batch_key(), base, "{r:?}");
         }
+    }
+
+    /// Records each batch it is given (sizes, steps, guidance, native size) and fails at `fail_at` images.
+    struct Batches {
+        seen: Vec<(usize, u32, bool, Option<u32>)>,
+        most: u32,
+        fail_at: usize,
+    }
+
+    impl Engine for Batches {
+        fn info(&self) -> crate::EngineInfo {
+            crate::EngineInfo::default()
+        }
+        fn generate(
+            &mut self,
+            _: &GenerateRequest,
+            _: &mut dyn FnMut(&Progress) -> Control,
+        ) -> Result<GenerateOutput, EngineError> {
+            Ok(GenerateOutput { images: vec![] })
+        }
+        fn max_batch(&self) -> u32 {
+            self.most
+        }
+        fn generate_joined(
+            &mut self,
+            first: Vec<(usize, GenerateRequest)>,
+            max: u32,
+            feed: &mut dyn BatchFeed,
+        ) {
+            let r = &first[0].1;
+            self.seen.push((first.len(), r.steps, r.batch_key().is_some_and(|k| k.guided), r.width));
+            assert_eq!(max as usize, first.len(), "one batch of every request");
+            for (token, _) in first {
+                let out = if self.seen.len() == self.fail_at {
+                    Err(EngineError::Failed("oom".into()))
+                } else {
+                    Ok(GenerateOutput { images: vec![] })
+                };
+                feed.finished(token, out);
+            }
+        }
+    }
+
+    /// The warm-up runs one guided batch of every size up to the operator's limit, within the engine's, at the
+    /// native size with two steps, and stops at the first size that fails.
+    #[test]
+    fn warm_up_runs_every_batch_size_once() {
+        let mut e = Batches { seen: vec![], most: 16, fail_at: 0 };
+        assert_eq!(warm_batches(&mut e, 4), 4);
+        let want: Vec<_> = (1..=4).map(|k| (k, WARM_STEPS, true, None)).collect();
+        assert_eq!(e.seen, want);
+        let mut e = Batches { seen: vec![], most: 3, fail_at: 0 };
+        assert_eq!(warm_batches(&mut e, 8), 3, "the engine's own limit");
+        let mut e = Batches { seen: vec![], most: 8, fail_at: 3 };
+        assert_eq!(warm_batches(&mut e, 8), 2, "stops where a size fails");
+        assert_eq!(e.seen.len(), 3);
     }
 
     #[test]

@@ -131,6 +131,13 @@ pub trait Engine: Send {
         crate::batch::joined_one_batch_at_a_time(self, first, max_images, feed)
     }
 
+    /// Pays before the worker serves what the first generation at each batch size of up to `max_images` images
+    /// would pay once (a GPU engine's kernel plans and product tuning for each new shape), at the model's native
+    /// size. The default does nothing; GPU engines run [`crate::batch::warm_batches`].
+    fn warm_up(&mut self, max_images: u32) {
+        let _ = max_images;
+    }
+
     /// Runs A1111's extras "Upscale" step on every image of `req`, in order.
     fn upscale(&mut self, req: &crate::UpscaleRequest) -> Result<Vec<RgbImage>, EngineError> {
         let _ = req;

@@ -58,6 +58,10 @@ fn encoder_threads() -> usize {
 /// engine, and with it the model's memory, is freed when this returns, after the last images are encoded.
 fn run(weak: Weak<Shared>, mut host: ModelHost) {
     let _alive = AliveGuard(weak.clone());
+    if let Some(jobs) = JobManager::upgrade(&weak) {
+        warm_up(&jobs, &mut host);
+        jobs.mark_warm();
+    }
     let encoder = Encoder::start(weak.clone(), encoder_threads());
     while let Some(jobs) = JobManager::upgrade(&weak) {
         let max_images = batch_images(&jobs, &mut host);
@@ -65,6 +69,21 @@ fn run(weak: Weak<Shared>, mut host: ModelHost) {
             Next::Jobs(started) => run_jobs(&jobs, &mut host, &encoder, started, max_images),
             Next::Idle => {}
             Next::Stop => break,
+        }
+    }
+}
+
+/// Where batching is on, runs a batch of every size up to `--max-batch` on the loaded model before the first job
+/// ([`Engine::warm_up`]), on this thread: the kernel plans and product tuning it pays for are kept per thread, and
+/// so are the CUDA graphs it records. A model switched to later is not warmed.
+fn warm_up(jobs: &JobManager, host: &mut ModelHost) {
+    let max_batch = jobs.config().max_batch;
+    if max_batch > 1 {
+        if let Some(engine) = host.engine() {
+            let warm = catch_unwind(AssertUnwindSafe(|| engine.warm_up(max_batch)));
+            if let Err(payload) = warm {
+                tracing::error!("warming the batch sizes up panicked: {}", panic_message(payload.as_ref()));
+            }
         }
     }
 }

@@ -318,6 +318,8 @@ struct Inner {
     /// Set to make the engine thread exit once idle.
     stop: bool,
     engine_alive: bool,
+    /// The engine thread has warmed its batch sizes up (or had nothing to warm) and takes jobs.
+    warm: bool,
     /// Smoothed seconds per finished job, for `Retry-After`.
     avg_job_secs: f64,
 }
@@ -512,6 +514,7 @@ impl JobManager {
                 accepting: true,
                 stop: false,
                 engine_alive: true,
+                warm: false,
                 avg_job_secs: 5.0,
             }),
             work: Condvar::new(),
@@ -1064,6 +1067,20 @@ impl JobManager {
         }
         drop(inner);
         self.shared.idle.notify_all();
+    }
+
+    /// Called by the engine thread once it has warmed up, before it takes its first job.
+    pub(crate) fn mark_warm(&self) {
+        self.lock().warm = true;
+        self.shared.idle.notify_all();
+    }
+
+    /// Blocks until the engine thread has warmed up or is gone.
+    pub fn wait_warm(&self) {
+        let mut inner = self.lock();
+        while !inner.warm && inner.engine_alive {
+            inner = self.shared.idle.wait(inner).unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
     }
 
     pub(crate) fn mark_engine_dead(&self) {

@@ -245,11 +245,24 @@ pub async fn serve(
             return Err(ServeError::LoaderPanicked);
         }
     };
-    let load_time = load_started.elapsed();
     let state = match engine {
         Loaded::Engine(engine) => AppState::new(config, engine),
         Loaded::Host(library, host) => AppState::with_library(config, library, host),
     };
+    // Ready once the engine thread has warmed the batch sizes up (where batching is on): requests and the hive
+    // then never meet a size's first step.
+    let jobs = state.jobs.clone();
+    let warm = tokio::task::spawn_blocking(move || jobs.wait_warm());
+    tokio::select! {
+        _ = warm => {}
+        _ = &mut shutdown => {
+            tracing::info!("shutdown requested while the engine warmed up");
+            let jobs = state.jobs.clone();
+            let _ = tokio::task::spawn_blocking(move || jobs.stop_engine_blocking()).await;
+            return stop_http(&http_stop_tx, &mut http).await;
+        }
+    }
+    let load_time = load_started.elapsed();
     state.metrics.set_model_load_time(load_time);
     tracing::info!(model = %state.info().model, seconds = load_time.as_secs_f64(), "model loaded; ready");
     // Only ever set here, once; a second set cannot happen.

@@ -158,3 +158,64 @@ async fn an_options_switch_waits_for_the_jobs_queued_before_it() {
     assert_eq!(r.status(), 200);
     assert_eq!(*s.loads.lock().unwrap(), ["a", "b"]);
 }
+
+/// Each warm-up: the batch limit it got and the name of the thread it ran on.
+type WarmLog = Arc<Mutex<Vec<(u32, Option<String>)>>>;
+
+/// A slow engine whose warm-up takes a while and is logged.
+struct Warming {
+    inner: SlowEngine,
+    log: WarmLog,
+}
+
+impl Engine for Warming {
+    fn info(&self) -> EngineInfo {
+        self.inner.info()
+    }
+
+    fn generate(
+        &mut self,
+        req: &GenerateRequest,
+        progress: &mut dyn FnMut(&Progress) -> Control,
+    ) -> Result<GenerateOutput, EngineError> {
+        self.inner.generate(req, progress)
+    }
+
+    fn warm_up(&mut self, max_images: u32) {
+        std::thread::sleep(LOAD_TIME);
+        let thread = std::thread::current().name().map(str::to_string);
+        self.log.lock().unwrap().push((max_images, thread));
+    }
+}
+
+/// With batching on, the worker warms its engine's batch sizes up on the engine thread (where the GPU engines
+/// keep their plans and recordings) and says it is ready only after; with `--max-batch 1` it does not warm up.
+#[tokio::test]
+async fn a_batching_worker_warms_up_on_the_engine_thread_before_it_is_ready() {
+    for max_batch in [4, 1] {
+        let log: WarmLog = Arc::default();
+        let engine_log = Arc::clone(&log);
+        let loader: sdhive_server::EngineLoader = Box::new(move || {
+            let inner = SlowEngine { per_step: Duration::from_millis(5) };
+            Ok(Box::new(Warming { inner, log: engine_log }) as Box<dyn Engine>)
+        });
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let config = sdhive_server::ServerConfig { max_batch, ..common::config() };
+        tokio::spawn(serve(listener, config, loader, None, std::future::pending::<()>()));
+        let client = reqwest::Client::new();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while client.get(format!("{base}/ready")).send().await.map(|r| r.status() != 200).unwrap_or(true) {
+            assert!(Instant::now() < deadline);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let warmed = log.lock().unwrap().clone();
+        if max_batch > 1 {
+            assert_eq!(warmed, vec![(max_batch, Some("sdhive-engine".to_string()))], "warmed before ready");
+        } else {
+            assert!(warmed.is_empty(), "{warmed:?}");
+        }
+        let r = client.post(format!("{base}/v1/jobs")).json(&json!({"prompt": "x", "steps": 2})).send().await;
+        assert_eq!(r.unwrap().status(), 202, "jobs are taken once warm");
+    }
+}

@@ -127,8 +127,10 @@ pub struct ServeArgs {
     pub max_queue: usize,
 
     /// The most images of compatible queued generations (same model, LoRAs, size, steps, sampler) denoised
-    /// together; 1 runs one job at a time (stable-diffusion.cpp always does). Off by default: on an H100 a batch
-    /// of 8 SD1.5 images takes 6.7× one image's time, and SDXL gains nothing (docs/benchmarks.md).
+    /// together; 1 runs one job at a time (stable-diffusion.cpp always does). Above 1 a GPU worker runs a short
+    /// batch of every size before it is ready (seconds), so no request meets a size's first, tuning step. Off by
+    /// default: on an H200 a batch of 8 SD1.5 images takes 6.4× one image's time, and SDXL gains little
+    /// (docs/benchmarks.md).
     #[arg(long, env = "MAX_BATCH", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub max_batch: u32,
 
