@@ -184,6 +184,21 @@ template <typename T> __device__ __forceinline__ float silu_of(float v) {
     return sizeof(T) == 4 ? v / (1.f + expf(-v)) : __fdividef(v, 1.f + __expf(-v));
 }
 
+// One packed unit (4 or 16 bytes) of a map normalised: each value · scale + offset of its channel (+ SiLU).
+template <typename T, typename U>
+__device__ __forceinline__ U gn_normalised(const U &raw, const float *scale, const float *offset, int silu) {
+    const T *e = reinterpret_cast<const T *>(&raw);
+    U res;
+    T *oe = reinterpret_cast<T *>(&res);
+#pragma unroll
+    for (uint32_t j = 0; j < sizeof(U) / sizeof(T); j++) {
+        float val = fmaf(to_f(e[j]), scale[j], offset[j]);
+        if (silu) val = silu_of<T>(val);
+        oe[j] = from_f<T>(val);
+    }
+    return res;
+}
+
 // Most pixels of one group a thread of gn_group_nhwc keeps in registers (one 4-byte unit each); the host takes
 // that kernel only where ⌊blockDim / units per pixel⌋ · CLUSTER · GN_GROUP_UNITS rows cover the map.
 #define GN_GROUP_UNITS 32
@@ -299,16 +314,8 @@ __device__ void gn_group_nhwc(const T *x, const T *x2, uint32_t c1, T *cat, cons
     for (uint32_t k = 0; k < GN_GROUP_UNITS; k++) {
         if (k >= held) break;
         if (cs != nullptr) *reinterpret_cast<uint32_t *>(cs + (size_t)(p0 + k * step) * channels) = raw[k];
-        const T *e = reinterpret_cast<const T *>(&raw[k]);
-        uint32_t res;
-        T *oe = reinterpret_cast<T *>(&res);
-#pragma unroll
-        for (uint32_t j = 0; j < E; j++) {
-            float val = fmaf(to_f(e[j]), scale[j], offset[j]);
-            if (silu) val = silu_of<T>(val);
-            oe[j] = from_f<T>(val);
-        }
-        *reinterpret_cast<uint32_t *>(os + (size_t)(p0 + k * step) * channels) = res;
+        *reinterpret_cast<uint32_t *>(os + (size_t)(p0 + k * step) * channels) =
+            gn_normalised<T>(raw[k], scale, offset, silu);
     }
 }
 
@@ -518,16 +525,7 @@ __device__ void gn_slab_apply_nhwc(const T *x, const T *x2, uint32_t c1, T *cat,
     for (uint32_t k = 0; k < GN_SLAB_APPLY_HOLD; k++) {
         if (k >= t.held) break;
         if (cs != nullptr) cs[(size_t)(t.p0 + k * t.rows) * pitch] = raw[k];
-        const T *e = reinterpret_cast<const T *>(&raw[k]);
-        uint4 res;
-        T *oe = reinterpret_cast<T *>(&res);
-#pragma unroll
-        for (uint32_t j = 0; j < VEC; j++) {
-            float val = fmaf(to_f(e[j]), scale[j], offset[j]);
-            if (silu) val = silu_of<T>(val);
-            oe[j] = from_f<T>(val);
-        }
-        os[(size_t)(t.p0 + k * t.rows) * pitch] = res;
+        os[(size_t)(t.p0 + k * t.rows) * pitch] = gn_normalised<T>(raw[k], scale, offset, silu);
     }
 }
 
@@ -731,16 +729,7 @@ __device__ void gn_rows_apply_nhwc(const T *x, const T *x2, uint32_t c1, T *cat,
             const uint32_t p = p0 + k * t.rows;
             if (p >= end) break;
             if (cs != nullptr) *reinterpret_cast<uint4 *>(cs + (size_t)p * channels) = raw[k];
-            const T *e = reinterpret_cast<const T *>(&raw[k]);
-            uint4 res;
-            T *oe = reinterpret_cast<T *>(&res);
-#pragma unroll
-            for (uint32_t j = 0; j < VEC; j++) {
-                float val = fmaf(to_f(e[j]), scale[j], offset[j]);
-                if (silu) val = silu_of<T>(val);
-                oe[j] = from_f<T>(val);
-            }
-            *reinterpret_cast<uint4 *>(os + (size_t)p * channels) = res;
+            *reinterpret_cast<uint4 *>(os + (size_t)p * channels) = gn_normalised<T>(raw[k], scale, offset, silu);
         }
     }
 }
