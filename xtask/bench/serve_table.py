@@ -192,7 +192,8 @@ def table(res: dict) -> str:
         lines.append("")
         for o in r["ours"]:
             if "error" not in o:
-                lines.append(f"- `{o['config']}`: ready after {o['ready_s']:.1f} s; peak device memory while "
+                warm = f" (warm-up {o['warm_up_s']:.1f} s)" if o.get("warm_up_s") is not None else ""
+                lines.append(f"- `{o['config']}`: ready after {o['ready_s']:.1f} s{warm}; peak device memory while "
                              f"loading {mib(o['loading_peak']['device_mib'])}, over the whole run "
                              f"{mib(o['peak']['device_mib'])} (RSS {mib(o['peak']['rss_mib'])})")
                 parts = o.get("latency_parts")

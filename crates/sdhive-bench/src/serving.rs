@@ -109,7 +109,14 @@ pub fn run(s: &Settings) -> Result<Value> {
         let ready_s = started.elapsed().as_secs_f64();
         let loading = memory.take();
         eprintln!("worker ready after {ready_s:.1} s; while loading: {loading}");
-        measure(s, &load, &memory, ready_s, loading).await
+        let mut report = measure(s, &load, &memory, ready_s, loading).await?;
+        // Read at the end: the log line comes before `/ready` answers, but its reader thread may lag behind.
+        let warm_s = *worker.warm_s.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(w) = warm_s {
+            eprintln!("worker warm-up: {w:.1} s of the {ready_s:.1} s before it was ready");
+        }
+        report["warm_up_s"] = json!(warm_s);
+        Ok::<_, anyhow::Error>(report)
     });
     let exit = worker.stop();
     let mut report = outcome?;
@@ -548,6 +555,8 @@ struct Worker {
     child: Option<Child>,
     pid: u32,
     url: String,
+    /// The seconds its warm-up took, once its log has said (a batching worker on a GPU).
+    warm_s: Arc<std::sync::Mutex<Option<f64>>>,
 }
 
 impl Worker {
@@ -559,18 +568,24 @@ impl Worker {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        // The engine's info lines say how long the warm-up took; the worker's default is warnings only.
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "warn,sdhive_candle=info");
+        }
         eprintln!("starting {} serve --model {model} --dtype {dtype} {}", bin.display(), extra.join(" "));
         let mut child = cmd.spawn().with_context(|| format!("starting {}", bin.display()))?;
         let pid = child.id();
         let (tx, rx) = mpsc::channel();
         // The worker's output goes to our stderr (stdout carries the report); its bound address is read on the way.
+        let warm_s = Arc::new(std::sync::Mutex::new(None));
         if let Some(out) = child.stdout.take() {
-            std::thread::spawn(move || forward(out, None));
+            std::thread::spawn(move || forward(out, None, None));
         }
         if let Some(err) = child.stderr.take() {
-            std::thread::spawn(move || forward(err, Some(tx)));
+            let warm_s = Arc::clone(&warm_s);
+            std::thread::spawn(move || forward(err, Some(tx), Some(warm_s)));
         }
-        let mut worker = Worker { child: Some(child), pid, url: String::new() };
+        let mut worker = Worker { child: Some(child), pid, url: String::new(), warm_s };
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             match rx.recv_timeout(Duration::from_millis(200)) {
@@ -634,14 +649,30 @@ impl Drop for Worker {
 }
 
 /// Copies a worker stream to our stderr line by line; on stderr, sends the address of `listening on http://…`.
-fn forward(stream: impl std::io::Read, url: Option<mpsc::Sender<String>>) {
+fn forward(
+    stream: impl std::io::Read,
+    url: Option<mpsc::Sender<String>>,
+    warm_s: Option<Arc<std::sync::Mutex<Option<f64>>>>,
+) {
     for line in BufReader::new(stream).lines() {
         let Ok(line) = line else { break };
         if let (Some(tx), Some(addr)) = (&url, line.strip_prefix("listening on ")) {
             let _ = tx.send(addr.trim().to_string());
         }
+        if let (Some(slot), Some(secs)) = (&warm_s, warm_up_seconds(&line)) {
+            *slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(secs);
+        }
         eprintln!("worker: {line}");
     }
+}
+
+/// The seconds of the engine's "warmed the batch sizes up" log line (tracing's `seconds=…` field), if `line` is it.
+fn warm_up_seconds(line: &str) -> Option<f64> {
+    if !line.contains("warmed the batch sizes up") {
+        return None;
+    }
+    let (_, rest) = line.split_once("seconds=")?;
+    rest.split(|c: char| c.is_whitespace() || c == ',').next()?.parse().ok()
 }
 
 /// The most memory the worker used over a span: device memory as nvidia-smi reports it for the worker's process
@@ -923,6 +954,14 @@ fn summary(ms: &[f64]) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_warm_up_seconds_come_from_the_engine_log_line() {
+        let line = "2026-11-30T00:01:02.345Z  INFO sdhive_candle::engine: warmed the batch sizes up sizes=8 seconds=6.25";
+        assert_eq!(warm_up_seconds(line), Some(6.25));
+        assert_eq!(warm_up_seconds("INFO x: warmed the batch sizes up sizes=8"), None);
+        assert_eq!(warm_up_seconds("INFO x: model loaded; ready seconds=3.0"), None);
+    }
 
     #[test]
     fn server_timing_metrics_and_the_time_over_the_engine() {
