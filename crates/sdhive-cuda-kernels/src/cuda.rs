@@ -729,17 +729,15 @@ const ROWS_APPLY: usize = 4;
 /// against 29 for one launch; below about 17 MB its fixed cost loses (64²·320 at batch 2: 16-18 against 12 us).
 const ROWS_MIN_BYTES: usize = 20 << 20;
 
-/// How the streaming two-launch GroupNorm (kernels.cu's gn_rows_*) takes a map: `threads` per moments block over
-/// `slabs` slabs of each sample's pixels, then `apply_blocks` normalisation blocks per sample of `apply_threads`,
-/// `per_block` pixels each. Both kinds of block cover whole pixel rows (a row is C / vector 16-byte vectors); the
-/// slabs give the moments launch about 256 blocks (at most 256 per sample, each thread at least a batch of
-/// pixels). `None` where a row has more vectors than a moments block may have threads (512 for 16-bit maps,
-/// 1024 for f32: the kernel's launch bounds).
+/// How the streaming two-launch GroupNorm (kernels.cu's gn_rows_*) takes a map: blocks of `threads` (whole pixel
+/// rows: a row is C / vector 16-byte vectors), the moments over `slabs` slabs of each sample's pixels, then
+/// `apply_blocks` normalisation blocks per sample of `per_block` pixels each. The slabs give the moments launch
+/// about 256 blocks (at most 256 per sample, each thread at least a batch of pixels). `None` where a row has more
+/// vectors than a moments block may have threads (512 for 16-bit maps, 1024 for f32: the kernel's launch bounds).
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct RowsPlan {
     pub threads: usize,
     pub slabs: usize,
-    pub apply_threads: usize,
     pub per_block: usize,
     pub apply_blocks: usize,
 }
@@ -760,13 +758,7 @@ pub(crate) fn group_norm_rows(
     let most_slabs = pixels.div_ceil(rows * ROWS_BATCH).clamp(1, 256);
     let slabs = 256usize.div_ceil(samples).clamp(1, most_slabs);
     let per_block = rows * ROWS_APPLY * 2;
-    Some(RowsPlan {
-        threads,
-        slabs,
-        apply_threads: threads,
-        per_block,
-        apply_blocks: pixels.div_ceil(per_block),
-    })
+    Some(RowsPlan { threads, slabs, per_block, apply_blocks: pixels.div_ceil(per_block) })
 }
 
 /// Per-sample counters of the streaming GroupNorm's moments blocks (the last block of a sample merges the slabs),
@@ -925,7 +917,7 @@ fn group_norm_last_launch<T: CudaDType + DeviceRepr>(
         );
         let cfg = LaunchConfig {
             grid_dim: (plan.apply_blocks as u32, samples as u32, 1),
-            block_dim: (plan.apply_threads as u32, 1, 1),
+            block_dim: (plan.threads as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: as above; the apply blocks cover every pixel.
@@ -1194,7 +1186,7 @@ single_input_op!(RepeatBatch, "sdhive-repeat-batch", repeat_launch, |op: &Repeat
 /// Whether the repeat kernel takes `x`: a batch of whole 16-byte vectors from a 16-byte boundary.
 pub fn repeat_fits(x: &Tensor) -> bool {
     let vec = 16 / x.dtype().size_in_bytes().max(1);
-    x.rank() > 0 && x.dims()[0] > 0 && x.elem_count().is_multiple_of(vec) && starts_16_aligned(x)
+    x.rank() > 0 && x.elem_count() > 0 && x.elem_count().is_multiple_of(vec) && starts_16_aligned(x)
 }
 
 /// `x`'s batch repeated whole to `batch` samples (the batch a multiple of `x`'s), as `Tensor::cat` of copies of

@@ -1567,10 +1567,10 @@ fn slab_group_norm_splits_maps_into_chunks_of_whole_groups() {
 fn rows_group_norm_splits_maps_into_slabs_of_whole_rows() {
     use crate::cuda::{group_norm_rows as plan, RowsPlan};
     // SD1.5's 64²·320 at batch 16 in f16: 40 vectors a row, six rows a block (240 threads, 256 launched).
-    let p = RowsPlan { threads: 256, slabs: 16, apply_threads: 256, per_block: 48, apply_blocks: 86 };
+    let p = RowsPlan { threads: 256, slabs: 16, per_block: 48, apply_blocks: 86 };
     assert_eq!(plan(16, 4096, 320, 2), Some(p));
     // The VAE's 512²·128 alone: 16 vectors a row, 256 slabs of 1024 pixels.
-    let p = RowsPlan { threads: 256, slabs: 256, apply_threads: 256, per_block: 128, apply_blocks: 2048 };
+    let p = RowsPlan { threads: 256, slabs: 256, per_block: 128, apply_blocks: 2048 };
     assert_eq!(plan(1, 512 * 512, 128, 2), Some(p));
     // A small map: no more slabs than give each thread a batch of eight pixels.
     assert_eq!(plan(1, 64, 320, 2).map(|p| p.slabs), Some(2));
