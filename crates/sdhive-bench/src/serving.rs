@@ -568,9 +568,9 @@ impl Worker {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        // The engine's info lines say how long the warm-up took; the worker's default is warnings only.
+        // The warm-up's info line says how long it took; the worker's default is warnings only.
         if std::env::var_os("RUST_LOG").is_none() {
-            cmd.env("RUST_LOG", "warn,sdhive_candle=info");
+            cmd.env("RUST_LOG", "warn,sdhive_engine::batch=info");
         }
         eprintln!("starting {} serve --model {model} --dtype {dtype} {}", bin.display(), extra.join(" "));
         let mut child = cmd.spawn().with_context(|| format!("starting {}", bin.display()))?;
@@ -957,7 +957,7 @@ mod tests {
 
     #[test]
     fn the_warm_up_seconds_come_from_the_engine_log_line() {
-        let line = "2026-11-30T00:01:02.345Z  INFO sdhive_candle::engine: warmed the batch sizes up sizes=8 seconds=6.25";
+        let line = "2026-11-30T00:01:02.345Z  INFO sdhive_engine::batch: warmed the batch sizes up sizes=8 seconds=6.25";
         assert_eq!(warm_up_seconds(line), Some(6.25));
         assert_eq!(warm_up_seconds("INFO x: warmed the batch sizes up sizes=8"), None);
         assert_eq!(warm_up_seconds("INFO x: model loaded; ready seconds=3.0"), None);

@@ -409,9 +409,7 @@ impl Engine for Sd3Engine {
     /// On a CUDA device only, as the SD1/SDXL engine.
     fn warm_up(&mut self, max_images: u32) {
         if self.model.vae.device().is_cuda() {
-            let started = std::time::Instant::now();
-            let sizes = sdhive_engine::batch::warm_batches(self, max_images);
-            tracing::info!(sizes, seconds = started.elapsed().as_secs_f64(), "warmed the batch sizes up");
+            sdhive_engine::batch::warm_batches(self, max_images);
         }
     }
 

@@ -71,21 +71,26 @@ pub const WARM_STEPS: u32 = 2;
 
 /// [`Engine::warm_up`] for batching engines: a guided generation of [`WARM_STEPS`] steps at the native size as
 /// one batch of 1, 2, … up to `max_images` requests (within [`Engine::max_batch`]), so that every batch size a
-/// worker's load can form has run once. Returns the batch sizes that ran; a failure ends the warm-up there (it
-/// is logged, and serving goes on: the first real batch of that size pays instead).
+/// worker's load can form has run once. Returns the batch sizes that ran, and logs them with the time taken; a
+/// failure ends the warm-up there (it is logged, and serving goes on: the first real batch of that size pays
+/// instead).
 pub fn warm_batches(engine: &mut (impl Engine + ?Sized), max_images: u32) -> u32 {
+    let started = std::time::Instant::now();
     let most = max_images.min(engine.max_batch()).max(1);
     let req = GenerateRequest { steps: WARM_STEPS, seed: Some(0), ..GenerateRequest::default() };
+    let mut sizes = 0;
     for k in 1..=most {
         let reqs = vec![&req; k as usize];
         let failed =
             run_batch(engine, &reqs, k, &mut |_, _| Control::Continue).into_iter().find_map(Result::err);
         if let Some(e) = failed {
             tracing::warn!("warm-up at {k} images failed, the first such batch pays instead: {e}");
-            return k - 1;
+            break;
         }
+        sizes = k;
     }
-    most
+    tracing::info!(sizes, seconds = started.elapsed().as_secs_f64(), "warmed the batch sizes up");
+    sizes
 }
 
 /// Runs `reqs` as one batch on `engine` through [`Engine::generate_joined`] with nobody joining, and returns one
