@@ -6,7 +6,7 @@ import { expect, fill, generate, lastJobId, open, shot, test } from './fixtures'
 test('generates with live step progress, previews and the final image', async ({ page, request, pageErrors }) => {
   await open(page);
   await shot(page, 'generate-empty');
-  await fill(page, { prompt: 'a red fox in the snow', steps: 12, seed: 777, previewEvery: 1 });
+  await fill(page, { prompt: 'a red fox in the snow', steps: 48, seed: 777, previewEvery: 1 });
   // Everything the progress region shows while the job runs, as the page rendered it.
   await page.evaluate(() => {
     const w = window as unknown as { seen: { status: string[]; values: number[]; previews: number; eta: string[] } };
@@ -21,14 +21,14 @@ test('generates with live step progress, previews and the final image', async ({
     new MutationObserver(() => preview.src.startsWith('data:image/png') && w.seen.previews++).observe(preview, { attributes: true, attributeFilter: ['src'] });
   });
   await page.getByRole('button', { name: 'Generate', exact: true }).click();
-  await expect(page.locator('#job-status')).toHaveText(/Step \d+\/12/);
+  await expect(page.locator('#job-status')).toHaveText(/Step \d+\/48/);
   await shot(page, 'generate-progress');
   await expect(page.locator('#job-status')).toHaveText(/^Done/, { timeout: 45_000 });
   await shot(page, 'generate-done');
 
   const seen = await page.evaluate(() => (window as unknown as { seen: { status: string[]; values: number[]; previews: number; eta: string[] } }).seen);
   expect(seen.eta.some((e) => /^ETA \d/.test(e)), `ETAs shown: ${seen.eta.join(' | ')}`).toBe(true);
-  const steps = seen.status.map((s) => /Step (\d+)\/12/.exec(s)?.[1]).filter(Boolean).map(Number);
+  const steps = seen.status.map((s) => /Step (\d+)\/48/.exec(s)?.[1]).filter(Boolean).map(Number);
   expect(steps.length, `step updates seen: ${seen.status.join(' | ')}`).toBeGreaterThanOrEqual(3);
   expect(steps).toEqual([...steps].sort((a, b) => a - b));
   expect(seen.values.some((v) => v > 0 && v < 100), `intermediate progress values: ${seen.values}`).toBe(true);
@@ -47,7 +47,7 @@ test('generates with live step progress, previews and the final image', async ({
 
   const job = await (await request.get(`/v1/jobs/${await lastJobId(page)}`)).json();
   expect(job.state).toBe('succeeded');
-  expect(job.request.steps).toBe(12);
+  expect(job.request.steps).toBe(48);
   expect(pageErrors).toEqual([]);
 });
 
