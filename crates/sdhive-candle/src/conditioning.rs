@@ -1,13 +1,17 @@
 //! Prompt → UNet conditioning: A1111 emphasis and 75-token chunking on top of the CLIP encoders, clip skip, and
 //! SDXL's two-encoder concatenation with its pooled embedding. For a plain prompt of at most 75 tokens the result
-//! is exactly what diffusers' `encode_prompt` produces.
+//! is exactly what diffusers' `encode_prompt` produces. Recent prompts' encodings are kept ([`TextCache`]), as A1111
+//! keeps its last prompt's: a negative prompt a team shares, or a prompt run again with another seed, is not encoded
+//! again.
 
 use crate::model::{Family, SdModel, TextEncoder};
 use candle_core::{DType, Device, Result, Tensor, D};
 use sdhive_models::ClipTextModel;
 use sdhive_tokenizer::prompt::{weighted_chunks, weighted_chunks_with, Chunk, ChunkOptions};
+use std::sync::Mutex;
 
 /// The text conditioning for one prompt.
+#[derive(Clone)]
 pub struct Conditioning {
     /// `[1, 77 · chunks, D]`.
     pub context: Tensor,
@@ -79,23 +83,103 @@ fn encode_with(
         .map_err(candle_core::Error::wrap)?
 }
 
-/// A1111's emphasis: scale each token's embedding by its weight, then restore the chunk's original mean.
+/// A1111's emphasis: scale each token's embedding by its weight, then restore the chunk's original mean (left
+/// unscaled when the weighted mean is zero or not finite). The means stay on the device: reading them back would
+/// make the host wait for the device, and a job joining a running batch would stall the batch's steps.
 fn apply_weights(z: &Tensor, weights: &[f32]) -> Result<Tensor> {
-    let original_mean = z.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()?;
+    let original_mean = z.to_dtype(DType::F32)?.mean_all()?;
     let w = Tensor::from_slice(weights, (1, weights.len(), 1), z.device())?.to_dtype(z.dtype())?;
     let z = z.broadcast_mul(&w)?;
-    let new_mean = z.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()?;
-    if new_mean == 0.0 || !new_mean.is_finite() {
-        return Ok(z);
-    }
-    z.affine(f64::from(original_mean / new_mean), 0.0)
+    let new_mean = z.to_dtype(DType::F32)?.mean_all()?;
+    let usable = new_mean.ne(0f64)?.mul(&new_mean.abs()?.lt(f64::INFINITY)?)?;
+    let factor = usable.where_cond(&(original_mean / &new_mean)?, &new_mean.ones_like()?)?;
+    z.broadcast_mul(&factor.to_dtype(z.dtype())?)
 }
 
 fn ids_tensor(ids: &[u32], device: &Device) -> Result<Tensor> {
     Tensor::from_slice(ids, (1, ids.len()), device)
 }
 
+/// Encodings kept: a few prompts' worth (an SDXL context of one chunk is 77 × 2048 values).
+const CACHED_ENCODINGS: usize = 16;
+
+/// What an encoding depends on beyond its chunks and clip skip: the LoRAs merged into the text encoders, the
+/// active embeddings, and where each encoder runs (its outputs live there).
+#[derive(PartialEq)]
+struct TextState {
+    loras: Vec<(std::path::PathBuf, Option<std::time::SystemTime>, u32)>,
+    embeddings: Vec<(String, std::path::PathBuf, Option<std::time::SystemTime>)>,
+    devices: Vec<candle_core::DeviceLocation>,
+}
+
+impl TextState {
+    fn of(model: &SdModel) -> Self {
+        TextState {
+            loras: model.loras.text_state(),
+            embeddings: model.embeddings.state(),
+            devices: model.encoders.iter().map(|e| e.model.device().location()).collect(),
+        }
+    }
+}
+
+/// What an encoding is kept by: clip skip and each encoder's chunks.
+type TextKey = (usize, Vec<Vec<Chunk>>);
+
+/// Encodings made under one [`TextState`], most recently used last.
+struct Kept {
+    state: TextState,
+    entries: Vec<(TextKey, Conditioning)>,
+}
+
+/// Recent encodings, valid for one [`TextState`]: any change of it empties the cache.
+#[derive(Default)]
+pub(crate) struct TextCache {
+    inner: Mutex<Option<Kept>>,
+}
+
+impl TextCache {
+    fn get(&self, state: &TextState, key: &TextKey) -> Option<Conditioning> {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let kept = inner.as_mut().filter(|k| k.state == *state)?;
+        let at = kept.entries.iter().position(|(k, _)| k == key)?;
+        let entry = kept.entries.remove(at);
+        let hit = entry.1.clone();
+        kept.entries.push(entry);
+        Some(hit)
+    }
+
+    fn put(&self, state: TextState, key: TextKey, value: Conditioning) {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let kept = match inner.take() {
+            Some(kept) if kept.state == state => inner.insert(kept),
+            _ => inner.insert(Kept { state, entries: Vec::new() }),
+        };
+        if kept.entries.len() >= CACHED_ENCODINGS {
+            kept.entries.remove(0);
+        }
+        kept.entries.push((key, value));
+    }
+
+    /// Encodings kept now.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |k| k.entries.len())
+    }
+}
+
+/// Every encoder's chunks, from the cache when they were encoded lately under the same [`TextState`].
 fn encode_chunks(model: &SdModel, chunks: &[Vec<Chunk>], skip: usize) -> Result<Conditioning> {
+    let state = TextState::of(model);
+    let key = (skip, chunks.to_vec());
+    if let Some(hit) = model.text_cache.get(&state, &key) {
+        return Ok(hit);
+    }
+    let encoded = encode_chunks_now(model, chunks, skip)?;
+    model.text_cache.put(state, key, encoded.clone());
+    Ok(encoded)
+}
+
+fn encode_chunks_now(model: &SdModel, chunks: &[Vec<Chunk>], skip: usize) -> Result<Conditioning> {
     let count = chunks.first().map(Vec::len).unwrap_or(0);
     let mut per_encoder = model
         .encoders
@@ -146,4 +230,49 @@ pub fn encode_pair(model: &SdModel, prompt: &str, negative: &str, clip_skip: u32
 /// Only the positive prompt: for runs without classifier-free guidance.
 pub fn encode_positive(model: &SdModel, prompt: &str, clip_skip: u32) -> Result<Conditioning> {
     encode_chunks(model, &chunks_per_encoder(model, prompt), clip_skip.max(1) as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::apply_weights;
+    use candle_core::{DType, Device, Tensor};
+
+    /// A1111's formula with the means read back, as the host computes it.
+    fn on_the_host(z: &Tensor, weights: &[f32]) -> Vec<f32> {
+        let mean =
+            |t: &Tensor| t.to_dtype(DType::F32).unwrap().mean_all().unwrap().to_scalar::<f32>().unwrap();
+        let original = mean(z);
+        let w = Tensor::from_slice(weights, (1, weights.len(), 1), z.device())
+            .unwrap()
+            .to_dtype(z.dtype())
+            .unwrap();
+        let z = z.broadcast_mul(&w).unwrap();
+        let new = mean(&z);
+        let z = if new == 0.0 || !new.is_finite() {
+            z
+        } else {
+            z.affine(f64::from(original / new), 0.0).unwrap()
+        };
+        z.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    #[test]
+    fn emphasis_keeps_the_mean_as_a1111_computes_it() {
+        let dev = Device::Cpu;
+        let weights: Vec<f32> = (0..6).map(|i| [1.0, 1.1, 1.21, 0.9, 1.0, 1.5][i]).collect();
+        for dtype in [DType::F32, DType::F16] {
+            let z = Tensor::randn(0.3f32, 1.0, (1, 6, 8), &dev).unwrap().to_dtype(dtype).unwrap();
+            let ours = apply_weights(&z, &weights).unwrap().to_dtype(DType::F32).unwrap();
+            assert_eq!(
+                ours.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                on_the_host(&z, &weights),
+                "{dtype:?}"
+            );
+        }
+        // A weighted mean of zero leaves the weighted values unscaled (no division by it).
+        let z = Tensor::from_slice(&[1f32, -1.0, 2.0, -2.0], (1, 2, 2), &dev).unwrap();
+        let ours = apply_weights(&z, &[1.0, 1.0]).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(ours, on_the_host(&z, &[1.0, 1.0]));
+        assert_eq!(ours, vec![1.0, -1.0, 2.0, -2.0]);
+    }
 }

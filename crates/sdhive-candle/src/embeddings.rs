@@ -49,6 +49,14 @@ fn encoder_shape(model: &SdModel, i: usize) -> Option<(usize, usize)> {
     Some((table[0], table[1]))
 }
 
+impl ActiveEmbeddings {
+    /// What an encoding depends on beyond the token ids: the active embeddings (ids past the vocabulary are theirs,
+    /// in this order) and the files they were read from.
+    pub(crate) fn state(&self) -> Vec<(String, PathBuf, Option<std::time::SystemTime>)> {
+        self.loaded.iter().map(|l| (l.name.clone(), l.path.clone(), l.modified)).collect()
+    }
+}
+
 fn modified(path: &std::path::Path) -> Option<std::time::SystemTime> {
     std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }

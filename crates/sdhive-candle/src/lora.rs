@@ -144,6 +144,11 @@ impl AppliedLoras {
         self.merged.is_empty()
     }
 
+    /// What the text encoders' weights depend on: the merged files (as read) and their text-encoder multipliers.
+    pub(crate) fn text_state(&self) -> Vec<(PathBuf, Option<std::time::SystemTime>, u32)> {
+        self.merged.iter().map(|m| (m.path.clone(), m.modified, m.te.to_bits())).collect()
+    }
+
     /// Makes the LoRAs merged into `nets` exactly `loras` (nothing for an empty list). On an error `nets` is left
     /// with no LoRA merged.
     pub(crate) fn set(

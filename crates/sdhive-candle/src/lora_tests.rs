@@ -173,3 +173,41 @@ fn loras_on_offloaded_networks_match_their_reference() {
     }
     check_cases(&mut models, &["sd1_euler"], "offloaded, after the LoRA cases");
 }
+
+/// A prompt encoded again comes from the cache; merging a LoRA into the text encoder, or another embedding set,
+/// empties it, so the next encoding is the changed encoder's (equal to one made with no cache at all), and taking
+/// the LoRA out gives the plain encoding back.
+#[test]
+fn prompt_encodings_are_kept_until_the_text_encoders_change() {
+    use crate::conditioning::encode_pair;
+    let mut model = load("sd1");
+    let values = |m: &SdModel| -> Vec<f32> {
+        let pair = encode_pair(m, "a cat on a red sofa", "blurry", 1).expect("encoding");
+        let both = Tensor::cat(&[&pair.positive.context, &pair.negative.context], 0).expect("cat");
+        both.to_dtype(DType::F32).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1()).expect("values")
+    };
+    let plain = values(&model);
+    assert_eq!(model.text_cache.len(), 2, "the prompt and the negative prompt are kept");
+    assert_eq!(values(&model), plain);
+    assert_eq!(model.text_cache.len(), 2, "encoding them again adds nothing");
+
+    model.set_loras(&[lora("sd1_kohya", 1.0, 1.0)]).expect("the LoRA merges");
+    let with_lora = values(&model);
+    assert_ne!(with_lora, plain, "the LoRA changes the text encoder");
+    model.text_cache = Default::default();
+    assert_eq!(values(&model), with_lora, "as encoded without a cache");
+
+    model.set_loras(&[]).expect("the LoRA comes out");
+    assert_eq!(values(&model), plain);
+
+    let emb = sdhive_engine::EmbeddingUse {
+        name: "emb".into(),
+        path: fixtures().join("models/embeddings/sd1_emb.safetensors"),
+        hash: None,
+    };
+    encode_pair(&model, "a dog", "", 1).expect("encoding");
+    assert_eq!(model.text_cache.len(), 4);
+    model.set_embeddings(&[emb]).expect("the embedding loads");
+    assert_eq!(values(&model), plain, "an embedding the prompt does not name changes nothing");
+    assert_eq!(model.text_cache.len(), 2, "kept anew for the new embedding set");
+}

@@ -95,6 +95,8 @@ pub struct SdModel {
     pub loras: crate::lora::AppliedLoras,
     /// The textual-inversion embeddings prompts are encoded with now.
     pub embeddings: crate::embeddings::ActiveEmbeddings,
+    /// Recent prompts' encodings.
+    pub(crate) text_cache: crate::conditioning::TextCache,
 }
 
 impl Drop for SdModel {
@@ -198,6 +200,7 @@ impl SdModel {
             native_size: self.native_size,
             loras: Default::default(),
             embeddings: Default::default(),
+            text_cache: Default::default(),
         })
     }
 
@@ -367,6 +370,7 @@ impl SdModel {
             native_size: (side, side),
             loras: Default::default(),
             embeddings: Default::default(),
+            text_cache: Default::default(),
         }
     }
 
