@@ -6,6 +6,7 @@
 
 pub(crate) mod batch;
 mod joined;
+mod ledger;
 
 use crate::conditioning::{encode_pair, encode_positive, Conditioning};
 use crate::hires::{hires_image, SecondPass};

@@ -363,6 +363,15 @@ pub fn mark(device: &candle_core::Device) -> Result<Mark> {
 }
 
 impl Mark {
+    /// Whether the device has reached this mark (a host mark always has); never waits.
+    pub fn passed(&self) -> bool {
+        match &self.inner {
+            MarkInner::Host(_) => true,
+            #[cfg(feature = "cuda")]
+            MarkInner::Cuda(e) => e.try_is_complete().unwrap_or(false),
+        }
+    }
+
     /// Milliseconds of the device's work from `earlier` to this mark, once the device has reached both; `None`
     /// while it has not (this never waits) or when the two marks are of different kinds.
     pub fn ms_since(&self, earlier: &Mark) -> Option<f64> {

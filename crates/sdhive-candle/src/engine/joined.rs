@@ -8,6 +8,7 @@
 //! seeds and CFG scales are each request's own.
 
 use super::batch::copy_error;
+use super::ledger::{Ledger, Site};
 use super::{encode, failed, lora_error, pipeline_error, CandleEngine};
 use crate::pipeline::{schedule_timesteps, start_decode, step_lanes, ImageJob, Lane, UnetConditioning};
 use crate::preview::PendingPreview;
@@ -117,8 +118,10 @@ impl CandleEngine {
         let mut slicing = None;
         // An offloaded UNet is rebuilt for every stretch of steps: joining would make those stretches short.
         let joins = !self.model.unet.offloaded();
+        let mut ledger = Ledger::new(self.model.unet.device());
         let mut incoming = first;
         loop {
+            ledger.resume(Site::Admit);
             for (token, req) in incoming.drain(..) {
                 // What cannot share a batch (an init image, hires fix) runs as it runs alone.
                 if req.batch_key().is_none() {
@@ -129,6 +132,7 @@ impl CandleEngine {
                 }
             }
             self.start_lanes(&mut run, feed);
+            ledger.queued();
             if run.running.is_empty() {
                 // Nothing left to queue: what is on its way is waited for now.
                 self.flush(&mut run, feed);
@@ -145,10 +149,13 @@ impl CandleEngine {
             // device never idles on the host's reads.
             let stepped =
                 self.model.unet.in_use().map_err(|e| failed(format!("unet: {e}"))).map(|unet| loop {
+                    ledger.resume(Site::Step(run.running.len()));
                     if let Err((tokens, e)) = self.step(&mut run, &unet, feed) {
                         return Some((tokens, e));
                     }
+                    ledger.queued();
                     self.flush(&mut run, feed);
+                    ledger.resume(Site::Decode);
                     self.report(&mut run, feed);
                     if !joins {
                         if run.running.iter().any(|r| r.lane.done()) {
@@ -157,6 +164,7 @@ impl CandleEngine {
                     } else {
                         self.start_decodes(&mut run, feed);
                     }
+                    ledger.queued();
                     if run.running.is_empty() {
                         return None;
                     }
@@ -182,12 +190,15 @@ impl CandleEngine {
             }
             // The UNet is out of use: an offloaded model decodes now. What is on its way is handed on after the
             // next step is queued.
+            ledger.resume(Site::Decode);
             self.start_decodes(&mut run, feed);
+            ledger.queued();
             if joins && incoming.is_empty() && run.room() > 0 {
                 incoming = feed.join(run.room());
             }
         }
         self.flush(&mut run, feed);
+        ledger.report();
         drop(slicing);
     }
 

@@ -1,0 +1,135 @@
+//! Where a joined batch's device time goes, for the debug log: the device time of each piece of work the engine
+//! thread queues ([`Site`]: admitting requests, steps by their number of images, decodes), and how long the device
+//! sat idle waiting for the host before each. Measured with marks the device passes (read without waiting) and only
+//! while `sdhive_candle::engine::ledger=debug` is logged, so a worker without that level records nothing.
+
+use candle_core::Device;
+use sdhive_cuda_kernels::{mark, Mark};
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+/// A piece of the engine thread's work.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+pub(super) enum Site {
+    /// Requests admitted (their prompts encoded) and their images' lanes started.
+    Admit,
+    /// One denoising step of this many images.
+    Step(usize),
+    /// Progress reports (previews) and the decodes of images whose schedules ended.
+    Decode,
+}
+
+#[derive(Default)]
+struct Account {
+    count: u64,
+    device_ms: f64,
+    idle_ms: f64,
+}
+
+pub(super) struct Ledger {
+    device: Option<Device>,
+    /// The mark after the last work queued: once the device passes it, it has nothing to do.
+    tail: Option<Mark>,
+    /// The site being queued now and the mark at its start.
+    open: Option<(Site, Mark)>,
+    /// Idle gaps before a site and sites' spans, not yet read.
+    gaps: Vec<(Site, Mark, Mark)>,
+    spans: Vec<(Site, Mark, Mark)>,
+    sites: BTreeMap<Site, Account>,
+    started: Instant,
+}
+
+impl Ledger {
+    pub(super) fn new(device: &Device) -> Self {
+        let on = tracing::enabled!(tracing::Level::DEBUG);
+        Ledger {
+            device: on.then(|| device.clone()),
+            tail: None,
+            open: None,
+            gaps: Vec::new(),
+            spans: Vec::new(),
+            sites: BTreeMap::new(),
+            started: Instant::now(),
+        }
+    }
+
+    /// `site`'s work is about to be queued: a device past the last tail has idled since it.
+    pub(super) fn resume(&mut self, site: Site) {
+        let Some(device) = &self.device else { return };
+        if let Some(tail) = self.tail.take() {
+            if tail.passed() {
+                if let Ok(now) = mark(device) {
+                    self.gaps.push((site, tail, now));
+                }
+            }
+        }
+        self.open = mark(device).ok().map(|m| (site, m));
+    }
+
+    /// The open site's work has been queued.
+    pub(super) fn queued(&mut self) {
+        let Some(device) = &self.device else { return };
+        let (Ok(end), Ok(tail)) = (mark(device), mark(device)) else { return };
+        if let Some((site, start)) = self.open.take() {
+            self.spans.push((site, start, end));
+        }
+        self.tail = Some(tail);
+        self.read(false);
+    }
+
+    fn read(&mut self, all: bool) {
+        for idle in [true, false] {
+            let list = std::mem::take(if idle { &mut self.gaps } else { &mut self.spans });
+            let mut left = Vec::new();
+            for (site, a, b) in list {
+                match b.ms_since(&a) {
+                    Some(ms) => {
+                        let account = self.sites.entry(site).or_default();
+                        if idle {
+                            account.idle_ms += ms;
+                        } else {
+                            account.count += 1;
+                            account.device_ms += ms;
+                        }
+                    }
+                    None if !all => left.push((site, a, b)),
+                    None => {}
+                }
+            }
+            *(if idle { &mut self.gaps } else { &mut self.spans }) = left;
+        }
+    }
+
+    /// Logs the run's account (what the device has passed of it).
+    pub(super) fn report(mut self) {
+        if self.device.is_none() {
+            return;
+        }
+        self.read(true);
+        let total = |f: fn(&Account) -> f64| self.sites.values().map(f).sum::<f64>();
+        let sites: Vec<String> = self
+            .sites
+            .iter()
+            .map(|(site, a)| {
+                let name = match site {
+                    Site::Admit => "admit".to_string(),
+                    Site::Step(n) => format!("step{n}"),
+                    Site::Decode => "decode".to_string(),
+                };
+                format!(
+                    "{name}:{}x{:.2}ms+idle{:.1}",
+                    a.count,
+                    a.device_ms / a.count.max(1) as f64,
+                    a.idle_ms
+                )
+            })
+            .collect();
+        tracing::debug!(
+            wall_ms = format!("{:.1}", self.started.elapsed().as_secs_f64() * 1e3),
+            device_ms = format!("{:.1}", total(|a| a.device_ms)),
+            idle_ms = format!("{:.1}", total(|a| a.idle_ms)),
+            sites = sites.join(" "),
+            "joined run's device time"
+        );
+    }
+}
