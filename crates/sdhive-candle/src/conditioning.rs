@@ -258,10 +258,10 @@ mod tests {
 
     #[test]
     fn emphasis_keeps_the_mean_as_a1111_computes_it() {
-        let dev = Device::Cpu;
-        let weights: Vec<f32> = (0..6).map(|i| [1.0, 1.1, 1.21, 0.9, 1.0, 1.5][i]).collect();
+        let weights = [1.0, 1.1, 1.21, 0.9, 1.0, 1.5];
+        let z = Tensor::randn(0.3f32, 1.0, (1, 6, 8), &Device::Cpu).unwrap();
         for dtype in [DType::F32, DType::F16] {
-            let z = Tensor::randn(0.3f32, 1.0, (1, 6, 8), &dev).unwrap().to_dtype(dtype).unwrap();
+            let z = z.to_dtype(dtype).unwrap();
             let ours = apply_weights(&z, &weights).unwrap().to_dtype(DType::F32).unwrap();
             assert_eq!(
                 ours.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
@@ -269,8 +269,18 @@ mod tests {
                 "{dtype:?}"
             );
         }
+        // On the test device (a GPU where one is chosen), within rounding of its storage type.
+        let test = crate::test_device::test_device();
+        let on_device = z.to_device(&test.device).unwrap().to_dtype(test.dtype).unwrap();
+        let ours = apply_weights(&on_device, &weights).unwrap().to_dtype(DType::F32).unwrap();
+        let ours = ours.to_device(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let want = on_the_host(&on_device, &weights);
+        let tol = if test.dtype == DType::F32 { 1e-6 } else { 1e-2 };
+        for (a, b) in ours.iter().zip(&want) {
+            assert!((a - b).abs() <= tol * b.abs().max(1.0), "{}: {a} against {b}", test.label);
+        }
         // A weighted mean of zero leaves the weighted values unscaled (no division by it).
-        let z = Tensor::from_slice(&[1f32, -1.0, 2.0, -2.0], (1, 2, 2), &dev).unwrap();
+        let z = Tensor::from_slice(&[1f32, -1.0, 2.0, -2.0], (1, 2, 2), &Device::Cpu).unwrap();
         let ours = apply_weights(&z, &[1.0, 1.0]).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(ours, on_the_host(&z, &[1.0, 1.0]));
         assert_eq!(ours, vec![1.0, -1.0, 2.0, -2.0]);
