@@ -1,6 +1,6 @@
 //! Where a joined batch's device time goes, for the debug log: the device time of each piece of work the engine
-//! thread queues ([`Site`]: admitting requests, steps by their number of images, decodes), and how long the device
-//! sat idle waiting for the host before each. Measured with marks the device passes (read without waiting) and only
+//! thread queues ([`Site`]: admitting requests, steps by their number of images, decodes), the host's time queuing
+//! it, and how long the device sat idle waiting for the host before each. Measured with marks the device passes (read without waiting) and only
 //! while `sdhive_candle::engine::ledger=debug` is logged, so a worker without that level records nothing.
 
 use candle_core::Device;
@@ -23,6 +23,7 @@ pub(super) enum Site {
 struct Account {
     count: u64,
     device_ms: f64,
+    host_ms: f64,
     idle_ms: f64,
 }
 
@@ -30,8 +31,8 @@ pub(super) struct Ledger {
     device: Option<Device>,
     /// The mark after the last work queued: once the device passes it, it has nothing to do.
     tail: Option<Mark>,
-    /// The site being queued now and the mark at its start.
-    open: Option<(Site, Mark)>,
+    /// The site being queued now, the mark at its start and when the host began queuing it.
+    open: Option<(Site, Mark, Instant)>,
     /// Idle gaps before a site and sites' spans, not yet read.
     gaps: Vec<(Site, Mark, Mark)>,
     spans: Vec<(Site, Mark, Mark)>,
@@ -63,14 +64,15 @@ impl Ledger {
                 }
             }
         }
-        self.open = mark(device).ok().map(|m| (site, m));
+        self.open = mark(device).ok().map(|m| (site, m, Instant::now()));
     }
 
     /// The open site's work has been queued.
     pub(super) fn queued(&mut self) {
         let Some(device) = &self.device else { return };
         let (Ok(end), Ok(tail)) = (mark(device), mark(device)) else { return };
-        if let Some((site, start)) = self.open.take() {
+        if let Some((site, start, began)) = self.open.take() {
+            self.sites.entry(site).or_default().host_ms += began.elapsed().as_secs_f64() * 1e3;
             self.spans.push((site, start, end));
         }
         self.tail = Some(tail);
@@ -116,10 +118,12 @@ impl Ledger {
                     Site::Step(n) => format!("step{n}"),
                     Site::Decode => "decode".to_string(),
                 };
+                let per = |ms: f64| ms / a.count.max(1) as f64;
                 format!(
-                    "{name}:{}x{:.2}ms+idle{:.1}",
+                    "{name}:{}x{:.2}ms(host {:.2})+idle{:.1}",
                     a.count,
-                    a.device_ms / a.count.max(1) as f64,
+                    per(a.device_ms),
+                    per(a.host_ms),
                     a.idle_ms
                 )
             })
