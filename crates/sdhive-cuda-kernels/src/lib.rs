@@ -381,10 +381,7 @@ impl Mark {
             }
             #[cfg(feature = "cuda")]
             (MarkInner::Cuda(end), MarkInner::Cuda(start)) => {
-                let reached = |e: &candle_core::cuda_backend::cudarc::driver::CudaEvent| {
-                    e.try_is_complete().unwrap_or(false)
-                };
-                if reached(start) && reached(end) {
+                if self.passed() && earlier.passed() {
                     start.elapsed_ms(end).ok().map(f64::from)
                 } else {
                     None

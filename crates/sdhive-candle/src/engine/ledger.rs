@@ -1,11 +1,13 @@
 //! Where a joined batch's device time goes, for the debug log: the device time of each piece of work the engine
 //! thread queues ([`Site`]: admitting requests, steps by their number of images, decodes), the host's time queuing
-//! it, and how long the device sat idle waiting for the host before each. Measured with marks the device passes (read without waiting) and only
-//! while `sdhive_candle::engine::ledger=debug` is logged, so a worker without that level records nothing.
+//! it, and how long the device sat idle waiting for the host before each. Measured with marks the device passes
+//! (read without waiting) and only while `sdhive_candle::engine::ledger=debug` is logged, so a worker without that
+//! level records nothing.
 
 use candle_core::Device;
 use sdhive_cuda_kernels::{mark, Mark};
 use std::collections::BTreeMap;
+use std::rc::Rc;
 use std::time::Instant;
 
 /// A piece of the engine thread's work.
@@ -19,6 +21,15 @@ pub(super) enum Site {
     Decode,
 }
 
+/// What an interval between two marks measures.
+#[derive(Clone, Copy, PartialEq)]
+enum Span {
+    /// The device waiting for the host before a site's work.
+    Idle,
+    /// The site's work.
+    Work,
+}
+
 #[derive(Default)]
 struct Account {
     count: u64,
@@ -30,12 +41,11 @@ struct Account {
 pub(super) struct Ledger {
     device: Option<Device>,
     /// The mark after the last work queued: once the device passes it, it has nothing to do.
-    tail: Option<Mark>,
+    tail: Option<Rc<Mark>>,
     /// The site being queued now, the mark at its start and when the host began queuing it.
-    open: Option<(Site, Mark, Instant)>,
-    /// Idle gaps before a site and sites' spans, not yet read.
-    gaps: Vec<(Site, Mark, Mark)>,
-    spans: Vec<(Site, Mark, Mark)>,
+    open: Option<(Site, Rc<Mark>, Instant)>,
+    /// Intervals whose marks the device may not have passed yet.
+    pending: Vec<(Site, Span, Rc<Mark>, Rc<Mark>)>,
     sites: BTreeMap<Site, Account>,
     started: Instant,
 }
@@ -47,8 +57,7 @@ impl Ledger {
             device: on.then(|| device.clone()),
             tail: None,
             open: None,
-            gaps: Vec::new(),
-            spans: Vec::new(),
+            pending: Vec::new(),
             sites: BTreeMap::new(),
             started: Instant::now(),
         }
@@ -57,49 +66,41 @@ impl Ledger {
     /// `site`'s work is about to be queued: a device past the last tail has idled since it.
     pub(super) fn resume(&mut self, site: Site) {
         let Some(device) = &self.device else { return };
-        if let Some(tail) = self.tail.take() {
-            if tail.passed() {
-                if let Ok(now) = mark(device) {
-                    self.gaps.push((site, tail, now));
-                }
-            }
+        let idle = self.tail.take().filter(|tail| tail.passed());
+        let Ok(now) = mark(device).map(Rc::new) else { return };
+        if let Some(tail) = idle {
+            self.pending.push((site, Span::Idle, tail, Rc::clone(&now)));
         }
-        self.open = mark(device).ok().map(|m| (site, m, Instant::now()));
+        self.open = Some((site, now, Instant::now()));
     }
 
     /// The open site's work has been queued.
     pub(super) fn queued(&mut self) {
         let Some(device) = &self.device else { return };
-        let (Ok(end), Ok(tail)) = (mark(device), mark(device)) else { return };
+        let Ok(end) = mark(device).map(Rc::new) else { return };
         if let Some((site, start, began)) = self.open.take() {
             self.sites.entry(site).or_default().host_ms += began.elapsed().as_secs_f64() * 1e3;
-            self.spans.push((site, start, end));
+            self.pending.push((site, Span::Work, start, Rc::clone(&end)));
         }
-        self.tail = Some(tail);
+        self.tail = Some(end);
         self.read(false);
     }
 
+    /// Books the intervals the device has passed (`all`: drops the rest).
     fn read(&mut self, all: bool) {
-        for idle in [true, false] {
-            let list = std::mem::take(if idle { &mut self.gaps } else { &mut self.spans });
-            let mut left = Vec::new();
-            for (site, a, b) in list {
-                match b.ms_since(&a) {
-                    Some(ms) => {
-                        let account = self.sites.entry(site).or_default();
-                        if idle {
-                            account.idle_ms += ms;
-                        } else {
-                            account.count += 1;
-                            account.device_ms += ms;
-                        }
-                    }
-                    None if !all => left.push((site, a, b)),
-                    None => {}
+        let sites = &mut self.sites;
+        self.pending.retain(|(site, span, a, b)| {
+            let Some(ms) = b.ms_since(a) else { return !all };
+            let account = sites.entry(*site).or_default();
+            match span {
+                Span::Idle => account.idle_ms += ms,
+                Span::Work => {
+                    account.count += 1;
+                    account.device_ms += ms;
                 }
             }
-            *(if idle { &mut self.gaps } else { &mut self.spans }) = left;
-        }
+            false
+        });
     }
 
     /// Logs the run's account (what the device has passed of it).
