@@ -117,17 +117,20 @@ impl MemoryPlanner {
 
     /// The largest batch (in images, at most `max_images`) whose denoiser call fits the device's free memory
     /// without slicing attention, with the plan it runs under; a single image may slice and tile as any job does.
+    /// `recorded` bytes of graph memory count as free: a step of a recorded size replays in them, and a new size's
+    /// first step has them given back ([`sdhive_models::record_batches`]).
     pub(crate) fn batch_plan(
         &self,
         (width, height): (u32, u32),
         guided: bool,
         max_images: u32,
-        kept: u64,
+        (kept, recorded): (u64, u64),
     ) -> Result<(u32, JobPlan), EngineError> {
         let per_image = if guided { CFG_BATCH } else { 1 };
         let mut images = max_images.max(1);
         while images > 1 {
-            let free = self.free_for_jobs(kept);
+            let free = self.query.as_ref().and_then(|m| m().1).map(|f| f + recorded);
+            let free = budgeted_free(free, self.budget, self.shape.weights_bytes + kept);
             if let Ok(plan) = self.shape.plan(width, height, per_image * u64::from(images), free, false, true)
             {
                 return Ok((images, plan));
@@ -503,9 +506,16 @@ impl Engine for CandleEngine {
 
     /// On a CUDA device only: there each new batch size's first UNet step plans and times its products (0.82 s
     /// against 27 ms warm for SD1.5 at seven images on an H200); the CPU kernels have nothing to plan.
+    /// Every batch size's UNet step is recorded as a CUDA graph too (the warm-up's second step records it), so
+    /// batched steps replay as the single image's do.
     fn warm_up(&mut self, max_images: u32) {
-        if self.model.unet.device().is_cuda() {
+        let device = self.model.unet.device().clone();
+        if device.is_cuda() {
+            sdhive_models::record_batches(max_images.min(MAX_BATCH) as usize);
             sdhive_engine::batch::warm_batches(self, max_images);
+            if let Ok((reserved, _, _)) = sdhive_cuda_kernels::graph_memory(&device) {
+                tracing::info!(mib = reserved >> 20, "recorded steps' graph memory");
+            }
         }
     }
 
@@ -575,5 +585,44 @@ mod tests {
         for m in ["shape mismatch in matmul", "cuDNN plan: CudnnError(CUDNN_STATUS_NOT_SUPPORTED)"] {
             assert!(matches!(failed(m.into()), EngineError::Failed(_)), "{m}");
         }
+    }
+
+    /// A batching worker's recorded steps keep their graph memory reserved, which the device reports as used: the
+    /// batch plan counts it as free again, or a device that held 8 images before the recordings would plan 4 after.
+    #[test]
+    fn recorded_graph_memory_counts_as_free_for_a_batch() {
+        // Attention scores materialised, so that the estimate grows with the batch (at 512² the VAE's dominates
+        // a fused UNet's).
+        let shape = ModelShape {
+            weights_bytes: 2 << 30,
+            activation_bytes: 2,
+            vae_factor: 8,
+            first_attention_level: 0,
+            heads_at_first_attention: 8,
+            fused_attention: false,
+            score_chunk_elements: None,
+            vae_tile_latent: 32,
+            mmdit: None,
+        };
+        let need =
+            |images: u64| shape.plan(512, 512, 2 * images, None, false, true).unwrap().activation_bytes;
+        assert!(need(8) > need(4) + (1 << 20), "the estimate grows with the batch");
+        // The planner's margin and room for 4 guided images; the recordings hold what 8 need beyond.
+        let margin = (512 << 20) + (1 << 20);
+        let recorded = need(8) - need(4);
+        let free = need(4) + margin;
+        let query: MemoryQuery = Arc::new(move || (Some(80 << 30), Some(free)));
+        let planner = MemoryPlanner::new(shape, Some(query), None, (512, 512));
+        let lanes = |recorded| planner.batch_plan((512, 512), true, 8, (0, recorded)).unwrap().0;
+        assert_eq!(lanes(0), 4, "without the recordings' memory");
+        assert_eq!(lanes(recorded), 8, "with it");
+        // An operator's budget still caps the batch: it counts the worker's use, recordings included.
+        let budgeted = MemoryPlanner::new(
+            shape,
+            Some(planner.query.clone().unwrap()),
+            Some((2 << 30) + need(4) + margin),
+            (512, 512),
+        );
+        assert_eq!(budgeted.batch_plan((512, 512), true, 8, (0, recorded)).unwrap().0, 4);
     }
 }

@@ -11,16 +11,38 @@
 
 use candle_core::{DType, Result, Tensor, TensorId};
 use sdhive_cuda_kernels::Graph;
+use std::cell::Cell;
 use std::sync::{Arc, Mutex};
 
 /// Recorded graphs kept per network: one per input shape; the least recently used goes when another shape
-/// arrives. Each keeps its call's activation memory reserved (SDXL at 1024²: ~1.7 GB for the UNet step), so few.
+/// arrives. Each keeps its call's activation memory reserved (SDXL at 1024²: ~1.7 GB for the UNet step), so few,
+/// unless this thread records batches ([`record_batches`]).
 const KEPT: usize = 2;
 
-/// Calls with an input of a larger batch run kernel by kernel and leave the recordings alone. A batch of
-/// several images keeps the GPU busy long enough per kernel that launches hide behind it, while recording every
-/// batch size a busy server sees would evict the single image's recording and reserve memory per size.
+/// Calls with an input of a larger batch run kernel by kernel and leave the recordings alone, unless this thread
+/// records batches.
 const GRAPHED_BATCH: usize = 2;
+
+thread_local! {
+    /// The most images per call this thread records ([`record_batches`]).
+    static BATCHES: Cell<usize> = const { Cell::new(1) };
+}
+
+/// Lets calls of up to `images` images (each guided image two rows) replay from recordings on this thread, one
+/// recording per batch size kept beside the single image's. A batching engine thread sets it: there a batched
+/// step's ~700 launches took the host 23–31 ms against 29–30 ms on the device (SD1.5, 7–8 images, H200), so the
+/// host, which also admits requests and hands images on, fell behind the device; replayed, the network is one
+/// launch (~2 ms of host time at 8 images). Graphs launched on one stream share their activations' physical
+/// memory, so the recordings of smaller batches reserve little beside the largest one's.
+pub fn record_batches(images: usize) {
+    BATCHES.with(|b| b.set(images.max(1)));
+}
+
+/// The largest input batch this thread records for a network, and how many shapes it keeps recorded.
+fn limits(batched: bool) -> (usize, usize) {
+    let images = if batched { BATCHES.with(Cell::get) } else { 1 };
+    (GRAPHED_BATCH * images, KEPT.max(images + 1))
+}
 
 /// How a replay brings a recorded input up to date.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -75,6 +97,9 @@ pub(crate) struct Graphs<const N: usize> {
     /// The network, for the log.
     network: &'static str,
     refresh: [Refresh; N],
+    /// Records batches where this thread asks for it ([`record_batches`]): the denoisers, which a batching
+    /// engine calls at every batch size, not the decoders and encoders, called image by image.
+    batched: bool,
     /// Least recently used first.
     slots: Arc<Mutex<Vec<(Key, Slot)>>>,
 }
@@ -87,7 +112,12 @@ impl<const N: usize> std::fmt::Debug for Graphs<N> {
 
 impl<const N: usize> Graphs<N> {
     pub(crate) fn new(network: &'static str, refresh: [Refresh; N]) -> Self {
-        Graphs { network, refresh, slots: Arc::default() }
+        Graphs { network, refresh, batched: false, slots: Arc::default() }
+    }
+
+    /// These recordings follow [`record_batches`].
+    pub(crate) fn batched(self) -> Self {
+        Graphs { batched: true, ..self }
     }
 
     /// How many shapes replay from a recording now, and why the others could not be recorded.
@@ -106,20 +136,27 @@ impl<const N: usize> Graphs<N> {
         inputs: [&Tensor; N],
         body: impl Fn([&Tensor; N]) -> Result<Tensor>,
     ) -> Result<Tensor> {
+        let (largest, kept) = limits(self.batched);
         for t in &inputs {
-            if t.dim(0)? > GRAPHED_BATCH {
+            if t.dim(0)? > largest {
                 return body(inputs);
             }
         }
         let key = Key::of(&inputs);
         let mut slots = self.slots.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let Some(at) = slots.iter().position(|(k, _)| *k == key) else {
-            if slots.len() >= KEPT {
+            if slots.len() >= kept {
                 let (_, gone) = slots.remove(0);
                 if matches!(gone, Slot::Ready(_)) {
                     drop(gone);
                     let _ = sdhive_cuda_kernels::trim_graph_memory(inputs[0].device());
                 }
+            }
+            if largest > GRAPHED_BATCH {
+                // A new batch size runs kernel by kernel from the device's pool once; the physical memory idle
+                // recordings keep goes back to the driver for it (the memory plan counts it as free for batched
+                // steps), and their next replays map it again.
+                let _ = sdhive_cuda_kernels::trim_graph_memory(inputs[0].device());
             }
             let y = body(inputs)?;
             slots.push((key, Slot::Warm(y.dims().to_vec(), y.dtype())));

@@ -239,7 +239,8 @@ impl CandleEngine {
             None => {
                 self.model.set_loras(&req.loras).map_err(|e| lora_error(&e))?;
                 let kept = self.model.loras.kept_bytes();
-                let (lanes, plan) = self.memory.batch_plan(size, guided, max_images, kept)?;
+                let recorded = sdhive_cuda_kernels::graph_memory(self.model.unet.device()).map_or(0, |m| m.0);
+                let (lanes, plan) = self.memory.batch_plan(size, guided, max_images, (kept, recorded))?;
                 *slicing = super::follow_plan(&plan, size);
                 self.preview.new_job((size.0 as usize, size.1 as usize));
                 let key = req.batch_key().ok_or_else(|| failed("the request cannot share a batch".into()))?;

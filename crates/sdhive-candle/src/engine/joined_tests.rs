@@ -166,3 +166,23 @@ fn newcomers_wait_for_a_free_lane_and_one_cancelled_mid_run_ends_alone() {
     assert_same("first", &feed.images(0), &want[0]);
     assert_same("the one that waited", &feed.images(2), &want[1]);
 }
+
+/// A warmed-up engine (a batching worker's, whose thread records every batch size's step) gives requests joining
+/// mid-run the images they get alone; on a GPU its batched steps replay from recordings.
+#[test]
+fn a_warmed_engine_gives_joiners_their_images_alone() {
+    let mut engine = engine();
+    let first = steps(req("the first", 1, 7.0, 1, Sampler::EulerA), 6);
+    let second = steps(req("joins at step 2", 2, 4.0, 2, Sampler::EulerA), 6);
+    let third = steps(req("joins at step 3", 3, 9.0, 1, Sampler::EulerA), 6);
+    let want: Vec<Vec<RgbImage>> = [&first, &second, &third].iter().map(|r| alone(&mut engine, r)).collect();
+    engine.warm_up(4);
+    let mut feed = Script::new(vec![(2, 1, second), (3, 2, third)]);
+    engine.generate_joined(vec![(0, first)], 4, &mut feed);
+    for (token, want) in want.iter().enumerate() {
+        assert_same(&format!("request {token}"), &feed.images(token), want);
+    }
+    assert_eq!(feed.steps, vec![1, 1, 3, 4, 4, 4, 3, 3, 1], "images per step");
+    let (recorded, refused) = engine.model.unet.with(|u| u.graph_status()).unwrap();
+    eprintln!("UNet recordings: {recorded}, refused: {refused:?}");
+}

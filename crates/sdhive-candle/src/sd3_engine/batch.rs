@@ -61,13 +61,14 @@ impl Sd3Engine {
             end_running(members, None, &lora_error(&e));
             return;
         }
-        let (chunk, plan) = match self.memory.batch_plan(size, guided, max_images, self.loras.kept_bytes()) {
-            Ok(p) => p,
-            Err(e) => {
-                end_running(members, None, &e);
-                return;
-            }
-        };
+        let (chunk, plan) =
+            match self.memory.batch_plan(size, guided, max_images, (self.loras.kept_bytes(), 0)) {
+                Ok(p) => p,
+                Err(e) => {
+                    end_running(members, None, &e);
+                    return;
+                }
+            };
         // Dropped at the end of the batch, restoring the engine thread's default.
         let _slicing = follow_plan(&plan, size);
         self.model.vae_tiling = plan.vae_tiling;

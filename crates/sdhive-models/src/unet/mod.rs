@@ -133,7 +133,8 @@ impl UNet2DConditionModel {
                 dtype: vb.dtype(),
                 device: vb.device().clone(),
                 layout: MapLayout::of(&vb),
-                graphs: Graphs::new(MODEL, [Refresh::Always, Refresh::Always, Refresh::WhenAnotherTensor]),
+                graphs: Graphs::new(MODEL, [Refresh::Always, Refresh::Always, Refresh::WhenAnotherTensor])
+                    .batched(),
                 context_table: ContextTable::default(),
                 schedule: ScheduleTable::default(),
             })
