@@ -71,13 +71,12 @@ fn encode_with(
     chunks: &[Chunk],
     skip: usize,
 ) -> Result<Vec<(Tensor, Option<Tensor>)>> {
-    let device = encoder.model.device().clone();
     encoder
         .model
         .with(|m| {
             chunks
                 .iter()
-                .map(|c| pick_hidden(family, m, (&ids_tensor(&c.ids, &device)?, extra), skip))
+                .map(|c| pick_hidden(family, m, (&ids_tensor(&c.ids)?, extra), skip))
                 .collect::<Result<Vec<_>>>()
         })
         .map_err(candle_core::Error::wrap)?
@@ -96,8 +95,10 @@ fn apply_weights(z: &Tensor, weights: &[f32]) -> Result<Tensor> {
     z.broadcast_mul(&factor.to_dtype(z.dtype())?)
 }
 
-fn ids_tensor(ids: &[u32], device: &Device) -> Result<Tensor> {
-    Tensor::from_slice(ids, (1, ids.len()), device)
+/// A chunk's ids on the host: the encoder checks them there before uploading them (read back from the device,
+/// they would make the host wait for whatever the device runs, a batch's step included).
+fn ids_tensor(ids: &[u32]) -> Result<Tensor> {
+    Tensor::from_slice(ids, (1, ids.len()), &Device::Cpu)
 }
 
 /// Encodings kept: a few prompts' worth (an SDXL context of one chunk is 77 × 2048 values).

@@ -588,7 +588,8 @@ impl Sd3Model {
         }
         let ids = tokenizer.encode_padded(text);
         let n = ids.len();
-        let out = Tensor::from_vec(ids, (1, n), model.device())
+        // On the host: the encoder checks the ids there before uploading them.
+        let out = Tensor::from_vec(ids, (1, n), &candle_core::Device::Cpu)
             .and_then(|ids| model.forward(&ids).map_err(candle_core::Error::wrap))
             .map_err(failed(name))?;
         let pooled = out.text_embeds.ok_or_else(|| Sd3Error::Failed {
