@@ -105,20 +105,21 @@ impl MemoryPlanner {
     }
 
     /// The device memory a job may use now, as the planner sees it, `kept` bytes (the originals of LoRA-merged
-    /// weights) held on the device beside the weights.
-    pub(crate) fn free_for_jobs(&self, kept: u64) -> Option<u64> {
-        budgeted_free(self.query.as_ref().and_then(|m| m().1), self.budget, self.shape.weights_bytes + kept)
+    /// weights) held on the device beside the weights, and `reusable` bytes the device counts as used that the job
+    /// may use (recorded steps' graph memory); an operator's budget caps it either way.
+    pub(crate) fn free_for_jobs(&self, kept: u64, reusable: u64) -> Option<u64> {
+        let free = self.query.as_ref().and_then(|m| m().1).map(|f| f + reusable);
+        budgeted_free(free, self.budget, self.shape.weights_bytes + kept)
     }
 
     /// The plan for a job at `width`×`height` (CFG batch), against the device's free memory now.
     pub(crate) fn plan(&self, width: u32, height: u32, kept: u64) -> Result<JobPlan, EngineError> {
-        Ok(self.shape.plan(width, height, CFG_BATCH, self.free_for_jobs(kept), true, true)?)
+        Ok(self.shape.plan(width, height, CFG_BATCH, self.free_for_jobs(kept, 0), true, true)?)
     }
 
     /// The largest batch (in images, at most `max_images`) whose denoiser call fits the device's free memory
     /// without slicing attention, with the plan it runs under; a single image may slice and tile as any job does.
-    /// `recorded` bytes of graph memory count as free: a step of a recorded size replays in them, and a new size's
-    /// first step has them given back ([`sdhive_models::record_batches`]).
+    /// `recorded` bytes of graph memory count as free ([`sdhive_models::batch_graph_memory`]).
     pub(crate) fn batch_plan(
         &self,
         (width, height): (u32, u32),
@@ -129,8 +130,7 @@ impl MemoryPlanner {
         let per_image = if guided { CFG_BATCH } else { 1 };
         let mut images = max_images.max(1);
         while images > 1 {
-            let free = self.query.as_ref().and_then(|m| m().1).map(|f| f + recorded);
-            let free = budgeted_free(free, self.budget, self.shape.weights_bytes + kept);
+            let free = self.free_for_jobs(kept, recorded);
             if let Ok(plan) = self.shape.plan(width, height, per_image * u64::from(images), free, false, true)
             {
                 return Ok((images, plan));

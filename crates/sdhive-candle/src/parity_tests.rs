@@ -175,16 +175,12 @@ pub(crate) fn failing_cases(models: &mut HashMap<String, SdModel>, cases: &[Valu
 }
 
 /// On CUDA the UNet's third and later calls with one shape replay a recorded graph: a replay must compute from
-/// the inputs it is given (not the recorded call's) and match what the first, kernel-by-kernel call gave. The
-/// network is the fixture's two-level UNet widened to what the fused GPU path takes (GroupNorm groups of 4 and 8
-/// channels, head dimensions 16 and 32), with deterministic random weights.
+/// the inputs it is given (not the recorded call's) and match what the first, kernel-by-kernel call gave
+/// ([`widened_unet`]).
 #[test]
 fn replayed_unet_steps_match_the_kernel_by_kernel_step() {
-    use sdhive_models::unet::{UNet2DConditionConfig, UNet2DConditionModel};
     let (dev, dtype) = (&test_device().device, test_device().dtype);
-    let mut cfg = UNet2DConditionConfig::from_file(&fixtures().join("models/sd1/unet/config.json")).unwrap();
-    cfg.block_out_channels = vec![128, 256];
-    let unet = UNet2DConditionModel::new(sdhive_models::random_var_builder(dtype, dev), &cfg).unwrap();
+    let unet = widened_unet();
     let wave = |shape: &[usize], k: f64| wave(shape, k, dtype, dev);
     let input = |k: f64| (wave(&[2, 4, 16, 16], k), wave(&[2, 7, 32], 1.7 * k));
     let ((x1, c1), (x2, c2)) = (input(0.37), input(0.91));
@@ -228,11 +224,8 @@ fn replayed_unet_steps_match_the_kernel_by_kernel_step() {
 /// another thread, run kernel by kernel.
 #[test]
 fn batched_steps_replay_on_a_thread_that_records_batches() {
-    use sdhive_models::unet::{UNet2DConditionConfig, UNet2DConditionModel};
     let (dev, dtype) = (test_device().device.clone(), test_device().dtype);
-    let mut cfg = UNet2DConditionConfig::from_file(&fixtures().join("models/sd1/unet/config.json")).unwrap();
-    cfg.block_out_channels = vec![128, 256];
-    let unet = UNet2DConditionModel::new(sdhive_models::random_var_builder(dtype, &dev), &cfg).unwrap();
+    let unet = widened_unet();
     let records = sdhive_cuda_kernels::graphs_on(&dev) && sdhive_cuda_kernels::channels_last_on(&dev, dtype);
     let input =
         |b: usize, k: f64| (wave(&[b, 4, 16, 16], k, dtype, &dev), wave(&[b, 7, 32], 1.7 * k, dtype, &dev));
@@ -275,6 +268,16 @@ fn batched_steps_replay_on_a_thread_that_records_batches() {
         before,
         "a thread that does not record batches leaves the recordings alone"
     );
+}
+
+/// The fixture's two-level UNet widened to what the fused GPU path takes (GroupNorm groups of 4 and 8 channels,
+/// head dimensions 16 and 32), with deterministic random weights, on the test device.
+fn widened_unet() -> sdhive_models::unet::UNet2DConditionModel {
+    use sdhive_models::unet::{UNet2DConditionConfig, UNet2DConditionModel};
+    let (dev, dtype) = (&test_device().device, test_device().dtype);
+    let mut cfg = UNet2DConditionConfig::from_file(&fixtures().join("models/sd1/unet/config.json")).unwrap();
+    cfg.block_out_channels = vec![128, 256];
+    UNet2DConditionModel::new(sdhive_models::random_var_builder(dtype, dev), &cfg).unwrap()
 }
 
 /// Deterministic, input-dependent values on `dev`: sin of a scaled index.

@@ -337,8 +337,9 @@ impl ClipTextModel {
         }
         // Read from the caller's ids (a tokenizer's, on the host): reading them back from the device would wait
         // for everything queued before, a running batch's step included.
-        let host_ids: Vec<Vec<u32>> = input_ids.to_dtype(DType::U32).and_then(|t| t.to_vec2()).ctx(MODEL)?;
-        let ids = input_ids.to_device(&self.device).and_then(|t| t.to_dtype(DType::U32)).ctx(MODEL)?;
+        let ids = input_ids.to_dtype(DType::U32).ctx(MODEL)?;
+        let host_ids: Vec<Vec<u32>> = ids.to_vec2().ctx(MODEL)?;
+        let ids = ids.to_device(&self.device).ctx(MODEL)?;
         let extra_rows = match extra {
             Some(e) => {
                 let (rows, width) =

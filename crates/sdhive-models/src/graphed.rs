@@ -38,6 +38,16 @@ pub fn record_batches(images: usize) {
     BATCHES.with(|b| b.set(images.max(1)));
 }
 
+/// The graph memory `device` reserves that a batched step on this thread may count as free: a recorded batch size
+/// replays inside it, and a new size's first call has the idle recordings' share given back ([`Graphs::run`]).
+/// Nothing on a thread that does not record batches, where no such call gives it back.
+pub fn batch_graph_memory(device: &candle_core::Device) -> u64 {
+    if BATCHES.with(Cell::get) <= 1 {
+        return 0;
+    }
+    sdhive_cuda_kernels::graph_memory(device).map_or(0, |(reserved, _, _)| reserved)
+}
+
 /// The largest input batch this thread records for a network, and how many shapes it keeps recorded.
 fn limits(batched: bool) -> (usize, usize) {
     let images = if batched { BATCHES.with(Cell::get) } else { 1 };
@@ -145,17 +155,11 @@ impl<const N: usize> Graphs<N> {
         let key = Key::of(&inputs);
         let mut slots = self.slots.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let Some(at) = slots.iter().position(|(k, _)| *k == key) else {
-            if slots.len() >= kept {
-                let (_, gone) = slots.remove(0);
-                if matches!(gone, Slot::Ready(_)) {
-                    drop(gone);
-                    let _ = sdhive_cuda_kernels::trim_graph_memory(inputs[0].device());
-                }
-            }
-            if largest > GRAPHED_BATCH {
-                // A new batch size runs kernel by kernel from the device's pool once; the physical memory idle
-                // recordings keep goes back to the driver for it (the memory plan counts it as free for batched
-                // steps), and their next replays map it again.
+            let evicted = slots.len() >= kept && matches!(slots.remove(0).1, Slot::Ready(_));
+            // A new batch size runs kernel by kernel from the device's pool once: on a thread that records
+            // batches the physical memory idle recordings keep goes back to the driver for it
+            // ([`batch_graph_memory`]), and their next replays map it again.
+            if evicted || largest > GRAPHED_BATCH {
                 let _ = sdhive_cuda_kernels::trim_graph_memory(inputs[0].device());
             }
             let y = body(inputs)?;

@@ -21,7 +21,7 @@ pub mod vae;
 pub use clip::{ClipActivation, ClipTextConfig, ClipTextModel, ClipTextOutput};
 pub use config::IntOrList;
 pub use error::{ModelError, Result};
-pub use graphed::record_batches;
+pub use graphed::{batch_graph_memory, record_batches};
 pub use loading::{
     find_weight_files, load_component, open_safetensors, random_var_builder, recording_random_var_builder,
     RecordedWeights,

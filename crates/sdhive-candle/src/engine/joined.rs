@@ -239,7 +239,7 @@ impl CandleEngine {
             None => {
                 self.model.set_loras(&req.loras).map_err(|e| lora_error(&e))?;
                 let kept = self.model.loras.kept_bytes();
-                let recorded = sdhive_cuda_kernels::graph_memory(self.model.unet.device()).map_or(0, |m| m.0);
+                let recorded = sdhive_models::batch_graph_memory(self.model.unet.device());
                 let (lanes, plan) = self.memory.batch_plan(size, guided, max_images, (kept, recorded))?;
                 *slicing = super::follow_plan(&plan, size);
                 self.preview.new_job((size.0 as usize, size.1 as usize));
