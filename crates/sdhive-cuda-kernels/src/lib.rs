@@ -51,6 +51,8 @@ mod linear_norm;
 #[cfg(feature = "cuda")]
 mod readback;
 #[cfg(feature = "cuda")]
+mod scores;
+#[cfg(feature = "cuda")]
 mod upscale;
 
 #[cfg(feature = "cuda")]
@@ -712,6 +714,12 @@ pub fn linear_applies(tensors: &[&Tensor]) -> bool {
         let _ = tensors;
         false
     }
+}
+
+/// `scale · q kᵀ` in f32 for f16/bf16 queries `(N, Sq, D)` and keys `(N, Sk, D)`, both contiguous, as one
+/// tensor-core product: the scores an upcast softmax wants, without converting q and k to f32 first.
+pub fn attention_scores(q: &Tensor, k: &Tensor, scale: f64) -> Result<Tensor> {
+    on_cuda!(scores::attention_scores(q, k, scale); q, k, scale)
 }
 
 /// Softmax over the last dimension, accumulated in f32.

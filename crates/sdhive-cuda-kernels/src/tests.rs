@@ -189,6 +189,33 @@ fn softmax_matches_the_reference() {
     }
 }
 
+/// Half queries and keys give the f32 scores of their f32 conversions (the VAE's one head of 512), also for a run
+/// of queries narrowed out of a longer one, as the chunked attention passes them; f32 operands are refused.
+#[test]
+fn attention_scores_match_the_upcast_product() {
+    let dev = gpu();
+    let scale = 512f64.powf(-0.5);
+    for dtype in [DType::F16, DType::BF16] {
+        let q = Tensor::randn(0f32, 1.0, (2, 350, 512), &dev).unwrap().to_dtype(dtype).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (2, 257, 512), &dev).unwrap().to_dtype(dtype).unwrap();
+        let upcast = |q: &Tensor, k: &Tensor| {
+            let q = (q.to_dtype(DType::F32).unwrap() * scale).unwrap();
+            q.matmul(&k.to_dtype(DType::F32).unwrap().t().unwrap()).unwrap()
+        };
+        let ours = attention_scores(&q, &k, scale).unwrap();
+        assert_eq!((ours.dtype(), ours.dims()), (DType::F32, &[2, 350, 257][..]));
+        let d = rel_diff(&ours, &upcast(&q, &k));
+        eprintln!("attention scores {dtype:?}: rel diff {d:.2e}");
+        assert!(d <= 1e-5, "attention scores {dtype:?}: {d}");
+        let (qn, kn) = (q.narrow(0, 1, 1).unwrap().narrow(1, 90, 200).unwrap(), k.narrow(0, 1, 1).unwrap());
+        assert!(qn.is_contiguous());
+        let d = rel_diff(&attention_scores(&qn, &kn, scale).unwrap(), &upcast(&qn, &kn));
+        assert!(d <= 1e-5, "narrowed attention scores {dtype:?}: {d}");
+    }
+    let q = Tensor::zeros((1, 4, 8), DType::F32, &dev).unwrap();
+    assert!(attention_scores(&q, &q, 1.0).is_err());
+}
+
 /// A causal mask's −∞ scores (CLIP's attention) give zero weight, also at the start of a row.
 #[test]
 fn softmax_of_masked_rows() {

@@ -191,11 +191,16 @@ fn attention_block(
 ) -> Result<Tensor> {
     let in_dtype = q.dtype();
     let work_dtype = if upcast { DType::F32 } else { in_dtype };
-    // Scaling q rather than the scores touches Sq·D values instead of Sq·Sk, and keeps half-precision scores
-    // from overflowing before the scale (the usual 1/√64 is a power of two, so this is exact there).
-    let q = (q.to_dtype(work_dtype)? * scale)?;
-    let k = k.to_dtype(work_dtype)?;
-    let scores = q.matmul(&k.t()?)?;
+    let scores = if upcast && matches!(in_dtype, DType::F16 | DType::BF16) && gpu::applies(&[q, k]) {
+        // Half operands, f32 sums and scores: what converting them to f32 first computes, on tensor cores.
+        gpu::attention_scores(q, k, scale)?
+    } else {
+        // Scaling q rather than the scores touches Sq·D values instead of Sq·Sk, and keeps half-precision scores
+        // from overflowing before the scale (the usual 1/√64 is a power of two, so this is exact there).
+        let q = (q.to_dtype(work_dtype)? * scale)?;
+        let k = k.to_dtype(work_dtype)?;
+        q.matmul(&k.t()?)?
+    };
     let scores = match mask {
         Some(m) => scores.broadcast_add(&m.to_dtype(work_dtype)?)?,
         None => scores,
