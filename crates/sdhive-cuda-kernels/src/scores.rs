@@ -42,14 +42,11 @@ impl Scores {
         if ks.dtype() != qs.dtype() {
             bail!("attention scores: queries in {:?}, keys in {:?}", qs.dtype(), ks.dtype());
         }
-        let ty = match qs.dtype() {
-            DType::F16 => sys::cudaDataType::CUDA_R_16F,
-            DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
-            other => bail!("attention scores: {other:?} operands (f16 or bf16 only)"),
-        };
+        let dims = [n_i, sq_i, sk_i, d_i];
         let out = match qs.dtype() {
-            DType::F16 => product::<f16>(q, k, self.scale, ty, [n_i, sq_i, sk_i, d_i])?,
-            _ => product::<bf16>(q, k, self.scale, ty, [n_i, sq_i, sk_i, d_i])?,
+            DType::F16 => product::<f16>(q, k, self.scale, sys::cudaDataType::CUDA_R_16F, dims)?,
+            DType::BF16 => product::<bf16>(q, k, self.scale, sys::cudaDataType::CUDA_R_16BF, dims)?,
+            other => bail!("attention scores: {other:?} operands (f16 or bf16 only)"),
         };
         Ok((out, Shape::from((n, sq, sk))))
     }
